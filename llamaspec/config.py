@@ -1,0 +1,227 @@
+"""Llama configuration: parsed once from a Hugging Face config.json, shared by both models.
+
+Every field that changes the math is either honoured or rejected with an error that
+names it; nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF half-split layout)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    # llama3 and dynamic: the context length the model was trained with
+    original_max_position_embeddings: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per key/value head (GQA group size)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "LlamaConfig":
+        return _parse(d, source)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "LlamaConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: config.json not found")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return _parse(d, str(path))
+
+
+# Fields that do not change the forward math (bookkeeping, training-only, or handled
+# by the caller). Anything not listed here or parsed below is checked in _reject_unknown.
+_HARMLESS = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "initializer_range", "use_cache", "attention_dropout", "_name_or_path",
+    "_model_name_or_path", "unk_token_id", "output_attentions", "output_hidden_states",
+    "return_dict", "tokenizer_class", "chunk_size_feed_forward", "is_encoder_decoder",
+    "id2label", "label2id", "problem_type", "torchscript", "use_return_dict",
+    "is_decoder", "add_cross_attention", "tie_encoder_decoder", "pruned_heads",
+    "task_specific_params", "finetuning_task", "prefix", "sep_token_id",
+    "decoder_start_token_id", "bad_words_ids", "num_beams", "max_length",
+    "min_length", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+    "num_return_sequences", "cross_attention_hidden_size", "tf_legacy_loss",
+    "use_bfloat16", "output_scores", "return_dict_in_generate",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "diversity_penalty", "early_stopping",
+    "encoder_no_repeat_ngram_size", "forced_bos_token_id", "forced_eos_token_id",
+    "length_penalty", "no_repeat_ngram_size", "num_beam_groups", "typical_p",
+    "typical_p", "chat_template",
+}
+
+
+def _parse(d: dict[str, Any], source: str) -> LlamaConfig:
+    def need(key: str, kind=int):
+        if key not in d or d[key] is None:
+            raise ConfigError(f"{source}: required field '{key}' is missing")
+        try:
+            return kind(d[key])
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}: field '{key}' = {d[key]!r} is not a {kind.__name__}") from None
+
+    model_type = d.get("model_type", "llama")
+    if model_type not in ("llama", "smollm", "smollm2"):
+        raise ConfigError(f"{source}: model_type '{model_type}' is not a Llama model")
+
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{source}: hidden_act '{act}' is not supported (only 'silu')")
+    tp = d.get("pretraining_tp", 1)
+    if tp not in (None, 1):
+        raise ConfigError(f"{source}: pretraining_tp={tp} changes the math and is not supported")
+    for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) not in (None, False):
+            raise ConfigError(f"{source}: field '{key}'={d[key]!r} is not supported")
+
+    hidden = need("hidden_size")
+    heads = need("num_attention_heads")
+    kv_heads = int(d.get("num_key_value_heads") or heads)
+    head_dim = int(d.get("head_dim") or 0) or hidden // heads
+    if heads % kv_heads:
+        raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                          f"num_key_value_heads={kv_heads}")
+    if head_dim % 2:
+        raise ConfigError(f"{source}: head_dim={head_dim} must be even for RoPE")
+
+    eps = need("rms_norm_eps", float)
+    if not eps > 0:
+        raise ConfigError(f"{source}: rms_norm_eps={eps} must be positive")
+    max_pos = need("max_position_embeddings")
+
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+
+    _reject_unknown(d, source)
+    cfg = LlamaConfig(
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=need("intermediate_size"),
+        num_hidden_layers=need("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=eps,
+        max_position_embeddings=max_pos,
+        rope=_parse_rope(d, source, max_pos),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=bool(d.get("attention_bias", False)),
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        pad_token_id=d.get("pad_token_id"),
+    )
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "max_position_embeddings"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{source}: field '{name}'={getattr(cfg, name)} must be positive")
+    return cfg
+
+
+_PARSED = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+    "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "bos_token_id",
+    "eos_token_id", "pad_token_id", "hidden_act", "pretraining_tp", "sliding_window",
+    "attn_logit_softcapping", "final_logit_softcapping", "quantization_config",
+}
+
+
+def _reject_unknown(d: dict[str, Any], source: str) -> None:
+    if d.get("quantization_config"):
+        raise ConfigError(f"{source}: 'quantization_config' is set; dequantize the "
+                          "checkpoint first (weights must be plain fp32/bf16/fp16)")
+    unknown = sorted(k for k in d if k not in _PARSED and k not in _HARMLESS)
+    if unknown:
+        raise ConfigError(f"{source}: unsupported config field(s) {unknown}: they may change "
+                          "the math and llama-parity does not implement them")
+
+
+def _parse_rope(d: dict[str, Any], source: str, max_pos: int) -> RopeConfig:
+    # transformers 5 puts everything in rope_parameters; 4.x used rope_theta + rope_scaling.
+    params = dict(d.get("rope_parameters") or {})
+    scaling = d.get("rope_scaling")
+    if scaling and params and any(params.get(k) != v for k, v in scaling.items()
+                                  if k in params):
+        raise ConfigError(f"{source}: rope_scaling and rope_parameters disagree: "
+                          f"{scaling} vs {params}")
+    merged = {**(scaling or {}), **params}
+    theta = float(merged.get("rope_theta", d.get("rope_theta", 10000.0)))
+    rtype = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rtype not in ROPE_TYPES:
+        raise ConfigError(f"{source}: rope type '{rtype}' is not supported "
+                          f"(supported: {', '.join(ROPE_TYPES)})")
+    known = {"rope_theta", "rope_type", "type", "factor", "low_freq_factor",
+             "high_freq_factor", "original_max_position_embeddings", "partial_rotary_factor"}
+    extra = sorted(set(merged) - known)
+    if extra:
+        raise ConfigError(f"{source}: unsupported rope parameter(s) {extra} for type '{rtype}'")
+    if merged.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{source}: partial_rotary_factor="
+                          f"{merged['partial_rotary_factor']} is not supported")
+    if not (theta > 0 and math.isfinite(theta)):
+        raise ConfigError(f"{source}: rope_theta={theta} must be a positive number")
+
+    factor = float(merged.get("factor", 1.0))
+    if rtype != "default" and "factor" not in merged:
+        raise ConfigError(f"{source}: rope type '{rtype}' needs 'factor'")
+    if rtype != "default" and not factor > 0:
+        raise ConfigError(f"{source}: rope factor={factor} must be positive")
+    orig = merged.get("original_max_position_embeddings")
+    if rtype == "llama3" and orig is None:
+        raise ConfigError(f"{source}: rope type 'llama3' needs 'original_max_position_embeddings'")
+    if rtype == "dynamic":
+        orig = max_pos  # transformers scales against max_position_embeddings itself
+    return RopeConfig(
+        theta=theta,
+        type=rtype,
+        factor=factor if rtype != "default" else 1.0,
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=None if orig is None else int(orig),
+    )

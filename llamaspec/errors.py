@@ -1,0 +1,21 @@
+"""Error types. Each message names the file, tensor key, shape or field that is wrong."""
+
+
+class LlamaParityError(Exception):
+    """Base class for every error this project raises on bad input."""
+
+
+class ConfigError(LlamaParityError, ValueError):
+    """config.json is missing, malformed, or asks for math we do not implement."""
+
+
+class CheckpointError(LlamaParityError, ValueError):
+    """Safetensors files are missing, corrupt, or hold the wrong tensors."""
+
+
+class InputError(LlamaParityError, ValueError):
+    """Token ids, masks, lengths or prompts that a model cannot run."""
+
+
+class PolicyError(LlamaParityError, ValueError):
+    """An unknown precision preset or knob value."""

@@ -1,0 +1,85 @@
+"""Checks and derived arrays for model inputs, identical for both frameworks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import LlamaConfig
+from .errors import InputError
+
+
+def max_length(cfg: LlamaConfig) -> int:
+    """Longest sequence a model accepts. Dynamic NTK RoPE exists to run past the trained
+    length, so it may go up to factor x max_position_embeddings."""
+    if cfg.rope.type == "dynamic":
+        return int(cfg.max_position_embeddings * cfg.rope.factor)
+    return cfg.max_position_embeddings
+
+
+def check_tokens(cfg: LlamaConfig, tokens, attention_mask=None, extra_length: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Validates [B, T] token ids and a 0/1 mask; returns them as int64 / int32 numpy.
+
+    extra_length: tokens that generation will append, counted against the limit.
+    """
+    ids = np.asarray(tokens)
+    if ids.ndim == 1:
+        raise InputError(f"tokens must be [batch, seq], got a 1-D array of shape {ids.shape}; "
+                         "wrap a single sequence as tokens[None]")
+    if ids.ndim != 2:
+        raise InputError(f"tokens must be [batch, seq], got shape {ids.shape}")
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise InputError(f"empty input: tokens have shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"tokens must be integer ids, got dtype {ids.dtype}")
+    if attention_mask is None:
+        mask = np.ones(ids.shape, np.int32)
+    else:
+        mask = np.asarray(attention_mask)
+        if mask.shape != ids.shape:
+            raise InputError(f"attention_mask shape {mask.shape} != tokens shape {ids.shape}")
+        if not np.isin(mask, (0, 1)).all():
+            raise InputError("attention_mask must hold only 0 and 1")
+        mask = mask.astype(np.int32)
+    real = mask.astype(bool)
+    bad = real & ((ids < 0) | (ids >= cfg.vocab_size))
+    if bad.any():
+        b, t = map(int, np.argwhere(bad)[0])
+        raise InputError(f"token id {int(ids[b, t])} at [{b}, {t}] is outside the vocabulary "
+                         f"(vocab_size={cfg.vocab_size}); {int(bad.sum())} such id(s)")
+    limit = max_length(cfg)
+    longest = int(mask.sum(1).max()) + extra_length
+    if longest > limit:
+        what = f" including {extra_length} new tokens" if extra_length else ""
+        raise InputError(f"sequence of {longest} tokens{what} is longer than "
+                         f"max_position_embeddings={cfg.max_position_embeddings}"
+                         + (f" x rope factor {cfg.rope.factor}" if limit != cfg.max_position_embeddings else ""))
+    # Padding ids may be anything (e.g. -1); models never read them, but embedding
+    # lookups still happen, so clamp them to a valid id.
+    ids = np.where(real, ids, 0).astype(np.int64)
+    return ids, mask
+
+
+def positions_from_mask(mask: np.ndarray) -> np.ndarray:
+    """Position of each token = number of real tokens before it (0 on padding slots).
+
+    Works for left, right and interior padding alike.
+    """
+    return np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+
+
+def left_align(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Moves every row's real tokens to the right end (left padding), keeping order.
+
+    Generation appends at the same slot for every row, which needs left alignment.
+    """
+    out_ids = np.zeros_like(ids)
+    out_mask = np.zeros_like(mask)
+    T = ids.shape[1]
+    for b in range(ids.shape[0]):
+        real = ids[b][mask[b].astype(bool)]
+        n = len(real)
+        if n:
+            out_ids[b, T - n:] = real
+            out_mask[b, T - n:] = 1
+    return out_ids, out_mask

@@ -1,0 +1,78 @@
+"""Tap names: the shared vocabulary of intermediate activations.
+
+Both models (and the transformers adapter) expose activations under these names,
+in this execution order. Shapes are [B, T, ...]: per-head taps (q, k, v, q_rope,
+k_rope) are [B, T, heads, head_dim]; attn_ctx is [B, T, heads * head_dim].
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+LAYER_TAPS = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "attn_ctx", "attn_out",
+              "resid_mid", "mlp_norm", "gate", "up", "act", "mlp_out", "out")
+
+COMPONENTS = ("embed", "attn_norm", "attn", "mlp_norm", "mlp", "final_norm", "lm_head")
+
+_COMPONENT_OF_LAYER_TAP = {
+    "attn_norm": "attn_norm", "q": "attn", "k": "attn", "v": "attn", "q_rope": "attn",
+    "k_rope": "attn", "attn_ctx": "attn", "attn_out": "attn", "resid_mid": "attn",
+    "mlp_norm": "mlp_norm", "gate": "mlp", "up": "mlp", "act": "mlp", "mlp_out": "mlp",
+    "out": "mlp",
+}
+
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.([a-z_]+)$")
+
+
+def all_taps(num_layers: int) -> list[str]:
+    """Every tap name of a model with this many layers, in execution order."""
+    names = ["embed"]
+    for i in range(num_layers):
+        names += [f"layers.{i}.{t}" for t in LAYER_TAPS]
+    return names + ["final_norm", "logits"]
+
+
+def parse(tap: str) -> tuple[int | None, str]:
+    """'layers.3.q' -> (3, 'q'); 'embed' -> (None, 'embed')."""
+    m = _LAYER_RE.match(tap)
+    if m:
+        return int(m.group(1)), m.group(2)
+    return None, tap
+
+
+def layer_of(tap: str) -> int | None:
+    return parse(tap)[0]
+
+
+def component_of(tap: str) -> str:
+    layer, name = parse(tap)
+    if layer is None:
+        return {"embed": "embed", "final_norm": "final_norm", "logits": "lm_head"}[name]
+    return _COMPONENT_OF_LAYER_TAP[name]
+
+
+def order_key(tap: str, num_layers: int) -> int:
+    return all_taps(num_layers).index(tap)
+
+
+def resolve(requested, num_layers: int) -> tuple[str, ...]:
+    """Expands names and glob patterns ('layers.*.out', '*') into concrete tap names.
+
+    Unknown names are an error that lists what exists: a typo must not silently
+    capture nothing.
+    """
+    if requested is None:
+        return ()
+    if isinstance(requested, str):
+        requested = [requested]
+    names = all_taps(num_layers)
+    out: list[str] = []
+    for pattern in requested:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise KeyError(f"unknown tap '{pattern}' for a {num_layers}-layer model; taps are "
+                           f"embed, layers.<0..{num_layers - 1}>.{{{','.join(LAYER_TAPS)}}}, "
+                           "final_norm, logits")
+        out += [h for h in hits if h not in out]
+    return tuple(sorted(out, key=names.index))

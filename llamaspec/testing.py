@@ -1,0 +1,82 @@
+"""Tiny random Llama checkpoints for tests: written to a folder in HF layout, in seconds."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from .checkpoint import expected_shapes
+from .config import LlamaConfig
+
+_NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+          np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float64): "F64"}
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+            max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, model_type="llama",
+            hidden_act="silu")
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata=None) -> None:
+    header, offset, blobs = {}, 0, []
+    for key, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        raw = arr.tobytes()
+        header[key] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape),
+                       "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    if metadata:
+        header["__metadata__"] = metadata
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h)
+        for raw in blobs:
+            f.write(raw)
+
+
+def make_checkpoint(folder, dtype="float32", seed=0, shards=1, scale=0.5,
+                    **config) -> Path:
+    """Writes config.json and random weights; config keys override TINY.
+
+    Norm weights are drawn around 1 and projections with std scale/sqrt(fan_in) so
+    activations stay O(1) through the layers, as in a trained model.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg_dict = {**TINY, **config}
+    cfg_dict = {k: v for k, v in cfg_dict.items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(cfg_dict, indent=1))
+    cfg = LlamaConfig.from_dict(cfg_dict)
+    rng = np.random.default_rng(seed)
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    tensors = {}
+    for key, shape in expected_shapes(cfg).items():
+        if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
+            w = 1.0 + 0.2 * rng.standard_normal(shape)
+        elif key.endswith(".bias"):
+            w = 0.1 * rng.standard_normal(shape)
+        elif "embed" in key:
+            w = rng.standard_normal(shape)
+        else:
+            w = scale * rng.standard_normal(shape) / np.sqrt(shape[-1])
+        tensors[key] = w.astype(np_dtype)
+    keys = list(tensors)
+    if shards == 1:
+        write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})
+    else:
+        weight_map = {}
+        for s in range(shards):
+            name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {k: tensors[k] for k in keys[s::shards]}
+            write_safetensors(folder / name, part, {"format": "pt"})
+            weight_map.update({k: name for k in part})
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    return folder
