@@ -225,6 +225,9 @@ def _config_dict(model) -> dict:
     # the name fields would only record our temporary folder.
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         config.pop(key, None)
+    # The GGUF path leaves `architectures` empty; HF folders normally name the class.
+    if not config.get("architectures"):
+        config["architectures"] = [type(model).__name__]
     return config
 
 

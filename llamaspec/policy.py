@@ -35,6 +35,7 @@ from .errors import PolicyError
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 MATMUL = ("ieee", "tf32")
+_WIDTH = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,10 @@ class Policy:
             v = getattr(self, f.name)
             if f.name.endswith("_dtype") and v not in DTYPES:
                 raise PolicyError(f"policy '{self.name}': {f.name}={v!r} is not one of {DTYPES}")
+        if _WIDTH[self.accum_dtype] < _WIDTH[self.compute_dtype]:
+            raise PolicyError(f"policy '{self.name}': accum_dtype={self.accum_dtype} is narrower "
+                              f"than compute_dtype={self.compute_dtype}; low-precision "
+                              "accumulation is not something either framework exposes")
         if self.matmul not in MATMUL:
             raise PolicyError(f"policy '{self.name}': matmul={self.matmul!r} is not one of {MATMUL}")
 

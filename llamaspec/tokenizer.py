@@ -1,0 +1,305 @@
+"""Framework-neutral text I/O: a Hugging Face ``tokenizer.json`` plus its chat template.
+
+Both model implementations and the comparison engine need the same token ids
+for the same prompt, so tokenization lives here, on top of the ``tokenizers``
+library and ``jinja2`` only (no transformers, no torch, no jax). Chat templates
+are rendered the way transformers renders them (same jinja settings, same
+helper functions, same variables), so ids match ``AutoTokenizer`` exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
+
+
+class Tokenizer:
+    """Encode/decode text and render chat prompts for one checkpoint."""
+
+    def __init__(
+        self,
+        backend,
+        *,
+        special_tokens: dict[str, str | None] | None = None,
+        eos_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+        source: str | None = None,
+    ):
+        """``backend`` is a ``tokenizers.Tokenizer``; ``special_tokens`` maps
+        'bos'/'eos'/'pad'/'unk' to token strings (None when the checkpoint has none)."""
+        self.backend = backend
+        self.special_tokens = {role: (special_tokens or {}).get(role) for role in SPECIAL_ROLES}
+        self.chat_template = chat_template
+        self.source = source
+        ids = {role: self._id_of(token, role) for role, token in self.special_tokens.items()}
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = (ids[r] for r in SPECIAL_ROLES)
+        # Every id that ends generation: the tokenizer's eos plus any the model config lists.
+        merged = ([self.eos_id] if self.eos_id is not None else []) + [int(i) for i in eos_ids]
+        self.eos_ids = tuple(dict.fromkeys(merged))
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> "Tokenizer":
+        """Load ``<folder>/tokenizer.json`` and whatever metadata sits next to it."""
+        from tokenizers import Tokenizer as Backend
+
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer in {folder}: {path} does not exist")
+        backend = Backend.from_file(str(path))
+
+        tok_config = _read_json(folder / "tokenizer_config.json")
+        special_map = _read_json(folder / "special_tokens_map.json")
+        model_config = _read_json(folder / "config.json")
+        generation_config = _read_json(folder / "generation_config.json")
+
+        special: dict[str, str | None] = {}
+        config_eos: list[int] = []
+        for role in SPECIAL_ROLES:
+            special[role] = _token_string(tok_config, special_map, role, folder)
+            for config in (model_config, generation_config):
+                ids = _id_list(config.get(f"{role}_token_id"))
+                if role == "eos":
+                    config_eos += ids
+                if special[role] is None and ids:
+                    # Only a model config knows this token: take its string from the vocab.
+                    special[role] = backend.id_to_token(ids[0])
+                    if special[role] is None:
+                        raise ValueError(f"{folder}: {role}_token_id {ids[0]} is outside the vocabulary")
+        return cls(
+            backend,
+            special_tokens=special,
+            eos_ids=config_eos,
+            chat_template=_chat_template(folder, tok_config),
+            source=str(folder),
+        )
+
+    def _id_of(self, token: str | None, role: str) -> int | None:
+        if token is None:
+            return None
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{self.source or 'tokenizer'}: {role}_token {token!r} is not in the vocabulary")
+        return token_id
+
+    # ------------------------------------------------------------------ basic I/O
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        flat = np.asarray(list(ids) if not hasattr(ids, "shape") else ids, dtype=np.int64)
+        if flat.ndim != 1:
+            raise ValueError(f"decode() takes one sequence of ids, got shape {flat.shape}; decode rows one by one")
+        return self.backend.decode(flat.tolist(), skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the checkpoint's template, as transformers would."""
+        if not self.chat_template:
+            raise ValueError(f"{self.source or 'this tokenizer'} has no chat template")
+        if not messages:
+            raise ValueError("apply_chat_template needs at least one message")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        # transformers drops None-valued keys before rendering; templates test
+        # for key presence, so doing the same keeps the text identical.
+        cleaned = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        # Like transformers, expose only the special tokens that exist.
+        tokens = {f"{role}_token": tok for role, tok in self.special_tokens.items() if tok is not None}
+        return _compile(self.chat_template).render(
+            messages=cleaned,
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            documents=None,
+            **tokens,
+        )
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A plain (non-chat) prompt: special tokens added as tokenizer.json says (e.g. BOS)."""
+        _reject_empty(text)
+        ids = self.encode(text, add_special_tokens=True)
+        if not ids:
+            raise ValueError(f"empty prompt: {text!r} encodes to zero tokens")
+        return ids
+
+    def encode_chat(self, user_text: str, system: str | None = None) -> list[int]:
+        """One user turn (optionally after a system message), ready for generation.
+
+        Uses the chat template when the checkpoint has one; otherwise the text is
+        encoded as a plain prompt, with ``system`` (if any) as a leading paragraph.
+        """
+        _reject_empty(user_text)
+        if not self.chat_template:
+            return self.encode_prompt(user_text if system is None else f"{system}\n\n{user_text}")
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages.append({"role": "user", "content": user_text})
+        # The template already writes the special tokens, so none are added on top
+        # (transformers' apply_chat_template(tokenize=True) does the same).
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    # ------------------------------------------------------------------ batches
+
+    def batch_encode(
+        self,
+        texts: Sequence[str],
+        chat: bool = True,
+        padding_side: str = "left",
+        pad_id: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Encode and pad to the longest prompt: (ids int64 [B, T], mask int64 [B, T]).
+
+        Left padding is the default because generation appends on the right.
+        Padded positions get mask 0 and ``pad_id`` (default: the checkpoint's
+        pad token, else eos, else 0; the value should not matter to a model
+        that honours the mask).
+        """
+        if isinstance(texts, str):
+            raise TypeError("batch_encode takes a list of prompts, not one string")
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        texts = list(texts)
+        if not texts:
+            raise ValueError("batch_encode needs at least one prompt")
+        rows = [self.encode_chat(t) if chat else self.encode_prompt(t) for t in texts]
+        fill = self._pad_value(pad_id)
+        width = max(len(r) for r in rows)
+        ids = np.full((len(rows), width), fill, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for b, row in enumerate(rows):
+            span = slice(width - len(row), width) if padding_side == "left" else slice(0, len(row))
+            ids[b, span] = row
+            mask[b, span] = 1
+        return ids, mask
+
+    def _pad_value(self, pad_id: int | None) -> int:
+        for candidate in (pad_id, self.pad_id, self.eos_id):
+            if candidate is not None:
+                return int(candidate)
+        return 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(source={self.source!r}, vocab={self.vocab_size}, bos={self.bos_id}, "
+            f"eos={self.eos_id}, pad={self.pad_id}, chat_template={self.has_chat_template})"
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _reject_empty(text: str) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"a prompt must be a str, got {type(text).__name__}")
+    if text == "":
+        raise ValueError("empty prompt: the prompt text is an empty string")
+
+
+def _read_json(path: Path) -> dict:
+    """The file's JSON object, or {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_string(tok_config: dict, special_map: dict, role: str, folder: Path) -> str | None:
+    """``<role>_token`` from tokenizer_config.json or special_tokens_map.json.
+
+    Values are either plain strings or serialized AddedToken dicts ({"content": ...}).
+    """
+    for name, source in (("tokenizer_config.json", tok_config), ("special_tokens_map.json", special_map)):
+        value = source.get(f"{role}_token")
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            value = value.get("content")
+        if not isinstance(value, str):
+            raise ValueError(f"{folder / name}: field {role}_token should be a string or {{'content': str}}")
+        return value
+    return None
+
+
+def _id_list(value: Any) -> list[int]:
+    # Configs store one id, a list of ids (several eos tokens), or null.
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _chat_template(folder: Path, tok_config: dict) -> str | None:
+    """chat_template.jinja wins (transformers loads it over the config field), then
+    tokenizer_config.json's chat_template (a string, or a list of named templates)."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = tok_config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template or None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" in named:
+            return named["default"]
+        raise ValueError(
+            f"{folder / 'tokenizer_config.json'}: chat_template lists templates {sorted(map(str, named))} "
+            "but none is named 'default'"
+        )
+    raise ValueError(f"{folder / 'tokenizer_config.json'}: chat_template should be a string or a list")
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compile(template: str):
+    """Compile a chat template in a sandbox, with the helpers transformers provides."""
+    if template in _COMPILED:
+        return _COMPILED[template]
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters, which would change the prompt text.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    # Templates are untrusted code from model repositories: the immutable sandbox
+    # stops them from touching Python internals or mutating our objects.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    compiled = env.from_string(template)
+    _COMPILED[template] = compiled
+    return compiled

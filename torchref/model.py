@@ -1,0 +1,283 @@
+"""A plain PyTorch Llama: the reference implementation.
+
+Module and parameter names mirror Hugging Face's, so `state_dict()` keys are the
+checkpoint keys and loading is one-to-one. The math lives in ops.py; modules only
+hold weights and wire ops together. Every step follows the precision policy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from llamaspec import (LlamaConfig, Policy, Sampling, check_tokens, generate as run_generation,
+                       load_weights, positions_from_mask, taps as tapnames)
+
+from . import ops
+from .dtypes import dt, from_numpy, matmul_settings, to_numpy
+
+
+class Recorder:
+    """Collects the requested taps; asking for none costs one set lookup per tap."""
+
+    def __init__(self, wanted=()):
+        self.wanted = set(wanted)
+        self.acts: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, x: torch.Tensor) -> None:
+        if name in self.wanted:
+            self.acts[name] = x
+
+
+def _weight(*shape) -> nn.Parameter:
+    # Shape-only placeholder: real tensors are installed by LlamaModel.load_numpy.
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, n_in: int, n_out: int, bias: bool):
+        super().__init__()
+        self.weight = _weight(n_out, n_in)
+        self.bias = _weight(n_out) if bias else None
+
+    def forward(self, x, policy: Policy, out_dtype: str | None = None):
+        return ops.linear(x, self.weight, self.bias, policy, out_dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = _weight(dim)
+        self.eps = eps
+
+    def forward(self, x, policy: Policy):
+        return ops.rms_norm(x, self.weight, self.eps, policy)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        d, hd, b = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = Linear(d, self.n_heads * hd, b)
+        self.k_proj = Linear(d, self.n_kv * hd, b)
+        self.v_proj = Linear(d, self.n_kv * hd, b)
+        self.o_proj = Linear(self.n_heads * hd, d, b)
+
+    def forward(self, x, cos, sin, allowed, policy, rec, p, kv=None, index=0):
+        B, T, _ = x.shape
+        q = self.q_proj(x, policy).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x, policy).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x, policy).view(B, T, self.n_kv, self.head_dim)
+        rec(p + "q", q), rec(p + "k", k), rec(p + "v", v)
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        rec(p + "q_rope", q), rec(p + "k_rope", k)
+        if kv is not None:  # write this call's keys/values into their cache slots
+            kv[0][:, index:index + T] = k
+            kv[1][:, index:index + T] = v
+            k, v = kv
+        ctx = ops.attention(q, k, v, allowed, policy).reshape(B, T, -1)
+        rec(p + "attn_ctx", ctx)
+        return self.o_proj(ctx, policy)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj, self.up_proj, self.down_proj = Linear(d, f, b), Linear(d, f, b), Linear(f, d, b)
+
+    def forward(self, x, policy, rec, p):
+        gate, up = self.gate_proj(x, policy), self.up_proj(x, policy)
+        act = ops.silu(gate) * up
+        rec(p + "gate", gate), rec(p + "up", up), rec(p + "act", act)
+        return self.down_proj(act, policy)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, allowed, policy, rec, p, kv=None, index=0):
+        residual = dt(policy.residual_dtype)
+        x = self.input_layernorm(h, policy)
+        rec(p + "attn_norm", x)
+        a = self.self_attn(x, cos, sin, allowed, policy, rec, p, kv, index)
+        rec(p + "attn_out", a)
+        h = h + a.to(residual)
+        rec(p + "resid_mid", h)
+        x = self.post_attention_layernorm(h, policy)
+        rec(p + "mlp_norm", x)
+        m = self.mlp(x, policy, rec, p)
+        rec(p + "mlp_out", m)
+        h = h + m.to(residual)
+        rec(p + "out", h)
+        return h
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.weight = _weight(vocab, dim)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    """Llama for causal LM. Call it on [B, T] token ids; see DESIGN.md for the API."""
+
+    def __init__(self, cfg: LlamaConfig, policy: Policy, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.cfg, self.policy, self.device = cfg, policy, torch.device(device)
+        self.model = Backbone(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
+
+    # ----- loading -------------------------------------------------------------------
+
+    def load_numpy(self, weights: dict[str, np.ndarray]) -> "LlamaModel":
+        """Rounds each checkpoint tensor to param_dtype and installs it under its HF key.
+
+        When compute_dtype is wider than param_dtype (bf16w-f32) the rounded weights are
+        kept widened, once, rather than on every matmul: identical values, less work.
+        """
+        params = dict(self.named_parameters())
+        if set(params) != set(weights):
+            raise KeyError(f"weights do not match the model: missing {sorted(set(params) - set(weights))}, "
+                           f"unexpected {sorted(set(weights) - set(params))}")
+        store = dt(self.policy.param_dtype)
+        keep = dt(self.policy.compute_dtype) if torch.finfo(dt(self.policy.compute_dtype)).bits > \
+            torch.finfo(store).bits else store
+        for key, arr in weights.items():
+            t = from_numpy(arr).to(store).to(keep).to(self.device)
+            if tuple(t.shape) != tuple(params[key].shape):
+                raise ValueError(f"{key}: shape {tuple(t.shape)} != model's {tuple(params[key].shape)}")
+            owner, _, name = key.rpartition(".")
+            self.get_submodule(owner)._parameters[name] = nn.Parameter(t, requires_grad=False)
+        return self
+
+    # ----- forward -------------------------------------------------------------------
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def _rope(self, positions: torch.Tensor):
+        cfg, rope_dtype = self.cfg, dt(self.policy.rope_dtype)
+        seq_len = int(positions.max()) + 1
+        inv_freq = ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
+                                     seq_len, rope_dtype).to(self.device)
+        return ops.rope_cos_sin(inv_freq, positions, rope_dtype)
+
+    def _run(self, ids, positions, allowed, rec, cache=None, index=0, last_only=False):
+        """Embedding -> blocks -> final norm -> lm_head, recording taps on the way."""
+        policy = self.policy
+        h = self.model.embed_tokens.weight[ids].to(dt(policy.residual_dtype))
+        rec("embed", h)
+        cos, sin = self._rope(positions)
+        for i, block in enumerate(self.model.layers):
+            kv = None if cache is None else (cache["k"][i], cache["v"][i])
+            h = block(h, cos, sin, allowed, policy, rec, f"layers.{i}.", kv, index)
+        x = self.model.norm(h, policy)
+        rec("final_norm", x)
+        if last_only:
+            x = x[:, -1:]
+        logits = ops.linear(x, self._lm_head_weight(), None, policy, policy.logits_dtype)
+        rec("logits", logits)
+        return logits
+
+    def _inputs(self, tokens, attention_mask, extra_length=0):
+        ids, mask = check_tokens(self.cfg, tokens, attention_mask, extra_length)
+        pos = positions_from_mask(mask)
+        return (torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device),
+                torch.from_numpy(pos).long().to(self.device))
+
+    @staticmethod
+    def _causal(mask: torch.Tensor, n_queries: int, first_query_slot: int = 0) -> torch.Tensor:
+        """allowed[b, t, s]: slot s holds a real token and is not after query slot t."""
+        S = mask.shape[1]
+        q_slot = torch.arange(first_query_slot, first_query_slot + n_queries, device=mask.device)
+        return mask.bool()[:, None, :] & (torch.arange(S, device=mask.device)[None, :] <= q_slot[:, None])
+
+    @torch.inference_mode()
+    def forward(self, tokens, attention_mask=None) -> torch.Tensor:
+        """Logits [B, T, V] in the policy's logits dtype."""
+        ids, mask, pos = self._inputs(tokens, attention_mask)
+        with matmul_settings(self.policy):
+            return self._run(ids, pos, self._causal(mask, ids.shape[1]), Recorder())
+
+    @torch.inference_mode()
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",)):
+        """(logits, {tap: activation}) as numpy arrays in the dtypes they were computed in."""
+        wanted = tapnames.resolve(taps, self.cfg.num_hidden_layers)
+        ids, mask, pos = self._inputs(tokens, attention_mask)
+        rec = Recorder(wanted)
+        with matmul_settings(self.policy):
+            logits = self._run(ids, pos, self._causal(mask, ids.shape[1]), rec)
+        return to_numpy(logits), {k: to_numpy(rec.acts[k]) for k in wanted}
+
+    # ----- generation ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, ids: np.ndarray, mask: np.ndarray, total_len: int):
+        """Runs the left-aligned prompt, filling a cache of total_len slots."""
+        B, T = ids.shape
+        cfg, compute = self.cfg, dt(self.policy.compute_dtype)
+        shape = (B, total_len, cfg.num_key_value_heads, cfg.head_dim)
+        cache = {"k": [torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)],
+                 "v": [torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)],
+                 "mask": torch.zeros((B, total_len), dtype=torch.int32, device=self.device),
+                 "next_pos": torch.from_numpy(mask.sum(1).astype(np.int64)).to(self.device),
+                 "index": T}
+        cache["mask"][:, :T] = torch.from_numpy(mask).to(self.device)
+        pos = torch.from_numpy(positions_from_mask(mask)).long().to(self.device)
+        with matmul_settings(self.policy):
+            logits = self._run(torch.from_numpy(ids).to(self.device), pos,
+                               self._causal(cache["mask"], T), Recorder(), cache, 0, last_only=True)
+        return to_numpy(logits[:, -1].float()), cache
+
+    @torch.inference_mode()
+    def decode(self, cache, next_ids: np.ndarray):
+        """One token per row at slot cache['index']; returns (logits [B, V], cache)."""
+        i = cache["index"]
+        if i >= cache["mask"].shape[1]:
+            raise IndexError(f"KV cache full ({i} slots)")
+        cache["mask"][:, i] = 1
+        ids = torch.from_numpy(np.asarray(next_ids, np.int64)).to(self.device)[:, None]
+        pos = cache["next_pos"][:, None]
+        with matmul_settings(self.policy):
+            logits = self._run(ids, pos, self._causal(cache["mask"], 1, i), Recorder(), cache, i)
+        cache["index"] = i + 1
+        cache["next_pos"] = cache["next_pos"] + 1
+        return to_numpy(logits[:, -1].float()), cache
+
+    def generate(self, tokens, attention_mask=None, max_new_tokens: int = 32, do_sample=False,
+                 temperature=1.0, top_k=None, top_p=None, seed=0, eos_token_ids=None,
+                 pad_token_id=None) -> np.ndarray:
+        """New token ids [B, N] (greedy unless do_sample); stops when every row hit EOS."""
+        sampling = Sampling(do_sample, temperature, top_k, top_p, seed)
+        return run_generation(self.cfg, self.prefill, self.decode, tokens, attention_mask,
+                              max_new_tokens, eos_token_ids, pad_token_id, sampling)
+
+
+def from_pretrained(path: str | Path, policy: str | Policy = "fp32", batch_invariant: bool = False,
+                    device: str | None = None, check_finite: bool = True) -> LlamaModel:
+    """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy."""
+    if batch_invariant:
+        raise NotImplementedError("batch_invariant=True is not implemented yet in torchref "
+                                  "(it comes with the invariance lab)")
+    policy = Policy.get(policy)
+    cfg, weights = load_weights(path, check_finite=check_finite)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return LlamaModel(cfg, policy, device).load_numpy(weights).eval()

@@ -1,0 +1,139 @@
+"""The Llama ops as small pure functions, each following the policy's dtypes exactly.
+
+jaxmodel/ops.py has the same functions with the same names; the two files differ only
+in the framework. Numerics follow transformers' LlamaForCausalLM (eager attention):
+RoPE half-split layout, scores = (q @ k^T) * scale, mask then softmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llamaspec import Policy, RopeConfig
+
+from .dtypes import dt
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, policy: Policy) -> torch.Tensor:
+    compute = dt(policy.compute_dtype)
+    h = x.to(dt(policy.norm_dtype))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if policy.norm_cast_before_weight:
+        # HF: round the normalised x back to the input dtype, then scale.
+        return weight.to(compute) * h.to(x.dtype).to(compute)
+    return (weight.to(h.dtype) * h).to(compute)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
+                  seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], computed in `dtype` with transformers' formulas."""
+    base = rope.theta
+    if rope.type == "dynamic":
+        # NTK-aware scaling grows the base once the sequence exceeds the trained length.
+        seq_len = max(seq_len, max_position_embeddings)
+        base = base * ((rope.factor * seq_len / max_position_embeddings)
+                       - (rope.factor - 1)) ** (head_dim / (head_dim - 2))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim
+    inv_freq = 1.0 / (base ** exponents)
+    if rope.type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Low frequencies (long wavelengths) are divided by factor, high ones kept, and
+    # the band in between interpolated smoothly (Llama 3.1).
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, head_dim] for integer positions [B, T], computed in `dtype`."""
+    angles = positions.to(dtype)[..., None] * inv_freq.to(dtype)
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D]; the tables are rounded to x's dtype first, as HF does."""
+    cos = cos.to(x.dtype)[:, :, None, :]
+    sin = sin.to(x.dtype)[:, :, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Policy,
+           out_dtype: str | None = None) -> torch.Tensor:
+    """x @ w.T + b, accumulated in accum_dtype and rounded once to out_dtype."""
+    compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
+    out = dt(out_dtype or policy.compute_dtype)
+    if _native(compute, accum, out):
+        y = torch.nn.functional.linear(x.to(compute), w.to(compute),
+                                       None if b is None else b.to(compute))
+    else:
+        y = torch.nn.functional.linear(x.to(accum), w.to(accum), None if b is None else b.to(accum))
+    return y.to(out)
+
+
+def _native(compute: torch.dtype, accum: torch.dtype, out: torch.dtype) -> bool:
+    """Whether torch's own kernel for `compute` inputs realises this accumulation.
+
+    Same dtype: trivially. bf16/fp16 inputs with an f32 accumulator and a result
+    rounded back to bf16/fp16: that is what torch's CPU and CUDA kernels do (and
+    matmul_settings forbids cuBLAS' reduced-precision reductions). Any other case
+    (f32 logits from bf16 inputs, f32 inputs with f64 accumulation) upcasts the
+    inputs instead: their products are exact in the wider type, so the upcast matmul
+    *is* "narrow in, wide accumulate", without an extra rounding.
+    """
+    if accum == compute:
+        return True
+    return compute in (torch.bfloat16, torch.float16) and accum == torch.float32 and out == compute
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+              policy: Policy) -> torch.Tensor:
+    """Causal GQA attention. q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S].
+
+    Query head h reads kv head h // G (HF's repeat_kv order), done by reshaping q into
+    [B, Hkv, G, T, D] instead of repeating K and V. Masked scores get the dtype's
+    most negative finite value, so a row with nothing allowed (padding) gives a
+    uniform average instead of NaN.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    compute, soft = dt(policy.compute_dtype), dt(policy.softmax_dtype)
+    qg = q.reshape(B, T, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)   # [B, Hkv, G, T, D]
+    kt = k.permute(0, 2, 3, 1)[:, :, None]                             # [B, Hkv, 1, D, S]
+    vg = v.permute(0, 2, 1, 3)[:, :, None]                             # [B, Hkv, 1, S, D]
+    scores = _matmul(qg, kt, policy) * (D ** -0.5)
+    scores = scores.to(soft).masked_fill(~allowed[:, None, None], torch.finfo(soft).min)
+    probs = torch.softmax(scores, dim=-1).to(compute)
+    ctx = _matmul(probs, vg, policy)                                   # [B, Hkv, G, T, D]
+    return ctx.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, policy: Policy) -> torch.Tensor:
+    compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
+    if _native(compute, accum, compute):
+        return torch.matmul(a.to(compute), b.to(compute))
+    return torch.matmul(a.to(accum), b.to(accum)).to(compute)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x)
