@@ -16,6 +16,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .errors import InputError
+
 SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
 
 
@@ -140,7 +142,7 @@ class Tokenizer:
         _reject_empty(text)
         ids = self.encode(text, add_special_tokens=True)
         if not ids:
-            raise ValueError(f"empty prompt: {text!r} encodes to zero tokens")
+            raise InputError(f"empty prompt: {text!r} encodes to zero tokens")
         return ids
 
     def encode_chat(self, user_text: str, system: str | None = None) -> list[int]:
@@ -180,7 +182,7 @@ class Tokenizer:
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         texts = list(texts)
         if not texts:
-            raise ValueError("batch_encode needs at least one prompt")
+            raise InputError("batch_encode needs at least one prompt")
         rows = [self.encode_chat(t) if chat else self.encode_prompt(t) for t in texts]
         fill = self._pad_value(pad_id)
         width = max(len(r) for r in rows)
@@ -212,7 +214,7 @@ def _reject_empty(text: str) -> None:
     if not isinstance(text, str):
         raise TypeError(f"a prompt must be a str, got {type(text).__name__}")
     if text == "":
-        raise ValueError("empty prompt: the prompt text is an empty string")
+        raise InputError("empty prompt: the prompt text is an empty string")
 
 
 def _read_json(path: Path) -> dict:

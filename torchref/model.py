@@ -245,7 +245,7 @@ class LlamaModel(nn.Module):
         with matmul_settings(self.policy):
             logits = self._run(torch.from_numpy(ids).to(self.device), pos,
                                self._causal(cache["mask"], T), Recorder(), cache, 0, last_only=True)
-        return to_numpy(logits[:, -1].float()), cache
+        return to_numpy(logits[:, -1]), cache
 
     @torch.inference_mode()
     def decode(self, cache, next_ids: np.ndarray):
@@ -260,7 +260,7 @@ class LlamaModel(nn.Module):
             logits = self._run(ids, pos, self._causal(cache["mask"], 1, i), Recorder(), cache, i)
         cache["index"] = i + 1
         cache["next_pos"] = cache["next_pos"] + 1
-        return to_numpy(logits[:, -1].float()), cache
+        return to_numpy(logits[:, -1]), cache
 
     def generate(self, tokens, attention_mask=None, max_new_tokens: int = 32, do_sample=False,
                  temperature=1.0, top_k=None, top_p=None, seed=0, eos_token_ids=None,

@@ -1,0 +1,302 @@
+"""Flax NNX Llama: thin modules over jaxmodel.ops, HF weight layout, explicit KV cache.
+
+Modules hold weights as nnx.Param in Hugging Face shapes ([out, in], never
+transposed) under Hugging Face names, so a checkpoint key maps to one attribute path
+(model.layers.3.self_attn.q_proj.weight -> layers[3].self_attn.q_proj.weight).
+
+`LlamaModel` is the user-facing object. It splits the module once into a static
+graphdef and a state of arrays and jit-compiles pure functions of (state, inputs)
+with jax.jit, rather than calling nnx.jit on every step: nnx.jit walks the module
+graph on each call, which a token-by-token decode loop would pay every step, and
+passing the state as an argument guarantees the weights are inputs of the compiled
+program, never constants baked into it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from llamaspec import (InputError, LlamaConfig, Policy, Sampling, check_tokens, generate,
+                       load_weights, positions_from_mask, taps as tapnames)
+
+from . import ops
+from .dtypes import COMPILER_OPTIONS, numpy_dtype, of
+
+CACHE_BLOCK = 64  # cache length is rounded up to this, so prompts of similar length share a compile
+
+
+class _Recorder:
+    """Keeps the activations whose tap names were requested; the rest are never returned
+    (and XLA drops what nothing reads). `taps` is static, so a plain call records nothing."""
+
+    def __init__(self, taps, prefix=""):
+        self.taps, self.prefix, self.acts = taps, prefix, {}
+
+    def __call__(self, name, x):
+        if self.prefix + name in self.taps:
+            self.acts[self.prefix + name] = x
+        return x
+
+    def layer(self, i):
+        sub = _Recorder(self.taps, f"layers.{i}.")
+        sub.acts = self.acts
+        return sub
+
+
+def _param(weights, key, dtype):
+    """A checkpoint tensor rounded to param_dtype on the host (numpy/ml_dtypes round to
+    nearest even, the same on every platform)."""
+    w = weights[key]
+    return nnx.Param(jnp.asarray(w if w.dtype == dtype else w.astype(dtype)))
+
+
+class Linear(nnx.Module):
+    def __init__(self, weights, key, dtype, bias: bool):
+        self.weight = _param(weights, key + ".weight", dtype)
+        self.bias = _param(weights, key + ".bias", dtype) if bias else None
+
+    def __call__(self, x, policy, out_dtype=None):
+        b = None if self.bias is None else self.bias[...]
+        return ops.linear(x, self.weight[...], b, policy, out_dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, weights, key, dtype, eps):
+        self.weight = _param(weights, key + ".weight", dtype)
+        self.eps = eps
+
+    def __call__(self, x, policy):
+        return ops.rms_norm(x, self.weight[...], self.eps, policy)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype):
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            Linear(weights, prefix + name, dtype, cfg.attention_bias)
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
+                                                     cfg.num_key_value_heads, cfg.head_dim)
+
+    def __call__(self, x, cos, sin, allowed, policy, rec, cache=None):
+        """cache: None (keys are this call's tokens) or (k_all, v_all, layer, index): the
+        stacked [L, B, S, Hkv, D] cache; this call's keys are written at slot `index`."""
+        B, T, _ = x.shape
+        q = rec("q", self.q_proj(x, policy).reshape(B, T, self.heads, self.head_dim))
+        k = rec("k", self.k_proj(x, policy).reshape(B, T, self.kv_heads, self.head_dim))
+        v = rec("v", self.v_proj(x, policy).reshape(B, T, self.kv_heads, self.head_dim))
+        q = rec("q_rope", ops.apply_rope(q, cos, sin))
+        k = rec("k_rope", ops.apply_rope(k, cos, sin))
+        if cache is not None:
+            k_all, v_all, layer, index = cache
+            at = (layer, 0, index, 0, 0)
+            k_all = lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
+            v_all = lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
+            cache = (k_all, v_all, layer, index)
+            k, v = k_all[layer], v_all[layer]
+        ctx = ops.attention(q, k, v, allowed, policy).reshape(B, T, self.heads * self.head_dim)
+        rec("attn_ctx", ctx)
+        return rec("attn_out", self.o_proj(ctx, policy)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype):
+        self.gate_proj, self.up_proj, self.down_proj = (
+            Linear(weights, prefix + name, dtype, cfg.mlp_bias)
+            for name in ("gate_proj", "up_proj", "down_proj"))
+
+    def __call__(self, x, policy, rec):
+        gate = rec("gate", self.gate_proj(x, policy))
+        up = rec("up", self.up_proj(x, policy))
+        act = rec("act", ops.silu(gate) * up)
+        return rec("mlp_out", self.down_proj(act, policy))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, weights, i, dtype):
+        p = f"model.layers.{i}."
+        self.input_layernorm = RMSNorm(weights, p + "input_layernorm", dtype, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, weights, p + "self_attn.", dtype)
+        self.post_attention_layernorm = RMSNorm(weights, p + "post_attention_layernorm", dtype,
+                                                cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, weights, p + "mlp.", dtype)
+
+    def __call__(self, h, cos, sin, allowed, policy, rec, cache=None):
+        resid = of(policy.residual_dtype)
+        x = rec("attn_norm", self.input_layernorm(h, policy))
+        a, cache = self.self_attn(x, cos, sin, allowed, policy, rec, cache)
+        h = rec("resid_mid", h + a.astype(resid))
+        x = rec("mlp_norm", self.post_attention_layernorm(h, policy))
+        h = rec("out", h + self.mlp(x, policy, rec).astype(resid))
+        return h, cache
+
+
+class Llama(nnx.Module):
+    """The network. cfg and policy are static attributes (part of the graphdef)."""
+
+    def __init__(self, cfg: LlamaConfig, policy: Policy, weights: dict[str, np.ndarray]):
+        self.cfg, self.policy = cfg, policy
+        dt = numpy_dtype(policy.param_dtype)
+        self.embed_tokens = _param(weights, "model.embed_tokens.weight", dt)
+        self.layers = nnx.List([Block(cfg, weights, i, dt) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(weights, "lm_head.weight", dt)
+
+    def __call__(self, ids, positions, allowed, taps=(), cache=None, last_only=False):
+        """ids, positions [B, T]; allowed [B, T, S]. cache: None or (k_all, v_all, index).
+
+        Returns (logits, acts, cache); last_only computes logits for slot T-1 only.
+        """
+        cfg, policy = self.cfg, self.policy
+        rec = _Recorder(taps)
+        h = rec("embed", self.embed_tokens[...][ids].astype(of(policy.residual_dtype)))
+        rope = of(policy.rope_dtype)
+        inv_freq = ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
+                                     jnp.max(positions) + 1, rope)
+        cos, sin = ops.rope_cos_sin(inv_freq, positions, rope)
+        for i, block in enumerate(self.layers):
+            layer_cache = None if cache is None else (cache[0], cache[1], i, cache[2])
+            h, layer_cache = block(h, cos, sin, allowed, policy, rec.layer(i), layer_cache)
+            if cache is not None:
+                cache = (layer_cache[0], layer_cache[1], cache[2])
+        if last_only:
+            h = h[:, -1:]
+        x = rec("final_norm", self.norm(h, policy))
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = rec("logits", ops.linear(x, head[...], None, policy, of(policy.logits_dtype)))
+        return logits, rec.acts, cache
+
+
+# ---- pure functions of (graphdef, state, inputs), jit-compiled per model ----
+
+def _causal(T, S):
+    """[T, S]: query slot t may see key slot s <= t."""
+    return jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]
+
+
+def _forward(graphdef, state, ids, mask, positions, *, taps):
+    model = nnx.merge(graphdef, state)
+    T = ids.shape[1]
+    allowed = mask.astype(bool)[:, None, :] & _causal(T, T)[None]
+    logits, acts, _ = model(ids, positions, allowed, taps=taps)
+    return logits, acts
+
+
+def _prefill(graphdef, state, ids, mask, positions, *, cache_len):
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    B, T = ids.shape
+    shape = (cfg.num_hidden_layers, B, cache_len, cfg.num_key_value_heads, cfg.head_dim)
+    k_all = jnp.zeros(shape, of(model.policy.compute_dtype))
+    v_all = jnp.zeros(shape, of(model.policy.compute_dtype))
+    slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
+    allowed = slots[:, None, :] & _causal(T, cache_len)[None]
+    logits, _, (k_all, v_all, _) = model(ids, positions, allowed, cache=(k_all, v_all, 0),
+                                         last_only=True)
+    cache = {"k": k_all, "v": v_all, "mask": slots,
+             "pos": mask.sum(1).astype(jnp.int32), "index": jnp.int32(T)}
+    return logits[:, 0], cache
+
+
+def _decode(graphdef, state, cache, next_ids):
+    model = nnx.merge(graphdef, state)
+    index = cache["index"]
+    slots = cache["mask"].at[:, index].set(True)
+    S = slots.shape[1]
+    allowed = (slots & (jnp.arange(S) <= index)[None])[:, None, :]
+    positions = cache["pos"][:, None]
+    logits, _, (k_all, v_all, _) = model(next_ids[:, None], positions, allowed,
+                                         cache=(cache["k"], cache["v"], index), last_only=True)
+    cache = {"k": k_all, "v": v_all, "mask": slots, "pos": cache["pos"] + 1,
+             "index": index + 1}
+    return logits[:, 0], cache
+
+
+class LlamaModel:
+    """A loaded model: forward, activation capture, prefill/decode and generation."""
+
+    def __init__(self, module: Llama):
+        self.cfg: LlamaConfig = module.cfg
+        self.policy: Policy = module.policy
+        self.graphdef, self.state = nnx.split(module)
+        jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+        self._forward = jit(functools.partial(_forward, self.graphdef), static_argnames="taps")
+        self._prefill = jit(functools.partial(_prefill, self.graphdef),
+                            static_argnames="cache_len")
+        # The cache is donated: each step updates it in place instead of copying it.
+        self._decode = jit(functools.partial(_decode, self.graphdef), donate_argnums=1)
+
+    @property
+    def module(self) -> Llama:
+        return nnx.merge(self.graphdef, self.state)
+
+    def __call__(self, tokens, attention_mask=None):
+        """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
+        ids, mask = check_tokens(self.cfg, tokens, attention_mask)
+        logits, _ = self._forward(self.state, ids, mask, positions_from_mask(mask), taps=())
+        return logits
+
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",)):
+        """(logits as numpy, {tap: numpy activation}) for the requested tap names/patterns.
+
+        Activations keep their dtype (bf16 stays bf16, via ml_dtypes)."""
+        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
+        ids, mask = check_tokens(self.cfg, tokens, attention_mask)
+        logits, acts = self._forward(self.state, ids, mask, positions_from_mask(mask),
+                                     taps=names)
+        return np.asarray(logits), {n: np.asarray(acts[n]) for n in names}
+
+    def prefill(self, ids, mask, total_len: int):
+        """Runs the left-aligned prompt, fills cache slots [0, T); returns (last logits [B, V]
+        as numpy, cache). The cache holds total_len tokens, rounded up to CACHE_BLOCK."""
+        ids, mask = check_tokens(self.cfg, ids, mask)
+        if total_len < ids.shape[1]:
+            raise InputError(f"total_len={total_len} is shorter than the prompt ({ids.shape[1]})")
+        cache_len = -(-total_len // CACHE_BLOCK) * CACHE_BLOCK
+        logits, cache = self._prefill(self.state, ids, mask, positions_from_mask(mask),
+                                      cache_len=cache_len)
+        return np.asarray(logits), cache
+
+    def decode(self, cache, next_ids):
+        """Appends one token per row at the cache's write index; returns (logits [B, V], cache)."""
+        S = cache["mask"].shape[1]
+        if int(cache["index"]) >= S:
+            raise InputError(f"KV cache is full ({S} slots); prefill with a larger total_len")
+        next_ids = np.asarray(next_ids).reshape(-1)
+        if next_ids.shape[0] != cache["mask"].shape[0]:
+            raise InputError(f"next_ids has {next_ids.shape[0]} rows, cache has "
+                             f"{cache['mask'].shape[0]}")
+        bad = (next_ids < 0) | (next_ids >= self.cfg.vocab_size)
+        if bad.any():
+            raise InputError(f"token id {int(next_ids[bad][0])} is outside the vocabulary "
+                             f"(vocab_size={self.cfg.vocab_size})")
+        logits, cache = self._decode(self.state, cache, next_ids.astype(np.int64))
+        return np.asarray(logits), cache
+
+    def generate(self, tokens, attention_mask=None, max_new_tokens=32, do_sample=False,
+                 temperature=1.0, top_k=None, top_p=None, seed=0, eos_token_ids=None,
+                 pad_token_id=None) -> np.ndarray:
+        """New token ids [B, N] (int64), greedy by default; llamaspec.generate picks tokens."""
+        sampling = Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed)
+        return generate(self.cfg, self.prefill, self.decode, tokens, attention_mask,
+                        max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                        pad_token_id=pad_token_id, sampling=sampling)
+
+
+def from_pretrained(path, policy="fp32", batch_invariant: bool = False,
+                    check_finite: bool = True) -> LlamaModel:
+    """Loads a Hugging Face Llama folder (config.json + safetensors) at a precision policy
+    (preset name or llamaspec.Policy). Weights are rounded to the policy's param_dtype."""
+    if batch_invariant:
+        raise NotImplementedError(
+            "jaxmodel: batch_invariant=True is not implemented yet; it arrives with the "
+            "batch-invariance work (fixed reduction order independent of batch composition)")
+    policy = Policy.get(policy)
+    cfg, weights = load_weights(path, check_finite=check_finite)
+    return LlamaModel(Llama(cfg, policy, weights))

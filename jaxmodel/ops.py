@@ -1,0 +1,151 @@
+"""The Llama forward pass as short pure functions; every dtype comes from the policy.
+
+torchref/ops.py has the same functions with the same signatures. Where a step's
+rounding is not obvious, the comment says which dtype it happens in and why (the
+meaning of each knob is defined in llamaspec/policy.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from llamaspec import Policy, RopeConfig
+
+from .dtypes import matmul_precision, of, opmath
+
+
+def rms_norm(x, weight, eps: float, policy: Policy):
+    """mean(x^2) and rsqrt in norm_dtype; result in compute_dtype.
+
+    HF convention (norm_cast_before_weight): the normalised x is rounded back to the
+    input dtype before the weight multiplies it; the product is taken in compute_dtype.
+    """
+    norm, compute = of(policy.norm_dtype), of(policy.compute_dtype)
+    xn = x.astype(norm)
+    var = jnp.mean(xn * xn, axis=-1, keepdims=True)
+    y = xn * lax.rsqrt(_add_scalar(var, eps))
+    if policy.norm_cast_before_weight:
+        return weight.astype(compute) * y.astype(x.dtype).astype(compute)
+    return (weight.astype(norm) * y).astype(compute)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int, seq_len,
+                  dtype):
+    """Inverse frequencies [head_dim // 2], computed in `dtype` with transformers' formulas.
+
+    seq_len only matters for dynamic NTK: like transformers, the base grows with the
+    longest position in the call (max(positions) + 1), never below max_position_embeddings.
+    """
+    dim = head_dim
+    exponent = jnp.arange(0, dim, 2).astype(dtype) / dim
+    if rope.type == "dynamic":
+        seq = jnp.maximum(jnp.asarray(seq_len), max_position_embeddings).astype(dtype)
+        stretch = (rope.factor * seq / max_position_embeddings) - (rope.factor - 1)
+        base = rope.theta * stretch ** (dim / (dim - 2))
+    else:
+        base = jnp.asarray(rope.theta, dtype)
+    inv_freq = 1.0 / (base ** exponent)
+    if rope.type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.type == "llama3":
+        inv_freq = _llama3_smoothing(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_smoothing(inv_freq, rope: RopeConfig):
+    """Llama 3.1 frequency scaling, term for term as transformers' _compute_llama3_parameters."""
+    factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
+    old_context_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are divided by factor, short ones kept, the band between blended
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq, positions, dtype):
+    """cos, sin tables [B, T, head_dim] in `dtype` (HF half-split layout: angles repeated)."""
+    angles = positions[..., None].astype(dtype) * inv_freq.astype(dtype)
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def rotate_half(x):
+    """HF layout: the first half of each head pairs with the second half."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, H, D]; cos/sin [B, T, D] are rounded to x.dtype first, as HF does."""
+    cos = cos.astype(x.dtype)[:, :, None, :]
+    sin = sin.astype(x.dtype)[:, :, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def linear(x, w, b, policy: Policy, out_dtype=None):
+    """x @ w.T with w in HF layout [out, in]: inputs in compute_dtype, products and sums
+    in accum_dtype, bias added in accum_dtype, one rounding to out_dtype (or compute)."""
+    compute, accum = of(policy.compute_dtype), of(policy.accum_dtype)
+    y = lax.dot_general(x.astype(compute), w.astype(compute),
+                        (((x.ndim - 1,), (1,)), ((), ())),
+                        precision=matmul_precision(policy), preferred_element_type=accum)
+    if b is not None:
+        y = y + b.astype(accum)
+    return y.astype(out_dtype or compute)
+
+
+def silu(x):
+    """x * sigmoid(x) computed in opmath and rounded once (PyTorch's F.silu does the same
+    for bf16/f16; composing two rounded jnp ops would round twice)."""
+    xf = x.astype(opmath(x.dtype))
+    return (xf * lax.logistic(xf)).astype(x.dtype)
+
+
+def attention(q, k, v, allowed, policy: Policy):
+    """Scaled dot-product attention with a boolean mask.
+
+    q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S]. GQA by reshaping q to
+    [B, T, Hkv, G, D] (query head h reads kv head h // G, as HF's repeat_kv), so K/V
+    are never repeated. Returns [B, T, Hq, D] in compute_dtype.
+    """
+    compute, accum = of(policy.compute_dtype), of(policy.accum_dtype)
+    smx = of(policy.softmax_dtype)
+    prec = matmul_precision(policy)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.astype(compute).reshape(B, T, Hkv, Hq // Hkv, D)
+    # [B, T, K, G, D] x [B, S, K, D] -> [B, K, T, G, S]
+    s = lax.dot_general(qg, k.astype(compute), (((4,), (3,)), ((0, 2), (0, 2))),
+                        precision=prec, preferred_element_type=accum).astype(compute)
+    s = _mul_scalar(s, D ** -0.5)  # HF order: matmul, round, then scale
+    s = s.astype(smx)
+    # A finite fill (not -inf) keeps fully masked rows (padding queries) free of NaN.
+    s = jnp.where(allowed[:, None, :, None, :], s, jnp.finfo(smx).min)
+    p = softmax(s).astype(compute)
+    # [B, K, T, G, S] x [B, S, K, D] -> [B, K, T, G, D]
+    o = lax.dot_general(p, v.astype(compute), (((4,), (1,)), ((0, 1), (0, 2))),
+                        precision=prec, preferred_element_type=accum).astype(compute)
+    return o.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+
+
+def softmax(s):
+    """Softmax over the last axis in s.dtype: exp(s - max) / sum."""
+    e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _mul_scalar(x, c: float):
+    """x * c as PyTorch computes a tensor-scalar op: in opmath, rounded once."""
+    return (x.astype(opmath(x.dtype)) * c).astype(x.dtype)
+
+
+def _add_scalar(x, c: float):
+    return (x.astype(opmath(x.dtype)) + c).astype(x.dtype)
