@@ -1,0 +1,151 @@
+"""The `llama-parity` command line.
+
+    llama-parity fetch-smollm2         cache the real default model, print its folder
+    llama-parity demo [CHECKPOINT]     both models side by side on the real model
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+]
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def resolve_checkpoint(path: str | None) -> str:
+    """The given folder, or the cached SmolLM2 (fetched on first use, with progress)."""
+    if path:
+        return path
+    from .fetch import default_model_dir, fetch_smollm2, is_complete
+    folder = default_model_dir()
+    if not is_complete(folder):
+        say("SmolLM2-135M-Instruct is not cached yet; fetching it (about a minute, once).")
+        folder = fetch_smollm2(progress=lambda m: say("  " + m))
+    return str(folder)
+
+
+def cmd_fetch(args) -> int:
+    from .fetch import main as fetch_main
+    return fetch_main(["--cache-dir", args.cache_dir] if args.cache_dir else [])
+
+
+def cmd_demo(args) -> int:
+    import jaxmodel
+    import torchref
+    from compare import layer_summary
+    from llamaspec.tokenizer import Tokenizer
+
+    folder = resolve_checkpoint(args.checkpoint)
+    say(f"checkpoint: {folder}")
+    tok = Tokenizer.from_pretrained(folder)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    ids, mask = tok.batch_encode(prompts, chat=True, padding_side="left")
+    say(f"{len(prompts)} prompts, batch {ids.shape[0]} x {ids.shape[1]} tokens (left padded)\n")
+
+    say("loading the fp64 oracle (torchref, float64 everywhere)...")
+    oracle = torchref.from_pretrained(folder, policy="fp64", device="cpu")
+    summaries = {}
+    for policy in args.policy:
+        say(f"=== policy {policy} ===")
+        models = {}
+        for name, module in (("torchref", torchref), ("jaxmodel", jaxmodel)):
+            t0 = time.perf_counter()
+            models[name] = module.from_pretrained(folder, policy=policy)
+            say(f"  loaded {name} in {time.perf_counter() - t0:.1f} s")
+        outs = {}
+        for name, m in models.items():
+            t0 = time.perf_counter()
+            outs[name] = m.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens)
+            say(f"  {name}: {args.max_new_tokens} greedy tokens x {len(prompts)} prompts "
+                f"in {time.perf_counter() - t0:.1f} s")
+        print_answers(tok, prompts, outs)
+        summaries[policy] = layer_summary(oracle, models["torchref"], models["jaxmodel"], ids, mask)
+        say("")
+    print_layer_table(summaries)
+    return 0
+
+
+def print_answers(tok, prompts, outs) -> None:
+    (na, a), (nb, b) = outs.items()
+    for i, p in enumerate(prompts):
+        ta, tb = _trim(a[i], tok), _trim(b[i], tok)
+        say(f"  > {p}")
+        if ta == tb:
+            say(f"    {na} = {nb}: {tok.decode(ta)!r}")
+        else:
+            step = next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+            say(f"    {na}: {tok.decode(ta)!r}")
+            say(f"    {nb}: {tok.decode(tb)!r}   (differs from step {step})")
+
+
+def _trim(row, tok) -> list[int]:
+    out = []
+    for t in row.tolist():
+        out.append(t)
+        if t in tok.eos_ids:
+            break
+    return out
+
+
+def print_layer_table(summaries) -> None:
+    """One row per layer: each model's relative L2 error vs the fp64 oracle, and vs each other."""
+    policies = list(summaries)
+    say("per-layer relative L2 error (layer output, real tokens only); oracle = torchref fp64")
+    head = f"{'tap':<16}" + "".join(f" | {p + ': torchref':>15} {'jaxmodel':>10} {'jax-vs-torch':>12}"
+                                     for p in policies)
+    say(head)
+    say("-" * len(head))
+    for k in range(len(summaries[policies[0]])):
+        tap = summaries[policies[0]][k].tap
+        cells = []
+        for p in policies:
+            r = summaries[p][k]
+            flag = " !" if r.nonfinite else ""
+            cells.append(f" | {r.ref_err:>15.2e} {r.cand_err:>10.2e} {r.cand_vs_ref:>12.2e}{flag}")
+        say(f"{tap:<16}" + "".join(cells))
+    for p in policies:
+        last = summaries[p][-1]
+        ratio = last.cand_err / last.ref_err if last.ref_err else float("inf")
+        say(f"{p}: logits error torchref {last.ref_err:.2e}, jaxmodel {last.cand_err:.2e} "
+            f"(ratio {ratio:.2f}); a ratio near 1 means both lose the same precision (drift)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="llama-parity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fetch-smollm2", help="cache SmolLM2-135M-Instruct as an HF folder; prints it last")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("demo", help="greedy answers and per-layer differences, torchref vs jaxmodel")
+    p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
+    p.add_argument("--policy", nargs="+", default=["fp32", "bf16"])
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: four built-ins")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.set_defaults(func=cmd_demo)
+
+    args = parser.parse_args(argv)
+    from llamaspec import LlamaParityError
+    try:
+        return args.func(args)
+    except LlamaParityError as e:
+        print(f"llama-parity: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
