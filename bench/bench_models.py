@@ -56,12 +56,18 @@ def bench_transformers(folder, policy, ids, n_decode, repeats):
     from transformers import LlamaForCausalLM
     dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
              "fp16": torch.float16, "fp64": torch.float64}[policy]
-    hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
-    x = torch.from_numpy(ids)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # transformers follows torch's global fp32 matmul mode; pin it like our policies do.
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if policy == "tf32" else "ieee"
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval().to(device)
+    x = torch.from_numpy(ids).to(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     @torch.inference_mode()
     def prefill_run():
-        return hf(x, use_cache=True, logits_to_keep=1)
+        out = hf(x, use_cache=True, logits_to_keep=1)
+        sync()
+        return out
 
     prefill = _median_time(prefill_run, repeats)
 
@@ -73,6 +79,7 @@ def bench_transformers(folder, policy, ids, n_decode, repeats):
         for _ in range(n_decode):
             out = hf(nxt, past_key_values=past, use_cache=True)
             past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        sync()
         return (time.perf_counter() - t0) / n_decode
 
     decode_run()
@@ -97,7 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--impl", nargs="+", default=["torchref", "jaxmodel", "transformers"],
+                    choices=["torchref", "jaxmodel", "transformers"])
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/models-<time>.json)")
     args = ap.parse_args(argv)
 
@@ -109,10 +117,12 @@ def main(argv=None) -> int:
     folder = resolve_checkpoint(args.checkpoint)
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
     ids = np.random.default_rng(0).integers(3, vocab, (1, args.prompt_len))
-    impls = [("torchref", lambda p: bench_ours(torchref, folder, p, ids, args.decode, args.repeats)),
-             ("jaxmodel", lambda p: bench_ours(jaxmodel, folder, p, ids, args.decode, args.repeats))]
-    if not args.no_transformers:
-        impls.append(("transformers", lambda p: bench_transformers(folder, p, ids, args.decode, args.repeats)))
+    runners = {
+        "torchref": lambda p: bench_ours(torchref, folder, p, ids, args.decode, args.repeats),
+        "jaxmodel": lambda p: bench_ours(jaxmodel, folder, p, ids, args.decode, args.repeats),
+        "transformers": lambda p: bench_transformers(folder, p, ids, args.decode, args.repeats),
+    }
+    impls = [(name, runners[name]) for name in args.impl]
 
     rows = []
     for policy in args.policy:

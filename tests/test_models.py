@@ -34,11 +34,18 @@ def tokens(B=2, T=24, vocab=96, seed=0):
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_matches_transformers_with_its_f32_steps(framework, config, tiny_dir):
-    """fp64-hf keeps transformers' f32 norm/RoPE/softmax inside an f64 run."""
+    """fp64-hf keeps transformers' f32 norm/RoPE/softmax inside an f64 run.
+
+    torchref runs those f32 steps with torch's own kernels, so it must match to 1e-10
+    (it is bitwise equal today). jaxmodel runs them with XLA's f32 cos/sin/rsqrt/exp,
+    which differ from torch's by an ulp here and there: ~1e-7, f32 roundoff, the figure
+    a user should expect for a cross-framework run that keeps f32 steps.
+    """
     folder = tiny_dir(config)
     ids = tokens(T=40)
     err = rel_l2(np.asarray(load(framework, folder, "fp64-hf")(ids)), hf_logits(folder, ids))
-    assert err <= 1e-10, f"{framework}/{config}: rel L2 {err:.2e} vs transformers (fp64-hf)"
+    bound = 1e-10 if framework == "torchref" else 1e-6
+    assert err <= bound, f"{framework}/{config}: rel L2 {err:.2e} vs transformers (fp64-hf)"
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -114,7 +121,14 @@ def test_taps_are_exactly_what_was_asked(framework, tiny_dir):
     assert acts["layers.1.attn_ctx"].shape == (2, 5, hq * hd)
     assert acts["layers.1.act"].shape == (2, 5, cfg.intermediate_size)
     assert acts["layers.1.out"].shape == (2, 5, cfg.hidden_size)
-    assert np.array_equal(acts["logits"], np.asarray(m(ids))) and np.array_equal(acts["logits"], logits)
+    assert np.array_equal(acts["logits"], logits)
+    # XLA compiles a different program when intermediate outputs are requested, and may
+    # fuse (and so round) differently: capture and __call__ agree to f32 roundoff there.
+    plain = np.asarray(m(ids))
+    if framework == "torchref":
+        assert np.array_equal(logits, plain)
+    else:
+        assert rel_l2(logits, plain) < 1e-6
     _, bf = load(framework, tiny_dir("head_dim"), "bf16").capture(ids, taps="layers.0.q")
     assert bf["layers.0.q"].dtype.name == "bfloat16"
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One prepared GPU check, for a machine with a CUDA GPU and a Python that already has
+# torch, jax[cuda], flax, safetensors, tokenizers, ml_dtypes and transformers (the lent
+# H200 image has them all). Installs nothing; runs from the repository root:
+#
+#     bash bench/gpu_check.sh [OUT_DIR]        # about 2-3 minutes on an H200
+#
+# 1. fp64/fp32/tf32/bf16 agreement of torchref and jaxmodel vs an fp64 oracle on a
+#    random checkpoint with SmolLM2-135M's shapes (bench/gpu_check.py);
+# 2. the speed benchmark (bench/bench_models.py) on the same checkpoint, side by side
+#    with transformers, at fp32, tf32 and bf16.
+# Results: OUT_DIR/gpu_check.json, OUT_DIR/bench.json, OUT_DIR/log.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-${OUT:-bench/results}}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# JAX must not grab 75% of GPU memory up front: torch runs in the same process.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/log.txt"
+"$PY" bench/gpu_check.py --out "$OUT" 2>&1 | tee -a "$OUT/log.txt"
+status=${PIPESTATUS[0]}
+ckpt=$(grep '^checkpoint for the benchmark:' "$OUT/log.txt" | tail -1 | cut -d' ' -f5-)
+timeout 240 "$PY" bench/bench_models.py --checkpoint "$ckpt" --policy fp32 tf32 bf16 \
+    --repeats 5 --decode 32 --out "$OUT/bench.json" 2>&1 | tee -a "$OUT/log.txt"
+exit $status
