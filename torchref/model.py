@@ -76,9 +76,11 @@ class Attention(nn.Module):
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         rec(p + "q_rope", q), rec(p + "k_rope", k)
         if kv is not None:  # write this call's keys/values into their cache slots
-            kv[0][:, index:index + T] = k
-            kv[1][:, index:index + T] = v
-            k, v = kv
+            # The cache is stored [B, Hkv, S, D] so attention reads it without copies;
+            # it is handed on as a [B, S, Hkv, D] view, the layout ops.attention takes.
+            kv[0][:, :, index:index + T] = k.transpose(1, 2)
+            kv[1][:, :, index:index + T] = v.transpose(1, 2)
+            k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         ctx = ops.attention(q, k, v, allowed, policy).reshape(B, T, -1)
         rec(p + "attn_ctx", ctx)
         return self.o_proj(ctx, policy)
@@ -171,7 +173,16 @@ class LlamaModel(nn.Module):
     # ----- forward -------------------------------------------------------------------
 
     def _lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        # bf16/fp16 policies keep logits in f32: ops.linear then multiplies in f32, and
+        # would widen this [vocab, hidden] matrix on every call. Widen it once instead
+        # (exact: every bf16/fp16 value is an f32 value).
+        wide = dt(self.policy.logits_dtype)
+        if wide == dt(self.policy.accum_dtype) and torch.finfo(wide).bits > torch.finfo(w.dtype).bits:
+            if getattr(self, "_wide_head", None) is None:
+                self._wide_head = w.to(wide)
+            return self._wide_head
+        return w
 
     def _rope(self, positions: torch.Tensor):
         cfg, rope_dtype = self.cfg, dt(self.policy.rope_dtype)
@@ -234,7 +245,7 @@ class LlamaModel(nn.Module):
         """Runs the left-aligned prompt, filling a cache of total_len slots."""
         B, T = ids.shape
         cfg, compute = self.cfg, dt(self.policy.compute_dtype)
-        shape = (B, total_len, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (B, cfg.num_key_value_heads, total_len, cfg.head_dim)
         cache = {"k": [torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)],
                  "v": [torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)],
                  "mask": torch.zeros((B, total_len), dtype=torch.int32, device=self.device),

@@ -110,22 +110,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
               policy: Policy) -> torch.Tensor:
     """Causal GQA attention. q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S].
 
-    Query head h reads kv head h // G (HF's repeat_kv order), done by reshaping q into
-    [B, Hkv, G, T, D] instead of repeating K and V. Masked scores get the dtype's
-    most negative finite value, so a row with nothing allowed (padding) gives a
-    uniform average instead of NaN.
+    Query head h reads kv head h // G (HF's repeat_kv order). Instead of repeating K
+    and V, the G query heads of a group are folded into the row dimension:
+    [B, Hkv, G*T, D] @ [B, Hkv, D, S], one plain batched matmul per kv head. (k and v
+    may be strided views of a [B, Hkv, S, D] cache; no copy is made of them then.)
+    Masked scores get the dtype's most negative finite value, so a row with nothing
+    allowed (padding) gives a uniform average instead of NaN.
     """
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
+    G = Hq // Hkv
     compute, soft = dt(policy.compute_dtype), dt(policy.softmax_dtype)
-    qg = q.reshape(B, T, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)   # [B, Hkv, G, T, D]
-    kt = k.permute(0, 2, 3, 1)[:, :, None]                             # [B, Hkv, 1, D, S]
-    vg = v.permute(0, 2, 1, 3)[:, :, None]                             # [B, Hkv, 1, S, D]
-    scores = _matmul(qg, kt, policy) * (D ** -0.5)
-    scores = scores.to(soft).masked_fill(~allowed[:, None, None], torch.finfo(soft).min)
-    probs = torch.softmax(scores, dim=-1).to(compute)
-    ctx = _matmul(probs, vg, policy)                                   # [B, Hkv, G, T, D]
-    return ctx.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    scores = _matmul(qg, k.permute(0, 2, 3, 1), policy) * (D ** -0.5)     # [B, Hkv, G*T, S]
+    scores = scores.view(B, Hkv, G, T, -1).to(soft)
+    scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(soft).min)
+    probs = torch.softmax(scores, dim=-1).to(compute).view(B, Hkv, G * T, -1)
+    ctx = _matmul(probs, v.permute(0, 2, 1, 3), policy)                   # [B, Hkv, G*T, D]
+    return ctx.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, policy: Policy) -> torch.Tensor:
