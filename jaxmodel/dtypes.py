@@ -3,6 +3,10 @@ policy mean exactly what llamaspec.policy says it means."""
 
 from __future__ import annotations
 
+import functools
+import warnings
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -16,12 +20,38 @@ _DTYPES = {
     "float16": jnp.dtype(jnp.float16),
 }
 
-# By default XLA may keep bf16/f16 intermediates in f32 and drop the rounding between
-# fused elementwise ops (and a bf16 -> f32 convert after an f32 -> bf16 one). The
-# policy promises that every cast rounds ("probabilities are rounded to
-# compute_dtype"), and PyTorch rounds after every op, so we turn that licence off.
-# It is a per-executable option: nothing else in the process is affected.
-COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+# Options for every program jaxmodel compiles (per executable: nothing else in the
+# process is affected).
+#
+# xla_allow_excess_precision=False: by default XLA may keep bf16/f16 intermediates in
+# f32 and drop the rounding between fused elementwise ops (and a bf16 -> f32 convert
+# after an f32 -> bf16 one). The policy promises that every cast rounds
+# ("probabilities are rounded to compute_dtype"), and PyTorch rounds after every op.
+#
+# xla_cpu_use_fusion_emitters=False: XLA:CPU contracts a*b + c into an FMA, and with
+# its newer fusion emitters whether it does so depends on how ops are fused, which
+# depends on which activations the program returns. Without this option a capture()
+# of layers.*.q_rope changed the f32 logits by an ulp against a plain call; with the
+# classic emitters the code for an op does not depend on its consumers, so observing
+# an activation never changes the numbers (tests/test_jaxmodel.py checks this). It
+# also ran the SmolLM2 forward and decode 10-20% faster here, but compiles slower.
+# Other backends ignore it.
+_WANTED_OPTIONS = {"xla_allow_excess_precision": False, "xla_cpu_use_fusion_emitters": False}
+
+
+@functools.cache
+def compiler_options() -> dict:
+    """_WANTED_OPTIONS less any this jaxlib does not know (an unknown option is a compile
+    error, and XLA renames its debug options now and then): probed once, on a toy program."""
+    options = {}
+    for key, value in _WANTED_OPTIONS.items():
+        try:
+            jax.jit(lambda x: x + 1, compiler_options={key: value}).lower(1.0).compile()
+            options[key] = value
+        except Exception as e:  # noqa: BLE001 - jaxlib raises XlaRuntimeError or ValueError
+            warnings.warn(f"jaxmodel: XLA option {key}={value} is not available ({e}); "
+                          "results may differ in the last bit from other jaxlib versions")
+    return options
 
 
 def of(name: str) -> jnp.dtype:

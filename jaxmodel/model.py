@@ -10,6 +10,12 @@ with jax.jit, rather than calling nnx.jit on every step: nnx.jit walks the modul
 graph on each call, which a token-by-token decode loop would pay every step, and
 passing the state as an argument guarantees the weights are inputs of the compiled
 program, never constants baked into it.
+
+The KV cache is a plain dict passed in and returned (no hidden module state):
+k, v [L, B, S, Hkv, D] in compute_dtype, mask [B, S] (slots holding a real token),
+pos [B] (next position per row) and index (the slot the next token is written to, the
+same for every row). With dynamic NTK RoPE past max_position_embeddings, cached keys
+keep the rotation they were written with, as in transformers.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from llamaspec import (InputError, LlamaConfig, Policy, Sampling, check_tokens, 
                        load_weights, positions_from_mask, taps as tapnames)
 
 from . import ops
-from .dtypes import COMPILER_OPTIONS, numpy_dtype, of
+from .dtypes import compiler_options, numpy_dtype, of
 
 CACHE_BLOCK = 64  # cache length is rounded up to this, so prompts of similar length share a compile
 
@@ -66,6 +72,14 @@ class Linear(nnx.Module):
         return ops.linear(x, self.weight[...], b, policy, out_dtype)
 
 
+class Embedding(nnx.Module):
+    def __init__(self, weights, key, dtype):
+        self.weight = _param(weights, key + ".weight", dtype)
+
+    def __call__(self, ids):
+        return self.weight[...][ids]
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, weights, key, dtype, eps):
         self.weight = _param(weights, key + ".weight", dtype)
@@ -83,9 +97,9 @@ class Attention(nnx.Module):
         self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                      cfg.num_key_value_heads, cfg.head_dim)
 
-    def __call__(self, x, cos, sin, allowed, policy, rec, cache=None):
-        """cache: None (keys are this call's tokens) or (k_all, v_all, layer, index): the
-        stacked [L, B, S, Hkv, D] cache; this call's keys are written at slot `index`."""
+    def __call__(self, x, cos, sin, allowed, policy, rec, cache=None, layer=0):
+        """cache: None (keys are this call's tokens) or (k_all, v_all, index): the stacked
+        [L, B, S, Hkv, D] cache; this call's keys go to [layer, :, index:index + T]."""
         B, T, _ = x.shape
         q = rec("q", self.q_proj(x, policy).reshape(B, T, self.heads, self.head_dim))
         k = rec("k", self.k_proj(x, policy).reshape(B, T, self.kv_heads, self.head_dim))
@@ -93,11 +107,12 @@ class Attention(nnx.Module):
         q = rec("q_rope", ops.apply_rope(q, cos, sin))
         k = rec("k_rope", ops.apply_rope(k, cos, sin))
         if cache is not None:
-            k_all, v_all, layer, index = cache
-            at = (layer, 0, index, 0, 0)
+            k_all, v_all, index = cache
+            zero = jnp.zeros((), jnp.int32)  # start indices must share one integer type
+            at = (jnp.int32(layer), zero, jnp.asarray(index, jnp.int32), zero, zero)
             k_all = lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
             v_all = lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
-            cache = (k_all, v_all, layer, index)
+            cache = (k_all, v_all, index)
             k, v = k_all[layer], v_all[layer]
         ctx = ops.attention(q, k, v, allowed, policy).reshape(B, T, self.heads * self.head_dim)
         rec("attn_ctx", ctx)
@@ -126,10 +141,10 @@ class Block(nnx.Module):
                                                 cfg.rms_norm_eps)
         self.mlp = MLP(cfg, weights, p + "mlp.", dtype)
 
-    def __call__(self, h, cos, sin, allowed, policy, rec, cache=None):
+    def __call__(self, h, cos, sin, allowed, policy, rec, cache=None, layer=0):
         resid = of(policy.residual_dtype)
         x = rec("attn_norm", self.input_layernorm(h, policy))
-        a, cache = self.self_attn(x, cos, sin, allowed, policy, rec, cache)
+        a, cache = self.self_attn(x, cos, sin, allowed, policy, rec, cache, layer)
         h = rec("resid_mid", h + a.astype(resid))
         x = rec("mlp_norm", self.post_attention_layernorm(h, policy))
         h = rec("out", h + self.mlp(x, policy, rec).astype(resid))
@@ -137,15 +152,16 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """The network. cfg and policy are static attributes (part of the graphdef)."""
+    """The network. cfg and policy are static attributes (part of the graphdef); the
+    state's paths are the checkpoint keys without the "model." prefix."""
 
     def __init__(self, cfg: LlamaConfig, policy: Policy, weights: dict[str, np.ndarray]):
         self.cfg, self.policy = cfg, policy
         dt = numpy_dtype(policy.param_dtype)
-        self.embed_tokens = _param(weights, "model.embed_tokens.weight", dt)
+        self.embed_tokens = Embedding(weights, "model.embed_tokens", dt)
         self.layers = nnx.List([Block(cfg, weights, i, dt) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(weights, "lm_head.weight", dt)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False)
 
     def __call__(self, ids, positions, allowed, taps=(), cache=None, last_only=False):
         """ids, positions [B, T]; allowed [B, T, S]. cache: None or (k_all, v_all, index).
@@ -154,21 +170,18 @@ class Llama(nnx.Module):
         """
         cfg, policy = self.cfg, self.policy
         rec = _Recorder(taps)
-        h = rec("embed", self.embed_tokens[...][ids].astype(of(policy.residual_dtype)))
+        h = rec("embed", self.embed_tokens(ids).astype(of(policy.residual_dtype)))
         rope = of(policy.rope_dtype)
         inv_freq = ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
                                      jnp.max(positions) + 1, rope)
         cos, sin = ops.rope_cos_sin(inv_freq, positions, rope)
         for i, block in enumerate(self.layers):
-            layer_cache = None if cache is None else (cache[0], cache[1], i, cache[2])
-            h, layer_cache = block(h, cos, sin, allowed, policy, rec.layer(i), layer_cache)
-            if cache is not None:
-                cache = (layer_cache[0], layer_cache[1], cache[2])
+            h, cache = block(h, cos, sin, allowed, policy, rec.layer(i), cache, i)
         if last_only:
             h = h[:, -1:]
         x = rec("final_norm", self.norm(h, policy))
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = rec("logits", ops.linear(x, head[...], None, policy, of(policy.logits_dtype)))
+        head = (self.embed_tokens if self.lm_head is None else self.lm_head).weight[...]
+        logits = rec("logits", ops.linear(x, head, None, policy, of(policy.logits_dtype)))
         return logits, rec.acts, cache
 
 
@@ -217,6 +230,21 @@ def _decode(graphdef, state, cache, next_ids):
     return logits[:, 0], cache
 
 
+@functools.lru_cache(maxsize=16)
+def _programs(graphdef):
+    """The jitted forward, prefill and decode for one model structure (config + policy).
+
+    Models loaded twice with the same structure share compiled programs (a comparison
+    loads several copies). The graphdef is bound here, once: hashing it costs
+    milliseconds, too much to pay on every decode step as a static argument.
+    """
+    jit = functools.partial(jax.jit, compiler_options=compiler_options())
+    return (jit(functools.partial(_forward, graphdef), static_argnames="taps"),
+            jit(functools.partial(_prefill, graphdef), static_argnames="cache_len"),
+            # the cache is donated: each step updates it in place instead of copying it
+            jit(functools.partial(_decode, graphdef), donate_argnums=1))
+
+
 class LlamaModel:
     """A loaded model: forward, activation capture, prefill/decode and generation."""
 
@@ -224,12 +252,7 @@ class LlamaModel:
         self.cfg: LlamaConfig = module.cfg
         self.policy: Policy = module.policy
         self.graphdef, self.state = nnx.split(module)
-        jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-        self._forward = jit(functools.partial(_forward, self.graphdef), static_argnames="taps")
-        self._prefill = jit(functools.partial(_prefill, self.graphdef),
-                            static_argnames="cache_len")
-        # The cache is donated: each step updates it in place instead of copying it.
-        self._decode = jit(functools.partial(_decode, self.graphdef), donate_argnums=1)
+        self._forward, self._prefill, self._decode = _programs(self.graphdef)
 
     @property
     def module(self) -> Llama:
@@ -255,6 +278,9 @@ class LlamaModel:
         """Runs the left-aligned prompt, fills cache slots [0, T); returns (last logits [B, V]
         as numpy, cache). The cache holds total_len tokens, rounded up to CACHE_BLOCK."""
         ids, mask = check_tokens(self.cfg, ids, mask)
+        if not mask[:, -1].all():
+            raise InputError("prefill needs left-aligned rows with at least one token each "
+                             "(see llamaspec.left_align): the last slot must be real in every row")
         if total_len < ids.shape[1]:
             raise InputError(f"total_len={total_len} is shorter than the prompt ({ids.shape[1]})")
         cache_len = -(-total_len // CACHE_BLOCK) * CACHE_BLOCK
