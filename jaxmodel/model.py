@@ -28,8 +28,9 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from llamaspec import (InputError, LlamaConfig, Policy, Sampling, check_tokens, generate,
+from llamaspec import (LlamaConfig, Policy, Sampling, check_tokens, generate,
                        load_weights, positions_from_mask, taps as tapnames)
+from llamaspec.inputs import check_next_ids, check_prefill
 
 from . import ops
 from .dtypes import compiler_options, numpy_dtype, of
@@ -277,12 +278,7 @@ class LlamaModel:
     def prefill(self, ids, mask, total_len: int):
         """Runs the left-aligned prompt, fills cache slots [0, T); returns (last logits [B, V]
         as numpy, cache). The cache holds total_len tokens, rounded up to CACHE_BLOCK."""
-        ids, mask = check_tokens(self.cfg, ids, mask)
-        if not mask[:, -1].all():
-            raise InputError("prefill needs left-aligned rows with at least one token each "
-                             "(see llamaspec.left_align): the last slot must be real in every row")
-        if total_len < ids.shape[1]:
-            raise InputError(f"total_len={total_len} is shorter than the prompt ({ids.shape[1]})")
+        ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         cache_len = -(-total_len // CACHE_BLOCK) * CACHE_BLOCK
         logits, cache = self._prefill(self.state, ids, mask, positions_from_mask(mask),
                                       cache_len=cache_len)
@@ -290,18 +286,9 @@ class LlamaModel:
 
     def decode(self, cache, next_ids):
         """Appends one token per row at the cache's write index; returns (logits [B, V], cache)."""
-        S = cache["mask"].shape[1]
-        if int(cache["index"]) >= S:
-            raise InputError(f"KV cache is full ({S} slots); prefill with a larger total_len")
-        next_ids = np.asarray(next_ids).reshape(-1)
-        if next_ids.shape[0] != cache["mask"].shape[0]:
-            raise InputError(f"next_ids has {next_ids.shape[0]} rows, cache has "
-                             f"{cache['mask'].shape[0]}")
-        bad = (next_ids < 0) | (next_ids >= self.cfg.vocab_size)
-        if bad.any():
-            raise InputError(f"token id {int(next_ids[bad][0])} is outside the vocabulary "
-                             f"(vocab_size={self.cfg.vocab_size})")
-        logits, cache = self._decode(self.state, cache, next_ids.astype(np.int64))
+        B, S = cache["mask"].shape
+        next_ids = check_next_ids(self.cfg, next_ids, B, int(cache["index"]), S)
+        logits, cache = self._decode(self.state, cache, next_ids)
         return np.asarray(logits), cache
 
     def generate(self, tokens, attention_mask=None, max_new_tokens=32, do_sample=False,

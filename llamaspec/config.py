@@ -91,7 +91,7 @@ _HARMLESS = {
     "begin_suppress_tokens", "diversity_penalty", "early_stopping",
     "encoder_no_repeat_ngram_size", "forced_bos_token_id", "forced_eos_token_id",
     "length_penalty", "no_repeat_ngram_size", "num_beam_groups", "typical_p",
-    "typical_p", "chat_template",
+    "chat_template",
 }
 
 
@@ -215,6 +215,10 @@ def _parse_rope(d: dict[str, Any], source: str, max_pos: int) -> RopeConfig:
     orig = merged.get("original_max_position_embeddings")
     if rtype == "llama3" and orig is None:
         raise ConfigError(f"{source}: rope type 'llama3' needs 'original_max_position_embeddings'")
+    if rtype == "llama3" and not (float(merged.get("high_freq_factor", 4.0))
+                                  > float(merged.get("low_freq_factor", 1.0))):
+        raise ConfigError(f"{source}: llama3 rope needs high_freq_factor > low_freq_factor "
+                          f"(got {merged.get('high_freq_factor')} and {merged.get('low_freq_factor')})")
     if rtype == "dynamic":
         orig = max_pos  # transformers scales against max_position_embeddings itself
     return RopeConfig(

@@ -83,3 +83,29 @@ def left_align(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarra
             out_ids[b, T - n:] = real
             out_mask[b, T - n:] = 1
     return out_ids, out_mask
+
+
+def check_prefill(cfg: LlamaConfig, ids, mask, total_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prefill input: valid tokens, left-aligned rows (generation appends at one shared
+    slot), and a cache long enough for the prompt."""
+    ids, mask = check_tokens(cfg, ids, mask)
+    if not mask[:, -1].all():
+        raise InputError("prefill needs left-aligned rows with at least one token each "
+                         "(see llamaspec.left_align): the last slot must be real in every row")
+    if total_len < ids.shape[1]:
+        raise InputError(f"total_len={total_len} is shorter than the prompt ({ids.shape[1]})")
+    return ids, mask
+
+
+def check_next_ids(cfg: LlamaConfig, next_ids, rows: int, index: int, slots: int) -> np.ndarray:
+    """One decode step's tokens [B]: right row count, inside the vocabulary, cache not full."""
+    if index >= slots:
+        raise InputError(f"KV cache is full ({slots} slots); prefill with a larger total_len")
+    next_ids = np.asarray(next_ids).reshape(-1)
+    if next_ids.shape[0] != rows:
+        raise InputError(f"next_ids has {next_ids.shape[0]} rows, cache has {rows}")
+    bad = (next_ids < 0) | (next_ids >= cfg.vocab_size)
+    if bad.any():
+        raise InputError(f"token id {int(next_ids[bad][0])} is outside the vocabulary "
+                         f"(vocab_size={cfg.vocab_size})")
+    return next_ids.astype(np.int64)

@@ -52,10 +52,6 @@ def component_of(tap: str) -> str:
     return _COMPONENT_OF_LAYER_TAP[name]
 
 
-def order_key(tap: str, num_layers: int) -> int:
-    return all_taps(num_layers).index(tap)
-
-
 def resolve(requested, num_layers: int) -> tuple[str, ...]:
     """Expands names and glob patterns ('layers.*.out', '*') into concrete tap names.
 

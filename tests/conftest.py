@@ -1,4 +1,4 @@
-import os
+import types
 from pathlib import Path
 
 import numpy as np
@@ -57,3 +57,46 @@ def smollm2():
         pytest.skip("SmolLM2 weights not cached: run `llama-parity fetch-smollm2` "
                     "(the README's test command does)")
     return d
+
+
+class _TorchAllF64(types.ModuleType):
+    """Stands in for `torch` inside transformers' Llama and RoPE modules so that their
+    float32 islands (RMSNorm, RoPE tables, softmax) run in float64: torch.float and
+    torch.float32 name float64 there, everything else is the real torch. The result is
+    a transformers Llama that is float64 end to end, with its own formulas untouched:
+    an independent fp64 implementation to check ours against."""
+
+    def __init__(self, name, torch):
+        super().__init__(name)
+        self._torch = torch
+        self.float = self.float32 = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+def hf_logits(folder, ids, mask=None, true_f64=False, dtype=None):
+    """transformers LlamaForCausalLM (eager attention) logits as numpy.
+
+    dtype defaults to float64. true_f64=True also moves transformers' internal f32 steps
+    to f64 (and the default dtype, which dynamic NTK's base uses).
+    """
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers import modeling_rope_utils
+    from transformers.models.llama import modeling_llama
+
+    saved = modeling_llama.torch, modeling_rope_utils.torch, torch.get_default_dtype()
+    if true_f64:
+        modeling_llama.torch = modeling_rope_utils.torch = _TorchAllF64("torch", torch)
+        torch.set_default_dtype(torch.float64)
+    try:
+        hf = transformers.LlamaForCausalLM.from_pretrained(
+            folder, dtype=dtype or torch.float64, attn_implementation="eager").eval()
+        with torch.no_grad():
+            m = None if mask is None else torch.from_numpy(np.asarray(mask))
+            logits = hf(torch.from_numpy(np.asarray(ids)), attention_mask=m).logits
+            return (logits if logits.dtype == torch.float64 else logits.float()).numpy()
+    finally:
+        modeling_llama.torch, modeling_rope_utils.torch = saved[:2]
+        torch.set_default_dtype(saved[2])

@@ -1,14 +1,14 @@
-"""Behaviour both models must share: transformers agreement, KV cache, padding, generation,
-taps, policies. Every test runs for torchref and for jaxmodel."""
+"""Behaviour both models must share, each test run for torchref and for jaxmodel:
+agreement with transformers, KV cache, padding, generation, taps, presets, errors."""
 
 import importlib
 
+import ml_dtypes
 import numpy as np
 import pytest
-import torch
 
-from llamaspec import InputError, Policy, PRESETS, taps
-from conftest import CONFIGS, rel_l2
+from llamaspec import InputError, Policy, PRESETS, LlamaConfig, expected_shapes, taps
+from conftest import CONFIGS, hf_logits, rel_l2
 
 FRAMEWORKS = ["torchref", "jaxmodel"]
 
@@ -17,35 +17,67 @@ def load(framework, folder, policy="fp64", **kw):
     return importlib.import_module(framework).from_pretrained(folder, policy=policy, **kw)
 
 
-def hf_logits(folder, ids, mask=None, dtype=torch.float64):
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype,
-                                                       attn_implementation="eager").eval()
-    with torch.no_grad():
-        m = None if mask is None else torch.from_numpy(mask)
-        return hf(torch.from_numpy(ids), attention_mask=m).logits.float().numpy() \
-            if dtype != torch.float64 else hf(torch.from_numpy(ids), attention_mask=m).logits.numpy()
-
-
 def tokens(B=2, T=24, vocab=96, seed=0):
     return np.random.default_rng(seed).integers(3, vocab, (B, T))
 
 
+def seq_len(config):
+    # dynamic NTK only changes anything past max_position_embeddings (128)
+    return 150 if config == "dynamic" else 40
+
+
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_matches_transformers_with_its_f32_steps(framework, config, tiny_dir):
+def test_fp64_matches_transformers_in_true_float64(framework, config, tiny_dir):
+    """The semantic check: the same math as transformers, to float64 rounding."""
+    folder = tiny_dir(config)
+    ids = tokens(T=seq_len(config))
+    err = rel_l2(np.asarray(load(framework, folder, "fp64")(ids)), hf_logits(folder, ids, true_f64=True))
+    assert err <= 1e-12, f"{framework}/{config}: rel L2 {err:.2e} vs transformers in true float64"
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_fp64_hf_policy_matches_stock_transformers(framework, config, tiny_dir):
     """fp64-hf keeps transformers' f32 norm/RoPE/softmax inside an f64 run.
 
     torchref runs those f32 steps with torch's own kernels, so it must match to 1e-10
-    (it is bitwise equal today). jaxmodel runs them with XLA's f32 cos/sin/rsqrt/exp,
-    which differ from torch's by an ulp here and there: ~1e-7, f32 roundoff, the figure
-    a user should expect for a cross-framework run that keeps f32 steps.
+    (it is bitwise equal today). jaxmodel runs them with XLA's f32 rsqrt/exp/cos, which
+    differ from torch's by an ulp here and there: ~1e-7, f32 roundoff, the figure to
+    expect for a cross-framework run that keeps f32 steps.
     """
     folder = tiny_dir(config)
-    ids = tokens(T=40)
+    ids = tokens(T=seq_len(config))
     err = rel_l2(np.asarray(load(framework, folder, "fp64-hf")(ids)), hf_logits(folder, ids))
     bound = 1e-10 if framework == "torchref" else 1e-6
     assert err <= bound, f"{framework}/{config}: rel L2 {err:.2e} vs transformers (fp64-hf)"
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("rope", ["default", "llama3", "linear", "dynamic"])
+def test_rope_inv_freq_f32_matches_transformers(framework, rope, tiny_dir):
+    """Component check in float32, where transformers computes its RoPE tables."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from transformers import modeling_rope_utils
+    from transformers.models.llama import modeling_llama
+    params = {"default": {"rope_type": "default"},
+              "llama3": CONFIGS["llama3"]["rope_scaling"],
+              "linear": {"rope_type": "linear", "factor": 2.0},
+              "dynamic": {"rope_type": "dynamic", "factor": 2.0}}[rope]
+    d = dict(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+             num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6,
+             max_position_embeddings=128, rope_parameters={**params, "rope_theta": 10000.0})
+    init = modeling_rope_utils.ROPE_INIT_FUNCTIONS.get(
+        rope, modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters)
+    cfg = LlamaConfig.from_dict(d)
+    ops = importlib.import_module(framework).ops
+    f32 = torch.float32 if framework == "torchref" else np.float32
+    for n in ((None, 200) if rope == "dynamic" else (None,)):
+        kw = {} if n is None else {"seq_len": torch.tensor(n)}
+        want = init(transformers.LlamaConfig(**d), device=None, **kw)[0].numpy()
+        got = np.asarray(ops.rope_inv_freq(cfg.rope, cfg.head_dim, 128, n or 1, f32))
+        np.testing.assert_allclose(got, want, rtol=2.4e-7, atol=0)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -53,51 +85,57 @@ def test_kv_cache_matches_full_recompute(framework, tiny_dir):
     m = load(framework, tiny_dir("gqa"))
     ids = tokens(B=2, T=7)
     mask = np.ones_like(ids)
-    mask[1, :3] = 0                     # a left-padded row
-    aligned_ids, aligned_mask = ids, mask
-    logits, cache = m.prefill(aligned_ids, aligned_mask, 16)
-    seq, seq_mask = aligned_ids, aligned_mask
-    for step in range(6):
-        full = np.asarray(m(seq, attention_mask=seq_mask))[:, -1]
-        err = rel_l2(logits, full)
-        assert err <= 1e-12, f"step {step}: cached vs recomputed rel L2 {err:.2e}"
-        nxt = np.array([5 + step, 40 + step])
-        logits, cache = m.decode(cache, nxt)
+    ids[1, :3], mask[1, :3] = 0, 0           # a left-padded row
+    logits, cache = m.prefill(ids, mask, 16)
+    steps, seq, seq_mask = [logits], ids, mask
+    for _ in range(6):
+        nxt = np.asarray(logits).argmax(-1)
         seq = np.concatenate([seq, nxt[:, None]], 1)
-        seq_mask = np.concatenate([seq_mask, np.ones((2, 1), seq_mask.dtype)], 1)
+        seq_mask = np.concatenate([seq_mask, np.ones((2, 1), mask.dtype)], 1)
+        logits, cache = m.decode(cache, nxt)
+        steps.append(logits)
+    full = np.asarray(m(seq, attention_mask=seq_mask))
+    for j, step in enumerate(steps):
+        err = rel_l2(step, full[:, 6 + j])
+        assert err <= 1e-12, f"step {j}: cached vs recomputed rel L2 {err:.2e}"
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_padding_left_and_right_match_unpadded(framework, tiny_dir):
+def test_padding_left_right_interior_match_unpadded(framework, tiny_dir):
     m = load(framework, tiny_dir("gqa"))
     row = tokens(B=1, T=9, seed=3)[0]
     alone = np.asarray(m(row[None]))[0]
-    ids = np.zeros((3, 13), np.int64)
-    mask = np.zeros((3, 13), np.int64)
-    ids[0, 4:], mask[0, 4:] = row, 1            # left padded
-    ids[1, :9], mask[1, :9] = row, 1            # right padded
-    out = np.asarray(m(ids, attention_mask=mask))  # row 2: fully padded
-    assert rel_l2(out[0, 4:], alone) <= 1e-12
-    assert rel_l2(out[1, :9], alone) <= 1e-12
+    ids = np.zeros((4, 13), np.int64)
+    mask = np.zeros((4, 13), np.int64)
+    where = [np.arange(4, 13), np.arange(0, 9), np.array([0, 1, 3, 4, 5, 8, 9, 10, 12])]
+    for b, slots in enumerate(where):                # left, right, interior padding
+        ids[b, slots], mask[b, slots] = row, 1
+    ids[3] = 5                                       # row 3: fully padded
+    out = np.asarray(m(ids, attention_mask=mask))
     assert np.isfinite(out).all(), "NaN/Inf on a padded row"
+    for b, slots in enumerate(where):
+        err = rel_l2(out[b, slots], alone)
+        assert err <= 1e-12, f"padding layout {b}: rel L2 {err:.2e} vs the row alone"
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_batched_generation_matches_single_rows(framework, tiny_dir):
-    m = load(framework, tiny_dir("gqa"), "fp32")
+def test_batched_generation_matches_single_rows_and_sampling_is_seeded(framework, tiny_dir):
+    m = load(framework, tiny_dir("gqa"), "fp64")
     rows = [tokens(B=1, T=n, seed=n)[0] for n in (5, 9)]
     ids = np.zeros((2, 9), np.int64)
     mask = np.zeros((2, 9), np.int64)
-    ids[0, 4:], mask[0, 4:] = rows[0], 1
+    ids[0, :5], mask[0, :5] = rows[0], 1             # right padded: generate re-aligns it
     ids[1], mask[1] = rows[1], 1
-    batched = m.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_ids=[])
+    kw = dict(max_new_tokens=8, eos_token_ids=[])
+    batched = m.generate(ids, attention_mask=mask, **kw)
+    assert batched.shape == (2, 8) and batched.dtype == np.int64
     for b, r in enumerate(rows):
-        single = m.generate(r[None], max_new_tokens=8, eos_token_ids=[])
-        assert batched[b].tolist() == single[0].tolist()
-    # seeded sampling is reproducible, and a different seed can differ
-    s1 = m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, seed=7, eos_token_ids=[])
-    s2 = m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, seed=7, eos_token_ids=[])
-    assert s1.tolist() == s2.tolist()
+        assert batched[b].tolist() == m.generate(r[None], **kw)[0].tolist()
+    sample = dict(kw, do_sample=True, temperature=1.5, top_k=20, top_p=0.9)
+    s1 = m.generate(ids, attention_mask=mask, seed=11, **sample)
+    s2 = m.generate(ids, attention_mask=mask, seed=11, **sample)
+    s3 = m.generate(ids, attention_mask=mask, seed=12, **sample)
+    assert s1.tolist() == s2.tolist() and s1.tolist() != s3.tolist()
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -110,27 +148,40 @@ def test_generation_stops_on_eos(framework, tiny_dir):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_taps_are_exactly_what_was_asked(framework, tiny_dir):
-    m = load(framework, tiny_dir("head_dim"), "fp32")
+def test_capture_names_shapes_dtypes(framework, tiny_dir):
+    m = load(framework, tiny_dir("head_dim"), "bf16")
     cfg = m.cfg
     ids = tokens(B=2, T=5)
-    logits, acts = m.capture(ids, taps=["embed", "layers.1.*", "final_norm", "logits"])
-    assert list(acts) == list(taps.resolve(["embed", "layers.1.*", "final_norm", "logits"], 2))
-    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    assert acts["layers.1.q"].shape == (2, 5, hq, hd) and acts["layers.1.k_rope"].shape == (2, 5, hkv, hd)
-    assert acts["layers.1.attn_ctx"].shape == (2, 5, hq * hd)
-    assert acts["layers.1.act"].shape == (2, 5, cfg.intermediate_size)
-    assert acts["layers.1.out"].shape == (2, 5, cfg.hidden_size)
+    (B, T), D, hd = ids.shape, cfg.hidden_size, cfg.head_dim
+    Hq, Hkv, F = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    logits, acts = m.capture(ids, taps="*")
+    assert list(acts) == taps.all_taps(cfg.num_hidden_layers)
+    shapes = {"q": (B, T, Hq, hd), "q_rope": (B, T, Hq, hd), "k": (B, T, Hkv, hd),
+              "k_rope": (B, T, Hkv, hd), "v": (B, T, Hkv, hd), "attn_ctx": (B, T, Hq * hd),
+              "gate": (B, T, F), "up": (B, T, F), "act": (B, T, F), "logits": (B, T, cfg.vocab_size)}
+    for name, x in acts.items():
+        assert x.shape == shapes.get(taps.parse(name)[1], (B, T, D)), name
+        # bf16 preset: activations stay bf16 (no silent upcast), logits are f32
+        assert x.dtype == (np.float32 if name == "logits" else ml_dtypes.bfloat16), name
     assert np.array_equal(acts["logits"], logits)
-    # XLA compiles a different program when intermediate outputs are requested, and may
-    # fuse (and so round) differently: capture and __call__ agree to f32 roundoff there.
+    _, some = m.capture(ids, taps=("layers.1.q", "final_norm"))
+    assert list(some) == ["layers.1.q", "final_norm"]
+    with pytest.raises(KeyError, match="unknown tap 'layers.9.q'"):
+        m.capture(ids, taps=("layers.9.q",))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_observing_activations_does_not_change_them(framework, tiny_dir):
+    """Logits and taps are bitwise the same whatever else is captured (XLA could fuse
+    differently when a program returns more; jaxmodel.dtypes sets the option that stops it)."""
+    m = load(framework, tiny_dir("gqa"), "fp32")
+    ids = tokens(B=2, T=16, seed=5)
     plain = np.asarray(m(ids))
-    if framework == "torchref":
-        assert np.array_equal(logits, plain)
-    else:
-        assert rel_l2(logits, plain) < 1e-6
-    _, bf = load(framework, tiny_dir("head_dim"), "bf16").capture(ids, taps="layers.0.q")
-    assert bf["layers.0.q"].dtype.name == "bfloat16"
+    few_logits, few = m.capture(ids, taps=("layers.0.q_rope", "layers.1.k_rope"))
+    all_logits, everything = m.capture(ids, taps="*")
+    assert np.array_equal(few_logits, plain) and np.array_equal(all_logits, plain)
+    for name, x in few.items():
+        assert np.array_equal(x, everything[name]), name
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -138,29 +189,54 @@ def test_every_preset_runs_and_knobs_matter(framework, tiny_dir):
     folder = tiny_dir("gqa")
     ids = tokens(B=2, T=16)
     oracle = np.asarray(load(framework, folder, "fp64")(ids))
-    errs = {}
-    for name in PRESETS:
-        out = np.asarray(load(framework, folder, name)(ids), np.float64)
-        assert np.isfinite(out).all(), name
-        errs[name] = rel_l2(out, oracle)
-    assert errs["fp64"] == 0
-    assert errs["fp32"] < 1e-5 and errs["tf32"] < 1e-5      # CPU: tf32 is ieee
-    assert 1e-4 < errs["bf16"] < 5e-2 and 1e-5 < errs["fp16"] < 1e-2
-    one_knob = Policy.get("fp32", softmax_dtype="bfloat16")
-    e = rel_l2(np.asarray(load(framework, folder, one_knob)(ids), np.float64), oracle)
-    assert e > 10 * errs["fp32"], f"softmax in bf16 should cost precision: {e:.2e} vs {errs['fp32']:.2e}"
+    bound = {"fp64": 0, "fp64-hf": 1e-6, "fp32": 1e-5, "tf32": 1e-5,  # CPU: tf32 is ieee
+             "bf16w-f32": 5e-2, "fp16": 1e-2, "bf16": 5e-2}
+    for name, policy in PRESETS.items():
+        out = np.asarray(load(framework, folder, name)(ids))
+        assert out.dtype == np.dtype(policy.logits_dtype), name
+        err = rel_l2(out, oracle)
+        assert np.isfinite(err) and err <= bound[name], f"{name}: {err:.2e}"
+    fp32 = rel_l2(np.asarray(load(framework, folder, "fp32")(ids)), oracle)
+    one_knob = rel_l2(np.asarray(load(framework, folder, Policy.get("fp32", softmax_dtype="bfloat16"))(ids)),
+                      oracle)
+    assert one_knob > 10 * fp32, f"softmax in bf16 should cost precision: {one_knob:.2e} vs {fp32:.2e}"
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_weights_keep_checkpoint_names_shapes_and_param_dtype(framework, tiny_dir):
+    m = load(framework, tiny_dir("bias"), "bf16")
+    want = {k: tuple(s) for k, s in expected_shapes(m.cfg).items()}
+    if framework == "torchref":
+        got = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+        assert all(str(v.dtype) == "torch.bfloat16" for v in m.state_dict().values())
+    else:
+        from flax import nnx
+        flat = nnx.to_flat_state(m.state)
+        got = {"model." * (p[0] != "lm_head") + ".".join(map(str, p)): tuple(v.shape) for p, v in flat}
+        assert all(v.dtype == ml_dtypes.bfloat16 for _, v in flat)
+    assert got == want
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_bad_inputs_are_clear_errors(framework, tiny_dir):
-    m = load(framework, tiny_dir("gqa"), "fp32")
+    folder = tiny_dir("gqa")
+    m = load(framework, folder, "fp32")
     with pytest.raises(InputError, match="outside the vocabulary"):
         m(np.array([[1, 2, 96]]))
     with pytest.raises(InputError, match="longer than max_position_embeddings"):
         m(np.ones((1, 129), np.int64))
     with pytest.raises(InputError, match="empty"):
         m(np.zeros((1, 0), np.int64))
+    with pytest.raises(InputError, match="1-D"):
+        m(np.array([1, 2, 3]))
     with pytest.raises(InputError, match="empty prompt"):
         m.generate(np.array([[1, 2]]), attention_mask=np.array([[0, 0]]))
+    with pytest.raises(InputError, match="including 100 new tokens"):
+        m.generate(np.ones((1, 40), np.int64), max_new_tokens=100)
+    _, cache = m.prefill(np.array([[4, 5, 6]]), np.ones((1, 3), np.int64), 4)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        m.decode(cache, np.array([-1]))
     with pytest.raises(Exception, match="unknown precision policy 'fp12'"):
-        load(framework, tiny_dir("gqa"), "fp12")
+        load(framework, folder, "fp12")
+    with pytest.raises(NotImplementedError, match="batch_invariant"):
+        load(framework, folder, batch_invariant=True)

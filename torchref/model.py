@@ -15,6 +15,7 @@ from torch import nn
 
 from llamaspec import (LlamaConfig, Policy, Sampling, check_tokens, generate as run_generation,
                        load_weights, positions_from_mask, taps as tapnames)
+from llamaspec.inputs import check_next_ids, check_prefill
 
 from . import ops
 from .dtypes import dt, from_numpy, matmul_settings, to_numpy
@@ -243,6 +244,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def prefill(self, ids: np.ndarray, mask: np.ndarray, total_len: int):
         """Runs the left-aligned prompt, filling a cache of total_len slots."""
+        ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         B, T = ids.shape
         cfg, compute = self.cfg, dt(self.policy.compute_dtype)
         shape = (B, cfg.num_key_value_heads, total_len, cfg.head_dim)
@@ -262,10 +264,10 @@ class LlamaModel(nn.Module):
     def decode(self, cache, next_ids: np.ndarray):
         """One token per row at slot cache['index']; returns (logits [B, V], cache)."""
         i = cache["index"]
-        if i >= cache["mask"].shape[1]:
-            raise IndexError(f"KV cache full ({i} slots)")
+        B, S = cache["mask"].shape
+        next_ids = check_next_ids(self.cfg, next_ids, B, i, S)
         cache["mask"][:, i] = 1
-        ids = torch.from_numpy(np.asarray(next_ids, np.int64)).to(self.device)[:, None]
+        ids = torch.from_numpy(next_ids).to(self.device)[:, None]
         pos = cache["next_pos"][:, None]
         with matmul_settings(self.policy):
             logits = self._run(ids, pos, self._causal(cache["mask"], 1, i), Recorder(), cache, i)
