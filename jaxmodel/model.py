@@ -30,7 +30,7 @@ from jax import lax
 
 from llamaspec import (LlamaConfig, Policy, Sampling, check_tokens, generate,
                        load_weights, positions_from_mask, taps as tapnames)
-from llamaspec.inputs import check_next_ids, check_prefill
+from llamaspec.inputs import check_inject, check_next_ids, check_prefill
 
 from . import ops
 from .dtypes import compiler_options, numpy_dtype, of
@@ -164,8 +164,9 @@ class Llama(nnx.Module):
         self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False)
 
-    def __call__(self, ids, positions, allowed, taps=(), cache=None, last_only=False):
+    def __call__(self, ids, positions, allowed, taps=(), cache=None, last_only=False, inject=None):
         """ids, positions [B, T]; allowed [B, T, S]. cache: None or (k_all, v_all, index).
+        inject {i: h}: teacher forcing, layer i's input is replaced by h.
 
         Returns (logits, acts, cache); last_only computes logits for slot T-1 only.
         """
@@ -177,6 +178,8 @@ class Llama(nnx.Module):
                                      jnp.max(positions) + 1, rope)
         cos, sin = ops.rope_cos_sin(inv_freq, positions, rope)
         for i, block in enumerate(self.layers):
+            if inject and i in inject:
+                h = inject[i].astype(of(policy.residual_dtype))
             h, cache = block(h, cos, sin, allowed, policy, rec.layer(i), cache, i)
         if last_only:
             h = h[:, -1:]
@@ -193,11 +196,11 @@ def _causal(T, S):
     return jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]
 
 
-def _forward(graphdef, state, ids, mask, positions, *, taps):
+def _forward(graphdef, state, ids, mask, positions, inject, *, taps):
     model = nnx.merge(graphdef, state)
     T = ids.shape[1]
     allowed = mask.astype(bool)[:, None, :] & _causal(T, T)[None]
-    logits, acts, _ = model(ids, positions, allowed, taps=taps)
+    logits, acts, _ = model(ids, positions, allowed, taps=taps, inject=inject)
     return logits, acts
 
 
@@ -262,16 +265,19 @@ class LlamaModel:
     def __call__(self, tokens, attention_mask=None):
         """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
-        logits, _ = self._forward(self.state, ids, mask, positions_from_mask(mask), taps=())
+        logits, _ = self._forward(self.state, ids, mask, positions_from_mask(mask), {}, taps=())
         return logits
 
-    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",)):
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
         """(logits as numpy, {tap: numpy activation}) for the requested tap names/patterns.
 
-        Activations keep their dtype (bf16 stays bf16, via ml_dtypes)."""
+        Activations keep their dtype (bf16 stays bf16, via ml_dtypes). inject: {layer
+        index: array [B, T, hidden]} replaces the input of those layers (teacher forcing).
+        The set of injected layers is part of the compiled program's structure."""
         names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
-        logits, acts = self._forward(self.state, ids, mask, positions_from_mask(mask),
+        forced = {i: jnp.asarray(x) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
+        logits, acts = self._forward(self.state, ids, mask, positions_from_mask(mask), forced,
                                      taps=names)
         return np.asarray(logits), {n: np.asarray(acts[n]) for n in names}
 

@@ -109,3 +109,19 @@ def check_next_ids(cfg: LlamaConfig, next_ids, rows: int, index: int, slots: int
         raise InputError(f"token id {int(next_ids[bad][0])} is outside the vocabulary "
                          f"(vocab_size={cfg.vocab_size})")
     return next_ids.astype(np.int64)
+
+
+def check_inject(cfg: LlamaConfig, inject, tokens_shape) -> dict[int, np.ndarray]:
+    """Teacher-forcing inputs {layer index: [B, T, hidden]}: valid layers, right shapes."""
+    if not inject:
+        return {}
+    want = (*tokens_shape, cfg.hidden_size)
+    out = {}
+    for layer, x in inject.items():
+        if not (isinstance(layer, (int, np.integer)) and 0 <= layer < cfg.num_hidden_layers):
+            raise InputError(f"inject: layer {layer!r} is not in 0..{cfg.num_hidden_layers - 1}")
+        x = np.asarray(x)
+        if x.shape != want:
+            raise InputError(f"inject[{layer}]: shape {x.shape}, expected {want}")
+        out[int(layer)] = x
+    return out

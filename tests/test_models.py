@@ -240,3 +240,28 @@ def test_bad_inputs_are_clear_errors(framework, tiny_dir):
         load(framework, folder, "fp12")
     with pytest.raises(NotImplementedError, match="batch_invariant"):
         load(framework, folder, batch_invariant=True)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_teacher_forcing_replaces_layer_inputs(framework, tiny_dir):
+    """inject {i: h}: layer i runs on h whatever came before; one call forces every layer."""
+    folder = tiny_dir("gqa")
+    m64 = load(framework, folder, "fp64")
+    ids = tokens(B=2, T=10, seed=9)
+    _, ref = m64.capture(ids, taps=["embed", "layers.*.out"])
+    # Forcing each layer with its own fp64 input reproduces the normal run exactly.
+    inject = {0: ref["embed"], 1: ref["layers.0.out"]}
+    _, forced = m64.capture(ids, taps="layers.*.out", inject=inject)
+    assert all(np.array_equal(forced[k], ref[k]) for k in forced)
+    # A perturbed input to layer 1 leaves layer 0 untouched and changes layer 1.
+    bumped = {1: ref["layers.0.out"] * 1.01}
+    _, out = m64.capture(ids, taps="layers.*.out", inject=bumped)
+    assert np.array_equal(out["layers.0.out"], ref["layers.0.out"])
+    assert not np.allclose(out["layers.1.out"], ref["layers.1.out"])
+    # Local error: fp32 fed the fp64 inputs differs from fp64 by rounding only.
+    _, local = load(framework, folder, "fp32").capture(ids, taps="layers.*.out", inject=inject)
+    assert rel_l2(local["layers.1.out"], ref["layers.1.out"]) < 1e-6
+    with pytest.raises(InputError, match="inject: layer 7"):
+        m64.capture(ids, inject={7: ref["embed"]})
+    with pytest.raises(InputError, match=r"inject\[0\]: shape"):
+        m64.capture(ids, inject={0: ref["embed"][:, :3]})

@@ -15,7 +15,7 @@ from torch import nn
 
 from llamaspec import (LlamaConfig, Policy, Sampling, check_tokens, generate as run_generation,
                        load_weights, positions_from_mask, taps as tapnames)
-from llamaspec.inputs import check_next_ids, check_prefill
+from llamaspec.inputs import check_inject, check_next_ids, check_prefill
 
 from . import ops
 from .dtypes import dt, from_numpy, matmul_settings, to_numpy
@@ -192,13 +192,20 @@ class LlamaModel(nn.Module):
                                      seq_len, rope_dtype).to(self.device)
         return ops.rope_cos_sin(inv_freq, positions, rope_dtype)
 
-    def _run(self, ids, positions, allowed, rec, cache=None, index=0, last_only=False):
-        """Embedding -> blocks -> final norm -> lm_head, recording taps on the way."""
+    def _run(self, ids, positions, allowed, rec, cache=None, index=0, last_only=False, inject=None):
+        """Embedding -> blocks -> final norm -> lm_head, recording taps on the way.
+
+        inject {i: h}: teacher forcing, the residual stream entering layer i is replaced
+        by h (cast to residual_dtype), whatever the layers before it produced.
+        """
         policy = self.policy
-        h = self.model.embed_tokens.weight[ids].to(dt(policy.residual_dtype))
+        residual = dt(policy.residual_dtype)
+        h = self.model.embed_tokens.weight[ids].to(residual)
         rec("embed", h)
         cos, sin = self._rope(positions)
         for i, block in enumerate(self.model.layers):
+            if inject and i in inject:
+                h = inject[i].to(residual)
             kv = None if cache is None else (cache["k"][i], cache["v"][i])
             h = block(h, cos, sin, allowed, policy, rec, f"layers.{i}.", kv, index)
         x = self.model.norm(h, policy)
@@ -230,13 +237,19 @@ class LlamaModel(nn.Module):
             return self._run(ids, pos, self._causal(mask, ids.shape[1]), Recorder())
 
     @torch.inference_mode()
-    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",)):
-        """(logits, {tap: activation}) as numpy arrays in the dtypes they were computed in."""
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
+        """(logits, {tap: activation}) as numpy arrays in the dtypes they were computed in.
+
+        inject: {layer index: array [B, T, hidden]} replaces the input of those layers
+        (teacher forcing: feed every layer the oracle's input to measure its local error).
+        """
         wanted = tapnames.resolve(taps, self.cfg.num_hidden_layers)
         ids, mask, pos = self._inputs(tokens, attention_mask)
+        forced = {i: from_numpy(np.asarray(x)).to(self.device)
+                  for i, x in check_inject(self.cfg, inject, ids.shape).items()}
         rec = Recorder(wanted)
         with matmul_settings(self.policy):
-            logits = self._run(ids, pos, self._causal(mask, ids.shape[1]), rec)
+            logits = self._run(ids, pos, self._causal(mask, ids.shape[1]), rec, inject=forced)
         return to_numpy(logits), {k: to_numpy(rec.acts[k]) for k in wanted}
 
     # ----- generation ----------------------------------------------------------------
