@@ -1,0 +1,322 @@
+"""Capture adapter for a transformers LlamaForCausalLM instance.
+
+Exposes a user's transformers model under the shared tap names (llamaspec.taps), with
+the same shapes and meaning as torchref's and jaxmodel's `capture`, so the comparison
+engine can put it on either side of a comparison:
+
+    a = HFAdapter(model)               # used as given: its dtype, device, attention backend
+    logits, acts = a.capture(tokens, mask, taps=("layers.*.out",), inject={1: h})
+
+Taps come from forward hooks and forward pre-hooks on module boundaries. They are
+registered for one call and removed in a `finally`, so the model is left as given
+(transformers' own lazily installed output-capturing hooks are not touched).
+
+    tap         hook                                           tap        hook
+    embed       embed_tokens output                            mlp_norm   post_attention_layernorm output
+    attn_norm   input_layernorm output                         gate, up   gate_proj / up_proj output
+    q, k, v     q_proj / k_proj / v_proj output, [B,T,H,D]     act        down_proj input (silu(gate)*up)
+    attn_ctx    o_proj input                                   mlp_out    mlp output
+    attn_out    o_proj output                                  out        decoder layer output
+    resid_mid   post_attention_layernorm input                 final_norm model.norm output
+                                                               logits     lm_head output
+
+q_rope / k_rope are not available: see UNAVAILABLE.
+
+Attention backend: the model runs with whatever `config._attn_implementation` it has
+(transformers 5 defaults to "sdpa"). Our peer checks (tests, fp64-hf parity against
+torchref) load transformers with attn_implementation="eager", whose arithmetic
+(matmul, f32 softmax, matmul) is the one torchref reproduces.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+import warnings
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from llamaspec import InputError, positions_from_mask, taps as tapnames
+from llamaspec.inputs import check_inject
+
+def _rope_reason(what: str) -> str:
+    return (f"transformers applies RoPE inside LlamaAttention.forward (apply_rotary_pos_emb, a plain "
+            f"function, not a module): there is no module boundary to hook, and the rotated {what} are "
+            "observable only by monkeypatching transformers or switching the model's attention "
+            "implementation, which this adapter does not do")
+
+
+UNAVAILABLE = {"q_rope": _rope_reason("queries"), "k_rope": _rope_reason("keys")}
+
+# transformers 5.24, eager attention, float64 model: the additive mask holds float64's
+# minimum, which becomes -inf when the scores are cast to float32 for the softmax. A
+# query slot with no real token at or before it (left padding) then gets an all -inf
+# row, softmax gives NaN there, and from the next layer on that NaN reaches every real
+# position of the row through 0 * NaN in probs @ V. float32/bf16 models (finite mask
+# minimum) and sdpa attention are not affected, nor is right padding.
+EAGER_F64_LEFT_PADDING = (
+    "transformers' eager attention in a float64 model gives NaN for query slots that see no "
+    "real token (left padding): the float64 mask minimum becomes -inf in its float32 softmax, "
+    "and from the next layer on the NaN reaches the row's real positions through 0 * NaN in "
+    "probs @ V. Use attn_implementation='sdpa' for float64 runs (copy_at(model, 'float64', "
+    "attn_implementation='sdpa')), right padding, or one row per call.")
+
+_TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32,
+                 "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """torch -> numpy copy, keeping bf16 as ml_dtypes.bfloat16 (never silently upcast)."""
+    t = t.detach().to("cpu", copy=True).contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _from_numpy(a) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        return a
+    a = np.ascontiguousarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def _torch_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype
+    if name not in _TORCH_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_TORCH_DTYPES)}")
+    return _TORCH_DTYPES[name]
+
+
+def copy_at(model, dtype, attn_implementation: str | None = None):
+    """A deep copy of `model` cast to `dtype` (torch dtype or name: "float64", ...).
+
+    The user's instance is never modified: the engine uses this to get e.g. an fp64
+    oracle copy of a bf16 model. Non-persistent buffers (RoPE inverse frequencies) are
+    cast too; transformers' Llama converts them back to float32 before use.
+    attn_implementation switches the copy's attention backend ("eager", "sdpa"); by
+    default the copy keeps the model's. Note EAGER_F64_LEFT_PADDING before making a
+    float64 copy of an eager model for left-padded inputs.
+    """
+    dt = _torch_dtype(dtype)
+    twin = copy.deepcopy(model).to(dt)
+    twin.config.dtype = dt
+    if attn_implementation is not None:
+        twin.set_attn_implementation(attn_implementation)
+    return twin
+
+
+def _first_input(args, kwargs, what):
+    if args:
+        return args[0]
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor):
+            return v
+    raise RuntimeError(f"{what}: the module was called without a tensor input")
+
+
+def _first_output(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def forcing_hook(h: torch.Tensor):
+    """Forward pre-hook (with_kwargs=True) for a decoder layer: its hidden_states input,
+    positional (how LlamaModel calls it) or keyword, is replaced by h cast to that input's
+    dtype and device."""
+    def pre(module, args, kwargs):
+        if args:
+            x = args[0]
+            return (h.to(device=x.device, dtype=x.dtype), *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise RuntimeError(f"inject: {type(module).__name__} was called without hidden_states")
+        x = kwargs["hidden_states"]
+        return args, {**kwargs, "hidden_states": h.to(device=x.device, dtype=x.dtype)}
+    return pre
+
+
+class HFAdapter:
+    """Taps on a transformers LlamaForCausalLM, as numpy arrays under llamaspec tap names."""
+
+    unavailable_taps = dict(UNAVAILABLE)
+
+    def __init__(self, model):
+        backbone = getattr(model, "model", None)
+        layers = getattr(backbone, "layers", None)
+        needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        if layers is None or getattr(model, "lm_head", None) is None or not all(
+                hasattr(layer, n) for layer in layers for n in needed):
+            raise TypeError(f"HFAdapter needs a transformers LlamaForCausalLM (model.model.layers[i]."
+                            f"{{{','.join(needed)}}}, model.lm_head), got {type(model).__name__}")
+        self.model = model
+        self.config = model.config
+        self.num_layers = len(layers)
+        self.attn_implementation = getattr(model.config, "_attn_implementation", None)
+        self.available_taps = tuple(t for t in tapnames.all_taps(self.num_layers)
+                                    if tapnames.parse(t)[1] not in self.unavailable_taps)
+        self._available = set(self.available_taps)
+
+    @classmethod
+    def at_dtype(cls, model, dtype) -> "HFAdapter":
+        """An adapter on a deep copy of `model` cast to `dtype`; `model` is left as is."""
+        return cls(copy_at(model, dtype))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def name(self) -> str:
+        return f"transformers[{self.attn_implementation}, {str(self.dtype).removeprefix('torch.')}]"
+
+    # ----- tap names -------------------------------------------------------------------
+
+    def resolve(self, requested) -> tuple[str, ...]:
+        """Names and globs -> concrete available taps.
+
+        An explicitly named unavailable tap is a KeyError with the reason. A glob
+        ('*', 'layers.*.*') expands over the available taps; it is an error only when it
+        matches nothing but unavailable taps.
+        """
+        if requested is None:
+            return ()
+        if isinstance(requested, str):
+            requested = [requested]
+        out: list[str] = []
+        for pattern in requested:
+            hits = tapnames.resolve([pattern], self.num_layers)  # KeyError on unknown names
+            kept = [h for h in hits if h in self._available]
+            if not kept or (len(hits) != len(kept) and not any(c in pattern for c in "*?[")):
+                kind = tapnames.parse(next(h for h in hits if h not in self._available))[1]
+                raise KeyError(f"tap '{pattern}' is not available from a transformers model: "
+                               f"{kind}: {self.unavailable_taps[kind]}")
+            out += [h for h in kept if h not in out]
+        order = {n: i for i, n in enumerate(self.available_taps)}
+        return tuple(sorted(out, key=order.__getitem__))
+
+    # ----- inputs ----------------------------------------------------------------------
+
+    def _inputs(self, tokens, attention_mask):
+        ids = np.asarray(tokens)
+        if ids.ndim != 2 or 0 in ids.shape:
+            raise InputError(f"tokens must be a non-empty [batch, seq] array, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"tokens must be integer ids, got dtype {ids.dtype}")
+        if attention_mask is None:
+            mask = np.ones(ids.shape, np.int64)
+        else:
+            mask = np.asarray(attention_mask)
+            if mask.shape != ids.shape:
+                raise InputError(f"attention_mask shape {mask.shape} != tokens shape {ids.shape}")
+            if not np.isin(mask, (0, 1)).all():
+                raise InputError("attention_mask must hold only 0 and 1")
+            mask = mask.astype(np.int64)
+        real = mask.astype(bool)
+        vocab = self.config.vocab_size
+        bad = real & ((ids < 0) | (ids >= vocab))
+        if bad.any():
+            b, t = map(int, np.argwhere(bad)[0])
+            raise InputError(f"token id {int(ids[b, t])} at [{b}, {t}] is outside the vocabulary "
+                             f"(vocab_size={vocab})")
+        # Padding ids are never read by real positions; clamp them as torchref does.
+        ids = np.where(real, ids, 0).astype(np.int64)
+        # Same positions as our models: real tokens count from 0 whatever the padding side.
+        pos = positions_from_mask(mask).astype(np.int64)
+        dev = self.device
+        return (torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev),
+                torch.from_numpy(pos).to(dev), attention_mask is not None)
+
+    def _explain_nan(self, logits, mask):
+        """NaN is reported, never masked; when it is transformers' known eager-f64
+        left-padding trap, say so."""
+        left_padded = bool((mask[:, 0] == 0).any())
+        if (left_padded and self.attn_implementation == "eager" and self.dtype == torch.float64
+                and bool(torch.isnan(logits).any())):
+            warnings.warn(EAGER_F64_LEFT_PADDING, RuntimeWarning, stacklevel=3)
+
+    # ----- capture ---------------------------------------------------------------------
+
+    def _hook_plan(self, wanted):
+        """[(module, 'pre' | 'post', tap, transform)] for the requested taps only."""
+        m = self.model
+        plan = []
+        top = {"embed": (m.model.embed_tokens, "post"), "final_norm": (m.model.norm, "post"),
+               "logits": (m.lm_head, "post")}
+        for tap in wanted:
+            layer, kind = tapnames.parse(tap)
+            if layer is None:
+                plan.append((*top[kind], tap, None))
+                continue
+            blk = m.model.layers[layer]
+            att, mlp = blk.self_attn, blk.mlp
+            head_dim = att.head_dim
+            per_head = (lambda x, d=head_dim: x.view(*x.shape[:-1], -1, d))
+            where = {
+                "attn_norm": (blk.input_layernorm, "post", None),
+                "q": (att.q_proj, "post", per_head), "k": (att.k_proj, "post", per_head),
+                "v": (att.v_proj, "post", per_head),
+                "attn_ctx": (att.o_proj, "pre", None), "attn_out": (att.o_proj, "post", None),
+                "resid_mid": (blk.post_attention_layernorm, "pre", None),
+                "mlp_norm": (blk.post_attention_layernorm, "post", None),
+                "gate": (mlp.gate_proj, "post", None), "up": (mlp.up_proj, "post", None),
+                "act": (mlp.down_proj, "pre", None), "mlp_out": (mlp, "post", None),
+                "out": (blk, "post", None),
+            }[kind]
+            plan.append((where[0], where[1], tap, where[2]))
+        return plan
+
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
+        """(logits, {tap: activation}) as numpy arrays in the dtypes the model computed.
+
+        tokens int [B, T]; attention_mask 0/1 [B, T] (any padding side), position ids
+        cumsum(mask) - 1 as in our models. inject {layer: [B, T, hidden]}: teacher
+        forcing, the hidden states entering that decoder layer are replaced (cast to
+        their dtype), whatever earlier layers produced.
+        """
+        wanted = self.resolve(taps)
+        ids, mask, pos, masked = self._inputs(tokens, attention_mask)
+        shape_cfg = types.SimpleNamespace(num_hidden_layers=self.num_layers,
+                                          hidden_size=self.config.hidden_size)
+        forced = {i: _from_numpy(x) for i, x in check_inject(shape_cfg, inject, tuple(ids.shape)).items()}
+        acts: dict[str, np.ndarray] = {}
+        handles = []
+
+        def record(tap, transform):
+            def post(module, args, kwargs, output):
+                x = _first_output(output)
+                acts[tap] = _to_numpy(transform(x) if transform else x)
+
+            def pre(module, args, kwargs):
+                x = _first_input(args, kwargs, tap)
+                acts[tap] = _to_numpy(transform(x) if transform else x)
+            return pre, post
+
+        try:
+            for i, h in forced.items():
+                # Registered first, so the layer's own taps see the forced input.
+                handles.append(self.model.model.layers[i].register_forward_pre_hook(
+                    forcing_hook(h), with_kwargs=True))
+            for module, when, tap, transform in self._hook_plan(wanted):
+                pre, post = record(tap, transform)
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True) if when == "pre"
+                               else module.register_forward_hook(post, with_kwargs=True))
+            with torch.no_grad():
+                out = self.model(input_ids=ids, attention_mask=mask if masked else None,
+                                 position_ids=pos, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        self._explain_nan(out.logits, mask)
+        missing = [t for t in wanted if t not in acts]
+        if missing:
+            raise RuntimeError(f"taps {missing} were not produced: the model did not call the hooked "
+                               "modules (is it a LlamaForCausalLM with its standard forward?)")
+        return _to_numpy(out.logits), {t: acts[t] for t in wanted}
