@@ -1,10 +1,18 @@
 """compare: run two Llama implementations on the same inputs and measure where they differ.
 
-This package grows into the full drift-vs-bug engine (DESIGN.md); today it holds the
-metrics and the per-layer summary used by `llama-parity demo`.
+This package grows into the full drift-vs-bug engine (DESIGN.md). Today it holds the
+per-tap metrics, the structure detectors that tell a systematic (semantic) difference
+from rounding noise, the transformers capture adapter, and the per-layer summary used
+by `llama-parity demo`.
 """
 
 from .layers import Row, layer_summary
-from .metrics import max_abs, nonfinite, rel_l2
+from .metrics import (cosine, frac_beyond, kl_per_position, max_abs, max_ulp, nonfinite,
+                      nonfinite_report, rel_l2, tap_metrics, top1_agreement, top_margin,
+                      topk_overlap, unit_roundoff)
+from .structure import Finding, analyse, hint
 
-__all__ = ["Row", "layer_summary", "max_abs", "nonfinite", "rel_l2"]
+__all__ = ["Row", "layer_summary", "cosine", "frac_beyond", "kl_per_position", "max_abs",
+           "max_ulp", "nonfinite", "nonfinite_report", "rel_l2", "tap_metrics",
+           "top1_agreement", "top_margin", "topk_overlap", "unit_roundoff", "Finding",
+           "analyse", "hint"]

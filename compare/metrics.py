@@ -1,12 +1,47 @@
-"""Error metrics on numpy arrays (float64 arithmetic, NaN/Inf never masked)."""
+"""Error metrics on numpy arrays (float64 arithmetic, NaN/Inf never masked).
+
+Element metrics (rel_l2, max_abs, cosine, max_ulp, frac_beyond) return NaN when either
+side holds NaN/Inf: a non-finite value is a finding of its own (nonfinite_report says
+how many and where), never silently averaged away. Logits metrics work per position
+over the last (vocab) axis. tap_metrics bundles everything for one tap as plain
+Python numbers, ready for JSON.
+"""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+
+_DTYPE_NAMES = {
+    "float64": np.float64, "f64": np.float64, "fp64": np.float64, "double": np.float64,
+    "float32": np.float32, "f32": np.float32, "fp32": np.float32, "float": np.float32,
+    "bfloat16": ml_dtypes.bfloat16, "bf16": ml_dtypes.bfloat16,
+    "float16": np.float16, "f16": np.float16, "fp16": np.float16, "half": np.float16,
+}
+_SUPPORTED = tuple(np.dtype(t) for t in (np.float64, np.float32, ml_dtypes.bfloat16, np.float16))
+# Unsigned integer type of the same width: the bit pattern we order for ULP distances.
+_UINT = {8: np.uint64, 4: np.uint32, 2: np.uint16}
 
 
 def as64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
+
+
+def resolve_dtype(dtype) -> np.dtype:
+    """'bf16' / 'bfloat16' / np.float32 / ml_dtypes.bfloat16 ... -> a supported np.dtype."""
+    dt = np.dtype(_DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+    if dt not in _SUPPORTED:
+        raise ValueError(f"unsupported dtype {dtype!r}: use float64, float32, bfloat16 or float16")
+    return dt
+
+
+def unit_roundoff(dtype) -> float:
+    """u = eps / 2: the largest relative error of one round-to-nearest in `dtype`."""
+    return float(ml_dtypes.finfo(resolve_dtype(dtype)).eps) / 2
+
+
+def _all_finite(*xs) -> bool:
+    return all(np.isfinite(x).all() for x in xs)
 
 
 def rel_l2(cand, ref) -> float:
@@ -28,3 +63,225 @@ def max_abs(cand, ref) -> float:
 def nonfinite(x) -> int:
     """Number of NaN/Inf elements."""
     return int(np.size(x) - np.isfinite(as64(x)).sum())
+
+
+def cosine(a, b) -> float:
+    """Cosine similarity of the flattened arrays; 1.0 when both are all zero, 0.0 when
+    exactly one is (a zero vector has no direction, but equal zeros are equal)."""
+    a, b = as64(a).ravel(), as64(b).ravel()
+    if not _all_finite(a, b):
+        return float("nan")
+    # Scale each side by its max |x| first so that the norms cannot overflow/underflow.
+    sa = np.abs(a).max(initial=0.0)
+    sb = np.abs(b).max(initial=0.0)
+    if sa == 0 or sb == 0:
+        return 1.0 if sa == sb else 0.0
+    a, b = a / sa, b / sb
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def _sign_magnitude(x: np.ndarray, dt: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Sign bit and magnitude bits of x rounded to dt (as uint64).
+
+    For IEEE formats the magnitude bits are monotonic in |x| (subnormals, normals, inf),
+    so counting representable values between two numbers is integer arithmetic on them.
+    """
+    with np.errstate(over="ignore"):  # overflow to inf in the narrow dtype is counted, not hidden
+        bits = x.astype(dt).view(_UINT[dt.itemsize]).astype(np.uint64)
+    sign_bit = np.uint64(1) << np.uint64(8 * dt.itemsize - 1)
+    return (bits & sign_bit) != 0, bits & (sign_bit - np.uint64(1))
+
+
+def max_ulp(a, b, dtype) -> float:
+    """Largest distance in units in the last place of `dtype` after rounding both to it.
+
+    The distance is the number of representable values stepped over: 1.0 vs its
+    neighbour is 1, -0 vs +0 is 0, the smallest subnormals of opposite sign are 2 apart.
+    A value that overflows to inf in `dtype` sits one step above the largest finite one.
+    NaN when either input has NaN/Inf.
+    """
+    dt = resolve_dtype(dtype)
+    a, b = np.broadcast_arrays(as64(a), as64(b))
+    if a.size == 0:
+        return 0.0
+    if not _all_finite(a, b):
+        return float("nan")
+    neg_a, mag_a = _sign_magnitude(a, dt)
+    neg_b, mag_b = _sign_magnitude(b, dt)
+    # Same sign: difference of magnitudes; opposite signs: the path crosses zero, so the
+    # magnitudes add (in uint64: the sum of two < 2^63 values cannot overflow).
+    dist = np.where(neg_a == neg_b, np.maximum(mag_a, mag_b) - np.minimum(mag_a, mag_b),
+                    mag_a + mag_b)
+    return float(dist.max())
+
+
+def frac_beyond(cand, ref, atol: float = 0.0, rtol: float = 0.0) -> float:
+    """Fraction of elements with |cand - ref| > atol + rtol * |ref|.
+
+    NaN anywhere, or an infinity on one side only, counts as beyond; equal values
+    (including equal infinities) do not. NaN for empty input.
+    """
+    c, r = np.broadcast_arrays(as64(cand), as64(ref))
+    if c.size == 0:
+        return float("nan")
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(c - r)
+        within = (c == r) | (np.isfinite(diff) & (diff <= atol + rtol * np.abs(r)))
+    return float(1.0 - within.mean())
+
+
+def _mask_like(mask, shape) -> np.ndarray | None:
+    """[B, T] mask broadcast over the trailing axes of an array of `shape`."""
+    if mask is None:
+        return None
+    m = np.asarray(mask, bool)
+    if m.shape != tuple(shape[:2]):
+        raise ValueError(f"mask shape {m.shape} does not match the first two axes of "
+                         f"{tuple(shape)}")
+    return np.broadcast_to(m.reshape(m.shape + (1,) * (len(shape) - 2)), shape)
+
+
+def nonfinite_report(cand, ref, mask=None) -> dict:
+    """NaN and Inf counts on each side, and the index of the first of each (or None).
+
+    With a [B, T] mask only real positions are counted; indices are into the full array.
+    """
+    out: dict = {}
+    for side, x in (("cand", cand), ("ref", ref)):
+        x = as64(x)
+        sel = _mask_like(mask, x.shape)
+        for kind, bad in (("nan", np.isnan(x)), ("inf", np.isinf(x))):
+            if sel is not None:
+                bad = bad & sel
+            out[f"{side}_{kind}"] = int(bad.sum())
+            first = np.unravel_index(int(bad.argmax()), bad.shape) if bad.any() else None
+            out[f"{side}_first_{kind}"] = None if first is None else [int(i) for i in first]
+    return out
+
+
+def select(x, mask=None) -> np.ndarray:
+    """Rows [N, ...] of the real positions: x[mask] for a [B, T] mask, else all B*T rows."""
+    x = as64(x)
+    if mask is None:
+        return x.reshape((-1,) + x.shape[2:]) if x.ndim >= 2 else x.reshape(1, -1)
+    _mask_like(mask, x.shape)  # validates the shape
+    return x[np.asarray(mask, bool)]
+
+
+# ----- logits (last axis = vocab), per position --------------------------------------
+
+def log_softmax(x) -> np.ndarray:
+    """Stable log-softmax over the last axis in float64 (NaN in, NaN out)."""
+    x = as64(x)
+    with np.errstate(invalid="ignore"):
+        z = x - x.max(axis=-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def kl_per_position(p_logits, q_logits) -> np.ndarray:
+    """KL(softmax(p) || softmax(q)) per position, in nats, float64.
+
+    Tokens with p = 0 contribute 0 (even where q is -inf too); NaN propagates.
+    """
+    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
+    p = np.exp(lp)
+    with np.errstate(invalid="ignore"):
+        terms = np.where(p == 0, 0.0, p * (lp - lq))  # NaN == 0 is False: NaN stays
+    # KL >= 0 mathematically; a -1e-18 is rounding of the sum. np.maximum keeps NaN.
+    return np.maximum(terms.sum(axis=-1), 0.0)
+
+
+def top1_agreement(a, b) -> float:
+    """Fraction of positions whose argmax agrees; NaN if either side has a NaN."""
+    a, b = as64(a), as64(b)
+    if np.isnan(a).any() or np.isnan(b).any():
+        return float("nan")
+    return float((a.argmax(axis=-1) == b.argmax(axis=-1)).mean())
+
+
+def _topk(x: np.ndarray, k: int) -> np.ndarray:
+    return np.argpartition(-x, k - 1, axis=-1)[..., :k]
+
+
+def topk_overlap(a, b, k: int = 5) -> float:
+    """Mean |topk(a) ∩ topk(b)| / k over positions (k capped at the vocab size).
+
+    Ties at the k-th place are broken arbitrarily. NaN if either side has a NaN.
+    """
+    a, b = as64(a), as64(b)
+    if np.isnan(a).any() or np.isnan(b).any():
+        return float("nan")
+    k = min(k, a.shape[-1])
+    ta, tb = _topk(a, k), _topk(b, k)
+    hits = (ta[..., :, None] == tb[..., None, :]).any(axis=-1).sum(axis=-1)
+    return float(hits.mean() / k)
+
+
+def top_margin(logits) -> np.ndarray:
+    """Top-1 minus top-2 logit per position (small margin = near tie)."""
+    x = as64(logits)
+    if x.shape[-1] < 2:
+        raise ValueError("top_margin needs at least two classes")
+    top2 = np.partition(x, -2, axis=-1)[..., -2:]
+    return top2[..., 1] - top2[..., 0]
+
+
+# ----- everything for one tap --------------------------------------------------------
+
+# Default tolerance of frac_beyond: 16 unit roundoffs, relative to each element or to
+# the tap's RMS, whichever is larger. A tap is a few roundings deep from its inputs, so
+# a handful of u per element is expected drift; 16 u leaves room for that, and a
+# fraction of elements beyond it is a readable "how much is out of the ordinary".
+BEYOND_UNITS = 16
+
+
+def tap_metrics(cand, ref, dtype, mask=None, logits: bool = False,
+                atol: float | None = None, rtol: float | None = None) -> dict:
+    """All metrics that apply to one tap, as plain Python numbers (NaN stays NaN).
+
+    cand, ref: [B, T, ...]; dtype: the working dtype for ULPs and unit roundoff; mask:
+    [B, T] bool, True = real token (padding is excluded from the metrics, but NaN/Inf
+    there is still counted in `padding_nonfinite`); logits=True adds the per-position
+    distribution metrics (KL is KL(softmax(ref) || softmax(cand))).
+    """
+    c_full, r_full = as64(cand), as64(ref)
+    if c_full.shape != r_full.shape:
+        raise ValueError(f"shape mismatch: cand {c_full.shape} vs ref {r_full.shape}")
+    c, r = select(c_full, mask), select(r_full, mask)
+    u = unit_roundoff(dtype)
+    rtol = BEYOND_UNITS * u if rtol is None else rtol
+    if atol is None:
+        rms = np.sqrt(np.mean(r * r)) if r.size and np.isfinite(r).all() else 0.0
+        atol = float(rtol * rms)
+    out = {
+        "n": int(c.size), "dtype": str(resolve_dtype(dtype)), "unit_roundoff": u,
+        "rel_l2": rel_l2(c, r) if c.size else 0.0,
+        "max_abs": max_abs(c, r) if c.size else 0.0,
+        "cosine": cosine(c, r),
+        "max_ulp": max_ulp(c, r, dtype),
+        "frac_beyond": frac_beyond(c, r, atol, rtol), "beyond_atol": atol, "beyond_rtol": rtol,
+    }
+    out.update(nonfinite_report(c_full, r_full, mask))
+    if mask is not None:
+        pad = ~np.asarray(mask, bool)
+        out["padding_nonfinite"] = nonfinite(c_full[pad]) + nonfinite(r_full[pad])
+    if logits:
+        out.update(_logits_metrics(c, r))
+    return out
+
+
+def _logits_metrics(c: np.ndarray, r: np.ndarray) -> dict:
+    if c.shape[0] == 0:
+        return {}
+    kl = kl_per_position(r, c)
+    margin = top_margin(r)
+    differ = r.argmax(axis=-1) != c.argmax(axis=-1)
+    return {
+        "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+        "top1_agreement": top1_agreement(c, r), "top5_overlap": topk_overlap(c, r, 5),
+        "top1_disagree": int(differ.sum()),
+        "ref_margin_min": float(margin.min()),
+        # A flip at a near tie is drift; a flip where the reference was sure is not.
+        # 0.0 when no position disagrees.
+        "disagree_ref_margin_max": float(margin[differ].max()) if differ.any() else 0.0,
+    }

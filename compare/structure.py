@@ -1,0 +1,592 @@
+"""Is a difference structured (semantic) or noise-like (rounding)?
+
+Rounding noise is unbiased and uncorrelated with the values; a semantic difference is
+systematic. Each detector here looks for one kind of system in d = cand - ref at one
+tap and returns a Finding or None; `analyse` runs them all and `hint` says the result
+in one line.
+
+Shapes: cand/ref are [B, T, ...] (per-head taps [B, T, H, D]); a [B, T] mask selects
+the real positions. Rows are positions, features are the trailing axes flattened.
+
+Thresholds are chosen so that unbiased noise cannot reach them, whatever its size:
+all criteria are scale-free (fractions of error energy, rank correlations, z-scores),
+and each comment says what noise would give. `Finding.size` keeps the magnitude of
+the pattern so a caller can still ask "is this systematic part as small as rounding
+in some dtype?" (e.g. RoPE angles computed in f32 inside an f64 run also grow with
+position, at ~1e-7 instead of ~1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from llamaspec.inputs import positions_from_mask
+
+from .metrics import as64
+
+# --- thresholds ------------------------------------------------------------------------
+
+# A fitted pattern must account for 90% of the error energy. A least-squares fit with
+# k free numbers to n noise values explains about k/n of the noise energy on average
+# (1/F per row, 1/N per feature, 1/(N F) for one global factor); with n >= MIN_VALUES
+# that is <= 1/8, and the spread around it is small, so 0.9 is out of noise's reach.
+EXPLAINED = 0.9
+MIN_VALUES = 8
+# A finer model (one factor per row / per feature) is only reported when it explains
+# 10% of the error energy more than one global factor; else the global factor is the
+# simpler, truer description (a global scale fits every row equally well).
+EXTRA_EXPLAINED = 0.1
+# Per-row scale: a row's factor counts as non-zero at |t| > 4 (noise: p ~ 6e-5 per row),
+# and at least half of the rows must have one: one odd row is not "per-row scaling".
+ROW_T = 4.0
+ROW_SHARE = 0.5
+# Offset: the reference itself must vary across rows (>= 10% of its energy outside its
+# mean); if ref is (nearly) the same row repeated, d is too, and a "constant offset" is
+# then just deterministic rounding of identical inputs.
+REF_VARIES = 0.1
+# Position trend: Spearman rho >= 0.9 over >= 16 distinct positions (noise: rho is
+# ~N(0, 1/sqrt(P-1)), so 0.9 is > 3.5 sigma at P = 16) AND the error of the last
+# quarter of positions differs from the first quarter's by >= 4x (noise: ~1x). The
+# ratio gate keeps natural accumulation out: error growing like sqrt(t) changes ~2.6x
+# between quarters, while RoPE and mask bugs start from 0 at position 0.
+# Attention rounding itself grows with the number of keys over the first positions,
+# strongly when the softmax is peaked (measured with f32/bf16/f16 softmax, score std
+# up to ~16: rho reaches 0.8-0.92 with a 4x ratio in ~0.5% of cases at T = 16..32, and
+# more often below 16). So: no trend below 16 positions, rho >= 0.95 below 32. A RoPE
+# angle error gives rho ~0.99-1.0 until its angles wrap around.
+# The absolute error per position (see "measured twice" below) must agree, more
+# loosely: rho >= 0.5 and a 2x ratio, since row norms that differ by position scatter
+# it; a flat absolute error means the relative one only follows shrinking rows.
+TREND_RHO = 0.9
+TREND_RHO_SHORT = 0.95
+TREND_POSITIONS = 16
+TREND_LONG = 32
+TREND_RATIO = 4.0
+TREND_ABS_RHO = 0.5
+TREND_ABS_RATIO = 2.0
+# Head / half confinement: >= 99% of the error energy in <= half the heads (or in one
+# half of head_dim). A real confinement leaves the other heads as they were, with only
+# the noise floor as error, so its share is ~1. Noise spreads over all heads, but heads
+# differ in how much rounding they collect (a head whose softmax puts p ~ 1 on one key
+# is nearly exact): measured, the top half of 4-8 heads holds up to ~96% of softmax
+# rounding error with few positions. Heads also need >= 32 positions and >= 4 heads
+# (with 2 heads, "one head" is just the noisier one).
+CONFINED = 0.99
+CONFINE_ROWS = 32
+CONFINE_HEADS = 4
+# Heads / positions with less than 10% of the mean reference energy are measured
+# against that floor instead: rounding error there has the size of its inputs, not of
+# the tiny output, and a relative error would inflate it into a false "confinement".
+ENERGY_FLOOR = 0.1
+# Permutation: column j of cand matches column k of ref when their cosine is > 0.999
+# (noise at 1e-2 relative keeps a column's cosine with itself at ~1 - 5e-5; two
+# different activation columns are far from 0.999). The mapping must explain 90% of
+# the error energy. Only run when the error is >= 1e-3 relative: moving whole columns
+# gives an O(1) error unless the moved columns are near-copies of each other.
+PERM_COS = 0.999
+PERM_MIN_ERR = 1e-3
+PERM_MAX_COLS = 1024   # cost is S * D^2; beyond head_dim/hidden sizes it is not worth it
+PERM_MAX_SAMPLES = 1024
+# Sign bias: binomial z > 6 over all non-zero d (noise: p ~ 2e-9) AND a one-sample
+# t > 6 over >= 16 rows of per-row imbalance (rounding of one per-row scalar, e.g. an
+# rsqrt, gives a whole row one sign: elements are not independent, rows are), AND an
+# effect size |2p - 1| >= 0.1: rounding has tiny legitimate asymmetries (binade edges,
+# ties-to-even) that a huge n would make "significant".
+SIGN_Z = 6.0
+SIGN_ROWS = 16
+SIGN_EFFECT = 0.1
+
+# Tie-break when scores are equal (to 1e-3): the more specific description first.
+PRIORITY = ("nonfinite", "permutation", "global_scale", "head_confinement",
+            "per_feature_scale", "per_row_scale", "offset", "half_confinement",
+            "position_trend", "sign_bias")
+# Findings that model d itself (d = fitted part + small rest); a one-sided sign of d is
+# then a consequence, not a separate finding.
+_MODELS = ("permutation", "global_scale", "per_feature_scale", "per_row_scale", "offset")
+
+
+@dataclasses.dataclass
+class Finding:
+    """One systematic pattern in d = cand - ref (dataclasses.asdict gives its JSON)."""
+    kind: str
+    score: float          # 0..1: share of the error the pattern explains, or its strength
+    detail: str           # the numbers behind it
+    hint: str = ""        # plain-language likely cause
+    # ||d|| / ||ref|| where the pattern lives (whole tap; confined heads / half; the worse
+    # quarter of positions): compare it with a dtype's unit roundoff.
+    size: float = float("nan")
+
+
+# --- the selected rows of one tap --------------------------------------------------------
+
+@dataclasses.dataclass
+class _Tap:
+    c: np.ndarray    # [N, ...] candidate rows (real positions, exact duplicates removed)
+    r: np.ndarray    # [N, ...] reference rows
+    pos: np.ndarray  # [N] position id of each row (real tokens before it)
+    d: np.ndarray = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        with np.errstate(invalid="ignore", over="ignore"):
+            self.d = self.c - self.r
+
+    def flat(self, x: np.ndarray) -> np.ndarray:
+        return x.reshape(len(x), -1)
+
+
+def _tap(cand, ref, mask=None) -> _Tap:
+    c, r = as64(cand), as64(ref)
+    if c.shape != r.shape:
+        raise ValueError(f"shape mismatch: cand {c.shape} vs ref {r.shape}")
+    if c.ndim < 3:   # [B, T] -> [B, T, 1]; [F] -> [1, 1, F]
+        c, r = (x[..., None] if x.ndim == 2 else x.reshape(1, 1, -1) for x in (c, r))
+    B, T = c.shape[:2]
+    m = np.ones((B, T), bool) if mask is None else np.asarray(mask, bool)
+    if m.shape != (B, T):
+        raise ValueError(f"mask shape {m.shape} does not match [B, T] = {(B, T)}")
+    pos = positions_from_mask(m)[m]
+    c, r = c[m], r[m]
+    # Identical inputs give identical rounding: a repeated token's rows are exact copies
+    # and would count as many independent witnesses of the same error. Keep one.
+    first: dict[bytes, int] = {}
+    for i in range(len(c)):
+        first.setdefault(c[i].tobytes() + r[i].tobytes(), i)
+    keep = np.fromiter(first.values(), int, len(first))
+    return _Tap(c[keep], r[keep], pos[keep])
+
+
+def _rel_of(d: np.ndarray, r: np.ndarray) -> float:
+    dd, rr = float((d * d).sum()), float((r * r).sum())
+    return math.sqrt(dd / rr) if rr else math.inf
+
+
+def _rel(t: _Tap) -> float:
+    return _rel_of(t.d, t.r)
+
+
+def _fmt_idx(idx, limit=8) -> str:
+    idx = [int(i) for i in idx]
+    more = f", ... ({len(idx)} in all)" if len(idx) > limit else ""
+    return ", ".join(map(str, idx[:limit])) + more
+
+
+# --- scale factors ----------------------------------------------------------------------
+
+def _scale_fits(t: _Tap) -> dict:
+    """Explained shares of d by c*ref with c global, per row, per feature."""
+    d, r = t.flat(t.d), t.flat(t.r)
+    dd = float((d * d).sum())
+    rr_row, dr_row = (r * r).sum(1), (d * r).sum(1)
+    rr_col, dr_col = (r * r).sum(0), (d * r).sum(0)
+    c_row = np.divide(dr_row, rr_row, out=np.zeros_like(rr_row), where=rr_row > 0)
+    c_col = np.divide(dr_col, rr_col, out=np.zeros_like(rr_col), where=rr_col > 0)
+    rr = float(rr_row.sum())
+    c_all = float(dr_row.sum()) / rr if rr else 0.0
+    return dict(dd=dd, c_all=c_all, c_row=c_row, c_col=c_col, rr_row=rr_row,
+                dd_row=(d * d).sum(1),
+                G=c_all * c_all * rr / dd if dd else 0.0,
+                R=float((c_row ** 2 * rr_row).sum()) / dd if dd else 0.0,
+                S=float((c_col ** 2 * rr_col).sum()) / dd if dd else 0.0)
+
+
+def _global_scale(t: _Tap, fits: dict) -> Finding | None:
+    if fits["dd"] == 0 or fits["G"] < EXPLAINED:
+        return None
+    c = fits["c_all"]
+    return Finding("global_scale", fits["G"],
+                   f"cand ≈ {1 + c:.6g} × ref over the whole tap (fit explains {fits['G']:.1%} "
+                   "of the error)",
+                   f"global scale factor {1 + c:.6g}: a missing or extra constant factor "
+                   "(attention scale, (1+w) norm weight, logit scaling)", _rel(t))
+
+
+def _per_row_scale(t: _Tap, fits: dict) -> Finding | None:
+    R, G = fits["R"], fits["G"]
+    n_rows, F = t.flat(t.r).shape
+    if F < MIN_VALUES or R < EXPLAINED or R - G < EXTRA_EXPLAINED:
+        return None
+    c, rr = fits["c_row"], fits["rr_row"]
+    resid = np.maximum(fits["dd_row"] - c * c * rr, 0.0)
+    se = np.sqrt(np.divide(resid / (F - 1), rr, out=np.zeros_like(rr), where=rr > 0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tstat = np.where(se > 0, np.abs(c) / se, np.where(c != 0, np.inf, 0.0))
+    share = float((tstat > ROW_T).mean())
+    if share < ROW_SHARE:
+        return None
+    return Finding("per_row_scale", R,
+                   f"d ≈ c_row × ref per position (fit explains {R:.1%}, one global factor "
+                   f"{G:.1%}); c_row from {c.min():.3g} to {c.max():.3g}, non-zero in "
+                   f"{share:.0%} of {n_rows} rows",
+                   "per-row scale factor: RMSNorm epsilon or normalisation", _rel(t))
+
+
+def _per_feature_scale(t: _Tap, fits: dict) -> Finding | None:
+    S, G = fits["S"], fits["G"]
+    if len(t.r) < MIN_VALUES or S < EXPLAINED or S - G < EXTRA_EXPLAINED:
+        return None
+    c = fits["c_col"]
+    return Finding("per_feature_scale", S,
+                   f"d ≈ s_f × ref per feature (fit explains {S:.1%}, one global factor "
+                   f"{G:.1%}); s_f from {c.min():.3g} to {c.max():.3g}",
+                   "per-feature scale factor: a weight vector applied differently "
+                   "(norm weight w vs 1+w, wrong or missing weight)", _rel(t))
+
+
+def _offset(t: _Tap) -> Finding | None:
+    d, r = t.flat(t.d), t.flat(t.r)
+    N = len(d)
+    dd, rr = float((d * d).sum()), float((r * r).sum())
+    if N < MIN_VALUES or dd == 0 or rr == 0:
+        return None
+    m, mr = d.mean(0), r.mean(0)
+    E = N * float((m * m).sum()) / dd
+    ref_const = N * float((mr * mr).sum()) / rr
+    if E < EXPLAINED or 1 - ref_const < REF_VARIES:
+        return None
+    return Finding("offset", E,
+                   f"d ≈ the same vector at every position (its mean explains {E:.1%} of the "
+                   f"error; |mean d| / rms ref = {np.linalg.norm(m) / math.sqrt(rr / N):.3g})",
+                   "constant offset: a bias term added or missing (attention/MLP bias, "
+                   "embedding or norm bias)", _rel(t))
+
+
+# --- where the error sits -------------------------------------------------------------
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks with ties averaged (Spearman needs them)."""
+    _, inv, counts = np.unique(x, return_inverse=True, return_counts=True)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return (starts + (counts - 1) / 2)[inv]
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    rx, ry = _ranks(x) - (len(x) - 1) / 2, _ranks(y) - (len(y) - 1) / 2
+    den = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
+    return float((rx * ry).sum() / den) if den else 0.0
+
+
+def _floored(ref_energy: np.ndarray) -> np.ndarray:
+    return np.maximum(ref_energy, ENERGY_FLOOR * ref_energy.mean())
+
+
+# Where the error sits is measured twice: as relative error (d energy / ref energy of
+# the group) and as absolute error energy. Rounding noise is proportional to the values
+# in one model (then the relative measure is even) and to the inputs' scale in another
+# (then the absolute measure is even); real noise is in between. A pattern counts only
+# when it shows in both, so groups of very different size (a small head, a shrinking
+# row norm) cannot fake one.
+
+def _trend(positions: np.ndarray, err: np.ndarray) -> tuple[float, float, float]:
+    """Spearman rho and the median error of the first and last quarter of positions."""
+    q = max(1, len(positions) // 4)
+    return (_spearman(positions.astype(float), err),
+            float(np.median(err[:q])), float(np.median(err[-q:])))
+
+
+def _trending(rho: float, early: float, late: float, min_rho: float, min_ratio: float) -> bool:
+    ratio = late / early if early else math.inf
+    return (rho >= min_rho and ratio >= min_ratio
+            or rho <= -min_rho and ratio <= 1 / min_ratio)
+
+
+def _position_trend(t: _Tap) -> Finding | None:
+    d, r = t.flat(t.d), t.flat(t.r)
+    positions = np.unique(t.pos)
+    if len(positions) < TREND_POSITIONS:
+        return None
+    idx = np.searchsorted(positions, t.pos)
+    dd = np.bincount(idx, weights=(d * d).sum(1), minlength=len(positions))
+    rr = np.bincount(idx, weights=(r * r).sum(1), minlength=len(positions))
+    count = np.bincount(idx, minlength=len(positions))
+    if not dd.any() or not rr.any():
+        return None
+    err = np.sqrt(dd / _floored(rr))
+    rel = _trend(positions, err)
+    absolute = _trend(positions, np.sqrt(dd / count))
+    min_rho = TREND_RHO if len(positions) >= TREND_LONG else TREND_RHO_SHORT
+    if not (_trending(*rel, min_rho, TREND_RATIO)
+            and _trending(*absolute, TREND_ABS_RHO, TREND_ABS_RATIO)
+            and rel[0] * absolute[0] > 0):
+        return None
+    rho, early, late = rel
+    way = "grows" if rho > 0 else "shrinks"
+    return Finding("position_trend", abs(rho),
+                   f"relative error per position {way} from {early:.3g} (first quarter) to "
+                   f"{late:.3g} (last quarter) over {len(positions)} positions; Spearman "
+                   f"rho = {rho:.2f}",
+                   f"error {way} with position: RoPE (theta, layout, scaling) or mask",
+                   max(early, late))
+
+
+def _confined(dE: np.ndarray, rE: np.ndarray) -> tuple[int, np.ndarray, float]:
+    """Smallest set of groups holding >= CONFINED of the error energy in both measures:
+    (its size, the groups, the smaller of the two shares)."""
+    rel = dE / _floored(rE)
+    s_rel, s_abs = rel / rel.sum(), dE / dE.sum()
+    order = np.argsort(-(s_rel + s_abs), kind="stable")
+    held = np.minimum(np.cumsum(s_rel[order]), np.cumsum(s_abs[order]))
+    k = int(np.searchsorted(held, CONFINED - 1e-12)) + 1
+    k = min(k, len(order))
+    return k, np.sort(order[:k]), float(held[k - 1])
+
+
+def _head_confinement(t: _Tap) -> Finding | None:
+    if t.d.ndim != 3 or t.d.shape[1] < CONFINE_HEADS or len(t.d) < CONFINE_ROWS:
+        return None   # (per-head rows are [N, H, D])
+    d, r = t.d, t.r
+    H = d.shape[1]
+    dE, rE = (d * d).sum((0, 2)), (r * r).sum((0, 2))
+    if not dE.any() or not rE.any():
+        return None
+    k, heads, share = _confined(dE, rE)
+    if k > H // 2:
+        return None
+    size = math.sqrt(dE[heads].sum() / rE[heads].sum()) if rE[heads].sum() else math.inf
+    return Finding("head_confinement", share,
+                   f"{share:.1%} of the error energy (relative and absolute) in head(s) "
+                   f"{_fmt_idx(heads)} of {H}",
+                   f"confined to heads {_fmt_idx(heads)} of {H}: GQA grouping / head order",
+                   size)
+
+
+def _half_confinement(t: _Tap) -> Finding | None:
+    if t.d.ndim != 3 or t.d.shape[2] < 4 or t.d.shape[2] % 2 or len(t.d) < CONFINE_ROWS:
+        return None
+    d, r = t.d, t.r
+    D = d.shape[2]
+    dE, rE = (d * d).sum((0, 1)), (r * r).sum((0, 1))
+    if not dE.any() or not rE.any():
+        return None
+    best = None
+    for names, part in ((("first half", "second half"), np.arange(D) < D // 2),
+                        (("even dims", "odd dims"), np.arange(D) % 2 == 0)):
+        halves = [part, ~part]
+        two = lambda e: np.array([e[h].sum() for h in halves])  # noqa: E731
+        k, side, share = _confined(two(dE), two(rE))
+        if k == 1 and (best is None or share > best[0]):
+            best = (share, names[int(side[0])], halves[int(side[0])])
+    if best is None or best[0] < CONFINED:
+        return None
+    share, label, half = best
+    return Finding("half_confinement", share,
+                   f"{share:.1%} of the error energy (relative and absolute) in the {label} "
+                   f"of head_dim ({D})",
+                   f"confined to the {label} of each head: RoPE layout or partial rotary",
+                   _rel_of(d[..., half], r[..., half]))
+
+
+# --- permutation ------------------------------------------------------------------------
+
+def _match_columns(X: np.ndarray, Y: np.ndarray) -> np.ndarray:
+    """perm[j] = k where cand column j is ref column k (cos > PERM_COS), j itself when it
+    still matches itself, -1 when it matches nothing."""
+    if len(X) > PERM_MAX_SAMPLES:   # a deterministic spread of rows is plenty for cos > 0.999
+        rows = np.linspace(0, len(X) - 1, PERM_MAX_SAMPLES).astype(int)
+        X, Y = X[rows], Y[rows]
+    nx, ny = np.linalg.norm(X, axis=0), np.linalg.norm(Y, axis=0)
+    Xn, Yn = X / np.where(nx > 0, nx, 1), Y / np.where(ny > 0, ny, 1)
+    cos = Xn.T @ Yn                                   # [D, D]
+    self_cos = np.where((nx == 0) & (ny == 0), 1.0, np.diagonal(cos))
+    best = cos.argmax(axis=1)
+    perm = np.where(cos[np.arange(len(best)), best] > PERM_COS, best, -1)
+    return np.where(self_cos > PERM_COS, np.arange(len(perm)), perm)
+
+
+def _named_perm(perm: np.ndarray) -> str | None:
+    D = len(perm)
+    i = np.arange(D)
+    named = {"reversed": i[::-1]}
+    if D % 2 == 0:
+        h = D // 2
+        to_interleaved = np.empty(D, int)
+        to_interleaved[0::2], to_interleaved[1::2] = i[:h], i[h:]
+        named.update({
+            "half-split -> interleaved (RoPE layout)": to_interleaved,
+            "interleaved -> half-split (RoPE layout)": np.argsort(to_interleaved),
+            "swap of halves": (i + h) % D,
+            "swap within pairs (2i <-> 2i+1)": i ^ 1,
+        })
+    for name, p in named.items():
+        if np.array_equal(perm, p):
+            return name
+    return None
+
+
+def _describe_perm(perm: np.ndarray) -> str:
+    """Name the pattern, on the whole axis or repeated in equal blocks (heads)."""
+    D = len(perm)
+    name = _named_perm(perm)
+    if name:
+        return name
+    for b in range(2, D // 2 + 1):
+        if D % b:
+            continue
+        blocks = perm.reshape(-1, b) - np.arange(0, D, b)[:, None]
+        if (blocks == blocks[0]).all() and _named_perm(blocks[0]):
+            return f"{_named_perm(blocks[0])} in each block of {b}"
+    moved = np.flatnonzero(perm != np.arange(D))
+    pairs = [f"{j}<-{perm[j]}" for j in moved[:6]]
+    more = f", ... ({len(moved)} moved)" if len(moved) > 6 else ""
+    return "cand[j] = ref[k]: " + ", ".join(pairs) + more
+
+
+def _perm_on(X: np.ndarray, Y: np.ndarray, what: str) -> Finding | None:
+    """X, Y: [samples, columns]; is X ≈ Y[:, perm] for a non-identity perm?"""
+    if X.shape[1] < 2 or X.shape[1] > PERM_MAX_COLS:
+        return None
+    perm = _match_columns(X, Y)
+    ident = np.arange(len(perm))
+    moved = (perm >= 0) & (perm != ident)
+    matched = perm[perm >= 0]
+    if not moved.any() or len(np.unique(matched)) != len(matched):
+        return None
+    full = np.where(perm >= 0, perm, ident)
+    dd = float(((X - Y) ** 2).sum())
+    explained = 1 - float(((X - Y[:, full]) ** 2).sum()) / dd
+    if explained < EXPLAINED:
+        return None
+    desc = _describe_perm(full)
+    layout = "RoPE" in desc
+    return Finding("permutation", explained,
+                   f"cand ≈ ref with its {what} permuted: {desc} (explains {explained:.1%} of "
+                   f"the error, {int(moved.sum())} of {len(perm)} moved)",
+                   f"{what} permuted ({desc}): " + ("q/k weight permutation or RoPE layout "
+                   "(interleaved vs half-split)" if layout else "head order / GQA grouping"
+                   if what == "heads" else "a layout or ordering mismatch"),
+                   _rel_of(X - Y, Y))
+
+
+def _permutation(t: _Tap) -> Finding | None:
+    d, r = t.flat(t.d), t.flat(t.r)
+    rr = float((r * r).sum())
+    if not rr or float((d * d).sum()) < (PERM_MIN_ERR ** 2) * rr:
+        return None
+    last = t.c.shape[-1]
+    found = [_perm_on(t.c.reshape(-1, last), t.r.reshape(-1, last),
+                      "head_dim" if t.c.ndim == 3 else "features")]
+    if t.c.ndim == 3:   # per-head rows [N, H, D]: also try moving whole heads
+        H = t.c.shape[1]
+        heads = lambda x: np.moveaxis(x, 1, 0).reshape(H, -1).T  # noqa: E731 [samples, H]
+        found.append(_perm_on(heads(t.c), heads(t.r), "heads"))
+    found = [f for f in found if f]
+    return max(found, key=lambda f: f.score) if found else None
+
+
+# --- sign bias --------------------------------------------------------------------------
+
+def _sign_bias(t: _Tap) -> Finding | None:
+    # Only the sign of d itself. A "magnitudes shrink/grow" variant (|cand| vs |ref|,
+    # which would catch truncation) was tried and dropped: second-order effects of
+    # legitimate rounding trip it (noise on attention scores sharpens the softmax on
+    # average, so bf16 scores make |attn_ctx| grow in 60-80% of the elements).
+    d = t.flat(t.d)
+    if len(d) < SIGN_ROWS:
+        return None
+    pos, neg = (d > 0).sum(1), (d < 0).sum(1)
+    n = int((pos + neg).sum())
+    if n == 0:
+        return None
+    z = float((pos - neg).sum()) / math.sqrt(n)   # binomial z, elements independent
+    rows = (pos - neg)[(pos + neg) > 0].astype(float)
+    sd = rows.std(ddof=1) if len(rows) > 1 else 0.0
+    tstat = abs(rows.mean()) * math.sqrt(len(rows)) / sd if sd else math.inf  # rows independent
+    effect = float((pos - neg).sum()) / n         # 2p - 1
+    if abs(z) <= SIGN_Z or tstat <= SIGN_Z or abs(effect) < SIGN_EFFECT:
+        return None
+    return Finding("sign_bias", abs(effect),
+                   f"{(1 + effect) / 2:.1%} of the non-zero differences are positive (z = {z:.1f} "
+                   f"over all elements, t = {tstat:.1f} over rows); rounding noise is 50/50",
+                   "one-sided error (cand mostly " + ("above" if effect > 0 else "below")
+                   + " ref): a missing or extra term, or biased rounding", _rel(t))
+
+
+# --- public API ---------------------------------------------------------------------------
+
+def per_row_scale(cand, ref, mask=None) -> Finding | None:
+    t = _tap(cand, ref, mask)
+    return _per_row_scale(t, _scale_fits(t))
+
+
+def global_scale(cand, ref, mask=None) -> Finding | None:
+    t = _tap(cand, ref, mask)
+    return _global_scale(t, _scale_fits(t))
+
+
+def per_feature_scale(cand, ref, mask=None) -> Finding | None:
+    t = _tap(cand, ref, mask)
+    return _per_feature_scale(t, _scale_fits(t))
+
+
+def position_trend(cand, ref, mask=None) -> Finding | None:
+    return _position_trend(_tap(cand, ref, mask))
+
+
+def head_confinement(cand, ref, mask=None) -> Finding | None:
+    return _head_confinement(_tap(cand, ref, mask))
+
+
+def half_confinement(cand, ref, mask=None) -> Finding | None:
+    return _half_confinement(_tap(cand, ref, mask))
+
+
+def permutation(cand, ref, mask=None) -> Finding | None:
+    return _permutation(_tap(cand, ref, mask))
+
+
+def offset(cand, ref, mask=None) -> Finding | None:
+    return _offset(_tap(cand, ref, mask))
+
+
+def sign_bias(cand, ref, mask=None) -> Finding | None:
+    return _sign_bias(_tap(cand, ref, mask))
+
+
+def _nonfinite(c: np.ndarray, r: np.ndarray) -> Finding | None:
+    bad_c, bad_r = int((~np.isfinite(c)).sum()), int((~np.isfinite(r)).sum())
+    if not (bad_c or bad_r):
+        return None
+    return Finding("nonfinite", 1.0, f"NaN/Inf: {bad_c} in cand, {bad_r} in ref",
+                   "NaN/Inf: overflow, a fully masked softmax row, or a division by zero",
+                   math.inf)
+
+
+def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0) -> list[Finding]:
+    """All findings for one tap, best first; [] means noise-like.
+
+    per_head=True: the tap is [B, T, H, D]; an int H reshapes a [B, T, H*D] tap (attn_ctx)
+    to heads first. NaN/Inf is reported alone: structure is meaningless around it.
+    floor: drop findings whose `size` is below it. Rounding can have structure too (RoPE
+    angles rounded in f32 grow with position; a softmax rounded in f32 concentrates in
+    the flat-attention heads), so where one side keeps f32 steps inside an f64 run, a
+    floor of a few hundred f32 unit roundoffs separates those from math differences.
+    """
+    c, r = as64(cand), as64(ref)
+    if per_head and not isinstance(per_head, bool) and c.ndim == 3:
+        H = int(per_head)
+        c, r = (x.reshape(x.shape[:2] + (H, x.shape[2] // H)) for x in (c, r))
+    elif per_head and c.ndim != 4:
+        raise ValueError(f"per_head=True needs a [B, T, H, D] tap, got shape {c.shape}")
+    t = _tap(c, r, mask)
+    bad = _nonfinite(t.c, t.r)
+    if bad or not t.d.any():
+        return [bad] if bad else []
+    fits = _scale_fits(t)
+    found = [f for f in (_permutation(t), _global_scale(t, fits), _per_row_scale(t, fits),
+                         _per_feature_scale(t, fits), _offset(t), _position_trend(t),
+                         _head_confinement(t) if per_head else None,
+                         _half_confinement(t) if per_head else None) if f]
+    if not any(f.kind in _MODELS for f in found):
+        found += [f for f in (_sign_bias(t),) if f]
+    found = [f for f in found if not f.size < floor]
+    return sorted(found, key=lambda f: (-round(f.score, 3), PRIORITY.index(f.kind)))
+
+
+def hint(findings: list[Finding]) -> str:
+    """One plain-language line: the top finding's hint, naming the others."""
+    if not findings:
+        return "noise-like: no systematic pattern (consistent with rounding)"
+    others = [f.kind for f in findings[1:]]
+    return findings[0].hint + (f" (also: {', '.join(others)})" if others else "")
