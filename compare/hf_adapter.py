@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from llamaspec import InputError, positions_from_mask, taps as tapnames
-from llamaspec.inputs import check_inject
+from llamaspec.inputs import check_inject, check_token_array
 
 def _rope_reason(what: str) -> str:
     return (f"transformers applies RoPE inside LlamaAttention.forward (apply_rotary_pos_emb, a plain "
@@ -205,29 +205,8 @@ class HFAdapter:
     # ----- inputs ----------------------------------------------------------------------
 
     def _inputs(self, tokens, attention_mask):
-        ids = np.asarray(tokens)
-        if ids.ndim != 2 or 0 in ids.shape:
-            raise InputError(f"tokens must be a non-empty [batch, seq] array, got shape {ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise InputError(f"tokens must be integer ids, got dtype {ids.dtype}")
-        if attention_mask is None:
-            mask = np.ones(ids.shape, np.int64)
-        else:
-            mask = np.asarray(attention_mask)
-            if mask.shape != ids.shape:
-                raise InputError(f"attention_mask shape {mask.shape} != tokens shape {ids.shape}")
-            if not np.isin(mask, (0, 1)).all():
-                raise InputError("attention_mask must hold only 0 and 1")
-            mask = mask.astype(np.int64)
-        real = mask.astype(bool)
-        vocab = self.config.vocab_size
-        bad = real & ((ids < 0) | (ids >= vocab))
-        if bad.any():
-            b, t = map(int, np.argwhere(bad)[0])
-            raise InputError(f"token id {int(ids[b, t])} at [{b}, {t}] is outside the vocabulary "
-                             f"(vocab_size={vocab})")
-        # Padding ids are never read by real positions; clamp them as torchref does.
-        ids = np.where(real, ids, 0).astype(np.int64)
+        ids, mask = check_token_array(tokens, attention_mask, self.config.vocab_size)
+        mask = mask.astype(np.int64)
         # Same positions as our models: real tokens count from 0 whatever the padding side.
         pos = positions_from_mask(mask).astype(np.int64)
         dev = self.device

@@ -16,11 +16,11 @@ def max_length(cfg: LlamaConfig) -> int:
     return cfg.max_position_embeddings
 
 
-def check_tokens(cfg: LlamaConfig, tokens, attention_mask=None, extra_length: int = 0
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Validates [B, T] token ids and a 0/1 mask; returns them as int64 / int32 numpy.
+def check_token_array(tokens, attention_mask, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """[B, T] integer ids inside the vocabulary (on real positions) and a 0/1 mask.
 
-    extra_length: tokens that generation will append, counted against the limit.
+    Returns ids as int64 with padding slots set to 0 (models never read them, but
+    embedding lookups still happen) and the mask as int32.
     """
     ids = np.asarray(tokens)
     if ids.ndim == 1:
@@ -42,11 +42,21 @@ def check_tokens(cfg: LlamaConfig, tokens, attention_mask=None, extra_length: in
             raise InputError("attention_mask must hold only 0 and 1")
         mask = mask.astype(np.int32)
     real = mask.astype(bool)
-    bad = real & ((ids < 0) | (ids >= cfg.vocab_size))
+    bad = real & ((ids < 0) | (ids >= vocab_size))
     if bad.any():
         b, t = map(int, np.argwhere(bad)[0])
         raise InputError(f"token id {int(ids[b, t])} at [{b}, {t}] is outside the vocabulary "
-                         f"(vocab_size={cfg.vocab_size}); {int(bad.sum())} such id(s)")
+                         f"(vocab_size={vocab_size}); {int(bad.sum())} such id(s)")
+    return np.where(real, ids, 0).astype(np.int64), mask
+
+
+def check_tokens(cfg: LlamaConfig, tokens, attention_mask=None, extra_length: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """check_token_array, plus the length limit of this config.
+
+    extra_length: tokens that generation will append, counted against the limit.
+    """
+    ids, mask = check_token_array(tokens, attention_mask, cfg.vocab_size)
     limit = max_length(cfg)
     longest = int(mask.sum(1).max()) + extra_length
     if longest > limit:
@@ -54,9 +64,6 @@ def check_tokens(cfg: LlamaConfig, tokens, attention_mask=None, extra_length: in
         raise InputError(f"sequence of {longest} tokens{what} is longer than "
                          f"max_position_embeddings={cfg.max_position_embeddings}"
                          + (f" x rope factor {cfg.rope.factor}" if limit != cfg.max_position_embeddings else ""))
-    # Padding ids may be anything (e.g. -1); models never read them, but embedding
-    # lookups still happen, so clamp them to a valid id.
-    ids = np.where(real, ids, 0).astype(np.int64)
     return ids, mask
 
 
