@@ -125,9 +125,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     scores = _matmul(qg, k.permute(0, 2, 3, 1), policy) * (D ** -0.5)     # [B, Hkv, G*T, S]
     scores = scores.view(B, Hkv, G, T, -1).to(soft)
     scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(soft).min)
-    probs = torch.softmax(scores, dim=-1).to(compute).view(B, Hkv, G * T, -1)
+    probs = softmax(scores).to(compute).view(B, Hkv, G * T, -1)
     ctx = _matmul(probs, v.permute(0, 2, 1, 3), policy)                   # [B, Hkv, G*T, D]
     return ctx.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+
+def softmax(s: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis, computed in s.dtype.
+
+    torch.softmax on a bf16/fp16 tensor computes in f32 internally and rounds once, so
+    a "softmax in bf16" policy would silently be an f32 softmax. For 16-bit dtypes the
+    steps are therefore spelled out (each op rounds to s.dtype, as jaxmodel.ops.softmax
+    does); f32/f64 keep torch's kernel, which is the one transformers uses.
+    """
+    if s.dtype in (torch.bfloat16, torch.float16):
+        e = torch.exp(s - s.amax(-1, keepdim=True))
+        return e / e.sum(-1, keepdim=True)
+    return torch.softmax(s, dim=-1)
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, policy: Policy) -> torch.Tensor:

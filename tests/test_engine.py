@@ -1,0 +1,56 @@
+"""The oracle ladder on tiny checkpoints: clean runs are exact/drift (negative controls),
+planted bugs get the right class, layer and component (positive controls, first few)."""
+
+import numpy as np
+import pytest
+import torch
+
+import torchref
+from compare.engine import Side, compare_models, run_ladder
+from llamaspec import Policy, taps as tapnames
+
+IDS = np.random.default_rng(0).integers(3, 96, (2, 40))
+MASK = np.ones_like(IDS)
+
+
+@pytest.mark.parametrize("policy", ["fp64", "fp32", "bf16", "fp16"])
+def test_clean_jaxmodel_vs_torchref_is_never_a_finding(policy, tiny_dir):
+    report = compare_models("torchref", "jaxmodel", tiny_dir("gqa"), inputs=IDS, policy=policy)
+    assert report.verdict in ("exact", "drift"), report.summary()
+    assert report.first_divergence is None
+    assert len(report.local) == 2 and all(r["cand_local"] < 1 for r in report.local)
+    report.to_dict()  # JSON-safe
+
+
+def test_clean_transformers_vs_torchref_at_fp32(tiny_dir):
+    transformers = pytest.importorskip("transformers")
+    folder = tiny_dir("gqa")
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
+    report = compare_models("torchref", hf, folder, inputs=IDS, policy="fp32")
+    assert report.verdict in ("exact", "drift"), report.summary()
+
+
+def torch_side(folder, policy, patch):
+    """A torchref candidate with one planted bug, at the policy and at fp64."""
+    models = [torchref.from_pretrained(folder, policy=p) for p in (policy, "fp64")]
+    for m in models:
+        patch(m)
+    return Side("torchref+bug", models[0], models[1], False,
+                tuple(tapnames.all_taps(models[0].cfg.num_hidden_layers)))
+
+
+def clean_side(folder, policy):
+    return torch_side(folder, policy, lambda m: None)
+
+
+def test_planted_rmsnorm_epsilon_is_semantic_at_its_layer(tiny_dir):
+    folder = tiny_dir("gqa")
+
+    def bug(m):
+        m.model.layers[1].input_layernorm.eps = 1e-6   # config says 1e-5
+    report = run_ladder(clean_side(folder, Policy.get("fp32")),
+                        torch_side(folder, Policy.get("fp32"), bug), IDS, MASK, Policy.get("fp32"))
+    d = report.first_divergence
+    assert report.verdict == "semantic", report.summary()
+    assert (d.tap, d.layer, d.component) == ("layers.1.attn_norm", 1, "attn_norm"), report.summary()
