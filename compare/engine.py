@@ -166,12 +166,17 @@ def _jsonable(x):
     return x
 
 
-def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing=True) -> Report:
+def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing=True,
+               progress=lambda msg: None) -> Report:
     taps = tuple(t for t in ref.taps if t in set(cand.taps))
     real = np.asarray(mask, bool)
+    progress(f"reference {ref.name} at {policy.name}")
     _, r = ref.at_policy.capture(ids, mask, taps)
+    progress(f"candidate {cand.name} at {policy.name}")
     _, c = cand.at_policy.capture(ids, mask, taps)
+    progress("oracle: reference at fp64")
     _, o = ref.at_fp64.capture(ids, mask, taps)
+    progress("candidate at fp64 (semantic rung)")
     _, c64 = cand.at_fp64.capture(ids, mask, taps)
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
     verdicts = [classify(t, r[t], c[t], o[t], c64[t], real, policy, keeps_f32) for t in taps]
@@ -180,6 +185,8 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
         else None
     divergence = None if first is None else Divergence(first.tap, first.layer, first.component,
                                                        first.kind, first.hint)
+    if teacher_forcing:
+        progress("teacher forcing: every layer fed the oracle's input")
     local = _local_errors(ref, cand, ids, mask, o, real) if teacher_forcing else []
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local)
 
@@ -225,13 +232,15 @@ def _inputs(inputs, checkpoint):
 
 
 def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, inputs=None,
-                   policy="fp32", teacher_forcing=True) -> Report:
+                   policy="fp32", teacher_forcing=True, progress=lambda msg: None) -> Report:
     """Runs the ladder for `candidate` against `reference` on one checkpoint (DESIGN.md API)."""
     if checkpoint is None:
         raise ValueError("checkpoint is required (a Hugging Face Llama folder; "
                          "`llama-parity fetch-smollm2` prints the default one)")
     policy = Policy.get(policy)
     ids, mask = _inputs(inputs, checkpoint)
+    progress(f"loading {reference if isinstance(reference, str) else type(reference).__name__} "
+             f"and {candidate if isinstance(candidate, str) else type(candidate).__name__}")
     ref = resolve_side(reference, checkpoint, policy)
     cand = resolve_side(candidate, checkpoint, policy)
-    return run_ladder(ref, cand, ids, mask, policy, teacher_forcing)
+    return run_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress)

@@ -2,6 +2,8 @@
 
     llama-parity fetch-smollm2         cache the real default model, print its folder
     llama-parity demo [CHECKPOINT]     both models side by side on the real model
+    llama-parity compare [CHECKPOINT]  verdict per layer and component: exact / drift /
+                                       precision / semantic (exit 1 on precision/semantic)
 """
 
 from __future__ import annotations
@@ -122,6 +124,73 @@ def print_layer_table(summaries) -> None:
             f"(ratio {ratio:.2f}); a ratio near 1 means both lose the same precision (drift)")
 
 
+KIND_COLOUR = {"exact": "90", "drift": "32", "precision": "33", "semantic": "31"}
+
+
+def _peer(name: str, folder: str, policy):
+    """'torchref' / 'jaxmodel' as names; 'transformers' as an eager LlamaForCausalLM instance
+    loaded at the policy's param dtype (it is then run as transformers runs it)."""
+    if name != "transformers":
+        return name
+    import torch
+    from transformers import LlamaForCausalLM
+    dtype = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[policy.param_dtype]
+    return LlamaForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
+
+
+def cmd_compare(args) -> int:
+    from compare.engine import KINDS, compare_models
+    from llamaspec import Policy
+
+    folder = resolve_checkpoint(args.checkpoint)
+    policy = Policy.get(args.policy)
+    t0 = time.perf_counter()
+    inputs = args.prompt
+    if args.random_tokens:
+        import json
+        from pathlib import Path
+        B, T = (int(x) for x in args.random_tokens.lower().split("x"))
+        vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+        inputs = np.random.default_rng(0).integers(0, vocab, (B, T))
+    report = compare_models(_peer(args.reference, folder, policy), _peer(args.candidate, folder, policy),
+                            folder, inputs=inputs, policy=policy,
+                            teacher_forcing=not args.no_teacher_forcing,
+                            progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
+    print_verdict_table(report, colour=sys.stdout.isatty() and not args.no_colour)
+    say(report.summary())
+    if args.json:
+        say(f"JSON report: {report.to_json(args.json)}")
+    if args.html:
+        from compare.html import write_html
+        say(f"HTML report: {write_html(report, args.html)}")
+    say(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0 if KINDS.index(report.verdict) <= KINDS.index("drift") else 1
+
+
+def print_verdict_table(report, colour: bool) -> None:
+    """One row per (layer, component): the worst kind among its taps and the largest errors."""
+    from compare.engine import KINDS
+    rows: dict = {}
+    for v in report.taps:
+        key = (v.layer, v.component)
+        r = rows.setdefault(key, {"kind": "exact", "err_ref": 0.0, "err_cand": 0.0, "err_fp64": 0.0})
+        if KINDS.index(v.kind) > KINDS.index(r["kind"]):
+            r["kind"] = v.kind
+        for k in ("err_ref", "err_cand", "err_fp64"):
+            r[k] = max(r[k], getattr(v, k))
+    local = {r["layer"]: r for r in report.local}
+    say(f"{'layer':>5} {'component':<11} {'verdict':<10} {'ref err':>9} {'cand err':>9} "
+        f"{'fp64 diff':>9} {'cand local':>10}")
+    for (layer, comp), r in rows.items():
+        kind = r["kind"]
+        shown = f"\033[{KIND_COLOUR[kind]}m{kind:<10}\033[0m" if colour else f"{kind:<10}"
+        loc = local.get(layer, {}).get("cand_local") if comp == "mlp" else None
+        say(f"{'' if layer is None else layer:>5} {comp:<11} {shown} {r['err_ref']:>9.1e} "
+            f"{r['err_cand']:>9.1e} {r['err_fp64']:>9.1e} "
+            f"{'' if loc is None else format(loc, '.1e'):>10}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="llama-parity", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,6 +206,21 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: four built-ins")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("compare", help="drift vs bug: per-tap verdicts of a candidate against a reference")
+    p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
+    impls = ["torchref", "jaxmodel", "transformers"]
+    p.add_argument("--reference", default="torchref", choices=impls)
+    p.add_argument("--candidate", default="jaxmodel", choices=impls)
+    p.add_argument("--policy", default="fp32", help="preset: fp64 fp32 tf32 bf16 fp16 bf16w-f32 fp64-hf")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-ins")
+    p.add_argument("--random-tokens", metavar="BxT", help="random token ids instead of prompts "
+                   "(for checkpoints without a tokenizer), e.g. 2x64")
+    p.add_argument("--json", help="write the JSON report here")
+    p.add_argument("--html", help="write the HTML report here")
+    p.add_argument("--no-teacher-forcing", action="store_true")
+    p.add_argument("--no-colour", action="store_true")
+    p.set_defaults(func=cmd_compare)
 
     args = parser.parse_args(argv)
     from llamaspec import LlamaParityError

@@ -1,0 +1,342 @@
+"""A self-contained HTML page for one comparison Report.
+
+`render_html(report_dict)` takes `Report.to_dict()` (non-finite floats arrive as the
+strings "nan"/"inf") and returns one HTML document with no external resources: the
+plots are matplotlib (Agg) PNGs embedded as base64 data URIs, every string is escaped.
+`write_html(report, path)` accepts a Report or its dict.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from pathlib import Path
+
+KIND_COLOURS = {"exact": "#8a8a8a", "drift": "#2e9d3a", "precision": "#e07b00",
+                "semantic": "#d0312d"}
+KIND_ORDER = ("exact", "drift", "precision", "semantic")
+ENVELOPE_M = 3.0            # drift envelope: M * err_ref + floor (engine.M)
+FLOOR_ULPS = 8              # floor in unit roundoffs of compute_dtype (engine.FLOOR_ULPS)
+LOG_CLIP = 1e-18            # zero errors are drawn at this value on the log axes
+COLLAPSE_AFTER = 40         # tap tables longer than this fold the quiet rows away
+
+
+def _e(x) -> str:
+    return html.escape("" if x is None else str(x), quote=True)
+
+
+def _num(x) -> float:
+    """A float from a JSON value; 'nan'/'inf' strings, None and junk become floats/NaN."""
+    if x is None:
+        return math.nan
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _fmt(x) -> str:
+    v = _num(x)
+    return "nan" if math.isnan(v) else f"{v:.2e}"
+
+
+def _colour(kind) -> str:
+    return KIND_COLOURS.get(str(kind), "#555555")
+
+
+def _floor(policy: dict) -> float:
+    try:
+        from .metrics import unit_roundoff
+        return FLOOR_ULPS * unit_roundoff(policy.get("compute_dtype", "float32"))
+    except Exception:  # unknown dtype in a hand-made dict: no floor rather than no page
+        return 0.0
+
+
+# ---------------------------------------------------------------- plots
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _clip(vals):
+    """Zeros/negatives -> LOG_CLIP (counted); NaN stays NaN (a gap in the line)."""
+    out, clipped = [], 0
+    for v in vals:
+        v = _num(v)
+        if math.isinf(v):
+            v = math.nan
+        if not math.isnan(v) and v <= LOG_CLIP:
+            v, clipped = LOG_CLIP, clipped + 1
+        out.append(v)
+    return out, clipped
+
+
+def _depth_taps(taps: list[dict]) -> list[dict]:
+    return [t for t in taps if str(t.get("tap", "")).endswith(".out") and t.get("layer") is not None
+            or t.get("tap") in ("final_norm", "logits")]
+
+
+def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
+    rows = _depth_taps(taps)
+    if not rows:
+        return None, "no layer output taps in this report"
+    plt = _plt()
+    x = list(range(len(rows)))
+    labels = [str(r["layer"]) if r.get("layer") is not None else
+              ("norm" if r["tap"] == "final_norm" else str(r["tap"])) for r in rows]
+    ref, c1 = _clip(r.get("err_ref") for r in rows)
+    cand, c2 = _clip(r.get("err_cand") for r in rows)
+    f64, c3 = _clip(r.get("err_fp64") for r in rows)
+    floor = _floor(policy)
+    env = [math.nan if math.isnan(v) else ENVELOPE_M * v + floor for v in ref]
+
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    ax.fill_between(x, LOG_CLIP, env, color="#2e9d3a", alpha=0.08, linewidth=0)
+    ax.plot(x, env, "-", lw=1.2, color="#2e9d3a",
+            label=f"drift envelope: {ENVELOPE_M:g}·err_ref + {floor:.1e} (shaded below)")
+    ax.plot(x, ref, "-", lw=4, alpha=0.45, color="#1f5fbf",
+            label="err_ref: reference @ policy vs fp64 oracle")
+    ax.plot(x, cand, "-o", lw=1.2, ms=3, color="#000000",
+            label="err_cand: candidate @ policy vs oracle")
+    ax.plot(x, f64, "--", lw=1.2, marker=".", ms=4, color="#7a3fbf",
+            label="err_fp64: candidate @ fp64 vs oracle")
+    for kind in ("precision", "semantic"):
+        idx = [i for i, r in enumerate(rows) if r.get("kind") == kind]
+        if idx:
+            ax.scatter([x[i] for i in idx], [cand[i] for i in idx], s=90, zorder=5,
+                       facecolors="none", edgecolors=_colour(kind), linewidths=2.2,
+                       label=f"{kind} tap")
+    ax.set_yscale("log")
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, fontsize=8, rotation=0 if len(x) <= 40 else 90)
+    ax.set_xlabel("layer (output of each block), then final norm and logits")
+    ax.set_ylabel("relative L2 error vs fp64 oracle")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    caption = ("Error of each side against the fp64 oracle along depth. The shaded band is the "
+               "drift envelope; the candidate is within drift while its line stays inside it.")
+    n = c1 + c2 + c3
+    if n:
+        caption += f" {n} zero value(s) were clipped to {LOG_CLIP:.0e} to fit the log scale."
+    nans = sum(math.isnan(v) for v in ref + cand + f64)
+    if nans:
+        caption += f" {nans} non-finite value(s) are left out (gaps in the lines)."
+    return _png(fig), caption
+
+
+def _plot_local(taps: list[dict], local: list[dict]) -> tuple[str | None, str]:
+    if not local:
+        return None, ("No teacher-forced (local) errors in this report, so local and inherited "
+                      "error cannot be separated.")
+    plt = _plt()
+    full = {t.get("layer"): t for t in taps if str(t.get("tap", "")).endswith(".out")
+            and t.get("layer") is not None}
+    rows = sorted(local, key=lambda r: _num(r.get("layer")))
+    layers = [r.get("layer") for r in rows]
+    series = [
+        ("ref local (oracle input forced)", [r.get("ref_local") for r in rows], "#8fb3e8"),
+        ("cand local (oracle input forced)", [r.get("cand_local") for r in rows], "#9a9a9a"),
+        ("ref full run (local + inherited)", [full.get(l, {}).get("err_ref") for l in layers], "#1f5fbf"),
+        ("cand full run (local + inherited)", [full.get(l, {}).get("err_cand") for l in layers], "#000000"),
+    ]
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    w = 0.8 / len(series)
+    clipped, shown = 0, []
+    for k, (label, vals, colour) in enumerate(series):
+        ys, c = _clip(vals)
+        clipped += c
+        shown += [v for v in ys if not math.isnan(v)]
+        xs = [i + (k - (len(series) - 1) / 2) * w for i in range(len(layers))]
+        ax.bar(xs, [0 if math.isnan(v) else v for v in ys], width=w, color=colour, label=label,
+               bottom=0)
+    ax.set_yscale("log")
+    if shown:
+        ax.set_ylim(min(shown) / 3, max(shown) * 3)
+    ax.set_xticks(range(len(layers)))
+    ax.set_xticklabels([str(l) for l in layers], fontsize=8)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("relative L2 error vs fp64 oracle")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    caption = ("Per layer: the error a layer adds on its own when fed the oracle's input "
+               "(local), against the error of its output in the full run (local + inherited "
+               "from earlier layers). A full-run bar far above the local one means the error "
+               "was inherited.")
+    if clipped:
+        caption += f" {clipped} zero value(s) were clipped to {LOG_CLIP:.0e} to fit the log scale."
+    return _png(fig), caption
+
+
+# ---------------------------------------------------------------- page
+
+CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px auto;
+max-width:1100px;color:#222;line-height:1.4;padding:0 16px}
+h1{font-size:22px;margin:0 0 6px} h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd}
+.badge{display:inline-block;color:#fff;font-size:30px;font-weight:700;padding:8px 22px;
+border-radius:10px;letter-spacing:1px;text-transform:uppercase}
+.head{display:flex;gap:20px;align-items:center}
+.sub{font-size:16px;color:#444}
+.div{margin:14px 0;padding:10px 14px;border-left:5px solid;background:#fafafa}
+.ok{margin:14px 0;padding:10px 14px;border-left:5px solid #2e9d3a;background:#f3faf3}
+table{border-collapse:collapse;font-size:12.5px;margin:6px 0}
+th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
+th{background:#f0f0f0} td.n{font-family:ui-monospace,Menlo,Consolas,monospace;text-align:right;
+white-space:nowrap} td.k{color:#fff;font-weight:600} td.t{font-family:ui-monospace,Menlo,Consolas,
+monospace;white-space:nowrap}
+img{max-width:100%} .cap{font-size:13px;color:#555;margin:2px 0 10px}
+details summary{cursor:pointer;margin:8px 0;font-weight:600}
+code{font-family:ui-monospace,Menlo,Consolas,monospace}
+"""
+
+
+def _tap_row(t: dict) -> str:
+    kind = t.get("kind", "")
+    layer = t.get("layer")
+    return ("<tr>"
+            f"<td class='t'>{_e(t.get('tap'))}</td>"
+            f"<td>{_e('' if layer is None else layer)}</td>"
+            f"<td>{_e(t.get('component'))}</td>"
+            f"<td class='k' style='background:{_colour(kind)}'>{_e(kind)}</td>"
+            f"<td class='n'>{_e(_fmt(t.get('err_ref')))}</td>"
+            f"<td class='n'>{_e(_fmt(t.get('err_cand')))}</td>"
+            f"<td class='n'>{_e(_fmt(t.get('err_fp64')))}</td>"
+            f"<td>{_e(t.get('hint'))}</td></tr>")
+
+
+_TAP_HEAD = ("<tr><th>tap</th><th>layer</th><th>component</th><th>kind</th><th>err_ref</th>"
+             "<th>err_cand</th><th>err_fp64</th><th>hint</th></tr>")
+
+
+def _tap_table(taps: list[dict]) -> str:
+    if not taps:
+        return "<p>No taps in this report.</p>"
+    if len(taps) <= COLLAPSE_AFTER:
+        return f"<table>{_TAP_HEAD}{''.join(_tap_row(t) for t in taps)}</table>"
+    loud = [t for t in taps if t.get("kind") in ("precision", "semantic")]
+    quiet = [t for t in taps if t.get("kind") not in ("precision", "semantic")]
+    out = []
+    if loud:
+        out.append(f"<p>{len(loud)} tap(s) with a precision or semantic finding:</p>"
+                   f"<table>{_TAP_HEAD}{''.join(_tap_row(t) for t in loud)}</table>")
+    out.append(f"<details><summary>{'All other' if loud else 'All'} {len(quiet)} taps "
+               f"(exact/drift), in execution order</summary>"
+               f"<table>{_TAP_HEAD}{''.join(_tap_row(t) for t in quiet)}</table></details>")
+    return "".join(out)
+
+
+def _kv_table(d: dict) -> str:
+    if not d:
+        return "<p>(none)</p>"
+    rows = "".join(f"<tr><th>{_e(k)}</th><td><code>{_e(v)}</code></td></tr>" for k, v in d.items())
+    return f"<table>{rows}</table>"
+
+
+def _environment(report: dict) -> tuple[str, dict]:
+    env = report.get("environment")
+    if env:
+        if isinstance(env, dict):
+            return "from the report", env
+        return "from the report", {"environment": env}
+    from importlib.metadata import version
+    import platform
+    found = {"python": platform.python_version()}
+    for pkg in ("numpy", "torch", "jax", "jaxlib", "ml_dtypes", "transformers", "matplotlib"):
+        try:
+            found[pkg] = version(pkg)
+        except Exception:
+            found[pkg] = "not installed"
+    return "not recorded in the report; versions installed where this page was rendered", found
+
+
+def _counts(taps: list[dict]) -> str:
+    n = {k: sum(t.get("kind") == k for t in taps) for k in KIND_ORDER}
+    return ", ".join(f"<span style='color:{_colour(k)};font-weight:600'>{n[k]} {k}</span>"
+                     for k in KIND_ORDER)
+
+
+def render_html(report_dict: dict) -> str:
+    r = report_dict
+    taps = list(r.get("taps") or [])
+    local = list(r.get("local") or [])
+    policy = dict(r.get("policy") or {})
+    verdict = str(r.get("verdict", "unknown"))
+    pname = policy.get("name", "?")
+    title = f"{r.get('candidate', '?')} vs {r.get('reference', '?')} at {pname}: {verdict}"
+
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+             f"<title>{_e(title)}</title><style>{CSS}</style></head><body>"]
+    parts.append(
+        "<div class='head'>"
+        f"<span class='badge' style='background:{_colour(verdict)}'>{_e(verdict)}</span>"
+        f"<div><h1>{_e(r.get('candidate', '?'))} vs {_e(r.get('reference', '?'))} at "
+        f"{_e(pname)}</h1><div class='sub'>candidate <code>{_e(r.get('candidate'))}</code>, "
+        f"reference <code>{_e(r.get('reference'))}</code>, policy <code>{_e(pname)}</code>; "
+        f"{len(taps)} taps: {_counts(taps)}</div></div></div>")
+    d = r.get("first_divergence")
+    if d:
+        parts.append(
+            f"<div class='div' style='border-color:{_colour(d.get('kind'))}'>"
+            f"<b>First divergence:</b> <b style='color:{_colour(d.get('kind'))}'>{_e(d.get('kind'))}"
+            f"</b> at tap <code>{_e(d.get('tap'))}</code> (layer {_e(d.get('layer'))}, component "
+            f"{_e(d.get('component'))})<br>{_e(d.get('hint'))}</div>")
+    elif verdict in ("exact", "drift"):
+        parts.append(f"<div class='ok'><b>{_e(verdict)}:</b> no precision or semantic difference "
+                     "found. The candidate's error against the fp64 oracle stays within what the "
+                     "reference itself shows at this policy.</div>")
+    else:
+        parts.append(f"<div class='div' style='border-color:{_colour(verdict)}'>Verdict "
+                     f"{_e(verdict)} but no first divergence was recorded.</div>")
+
+    parts.append("<h2>Error vs depth</h2>")
+    try:
+        img, cap = _plot_depth(taps, policy)
+    except Exception as exc:  # a plot must never cost the page
+        img, cap = None, f"plot failed: {type(exc).__name__}: {exc}"
+    if img:
+        parts.append(f"<img alt='error vs depth' src='{img}'>")
+    parts.append(f"<p class='cap'>{_e(cap)}</p>")
+
+    parts.append("<h2>Local vs inherited error per layer</h2>")
+    try:
+        img, cap = _plot_local(taps, local)
+    except Exception as exc:
+        img, cap = None, f"plot failed: {type(exc).__name__}: {exc}"
+    if img:
+        parts.append(f"<img alt='local vs inherited error' src='{img}'>")
+    parts.append(f"<p class='cap'>{_e(cap)}</p>")
+
+    parts.append("<h2>Every tap</h2><p class='cap'>err_* are relative L2 errors against the "
+                 "fp64 oracle (reference at fp64): err_ref = reference at the policy, err_cand = "
+                 "candidate at the policy, err_fp64 = candidate at fp64.</p>")
+    parts.append(_tap_table(taps))
+
+    parts.append("<h2>Policy</h2>")
+    parts.append(_kv_table(policy))
+    how, env = _environment(r)
+    parts.append(f"<h2>Environment</h2><p class='cap'>{_e(how)}</p>")
+    parts.append(_kv_table(env))
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_html(report, path) -> Path:
+    """Writes the page for a Report (or its to_dict()) to `path`; returns the path."""
+    d = report if isinstance(report, dict) else report.to_dict()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_html(d), encoding="utf-8")
+    return path

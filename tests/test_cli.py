@@ -1,0 +1,21 @@
+"""The command line on a tiny checkpoint: exit codes and report files."""
+
+import json
+
+from llama_parity.cli import main
+
+
+def test_compare_writes_json_and_exits_zero_on_drift(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["compare", str(tiny_dir("gqa")), "--random-tokens", "2x24", "--policy", "bf16",
+               "--json", str(out), "--no-colour"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    report = json.loads(out.read_text())
+    assert report["verdict"] in ("exact", "drift") and report["first_divergence"] is None
+    assert "layer component" in printed and "jaxmodel vs torchref at bf16" in printed
+
+
+def test_unknown_policy_is_a_clear_error(tiny_dir, capsys):
+    rc = main(["compare", str(tiny_dir("gqa")), "--random-tokens", "1x8", "--policy", "fp12"])
+    assert rc == 2 and "unknown precision policy 'fp12'" in capsys.readouterr().err
