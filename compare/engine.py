@@ -84,7 +84,10 @@ def _transformers(model) -> Side:
 
 
 def resolve_side(spec, checkpoint, policy: Policy) -> Side:
-    """"torchref" | "jaxmodel" | a transformers LlamaForCausalLM instance."""
+    """"torchref" | "jaxmodel" | a transformers LlamaForCausalLM instance | a prepared Side
+    (e.g. a patched model and its fp64 twin, as the planted-bug controls use)."""
+    if isinstance(spec, Side):
+        return spec
     if isinstance(spec, str):
         if spec not in ("torchref", "jaxmodel"):
             raise ValueError(f"unknown implementation '{spec}' (torchref, jaxmodel, or a "
@@ -244,3 +247,16 @@ def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, 
     ref = resolve_side(reference, checkpoint, policy)
     cand = resolve_side(candidate, checkpoint, policy)
     return run_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress)
+
+
+def assert_parity(reference, candidate, checkpoint, policy="fp32", inputs=None, allow=("exact", "drift"),
+                  **kw) -> Report:
+    """For users' own pytest suites: fails with the report's summary unless the verdict is
+    in `allow` (by default: exact or drift, i.e. no precision or semantic difference)."""
+    report = compare_models(reference, candidate, checkpoint, inputs=inputs, policy=policy, **kw)
+    if report.verdict not in allow:
+        worst = [v for v in report.taps if v.kind == report.verdict][:5]
+        lines = [report.summary()] + [f"  {v.tap}: {v.kind}, cand {v.err_cand:.2e} vs ref "
+                                      f"{v.err_ref:.2e}, fp64 {v.err_fp64:.2e}" for v in worst]
+        raise AssertionError("\n".join(lines))
+    return report

@@ -119,15 +119,33 @@ def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
             ax.scatter([x[i] for i in idx], [cand[i] for i in idx], s=90, zorder=5,
                        facecolors="none", edgecolors=_colour(kind), linewidths=2.2,
                        label=f"{kind} tap")
+    # findings at taps inside a block (q_rope, act, ...) have no point of their own on this
+    # axis: a vertical line at that block's output marks them
+    pos = {r.get("layer"): i for i, r in enumerate(rows) if r.get("layer") is not None}
+    marked, labelled = set(), set()
+    for t in taps:
+        kind, layer = t.get("kind"), t.get("layer")
+        if (kind in ("precision", "semantic") and layer in pos
+                and not str(t.get("tap")).endswith(".out") and (layer, kind) not in marked):
+            marked.add((layer, kind))
+            ax.axvline(pos[layer], color=_colour(kind), lw=1.5, ls=":", alpha=0.8,
+                       label=None if kind in labelled else f"{kind} inside block")
+            labelled.add(kind)
     ax.set_yscale("log")
     ax.set_xticks(x)
     ax.set_xticklabels(labels, fontsize=8, rotation=0 if len(x) <= 40 else 90)
+    for lbl in ax.get_xticklabels():
+        if not lbl.get_text().isdigit():
+            lbl.set_rotation(45)
+            lbl.set_horizontalalignment("right")
     ax.set_xlabel("layer (output of each block), then final norm and logits")
     ax.set_ylabel("relative L2 error vs fp64 oracle")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     caption = ("Error of each side against the fp64 oracle along depth. The shaded band is the "
-               "drift envelope; the candidate is within drift while its line stays inside it.")
+               "drift envelope; the candidate is within drift while its line stays inside it. Circles mark block outputs "
+               "with a precision/semantic finding; a dotted vertical line marks a finding at a "
+               "tap inside that block (see the table).")
     n = c1 + c2 + c3
     if n:
         caption += f" {n} zero value(s) were clipped to {LOG_CLIP:.0e} to fit the log scale."

@@ -54,3 +54,16 @@ def test_planted_rmsnorm_epsilon_is_semantic_at_its_layer(tiny_dir):
     d = report.first_divergence
     assert report.verdict == "semantic", report.summary()
     assert (d.tap, d.layer, d.component) == ("layers.1.attn_norm", 1, "attn_norm"), report.summary()
+
+
+def test_assert_parity_passes_clean_and_fails_with_the_summary(tiny_dir):
+    import compare
+    folder = tiny_dir("gqa")
+    compare.assert_parity("torchref", "jaxmodel", folder, policy="fp32", inputs=IDS)
+
+    def bug(m):
+        m.model.layers[0].post_attention_layernorm.eps = 1e-3
+    planted = torch_side(folder, Policy.get("fp32"), bug)
+    with pytest.raises(AssertionError, match=r"semantic at layers\.0\.mlp_norm"):
+        compare.assert_parity("torchref", planted, folder, policy="fp32", inputs=IDS,
+                              teacher_forcing=False)
