@@ -151,6 +151,10 @@ class Report:
         path.write_text(json.dumps(self.to_dict(), indent=1))
         return path
 
+    def to_html(self, path) -> Path:
+        from .html import write_html
+        return write_html(self, path)
+
     def summary(self) -> str:
         lines = [f"{self.candidate} vs {self.reference} at {self.policy['name']}: {self.verdict}"]
         if self.first_divergence:

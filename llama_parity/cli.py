@@ -162,8 +162,7 @@ def cmd_compare(args) -> int:
     if args.json:
         say(f"JSON report: {report.to_json(args.json)}")
     if args.html:
-        from compare.html import write_html
-        say(f"HTML report: {write_html(report, args.html)}")
+        say(f"HTML report: {report.to_html(args.html)}")
     say(f"done in {time.perf_counter() - t0:.1f} s")
     return 0 if KINDS.index(report.verdict) <= KINDS.index("drift") else 1
 

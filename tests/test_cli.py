@@ -6,13 +6,14 @@ from llama_parity.cli import main
 
 
 def test_compare_writes_json_and_exits_zero_on_drift(tiny_dir, tmp_path, capsys):
-    out = tmp_path / "r.json"
+    out, page = tmp_path / "r.json", tmp_path / "r.html"
     rc = main(["compare", str(tiny_dir("gqa")), "--random-tokens", "2x24", "--policy", "bf16",
-               "--json", str(out), "--no-colour"])
+               "--json", str(out), "--html", str(page), "--no-colour"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     report = json.loads(out.read_text())
     assert report["verdict"] in ("exact", "drift") and report["first_divergence"] is None
+    assert "data:image/png;base64," in page.read_text()
     assert "layer component" in printed and "jaxmodel vs torchref at bf16" in printed
 
 
