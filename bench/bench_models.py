@@ -54,8 +54,9 @@ def bench_ours(module, folder, policy, ids, n_decode, repeats):
 def bench_transformers(folder, policy, ids, n_decode, repeats):
     import torch
     from transformers import LlamaForCausalLM
-    dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-             "fp16": torch.float16, "fp64": torch.float64}[policy]
+    from llamaspec import Policy
+    from torchref.dtypes import dt
+    dtype = dt(Policy.get(policy).param_dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # transformers follows torch's global fp32 matmul mode; pin it like our policies do.
     torch.backends.cuda.matmul.fp32_precision = "tf32" if policy == "tf32" else "ieee"

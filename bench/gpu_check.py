@@ -33,11 +33,6 @@ SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
 BOUNDS = {"fp64": 1e-12, "fp32": 1e-4, "tf32": 3e-2, "bf16": 1.5e-1}
 
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint")
@@ -49,6 +44,7 @@ def main(argv=None) -> int:
     import torch
     import jaxmodel
     import torchref
+    from compare.metrics import rel_l2
     from llamaspec.testing import make_checkpoint
 
     folder = args.checkpoint
@@ -74,9 +70,9 @@ def main(argv=None) -> int:
             out[name] = np.asarray(logits, np.float64)
             print(f"  {policy:<5} {name:<9} forward {time.perf_counter() - t0:6.2f} s (incl. compile)", flush=True)
             del m
-        row = {"policy": policy, "torchref_vs_oracle": rel(out["torchref"], oracle),
-               "jaxmodel_vs_oracle": rel(out["jaxmodel"], oracle),
-               "jax_vs_torch": rel(out["jaxmodel"], out["torchref"])}
+        row = {"policy": policy, "torchref_vs_oracle": rel_l2(out["torchref"], oracle),
+               "jaxmodel_vs_oracle": rel_l2(out["jaxmodel"], oracle),
+               "jax_vs_torch": rel_l2(out["jaxmodel"], out["torchref"])}
         if policy == "fp64":
             row["pass"] = row["jax_vs_torch"] <= BOUNDS["fp64"]
         else:

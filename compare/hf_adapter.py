@@ -34,12 +34,12 @@ import copy
 import types
 import warnings
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from llamaspec import InputError, positions_from_mask, taps as tapnames
 from llamaspec.inputs import check_inject, check_token_array
+from torchref.dtypes import TORCH, from_numpy, to_numpy
 
 def _rope_reason(what: str) -> str:
     return (f"transformers applies RoPE inside LlamaAttention.forward (apply_rotary_pos_emb, a plain "
@@ -63,34 +63,22 @@ EAGER_F64_LEFT_PADDING = (
     "probs @ V. Use attn_implementation='sdpa' for float64 runs (copy_at(model, 'float64', "
     "attn_implementation='sdpa')), right padding, or one row per call.")
 
-_TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32,
-                 "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    """torch -> numpy copy, keeping bf16 as ml_dtypes.bfloat16 (never silently upcast)."""
-    t = t.detach().to("cpu", copy=True).contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
+    """A numpy copy (the hooked tensor may be reused by the model), bf16 kept as bf16."""
+    return to_numpy(t).copy()
 
 
 def _from_numpy(a) -> torch.Tensor:
-    if isinstance(a, torch.Tensor):
-        return a
-    a = np.ascontiguousarray(a)
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy())
+    return a if isinstance(a, torch.Tensor) else from_numpy(a)
 
 
 def _torch_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype
-    if name not in _TORCH_DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_TORCH_DTYPES)}")
-    return _TORCH_DTYPES[name]
+    if name not in TORCH:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(TORCH)}")
+    return TORCH[name]
 
 
 def copy_at(model, dtype, attn_implementation: str | None = None):

@@ -138,10 +138,7 @@ def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
         if not lbl.get_text().isdigit():
             lbl.set_rotation(45)
             lbl.set_horizontalalignment("right")
-    ax.set_xlabel("layer (output of each block), then final norm and logits")
-    ax.set_ylabel("relative L2 error vs fp64 oracle")
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    _label_axes(ax, "layer (output of each block), then final norm and logits", grid_axis="both")
     caption = ("Error of each side against the fp64 oracle along depth. The shaded band is the "
                "drift envelope; the candidate is within drift while its line stays inside it. Circles mark block outputs "
                "with a precision/semantic finding; a dotted vertical line marks a finding at a "
@@ -153,6 +150,14 @@ def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
     if nans:
         caption += f" {nans} non-finite value(s) are left out (gaps in the lines)."
     return _png(fig), caption
+
+
+def _label_axes(ax, xlabel: str, grid_axis: str) -> None:
+    """Shared look of both plots: error axis label, light grid, legend outside the axes."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("relative L2 error vs fp64 oracle")
+    ax.grid(True, axis=grid_axis, which="major", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
 def _plot_local(taps: list[dict], local: list[dict]) -> tuple[str | None, str]:
@@ -185,10 +190,7 @@ def _plot_local(taps: list[dict], local: list[dict]) -> tuple[str | None, str]:
         ax.set_ylim(min(shown) / 3, max(shown) * 3)
     ax.set_xticks(range(len(layers)))
     ax.set_xticklabels([str(l) for l in layers], fontsize=8)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("relative L2 error vs fp64 oracle")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    _label_axes(ax, "layer", grid_axis="y")
     caption = ("Per layer: the error a layer adds on its own when fed the oracle's input "
                "(local), against the error of its output in the full run (local + inherited "
                "from earlier layers). A full-run bar far above the local one means the error "

@@ -80,9 +80,10 @@ def cmd_demo(args) -> int:
 
 
 def print_answers(tok, prompts, outs) -> None:
+    from llamaspec.generate import until_eos
     (na, a), (nb, b) = outs.items()
     for i, p in enumerate(prompts):
-        ta, tb = _trim(a[i], tok), _trim(b[i], tok)
+        ta, tb = until_eos(a[i], tok.eos_ids), until_eos(b[i], tok.eos_ids)
         say(f"  > {p}")
         if ta == tb:
             say(f"    {na} = {nb}: {tok.decode(ta)!r}")
@@ -90,15 +91,6 @@ def print_answers(tok, prompts, outs) -> None:
             step = next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
             say(f"    {na}: {tok.decode(ta)!r}")
             say(f"    {nb}: {tok.decode(tb)!r}   (differs from step {step})")
-
-
-def _trim(row, tok) -> list[int]:
-    out = []
-    for t in row.tolist():
-        out.append(t)
-        if t in tok.eos_ids:
-            break
-    return out
 
 
 def print_layer_table(summaries) -> None:
@@ -132,11 +124,11 @@ def _peer(name: str, folder: str, policy):
     loaded at the policy's param dtype (it is then run as transformers runs it)."""
     if name != "transformers":
         return name
-    import torch
     from transformers import LlamaForCausalLM
-    dtype = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[policy.param_dtype]
-    return LlamaForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
+
+    from torchref.dtypes import dt
+    return LlamaForCausalLM.from_pretrained(folder, dtype=dt(policy.param_dtype),
+                                            attn_implementation="eager").eval()
 
 
 def cmd_compare(args) -> int:

@@ -93,3 +93,13 @@ def generate(cfg: LlamaConfig, prefill, decode, tokens, attention_mask=None,
         if step + 1 < max_new_tokens:
             logits, cache = decode(cache, nxt)
     return out
+
+
+def until_eos(row, eos_ids) -> list[int]:
+    """A generated row up to and including its first EOS (what follows is padding)."""
+    out = []
+    for t in np.asarray(row).tolist():
+        out.append(t)
+        if t in eos_ids:
+            break
+    return out

@@ -4,14 +4,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from compare.metrics import rel_l2  # noqa: F401  (NaN on either side gives NaN: every bound fails)
 from llamaspec.testing import make_checkpoint
-
-
-def rel_l2(a, b) -> float:
-    """Relative L2 distance ||a - b|| / ||b|| in float64."""
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # Tiny configs that cover the architecture space the acceptance criteria name.
@@ -75,11 +69,11 @@ class _TorchAllF64(types.ModuleType):
         return getattr(self._torch, name)
 
 
-def hf_logits(folder, ids, mask=None, true_f64=False, dtype=None):
-    """transformers LlamaForCausalLM (eager attention) logits as numpy.
+def hf_logits(folder, ids, mask=None, true_f64=False):
+    """transformers LlamaForCausalLM (eager attention, float64) logits as numpy.
 
-    dtype defaults to float64. true_f64=True also moves transformers' internal f32 steps
-    to f64 (and the default dtype, which dynamic NTK's base uses).
+    true_f64=True also moves transformers' internal f32 steps to f64 (and the default
+    dtype, which dynamic NTK's base uses).
     """
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -92,11 +86,10 @@ def hf_logits(folder, ids, mask=None, true_f64=False, dtype=None):
         torch.set_default_dtype(torch.float64)
     try:
         hf = transformers.LlamaForCausalLM.from_pretrained(
-            folder, dtype=dtype or torch.float64, attn_implementation="eager").eval()
+            folder, dtype=torch.float64, attn_implementation="eager").eval()
         with torch.no_grad():
             m = None if mask is None else torch.from_numpy(np.asarray(mask))
-            logits = hf(torch.from_numpy(np.asarray(ids)), attention_mask=m).logits
-            return (logits if logits.dtype == torch.float64 else logits.float()).numpy()
+            return hf(torch.from_numpy(np.asarray(ids)), attention_mask=m).logits.numpy()
     finally:
         modeling_llama.torch, modeling_rope_utils.torch = saved[:2]
         torch.set_default_dtype(saved[2])

@@ -11,6 +11,7 @@ import torch
 import jaxmodel
 import torchref
 from conftest import rel_l2
+from llamaspec.generate import until_eos
 
 pytestmark = pytest.mark.smollm2
 
@@ -83,14 +84,6 @@ def test_fp32_matches_transformers(smollm2, long_prompt):
         assert diff <= 1e-3
 
 
-def until_eos(row, eos_ids):
-    """A generated row up to and including its first EOS (the rest is padding)."""
-    for k, t in enumerate(row):
-        if t in eos_ids:
-            return row[:k + 1]
-    return row
-
-
 def test_greedy_fp32_same_tokens_in_all_three(smollm2):
     transformers = pytest.importorskip("transformers")
     from llamaspec.tokenizer import Tokenizer
@@ -108,7 +101,7 @@ def test_greedy_fp32_same_tokens_in_all_three(smollm2):
     outs["transformers"] = g[:, ids.shape[1]:].numpy()
     diffs = []
     for i, p in enumerate(PROMPTS):
-        rows = {k: until_eos(v[i].tolist(), tok.eos_ids) for k, v in outs.items()}
+        rows = {k: until_eos(v[i], tok.eos_ids) for k, v in outs.items()}
         print(f"\n{p!r} -> {tok.decode(rows['torchref'])!r}")
         for k, v in rows.items():
             if v != rows["torchref"]:

@@ -169,20 +169,22 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"{key}: shape {tuple(t.shape)} != model's {tuple(params[key].shape)}")
             owner, _, name = key.rpartition(".")
             self.get_submodule(owner)._parameters[name] = nn.Parameter(t, requires_grad=False)
+        self.head_weight = self._lm_head_weight().detach()  # a plain tensor: not a second parameter
         return self
 
     # ----- forward -------------------------------------------------------------------
 
     def _lm_head_weight(self) -> torch.Tensor:
+        """The lm_head matrix as ops.linear will use it, prepared once at load.
+
+        bf16/fp16 policies keep logits in f32: ops.linear then multiplies in f32 and would
+        widen this [vocab, hidden] matrix on every call, so it is widened here instead
+        (exact: every bf16/fp16 value is an f32 value).
+        """
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        # bf16/fp16 policies keep logits in f32: ops.linear then multiplies in f32, and
-        # would widen this [vocab, hidden] matrix on every call. Widen it once instead
-        # (exact: every bf16/fp16 value is an f32 value).
         wide = dt(self.policy.logits_dtype)
         if wide == dt(self.policy.accum_dtype) and torch.finfo(wide).bits > torch.finfo(w.dtype).bits:
-            if getattr(self, "_wide_head", None) is None:
-                self._wide_head = w.to(wide)
-            return self._wide_head
+            return w.to(wide)
         return w
 
     def _rope(self, positions: torch.Tensor):
@@ -212,7 +214,7 @@ class LlamaModel(nn.Module):
         rec("final_norm", x)
         if last_only:
             x = x[:, -1:]
-        logits = ops.linear(x, self._lm_head_weight(), None, policy, policy.logits_dtype)
+        logits = ops.linear(x, self.head_weight, None, policy, policy.logits_dtype)
         rec("logits", logits)
         return logits
 
