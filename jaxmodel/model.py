@@ -16,6 +16,14 @@ k, v [L, B, S, Hkv, D] in compute_dtype, mask [B, S] (slots holding a real token
 pos [B] (next position per row) and index (the slot the next token is written to, the
 same for every row). With dynamic NTK RoPE past max_position_embeddings, cached keys
 keep the rotation they were written with, as in transformers.
+
+batch_invariant=True: every module calls invariant.py instead of ops.py (same names; the
+measurements behind each change are written there), and calls run in the canonical
+layout of llamaspec.inputs.invariant_layout (each row's real tokens at slots [0, n),
+width a multiple of invariant.Q_BLOCK); results go back to the caller's slots, with
+zeros on padding. Its cache has no shared write slot: lens [B] replaces mask/pos/index,
+row b's tokens fill slots [0, lens[b]) and a decode step writes each row at its own
+lens[b], so a row's keys sit in the same key blocks whatever the other rows hold.
 """
 
 from __future__ import annotations
@@ -30,9 +38,9 @@ from jax import lax
 
 from llamaspec import (LlamaConfig, Policy, Sampling, check_tokens, generate,
                        load_weights, positions_from_mask, taps as tapnames)
-from llamaspec.inputs import check_inject, check_next_ids, check_prefill
+from llamaspec.inputs import check_inject, check_next_ids, check_prefill, invariant_layout
 
-from . import ops
+from . import invariant, ops
 from .dtypes import compiler_options, numpy_dtype, of
 
 CACHE_BLOCK = 64  # cache length is rounded up to this, so prompts of similar length share a compile
@@ -63,14 +71,20 @@ def _param(weights, key, dtype):
     return nnx.Param(jnp.asarray(w if w.dtype == dtype else w.astype(dtype)))
 
 
+def _ops(batch_invariant: bool):
+    """The op functions a module calls (a static flag, so it is part of the graphdef)."""
+    return invariant if batch_invariant else ops
+
+
 class Linear(nnx.Module):
-    def __init__(self, weights, key, dtype, bias: bool):
+    def __init__(self, weights, key, dtype, bias: bool, batch_invariant=False):
         self.weight = _param(weights, key + ".weight", dtype)
         self.bias = _param(weights, key + ".bias", dtype) if bias else None
+        self.batch_invariant = batch_invariant
 
     def __call__(self, x, policy, out_dtype=None):
         b = None if self.bias is None else self.bias[...]
-        return ops.linear(x, self.weight[...], b, policy, out_dtype)
+        return _ops(self.batch_invariant).linear(x, self.weight[...], b, policy, out_dtype)
 
 
 class Embedding(nnx.Module):
@@ -82,26 +96,30 @@ class Embedding(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, weights, key, dtype, eps):
+    def __init__(self, weights, key, dtype, eps, batch_invariant=False):
         self.weight = _param(weights, key + ".weight", dtype)
         self.eps = eps
+        self.batch_invariant = batch_invariant
 
     def __call__(self, x, policy):
-        return ops.rms_norm(x, self.weight[...], self.eps, policy)
+        return _ops(self.batch_invariant).rms_norm(x, self.weight[...], self.eps, policy)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype):
+    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, batch_invariant=False):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            Linear(weights, prefix + name, dtype, cfg.attention_bias)
+            Linear(weights, prefix + name, dtype, cfg.attention_bias, batch_invariant)
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
         self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                      cfg.num_key_value_heads, cfg.head_dim)
+        self.batch_invariant = batch_invariant
 
     def __call__(self, x, cos, sin, allowed, policy, rec, cache=None, layer=0):
         """cache: None (keys are this call's tokens) or (k_all, v_all, index): the stacked
-        [L, B, S, Hkv, D] cache; this call's keys go to [layer, :, index:index + T]."""
+        [L, B, S, Hkv, D] cache; this call's keys go to [layer, :, index:index + T], or
+        with index [B] (batch-invariant decode, T = 1) row b's key goes to slot index[b]."""
         B, T, _ = x.shape
+        ops = _ops(self.batch_invariant)
         q = rec("q", self.q_proj(x, policy).reshape(B, T, self.heads, self.head_dim))
         k = rec("k", self.k_proj(x, policy).reshape(B, T, self.kv_heads, self.head_dim))
         v = rec("v", self.v_proj(x, policy).reshape(B, T, self.kv_heads, self.head_dim))
@@ -109,10 +127,15 @@ class Attention(nnx.Module):
         k = rec("k_rope", ops.apply_rope(k, cos, sin))
         if cache is not None:
             k_all, v_all, index = cache
-            zero = jnp.zeros((), jnp.int32)  # start indices must share one integer type
-            at = (jnp.int32(layer), zero, jnp.asarray(index, jnp.int32), zero, zero)
-            k_all = lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
-            v_all = lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
+            if jnp.ndim(index) == 1:
+                rows = jnp.arange(B)
+                k_all = k_all.at[layer, rows, index].set(k[:, 0].astype(k_all.dtype))
+                v_all = v_all.at[layer, rows, index].set(v[:, 0].astype(v_all.dtype))
+            else:
+                zero = jnp.zeros((), jnp.int32)  # start indices must share one integer type
+                at = (jnp.int32(layer), zero, jnp.asarray(index, jnp.int32), zero, zero)
+                k_all = lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
+                v_all = lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
             cache = (k_all, v_all, index)
             k, v = k_all[layer], v_all[layer]
         ctx = ops.attention(q, k, v, allowed, policy).reshape(B, T, self.heads * self.head_dim)
@@ -121,26 +144,28 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype):
+    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, batch_invariant=False):
         self.gate_proj, self.up_proj, self.down_proj = (
-            Linear(weights, prefix + name, dtype, cfg.mlp_bias)
+            Linear(weights, prefix + name, dtype, cfg.mlp_bias, batch_invariant)
             for name in ("gate_proj", "up_proj", "down_proj"))
+        self.batch_invariant = batch_invariant
 
     def __call__(self, x, policy, rec):
         gate = rec("gate", self.gate_proj(x, policy))
         up = rec("up", self.up_proj(x, policy))
-        act = rec("act", ops.silu(gate) * up)
+        act = rec("act", _ops(self.batch_invariant).silu(gate) * up)
         return rec("mlp_out", self.down_proj(act, policy))
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, i, dtype):
+    def __init__(self, cfg: LlamaConfig, weights, i, dtype, batch_invariant=False):
         p = f"model.layers.{i}."
-        self.input_layernorm = RMSNorm(weights, p + "input_layernorm", dtype, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, weights, p + "self_attn.", dtype)
+        self.input_layernorm = RMSNorm(weights, p + "input_layernorm", dtype, cfg.rms_norm_eps,
+                                       batch_invariant)
+        self.self_attn = Attention(cfg, weights, p + "self_attn.", dtype, batch_invariant)
         self.post_attention_layernorm = RMSNorm(weights, p + "post_attention_layernorm", dtype,
-                                                cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, weights, p + "mlp.", dtype)
+                                                cfg.rms_norm_eps, batch_invariant)
+        self.mlp = MLP(cfg, weights, p + "mlp.", dtype, batch_invariant)
 
     def __call__(self, h, cos, sin, allowed, policy, rec, cache=None, layer=0):
         resid = of(policy.residual_dtype)
@@ -156,21 +181,23 @@ class Llama(nnx.Module):
     """The network. cfg and policy are static attributes (part of the graphdef); the
     state's paths are the checkpoint keys without the "model." prefix."""
 
-    def __init__(self, cfg: LlamaConfig, policy: Policy, weights: dict[str, np.ndarray]):
-        self.cfg, self.policy = cfg, policy
-        dt = numpy_dtype(policy.param_dtype)
+    def __init__(self, cfg: LlamaConfig, policy: Policy, weights: dict[str, np.ndarray],
+                 batch_invariant: bool = False):
+        self.cfg, self.policy, self.batch_invariant = cfg, policy, batch_invariant
+        dt, bi = numpy_dtype(policy.param_dtype), batch_invariant
         self.embed_tokens = Embedding(weights, "model.embed_tokens", dt)
-        self.layers = nnx.List([Block(cfg, weights, i, dt) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False)
+        self.layers = nnx.List([Block(cfg, weights, i, dt, bi) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, bi)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, bi)
 
     def __call__(self, ids, positions, allowed, taps=(), cache=None, last_only=False, inject=None,
-                 scan=False):
+                 scan=False, last=None):
         """ids, positions [B, T]; allowed [B, T, S]. cache: None or (k_all, v_all, index).
         inject {i: h}: teacher forcing, layer i's input is replaced by h.
         scan: run the blocks under one lax.scan (no cache; see _scan_layers).
 
-        Returns (logits, acts, cache); last_only computes logits for slot T-1 only.
+        Returns (logits, acts, cache); last_only computes logits for slot T-1 only, last
+        [B] for slot last[b] of each row.
         """
         cfg, policy = self.cfg, self.policy
         rec = _Recorder(taps)
@@ -187,11 +214,14 @@ class Llama(nnx.Module):
                 if inject and i in inject:
                     h = inject[i].astype(of(policy.residual_dtype))
                 h, cache = block(h, cos, sin, allowed, policy, rec.layer(i), cache, i)
-        if last_only:
+        if last is not None:
+            h = h[jnp.arange(h.shape[0]), last][:, None]
+        elif last_only:
             h = h[:, -1:]
         x = rec("final_norm", self.norm(h, policy))
         head = (self.embed_tokens if self.lm_head is None else self.lm_head).weight[...]
-        logits = rec("logits", ops.linear(x, head, None, policy, of(policy.logits_dtype)))
+        logits = rec("logits", _ops(self.batch_invariant).linear(x, head, None, policy,
+                                                                 of(policy.logits_dtype)))
         return logits, rec.acts, cache
 
 
@@ -278,8 +308,36 @@ def _decode(graphdef, state, cache, next_ids):
     return logits[:, 0], cache
 
 
+def _prefill_invariant(graphdef, state, ids, mask, positions, *, cache_len):
+    """_prefill in the canonical layout: row b fills slots [0, lens[b]); logits of each
+    row's last real slot."""
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    B, T = ids.shape
+    shape = (cfg.num_hidden_layers, B, cache_len, cfg.num_key_value_heads, cfg.head_dim)
+    k_all = jnp.zeros(shape, of(model.policy.compute_dtype))
+    v_all = jnp.zeros(shape, of(model.policy.compute_dtype))
+    slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
+    allowed = slots[:, None, :] & _causal(T, cache_len)[None]
+    lens = mask.sum(1).astype(jnp.int32)
+    logits, _, (k_all, v_all, _) = model(ids, positions, allowed, cache=(k_all, v_all, 0),
+                                         last=lens - 1)
+    return logits[:, 0], {"k": k_all, "v": v_all, "lens": lens}
+
+
+def _decode_invariant(graphdef, state, cache, next_ids):
+    """_decode writing row b at its own slot lens[b] (slots [0, lens[b]) are all real)."""
+    model = nnx.merge(graphdef, state)
+    lens = cache["lens"]
+    S = cache["k"].shape[2]
+    allowed = (jnp.arange(S)[None, :] <= lens[:, None])[:, None, :]
+    logits, _, (k_all, v_all, _) = model(next_ids[:, None], lens[:, None], allowed,
+                                         cache=(cache["k"], cache["v"], lens), last_only=True)
+    return logits[:, 0], {"k": k_all, "v": v_all, "lens": lens + 1}
+
+
 @functools.lru_cache(maxsize=16)
-def _programs(graphdef):
+def _programs(graphdef, batch_invariant: bool):
     """The jitted forward, prefill and decode for one model structure (config + policy).
 
     Models loaded twice with the same structure share compiled programs (a comparison
@@ -287,10 +345,20 @@ def _programs(graphdef):
     milliseconds, too much to pay on every decode step as a static argument.
     """
     jit = functools.partial(jax.jit, compiler_options=compiler_options())
+    prefill, decode = ((_prefill_invariant, _decode_invariant) if batch_invariant
+                       else (_prefill, _decode))
     return (jit(functools.partial(_forward, graphdef), static_argnames="taps"),
-            jit(functools.partial(_prefill, graphdef), static_argnames="cache_len"),
+            jit(functools.partial(prefill, graphdef), static_argnames="cache_len"),
             # the cache is donated: each step updates it in place instead of copying it
-            jit(functools.partial(_decode, graphdef), donate_argnums=1))
+            jit(functools.partial(decode, graphdef), donate_argnums=1))
+
+
+def _restore(x: np.ndarray, back: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Batch-invariant mode: canonical [B, W, ...] -> the caller's slots [B, T, ...]
+    (llamaspec.inputs.invariant_layout); padding slots hold zeros."""
+    tail = (1,) * (x.ndim - 2)
+    out = np.take_along_axis(x, back.reshape(*back.shape, *tail), axis=1)
+    return np.where(mask.astype(bool).reshape(*mask.shape, *tail), out, np.zeros((), x.dtype))
 
 
 def _pick(acts: dict, tap: str) -> np.ndarray:
@@ -306,8 +374,9 @@ class LlamaModel:
     def __init__(self, module: Llama):
         self.cfg: LlamaConfig = module.cfg
         self.policy: Policy = module.policy
+        self.batch_invariant: bool = module.batch_invariant
         self.graphdef, self.state = nnx.split(module)
-        self._forward, self._prefill, self._decode = _programs(self.graphdef)
+        self._forward, self._prefill, self._decode = _programs(self.graphdef, self.batch_invariant)
 
     @property
     def module(self) -> Llama:
@@ -316,6 +385,11 @@ class LlamaModel:
     def __call__(self, tokens, attention_mask=None):
         """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
+        if self.batch_invariant:
+            ids_c, mask_c, back = invariant_layout(self.cfg, ids, mask, invariant.Q_BLOCK)
+            logits, _ = self._forward(self.state, ids_c, mask_c, positions_from_mask(mask_c), {},
+                                      taps=())
+            return jnp.asarray(_restore(np.asarray(logits), back, mask))
         logits, _ = self._forward(self.state, ids, mask, positions_from_mask(mask), {}, taps=())
         return logits
 
@@ -331,15 +405,31 @@ class LlamaModel:
         # the program depends on which tap names are asked for, not at which layers
         program_taps = tuple(sorted({n if tapnames.layer_of(n) is None
                                      else "layers.*." + tapnames.parse(n)[1] for n in names}))
-        logits, acts = self._forward(self.state, ids, mask, positions_from_mask(mask), forced,
-                                     taps=program_taps)
-        acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
-        return np.asarray(logits), {n: _pick(acts, n) for n in names}
+        if not self.batch_invariant:
+            logits, acts = self._forward(self.state, ids, mask, positions_from_mask(mask), forced,
+                                         taps=program_taps)
+            acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
+            return np.asarray(logits), {n: _pick(acts, n) for n in names}
+        ids_c, mask_c, back = invariant_layout(self.cfg, ids, mask, invariant.Q_BLOCK)
+        rows, slots = np.nonzero(mask)
+        for i, x in forced.items():
+            h = np.zeros((*ids_c.shape, x.shape[-1]), x.dtype)
+            h[rows, back[rows, slots]] = np.asarray(x)[rows, slots]
+            forced[i] = jnp.asarray(h)
+        logits, acts = self._forward(self.state, ids_c, mask_c, positions_from_mask(mask_c),
+                                     forced, taps=program_taps)
+        acts = {k: np.asarray(a) for k, a in acts.items()}
+        return (_restore(np.asarray(logits), back, mask),
+                {n: _restore(_pick(acts, n), back, mask) for n in names})
 
     def prefill(self, ids, mask, total_len: int):
         """Runs the left-aligned prompt, fills cache slots [0, T); returns (last logits [B, V]
         as numpy, cache). The cache holds total_len tokens, rounded up to CACHE_BLOCK."""
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
+        if self.batch_invariant:
+            ids, mask, _ = invariant_layout(self.cfg, ids, mask, invariant.Q_BLOCK,
+                                            extra_length=total_len - ids.shape[1])
+            total_len = max(total_len, ids.shape[1])
         cache_len = -(-total_len // CACHE_BLOCK) * CACHE_BLOCK
         logits, cache = self._prefill(self.state, ids, mask, positions_from_mask(mask),
                                       cache_len=cache_len)
@@ -347,8 +437,11 @@ class LlamaModel:
 
     def decode(self, cache, next_ids):
         """Appends one token per row at the cache's write index; returns (logits [B, V], cache)."""
-        B, S = cache["mask"].shape
-        next_ids = check_next_ids(self.cfg, next_ids, B, int(cache["index"]), S)
+        if self.batch_invariant:
+            (B, S), index = cache["k"].shape[1:3], int(cache["lens"].max())
+        else:
+            (B, S), index = cache["mask"].shape, int(cache["index"])
+        next_ids = check_next_ids(self.cfg, next_ids, B, index, S)
         logits, cache = self._decode(self.state, cache, next_ids)
         return np.asarray(logits), cache
 
@@ -366,11 +459,9 @@ class LlamaModel:
 def from_pretrained(path, policy="fp32", batch_invariant: bool = False,
                     check_finite: bool = True) -> LlamaModel:
     """Loads a Hugging Face Llama folder (config.json + safetensors) at a precision policy
-    (preset name or llamaspec.Policy). Weights are rounded to the policy's param_dtype."""
-    if batch_invariant:
-        raise NotImplementedError(
-            "jaxmodel: batch_invariant=True is not implemented yet; it arrives with the "
-            "batch-invariance work (fixed reduction order independent of batch composition)")
+    (preset name or llamaspec.Policy). Weights are rounded to the policy's param_dtype.
+    batch_invariant=True: a sequence's logits and greedy completions are bitwise the same
+    whatever the rest of the batch, its row and its padding (see invariant.py)."""
     policy = Policy.get(policy)
     cfg, weights = load_weights(path, check_finite=check_finite)
-    return LlamaModel(Llama(cfg, policy, weights))
+    return LlamaModel(Llama(cfg, policy, weights, batch_invariant))

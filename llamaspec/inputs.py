@@ -132,3 +132,34 @@ def check_inject(cfg: LlamaConfig, inject, tokens_shape) -> dict[int, np.ndarray
             raise InputError(f"inject[{layer}]: shape {x.shape}, expected {want}")
         out[int(layer)] = x
     return out
+
+
+def invariant_layout(cfg: LlamaConfig, ids: np.ndarray, mask: np.ndarray, multiple: int,
+                     extra_length: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The canonical layout of batch-invariant mode (both models).
+
+    Every row's real tokens move to slots [0, n), in order, so where a token sits (and so
+    every reduction over key slots) no longer depends on the padding or on the batch's
+    longest row; the width is the longest row rounded up to `multiple`. Returns (ids,
+    mask, back): back[b, t] is the canonical slot of the token at slot t (clipped into
+    range on padding slots, which the caller masks), to put results back in place. The
+    length limit is max_position_embeddings, also for dynamic NTK RoPE: past it the RoPE
+    base grows with the longest row of the call, which depends on the batch.
+    """
+    ids, mask = np.asarray(ids), np.asarray(mask)
+    longest = int(mask.sum(1).max())
+    if longest + extra_length > cfg.max_position_embeddings:
+        what = f" including {extra_length} new tokens" if extra_length else ""
+        raise InputError(f"batch_invariant mode: sequence of {longest + extra_length} tokens"
+                         f"{what} is longer than its maximum length, max_position_embeddings="
+                         f"{cfg.max_position_embeddings}")
+    B, T = ids.shape
+    slot = np.argsort(~mask.astype(bool), axis=1, kind="stable")  # real slots first, in order
+    width = max(-(-longest // multiple) * multiple, multiple)
+    n = min(T, width)
+    out_ids = np.zeros((B, width), ids.dtype)
+    out_mask = np.zeros((B, width), mask.dtype)
+    out_ids[:, :n] = np.take_along_axis(ids, slot, 1)[:, :n]
+    out_mask[:, :n] = np.take_along_axis(mask, slot, 1)[:, :n]
+    back = np.minimum(np.argsort(slot, axis=1, kind="stable"), width - 1)
+    return out_ids, out_mask, back

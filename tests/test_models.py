@@ -238,8 +238,6 @@ def test_bad_inputs_are_clear_errors(framework, tiny_dir):
         m.decode(cache, np.array([-1]))
     with pytest.raises(Exception, match="unknown precision policy 'fp12'"):
         load(framework, folder, "fp12")
-    with pytest.raises(NotImplementedError, match="batch_invariant"):
-        load(framework, folder, batch_invariant=True)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

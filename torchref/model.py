@@ -3,10 +3,20 @@
 Module and parameter names mirror Hugging Face's, so `state_dict()` keys are the
 checkpoint keys and loading is one-to-one. The math lives in ops.py; modules only
 hold weights and wire ops together. Every step follows the precision policy.
+
+batch_invariant=True swaps ops.py for invariant.py (same function names; why each
+change is needed is measured and written there) and runs every call in the canonical
+layout of llamaspec.inputs.invariant_layout: each row's real tokens at slots [0, n),
+positions 0..n-1, width a multiple of ROW_QUANTUM. Results go back to the caller's slots
+(padding slots hold zeros). The KV cache keeps that layout: row b's tokens fill slots
+[0, lens[b]) and each decode step writes at its own row's slot lens[b], so a row's keys
+sit in the same blocks whatever the other rows' lengths; decode attends to the blocks up
+to the longest row only (the blocks after are all masked and would add exact zeros).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +25,9 @@ from torch import nn
 
 from llamaspec import (LlamaConfig, Policy, Sampling, check_tokens, generate as run_generation,
                        load_weights, positions_from_mask, taps as tapnames)
-from llamaspec.inputs import check_inject, check_next_ids, check_prefill
+from llamaspec.inputs import check_inject, check_next_ids, check_prefill, invariant_layout
 
-from . import ops
+from . import invariant, ops
 from .dtypes import dt, from_numpy, matmul_settings, to_numpy
 
 
@@ -39,34 +49,37 @@ def _weight(*shape) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    def __init__(self, n_in: int, n_out: int, bias: bool):
+    def __init__(self, n_in: int, n_out: int, bias: bool, kernels=ops):
         super().__init__()
         self.weight = _weight(n_out, n_in)
         self.bias = _weight(n_out) if bias else None
+        self.ops = kernels
 
     def forward(self, x, policy: Policy, out_dtype: str | None = None):
-        return ops.linear(x, self.weight, self.bias, policy, out_dtype)
+        return self.ops.linear(x, self.weight, self.bias, policy, out_dtype)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels=ops):
         super().__init__()
         self.weight = _weight(dim)
         self.eps = eps
+        self.ops = kernels
 
     def forward(self, x, policy: Policy):
-        return ops.rms_norm(x, self.weight, self.eps, policy)
+        return self.ops.rms_norm(x, self.weight, self.eps, policy)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, kernels=ops):
         super().__init__()
         d, hd, b = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = Linear(d, self.n_heads * hd, b)
-        self.k_proj = Linear(d, self.n_kv * hd, b)
-        self.v_proj = Linear(d, self.n_kv * hd, b)
-        self.o_proj = Linear(self.n_heads * hd, d, b)
+        self.q_proj = Linear(d, self.n_heads * hd, b, kernels)
+        self.k_proj = Linear(d, self.n_kv * hd, b, kernels)
+        self.v_proj = Linear(d, self.n_kv * hd, b, kernels)
+        self.o_proj = Linear(self.n_heads * hd, d, b, kernels)
+        self.ops = kernels
 
     def forward(self, x, cos, sin, allowed, policy, rec, p, kv=None, index=0):
         B, T, _ = x.shape
@@ -74,39 +87,47 @@ class Attention(nn.Module):
         k = self.k_proj(x, policy).view(B, T, self.n_kv, self.head_dim)
         v = self.v_proj(x, policy).view(B, T, self.n_kv, self.head_dim)
         rec(p + "q", q), rec(p + "k", k), rec(p + "v", v)
-        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        q, k = self.ops.apply_rope(q, cos, sin), self.ops.apply_rope(k, cos, sin)
         rec(p + "q_rope", q), rec(p + "k_rope", k)
         if kv is not None:  # write this call's keys/values into their cache slots
             # The cache is stored [B, Hkv, S, D] so attention reads it without copies;
             # it is handed on as a [B, S, Hkv, D] view, the layout ops.attention takes.
-            kv[0][:, :, index:index + T] = k.transpose(1, 2)
-            kv[1][:, :, index:index + T] = v.transpose(1, 2)
-            k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
-        ctx = ops.attention(q, k, v, allowed, policy).reshape(B, T, -1)
+            # index: one slot for every row, or (batch-invariant decode) a slot per row.
+            if isinstance(index, torch.Tensor):
+                rows = torch.arange(B, device=index.device)
+                kv[0][rows, :, index], kv[1][rows, :, index] = k[:, 0], v[:, 0]
+            else:
+                kv[0][:, :, index:index + T] = k.transpose(1, 2)
+                kv[1][:, :, index:index + T] = v.transpose(1, 2)
+            S = allowed.shape[-1]  # the slots this call may see (all of them by default)
+            k, v = kv[0][:, :, :S].transpose(1, 2), kv[1][:, :, :S].transpose(1, 2)
+        ctx = self.ops.attention(q, k, v, allowed, policy).reshape(B, T, -1)
         rec(p + "attn_ctx", ctx)
         return self.o_proj(ctx, policy)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, kernels=ops):
         super().__init__()
         d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj, self.up_proj, self.down_proj = Linear(d, f, b), Linear(d, f, b), Linear(f, d, b)
+        self.gate_proj, self.up_proj, self.down_proj = (Linear(d, f, b, kernels), Linear(d, f, b, kernels),
+                                                        Linear(f, d, b, kernels))
+        self.ops = kernels
 
     def forward(self, x, policy, rec, p):
         gate, up = self.gate_proj(x, policy), self.up_proj(x, policy)
-        act = ops.silu(gate) * up
+        act = self.ops.silu(gate) * up
         rec(p + "gate", gate), rec(p + "up", up), rec(p + "act", act)
         return self.down_proj(act, policy)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, kernels=ops):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = Attention(cfg, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.mlp = MLP(cfg, kernels)
 
     def forward(self, h, cos, sin, allowed, policy, rec, p, kv=None, index=0):
         residual = dt(policy.residual_dtype)
@@ -132,21 +153,25 @@ class Embedding(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, kernels=ops):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(cfg, kernels) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
 
 class LlamaModel(nn.Module):
     """Llama for causal LM. Call it on [B, T] token ids; see DESIGN.md for the API."""
 
-    def __init__(self, cfg: LlamaConfig, policy: Policy, device: str | torch.device = "cpu"):
+    def __init__(self, cfg: LlamaConfig, policy: Policy, device: str | torch.device = "cpu",
+                 batch_invariant: bool = False):
         super().__init__()
         self.cfg, self.policy, self.device = cfg, policy, torch.device(device)
-        self.model = Backbone(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.batch_invariant = batch_invariant
+        self.ops = invariant if batch_invariant else ops
+        self.model = Backbone(cfg, self.ops)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False,
+                                                                   self.ops)
 
     # ----- loading -------------------------------------------------------------------
 
@@ -190,15 +215,16 @@ class LlamaModel(nn.Module):
     def _rope(self, positions: torch.Tensor):
         cfg, rope_dtype = self.cfg, dt(self.policy.rope_dtype)
         seq_len = int(positions.max()) + 1
-        inv_freq = ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
-                                     seq_len, rope_dtype).to(self.device)
-        return ops.rope_cos_sin(inv_freq, positions, rope_dtype)
+        inv_freq = self.ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
+                                          seq_len, rope_dtype).to(self.device)
+        return self.ops.rope_cos_sin(inv_freq, positions, rope_dtype)
 
     def _run(self, ids, positions, allowed, rec, cache=None, index=0, last_only=False, inject=None):
         """Embedding -> blocks -> final norm -> lm_head, recording taps on the way.
 
         inject {i: h}: teacher forcing, the residual stream entering layer i is replaced
         by h (cast to residual_dtype), whatever the layers before it produced.
+        last_only: logits for slot T-1 only; or a [B] tensor of one slot per row.
         """
         policy = self.policy
         residual = dt(policy.residual_dtype)
@@ -212,9 +238,11 @@ class LlamaModel(nn.Module):
             h = block(h, cos, sin, allowed, policy, rec, f"layers.{i}.", kv, index)
         x = self.model.norm(h, policy)
         rec("final_norm", x)
-        if last_only:
+        if isinstance(last_only, torch.Tensor):
+            x = x[torch.arange(x.shape[0], device=x.device), last_only][:, None]
+        elif last_only:
             x = x[:, -1:]
-        logits = ops.linear(x, self.head_weight, None, policy, policy.logits_dtype)
+        logits = self.ops.linear(x, self.head_weight, None, policy, policy.logits_dtype)
         rec("logits", logits)
         return logits
 
@@ -231,11 +259,31 @@ class LlamaModel(nn.Module):
         q_slot = torch.arange(first_query_slot, first_query_slot + n_queries, device=mask.device)
         return mask.bool()[:, None, :] & (torch.arange(S, device=mask.device)[None, :] <= q_slot[:, None])
 
+    def _canonical(self, ids: torch.Tensor, mask: torch.Tensor):
+        """Batch-invariant mode: (ids, mask, positions, back) in the canonical layout
+        (llamaspec.inputs.invariant_layout) for checked inputs."""
+        ids_c, mask_c, back = invariant_layout(self.cfg, ids.cpu().numpy(), mask.cpu().numpy(),
+                                               invariant.ROW_QUANTUM)
+        to = functools.partial(torch.as_tensor, device=self.device)
+        return to(ids_c), to(mask_c), to(positions_from_mask(mask_c)).long(), to(back).long()
+
+    @staticmethod
+    def _restore(x: torch.Tensor, back: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Canonical [B, W, ...] -> the caller's slots [B, T, ...]; padding slots hold 0."""
+        B, T = back.shape
+        tail = (1,) * (x.ndim - 2)
+        out = x.gather(1, back.view(B, T, *tail).expand(B, T, *x.shape[2:]))
+        return torch.where(mask.bool().view(B, T, *tail), out, torch.zeros((), dtype=x.dtype))
+
     @torch.inference_mode()
     def forward(self, tokens, attention_mask=None) -> torch.Tensor:
         """Logits [B, T, V] in the policy's logits dtype."""
         ids, mask, pos = self._inputs(tokens, attention_mask)
         with matmul_settings(self.policy):
+            if self.batch_invariant:
+                ids_c, mask_c, pos_c, back = self._canonical(ids, mask)
+                logits = self._run(ids_c, pos_c, self._causal(mask_c, ids_c.shape[1]), Recorder())
+                return self._restore(logits, back, mask)
             return self._run(ids, pos, self._causal(mask, ids.shape[1]), Recorder())
 
     @torch.inference_mode()
@@ -251,7 +299,18 @@ class LlamaModel(nn.Module):
                   for i, x in check_inject(self.cfg, inject, ids.shape).items()}
         rec = Recorder(wanted)
         with matmul_settings(self.policy):
-            logits = self._run(ids, pos, self._causal(mask, ids.shape[1]), rec, inject=forced)
+            if self.batch_invariant:
+                ids_c, mask_c, pos_c, back = self._canonical(ids, mask)
+                rows, slots = mask.nonzero(as_tuple=True)
+                for i, x in forced.items():
+                    h = x.new_zeros((*ids_c.shape, x.shape[-1]))
+                    h[rows, back[rows, slots]] = x[rows, slots]
+                    forced[i] = h
+                logits = self._run(ids_c, pos_c, self._causal(mask_c, ids_c.shape[1]), rec, inject=forced)
+                logits = self._restore(logits, back, mask)
+                rec.acts = {k: self._restore(a, back, mask) for k, a in rec.acts.items()}
+            else:
+                logits = self._run(ids, pos, self._causal(mask, ids.shape[1]), rec, inject=forced)
         return to_numpy(logits), {k: to_numpy(rec.acts[k]) for k in wanted}
 
     # ----- generation ----------------------------------------------------------------
@@ -260,6 +319,8 @@ class LlamaModel(nn.Module):
     def prefill(self, ids: np.ndarray, mask: np.ndarray, total_len: int):
         """Runs the left-aligned prompt, filling a cache of total_len slots."""
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
+        if self.batch_invariant:
+            return self._prefill_invariant(ids, mask, total_len)
         B, T = ids.shape
         cfg, compute = self.cfg, dt(self.policy.compute_dtype)
         shape = (B, cfg.num_key_value_heads, total_len, cfg.head_dim)
@@ -278,6 +339,8 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def decode(self, cache, next_ids: np.ndarray):
         """One token per row at slot cache['index']; returns (logits [B, V], cache)."""
+        if self.batch_invariant:
+            return self._decode_invariant(cache, next_ids)
         i = cache["index"]
         B, S = cache["mask"].shape
         next_ids = check_next_ids(self.cfg, next_ids, B, i, S)
@@ -288,6 +351,39 @@ class LlamaModel(nn.Module):
             logits = self._run(ids, pos, self._causal(cache["mask"], 1, i), Recorder(), cache, i)
         cache["index"] = i + 1
         cache["next_pos"] = cache["next_pos"] + 1
+        return to_numpy(logits[:, -1]), cache
+
+    def _prefill_invariant(self, ids: np.ndarray, mask: np.ndarray, total_len: int):
+        """prefill in the canonical layout; the cache keeps per-row lengths ("lens")."""
+        cfg, Kb = self.cfg, invariant.KEY_BLOCK
+        ids_c, mask_c, _ = invariant_layout(cfg, ids, mask, invariant.ROW_QUANTUM,
+                                            extra_length=total_len - ids.shape[1])
+        B, W = ids_c.shape
+        S = -(-max(total_len, W) // Kb) * Kb
+        compute = dt(self.policy.compute_dtype)
+        shape = (B, cfg.num_key_value_heads, S, cfg.head_dim)
+        cache = {"k": [torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)],
+                 "v": [torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)],
+                 "lens": torch.from_numpy(mask_c.sum(1).astype(np.int64)).to(self.device)}
+        visible = torch.zeros((B, -(-W // Kb) * Kb), dtype=torch.int32, device=self.device)
+        visible[:, :W] = torch.from_numpy(mask_c).to(self.device)
+        pos = torch.from_numpy(positions_from_mask(mask_c)).long().to(self.device)
+        with matmul_settings(self.policy):
+            logits = self._run(torch.from_numpy(ids_c).to(self.device), pos, self._causal(visible, W),
+                               Recorder(), cache, 0, last_only=cache["lens"] - 1)
+        return to_numpy(logits[:, -1]), cache
+
+    def _decode_invariant(self, cache, next_ids: np.ndarray):
+        """decode with a write slot per row (lens[b]); attends to the blocks in use only."""
+        lens, Kb = cache["lens"], invariant.KEY_BLOCK
+        B, S, longest = lens.shape[0], cache["k"][0].shape[2], int(lens.max())
+        next_ids = check_next_ids(self.cfg, next_ids, B, longest, S)
+        width = min(S, -(-(longest + 1) // Kb) * Kb)
+        allowed = (torch.arange(width, device=self.device)[None, :] <= lens[:, None])[:, None, :]
+        ids = torch.from_numpy(next_ids).to(self.device)[:, None]
+        with matmul_settings(self.policy):
+            logits = self._run(ids, lens[:, None], allowed, Recorder(), cache, lens)
+        cache["lens"] = lens + 1
         return to_numpy(logits[:, -1]), cache
 
     def generate(self, tokens, attention_mask=None, max_new_tokens: int = 32, do_sample=False,
@@ -301,11 +397,11 @@ class LlamaModel(nn.Module):
 
 def from_pretrained(path: str | Path, policy: str | Policy = "fp32", batch_invariant: bool = False,
                     device: str | None = None, check_finite: bool = True) -> LlamaModel:
-    """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy."""
-    if batch_invariant:
-        raise NotImplementedError("batch_invariant=True is not implemented yet in torchref "
-                                  "(it comes with the invariance lab)")
+    """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy.
+
+    batch_invariant=True: a sequence's logits and greedy completions are bitwise the same
+    whatever the rest of the batch, its row and its padding (see invariant.py)."""
     policy = Policy.get(policy)
     cfg, weights = load_weights(path, check_finite=check_finite)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return LlamaModel(cfg, policy, device).load_numpy(weights).eval()
+    return LlamaModel(cfg, policy, device, batch_invariant).load_numpy(weights).eval()

@@ -1,0 +1,201 @@
+"""Batch-invariant mode: its cost against the default mode, and whether it holds.
+
+    .venv/bin/python bench/bench_invariant.py [--checkpoint DIR] [--policy fp32 bf16]
+        [--impl torchref jaxmodel] [--prompt-len 128] [--batch 1 8] [--decode 16]
+        [--repeats 2] [--check] [--probe] [--out FILE]
+
+Timing (default): prefill of [B, prompt_len] prompts and decode ms/token (B rows, greedy
+steps after a prefill), default and invariant mode side by side, median of repeats after
+a warm-up (which includes JAX compilation); the ratio invariant/default per row.
+--check: one target prompt alone vs inside batches of 2, 8 and 32 with random companions
+of mixed lengths, left and right padding: the fraction of its logits that are bitwise
+equal to the alone run, default vs invariant mode.
+--probe: the kernel measurements behind torchref/invariant.py and jaxmodel/invariant.py
+(one row's matmul result at each row count; a reduction at each row count).
+Prints tables and writes JSON (default bench/results/invariant-<time>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_models import environment  # noqa: E402
+
+
+def _median(fn, repeats):
+    fn()  # warm-up: compilation, allocator, caches
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_mode(m, ids, n_decode, repeats):
+    mask = np.ones_like(ids)
+    total = ids.shape[1] + n_decode
+    prefill = _median(lambda: m.prefill(ids, mask, total), repeats)
+
+    def decode_run():
+        logits, cache = m.prefill(ids, mask, total)
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            logits, cache = m.decode(cache, np.asarray(logits).argmax(-1))
+        return (time.perf_counter() - t0) / n_decode
+
+    decode_run()
+    return prefill, statistics.median(decode_run() for _ in range(repeats))
+
+
+def run_timing(args, folder, vocab):
+    rows = []
+    for policy in args.policy:
+        for impl in args.impl:
+            module = importlib.import_module(impl)
+            models = {mode: module.from_pretrained(folder, policy=policy, batch_invariant=mode == "invariant")
+                      for mode in ("default", "invariant")}
+            for B in args.batch:
+                ids = np.random.default_rng(0).integers(3, vocab, (B, args.prompt_len))
+                got = {}
+                for mode, m in models.items():
+                    print(f"  {policy:>5} {impl:<9} B={B:<3} {mode:<9} ...", end="", flush=True)
+                    got[mode] = time_mode(m, ids, args.decode, args.repeats)
+                    print(f" prefill {got[mode][0] * 1e3:8.1f} ms, decode {got[mode][1] * 1e3:7.1f} ms/token",
+                          flush=True)
+                (p0, d0), (p1, d1) = got["default"], got["invariant"]
+                rows.append({"policy": policy, "impl": impl, "batch": B,
+                             "prefill_ms": {"default": p0 * 1e3, "invariant": p1 * 1e3, "ratio": p1 / p0},
+                             "decode_ms_per_token": {"default": d0 * 1e3, "invariant": d1 * 1e3,
+                                                     "ratio": d1 / d0}})
+    print(f"\nprefill [B, {args.prompt_len}] and decode ms/token ({args.decode} steps), median of "
+          f"{args.repeats}; ratio = invariant / default")
+    print(f"{'policy':<7}{'impl':<10}{'B':>3}{'prefill ms':>12}{'inv':>10}{'ratio':>7}"
+          f"{'decode ms':>11}{'inv':>9}{'ratio':>7}")
+    for r in rows:
+        p, d = r["prefill_ms"], r["decode_ms_per_token"]
+        print(f"{r['policy']:<7}{r['impl']:<10}{r['batch']:>3}{p['default']:>12.1f}{p['invariant']:>10.1f}"
+              f"{p['ratio']:>7.2f}{d['default']:>11.1f}{d['invariant']:>9.1f}{d['ratio']:>7.2f}")
+    return rows
+
+
+def _bits(x):
+    x = np.ascontiguousarray(np.asarray(x))
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def run_check(args, folder, vocab, target_len=21, width=48):
+    """Fraction of the target's logits bitwise equal to its alone run, per batching."""
+    rng = np.random.default_rng(0)
+    target = rng.integers(3, vocab, target_len)
+    rows = []
+    for policy in args.policy:
+        for impl in args.impl:
+            module = importlib.import_module(impl)
+            for mode in ("default", "invariant"):
+                m = module.from_pretrained(folder, policy=policy, batch_invariant=mode == "invariant")
+                alone = _bits(m(target[None]))[0]
+                for B in (2, 8, 32):
+                    for padding in ("left", "right"):
+                        r = np.random.default_rng(B)
+                        ids = r.integers(3, vocab, (B, width))
+                        lengths = r.integers(1, width + 1, B)
+                        row = int(r.integers(B))
+                        lengths[row] = target_len
+                        mask = (np.arange(width)[None] < lengths[:, None]).astype(np.int64)
+                        ids[row, :target_len] = target
+                        if padding == "left":
+                            ids = np.stack([np.roll(ids[b], width - n) for b, n in enumerate(lengths)])
+                            mask = np.stack([np.roll(mask[b], width - n) for b, n in enumerate(lengths)])
+                        got = _bits(m(ids, mask))[row][mask[row].astype(bool)]
+                        frac = float((got == alone).mean())
+                        rows.append({"policy": policy, "impl": impl, "mode": mode, "batch": B,
+                                     "padding": padding, "bitwise_equal_fraction": frac})
+                        print(f"  {policy:>5} {impl:<9} {mode:<9} B={B:<3} {padding:<5} "
+                              f"bitwise-equal fraction {frac:.4f}", flush=True)
+    return rows
+
+
+def run_probe():
+    """One fixed row through a matmul at each row count M: how many distinct results."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from jax import lax
+
+    import jaxmodel  # noqa: F401 (x64)
+    from jaxmodel.dtypes import compiler_options
+
+    out = {}
+    rng = np.random.default_rng(0)
+    counts = [1, 2, 3, 4, 5, 8, 13, 16, 64, 100, 256, 1024]
+    w = rng.standard_normal((1536, 576)).astype(np.float32)
+    x = rng.standard_normal(576).astype(np.float32)
+    dot = jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST),
+                  compiler_options=compiler_options())
+    red = jax.jit(lambda a: jnp.sum(a, -1), compiler_options=compiler_options())
+    for name, fn in {
+        "torch f32 linear": lambda X: torch.nn.functional.linear(torch.from_numpy(X), torch.from_numpy(w)).numpy(),
+        "torch bf16 linear": lambda X: torch.nn.functional.linear(
+            torch.from_numpy(X).bfloat16(), torch.from_numpy(w).bfloat16()).float().numpy(),
+        "xla f32 dot": lambda X: np.asarray(dot(X, w)),
+        "xla f32 row sum": lambda X: np.asarray(red(X))[:, None],
+    }.items():
+        seen, where = [], []
+        for M in counts:
+            X = rng.standard_normal((M, 576)).astype(np.float32)
+            for i in sorted({0, M - 1}):
+                X[i] = x
+                y = fn(X)[i]
+                k = next((j for j, s in enumerate(seen) if np.array_equal(s, y)), None)
+                if k is None:
+                    seen.append(y)
+                    k = len(seen) - 1
+                where.append(f"{M}/{i}:{k}")
+        out[name] = where
+        print(f"  {name:<18} result class per (rows/row index): {' '.join(where)}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--policy", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--impl", nargs="+", default=["torchref", "jaxmodel"], choices=["torchref", "jaxmodel"])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--check", action="store_true", help="invariance fractions instead of timing")
+    ap.add_argument("--probe", action="store_true", help="kernel measurements instead of timing")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from llama_parity.cli import resolve_checkpoint
+    folder = resolve_checkpoint(args.checkpoint)
+    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    kind = "probe" if args.probe else "check" if args.check else "timing"
+    run = {"probe": run_probe, "check": functools.partial(run_check, args, folder, vocab),
+           "timing": functools.partial(run_timing, args, folder, vocab)}[kind]
+    results = run()
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / \
+        f"invariant-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"checkpoint": str(folder), "kind": kind, "args": vars(args),
+                               "environment": environment(), "results": results}, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

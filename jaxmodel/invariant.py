@@ -1,0 +1,130 @@
+"""Batch-invariant versions of the ops whose result for one sequence could depend on the
+rest of the batch. Same names and signatures as ops.py; the model picks the module.
+
+What breaks invariance under XLA:CPU was measured (jax 0.10, this project's compiler
+options; bench/bench_invariant.py --probe prints it again):
+
+- A dot gives a row one result for every row count M >= 2 (checked to M = 4096, every
+  position, SmolLM2 and tiny shapes); M = 1 is a matrix-vector product with another
+  summation order. Linear layers therefore never run on a single row (ROW_MIN).
+- Which dot algorithm XLA picks also depends on the other sizes (a [M, 64] x [64, 8]
+  product changed result between M = 8 and M = 96): attention dots must have one fixed
+  shape. Queries go through in tiles of Q_BLOCK (lax.map, so XLA cannot merge the tiles
+  back into one dot) and keys in blocks of KEY_BLOCK (lax.map for q.k^T; P@V has the
+  block index as a batch dimension of both operands).
+- Reductions (jnp.sum/mean) change their order with the number of rows reduced at once
+  and with the reduced length, even when the extra elements are zeros. Sums are
+  therefore written out: a fixed pairwise tree over a fixed length (the hidden size for
+  RMSNorm, KEY_BLOCK for the softmax), then block after block in order. Blocks past a
+  row's end hold only zeros and add nothing. max is exact in any order.
+- Elementwise ops (exp, logistic, rsqrt, cos, sin) gave the same result at every
+  position: they are used as in ops.py.
+
+Invariance holds up to max_position_embeddings tokens per sequence (prompt plus new
+tokens; past it dynamic NTK RoPE depends on the batch's longest row). Not measured on
+GPU: no claim there.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from llamaspec import Policy
+
+from . import ops
+from .dtypes import matmul_precision, of
+from .ops import apply_rope, rope_cos_sin, rope_inv_freq, rotate_half, silu  # noqa: F401 (invariant as is)
+
+ROW_MIN = 2        # a linear layer never runs on fewer rows (one row is a GEMV)
+Q_BLOCK = 16       # queries per attention tile (prefill widths are multiples of it)
+KEY_BLOCK = 64     # keys per attention block: every attention dot has this fixed size
+
+
+def tree_sum(x, wide=None):
+    """Sum over the last axis as a fixed pairwise tree (zero-padded to a power of two):
+    the order depends on the axis length only, never on the other axes."""
+    if wide is not None:
+        x = x.astype(wide)
+    n = x.shape[-1]
+    size = 1 << max(n - 1, 0).bit_length()
+    if size != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)])
+    while size > 1:
+        size //= 2
+        x = x[..., :size] + x[..., size:]
+    return x[..., 0]
+
+
+def _in_order(parts):
+    """parts[0] + parts[1] + ... left to right (XLA does not reassociate float adds)."""
+    acc = parts[0]
+    for i in range(1, parts.shape[0]):
+        acc = acc + parts[i]
+    return acc
+
+
+def linear(x, w, b, policy: Policy, out_dtype=None):
+    """ops.linear on the rows flattened, with a zero row added when there is only one."""
+    rows = x.reshape(-1, x.shape[-1])
+    M = rows.shape[0]
+    if M < ROW_MIN:
+        rows = jnp.pad(rows, ((0, ROW_MIN - M), (0, 0)))
+    y = ops.linear(rows, w, b, policy, out_dtype)[:M]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def rms_norm(x, weight, eps: float, policy: Policy):
+    """ops.rms_norm with mean(x^2) as tree_sum(x^2) / hidden."""
+    norm, compute = of(policy.norm_dtype), of(policy.compute_dtype)
+    xn = x.astype(norm)
+    var = (tree_sum(xn * xn) / x.shape[-1])[..., None]
+    y = xn * lax.rsqrt(ops._add_scalar(var, eps))
+    if policy.norm_cast_before_weight:
+        return weight.astype(compute) * y.astype(x.dtype).astype(compute)
+    return (weight.astype(norm) * y).astype(compute)
+
+
+def attention(q, k, v, allowed, policy: Policy):
+    """ops.attention in fixed-shape tiles: q [B, T, Hq, D]; k, v [B, S, Hkv, D];
+    allowed [B, T, S]. T is a multiple of Q_BLOCK or a single tile (decode); S is padded
+    to a multiple of KEY_BLOCK with masked zero keys."""
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G, Kb = Hq // Hkv, KEY_BLOCK
+    pad = -S % Kb
+    if pad:
+        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        allowed = jnp.pad(allowed, ((0, 0), (0, 0), (0, pad)))
+    nk = (S + pad) // Kb
+    Tq = Q_BLOCK if T % Q_BLOCK == 0 else T
+    nq = T // Tq
+    kb = k.reshape(B, nk, Kb, Hkv, D).transpose(1, 0, 2, 3, 4)      # [nk, B, Kb, Hkv, D]
+    vb = v.reshape(B, nk, Kb, Hkv, D).transpose(1, 0, 2, 3, 4)
+    qt = q.reshape(B, nq, Tq, Hq, D).transpose(1, 0, 2, 3, 4)       # [nq, B, Tq, Hq, D]
+    at = allowed.reshape(B, nq, Tq, nk, Kb).transpose(1, 3, 0, 2, 4)  # [nq, nk, B, Tq, Kb]
+    out = lax.map(lambda tile: _attend(*tile, kb, vb, policy), (qt, at))
+    return out.transpose(1, 0, 2, 3, 4).reshape(B, T, Hq, D)
+
+
+def _attend(q, allowed, kb, vb, policy: Policy):
+    """One query tile q [B, Tq, Hq, D] against every key block; allowed [nk, B, Tq, Kb]."""
+    compute, accum, smx = of(policy.compute_dtype), of(policy.accum_dtype), of(policy.softmax_dtype)
+    B, Tq, Hq, D = q.shape
+    Hkv = kb.shape[3]
+    qg = q.astype(compute).reshape(B, Tq, Hkv, Hq // Hkv, D)
+    # [B, Tq, K, G, D] x [B, Kb, K, D] -> [B, K, Tq, G, Kb], one block at a time
+    s = lax.map(lambda kblk: ops._dot(qg, kblk, (((4,), (3,)), ((0, 2), (0, 2))), policy), kb)
+    s = ops._mul_scalar(s.astype(compute), D ** -0.5).astype(smx)   # [nk, B, K, Tq, G, Kb]
+    s = jnp.where(allowed[:, :, None, :, None, :], s, jnp.finfo(smx).min)
+    e = jnp.exp(s - jnp.max(s, axis=(0, 5), keepdims=True))
+    wide = jnp.float32 if smx.itemsize < 4 else smx   # 16-bit: add in f32, round once
+    denom = _in_order(tree_sum(e, wide)).astype(smx)               # [B, K, Tq, G]
+    p = (e / denom[None, ..., None]).astype(compute)
+    # [nk, B, K, Tq, G, Kb] x [nk, B, Kb, K, D] -> [nk, B, K, Tq, G, D], summed in order
+    parts = lax.dot_general(p.astype(accum), vb.astype(compute).astype(accum),
+                            (((5,), (2,)), ((0, 1, 2), (0, 1, 3))),
+                            precision=matmul_precision(policy), preferred_element_type=accum)
+    o = _in_order(parts).astype(compute)                           # [B, K, Tq, G, D]
+    return o.transpose(0, 2, 1, 3, 4).reshape(B, Tq, Hq, D)

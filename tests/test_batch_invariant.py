@@ -1,0 +1,110 @@
+"""Batch-invariant mode, both models: a sequence's logits and greedy completion are bitwise
+the same alone and inside batches (random companions of equal and mixed lengths, any row,
+left/right/interior padding); the mode computes the same function as the default one."""
+
+import importlib
+
+import numpy as np
+import pytest
+
+from llamaspec import InputError
+from conftest import rel_l2
+
+FRAMEWORKS = ["torchref", "jaxmodel"]
+VOCAB, TARGET_LEN, WIDTH = 96, 11, 16  # canonical widths stay 16: few JAX compiles
+
+
+def load(framework, folder, policy, batch_invariant=True):
+    return importlib.import_module(framework).from_pretrained(
+        folder, policy=policy, batch_invariant=batch_invariant)
+
+
+def bits(x) -> np.ndarray:
+    """The raw bits of an array (bf16 and f32 alike), so -0.0 != 0.0 and NaN == NaN."""
+    x = np.ascontiguousarray(np.asarray(x))
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def batch_with(target, B, row, padding, lengths, rng):
+    """[B, WIDTH] ids and mask: `target` in row `row`, random companions of `lengths`."""
+    ids = rng.integers(3, VOCAB, (B, WIDTH))
+    mask = np.zeros((B, WIDTH), np.int64)
+    for b in range(B):
+        n = len(target) if b == row else int(lengths[b])
+        if padding == "right":
+            slots = np.arange(n)
+        elif padding == "left":
+            slots = np.arange(WIDTH - n, WIDTH)
+        else:  # interior: real tokens at random slots, in order
+            slots = np.sort(rng.choice(WIDTH, n, replace=False))
+        mask[b, slots] = 1
+        if b == row:
+            ids[b, slots] = target
+    return ids, mask
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_logits_are_bitwise_invariant_to_batch_row_and_padding(framework, policy, tiny_dir):
+    m = load(framework, tiny_dir(), policy)
+    rng = np.random.default_rng(1)
+    target = rng.integers(3, VOCAB, TARGET_LEN)
+    alone = bits(m(target[None]))[0]
+    cases = [(3, "equal"), (3, "mixed"), (8, "mixed")]
+    for B, kind in cases:
+        for padding in ("right", "left", "interior"):
+            row = int(rng.integers(B))
+            lengths = (np.full(B, TARGET_LEN) if kind == "equal"
+                       else rng.integers(1, WIDTH + 1, B))
+            ids, mask = batch_with(target, B, row, padding, lengths, rng)
+            got = bits(m(ids, mask))[row][mask[row].astype(bool)]
+            assert np.array_equal(got, alone), \
+                f"{framework}/{policy}: B={B} {kind} lengths, row {row}, {padding} padding"
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_greedy_generation_is_invariant_to_batching(framework, policy, tiny_dir):
+    m = load(framework, tiny_dir(), policy)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, VOCAB, n) for n in (11, 5, 16, 9)]
+    alone = [m.generate(p[None], max_new_tokens=6, eos_token_ids=[])[0] for p in prompts[:2]]
+    ids, mask = np.zeros((4, 16), np.int64), np.zeros((4, 16), np.int64)
+    for b, p in enumerate(prompts):  # right-padded: generate left-aligns them itself
+        ids[b, :len(p)], mask[b, :len(p)] = p, 1
+    together = m.generate(ids, mask, max_new_tokens=6, eos_token_ids=[])
+    for b in range(2):
+        assert np.array_equal(together[b], alone[b]), f"{framework}/{policy}: prompt {b}"
+    swapped = m.generate(ids[::-1].copy(), mask[::-1].copy(), max_new_tokens=6, eos_token_ids=[])
+    assert np.array_equal(swapped[::-1], together)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_invariant_mode_computes_the_same_function(framework, tiny_dir):
+    """fp64: only the summation order differs from the default mode; capture and teacher
+    forcing work in the caller's layout (zeros on padding slots)."""
+    folder = tiny_dir()
+    rng = np.random.default_rng(3)
+    ids = rng.integers(3, VOCAB, (2, 18))
+    mask = np.ones_like(ids)
+    mask[0, :5] = 0
+    real = mask.astype(bool)
+    ref = load(framework, folder, "fp64", batch_invariant=False)
+    inv = load(framework, folder, "fp64")
+    want, want_acts = ref.capture(ids, mask, taps=["layers.1.out"])
+    got, acts = inv.capture(ids, mask, taps=["layers.1.out"])
+    assert rel_l2(got[real], want[real]) < 1e-12
+    assert rel_l2(acts["layers.1.out"][real], want_acts["layers.1.out"][real]) < 1e-12
+    assert not got[~real].any()
+    forced, _ = inv.capture(ids, mask, taps=[], inject={1: want_acts["layers.1.out"]})
+    assert np.isfinite(forced).all()
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_too_long_for_invariant_mode_is_a_clear_error(framework, tiny_dir):
+    """Dynamic NTK RoPE may run past max_position_embeddings by default, not here."""
+    m = load(framework, tiny_dir("dynamic"), "fp32")
+    with pytest.raises(InputError, match="max_position_embeddings=128"):
+        m(np.full((1, 129), 5))
+    with pytest.raises(InputError, match="max_position_embeddings=128"):
+        m.generate(np.full((1, 120), 5), max_new_tokens=9)

@@ -1,0 +1,146 @@
+"""Batch-invariant versions of the ops whose result for one sequence could depend on the
+rest of the batch. Same names and signatures as ops.py; the model swaps the module.
+
+What breaks invariance was measured on this project's CPU (torch 2.13, MKL sgemm/dgemm
+on AVX2, torch's own bf16/fp16 GEMM; scripts in bench/bench_invariant.py --probe):
+
+- MKL f32/f64 GEMM gives a row one result whenever it sits in a full 4-row panel,
+  whatever M (checked M = 4..4096, every row position, fixed K and N); the trailing
+  M % 4 rows and M < 4 (GEMV and small kernels) use other summation orders. So every
+  f32/f64 matmul here runs on a row count padded to a multiple of ROW_QUANTUM. torch's
+  bf16/fp16 CPU GEMM (used when oneDNN has no bf16/fp16 kernel for the CPU) is one
+  fixed dot product per output and needs no padding (padding would cost ~M-fold).
+- GEMM results also change with K and N (blocking and column tails): attention over a
+  key length S that depends on the batch's longest row is not invariant. Attention
+  therefore works on key blocks of KEY_BLOCK slots: q.k^T and P@V are GEMMs of one
+  fixed [rows, D] x [D, KEY_BLOCK] / [rows, KEY_BLOCK] x [KEY_BLOCK, D] shape, the
+  softmax sum is a per-block sum of fixed length, and block results are added in
+  order, block by block. The canonical layout (real tokens at slots [0, n), see
+  llamaspec.inputs.invariant_layout) puts every key at the same block and column
+  whatever the padding, and blocks past a row's end add exact zeros.
+- Elementwise kernels run the vectorised body on most elements and a scalar loop on
+  the tail of each thread's chunk, and for some functions the two differ: f32/f64
+  sigmoid/silu (4% of inputs) and bf16 rsqrt (29%). exp, cos, sin, f32 rsqrt, +-*/
+  agree. silu is therefore x / (1 + exp(-x)), and a 16-bit rsqrt goes through f32.
+- Row reductions over a fixed length (RMSNorm's mean) and max are row-count invariant.
+
+Invariance holds up to max_position_embeddings tokens per sequence (prompt plus new
+tokens; the dynamic NTK RoPE base depends on the batch's longest row past it). On
+GPUs none of the above was measured (cuBLAS picks kernels by M): no claim there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llamaspec import Policy
+
+from . import ops
+from .dtypes import dt
+from .ops import apply_rope, rope_cos_sin, rope_inv_freq, rotate_half  # noqa: F401 (invariant as is)
+
+ROW_QUANTUM = 4     # MKL's f32/f64 micro-panel height on this CPU (measured)
+KEY_BLOCK = 64      # keys per attention block: every attention GEMM has this fixed size
+MAX_ROWS = 4096     # largest row count measured invariant; longer inputs run in chunks
+
+
+def _quantum(dtype: torch.dtype, device: torch.device) -> int:
+    """Row padding a matmul on `dtype` operands needs for row-invariant results."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        native = (torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16
+                  else torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        if not native:  # torch's own fixed-order kernel, measured invariant at every M
+            return 1
+    return ROW_QUANTUM
+
+
+def _pad_rows(x: torch.Tensor, quantum: int) -> torch.Tensor:
+    """x [..., M, K] with M padded by zero rows to a multiple of quantum."""
+    extra = -x.shape[-2] % quantum
+    return torch.nn.functional.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+def _operand_dtype(policy: Policy, out: torch.dtype) -> torch.dtype:
+    compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
+    return compute if ops._native(compute, accum, out) else accum
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Policy,
+           out_dtype: str | None = None) -> torch.Tensor:
+    """ops.linear on [rows, in] chunks of at most MAX_ROWS rows, padded to the quantum."""
+    out = dt(out_dtype or policy.compute_dtype)
+    quantum = _quantum(_operand_dtype(policy, out), x.device)
+    rows = x.reshape(-1, x.shape[-1])
+    ys = [ops.linear(_pad_rows(r, quantum), w, b, policy, out_dtype)[:r.shape[0]]
+          for r in rows.split(MAX_ROWS)]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, policy: Policy) -> torch.Tensor:
+    """ops.rms_norm; a 16-bit rsqrt is taken in f32 and rounded once (what the vectorised
+    kernel does; its scalar tail rounds twice)."""
+    compute, norm = dt(policy.compute_dtype), dt(policy.norm_dtype)
+    h = x.to(norm)
+    var = h.pow(2).mean(-1, keepdim=True) + eps
+    h = h * (torch.rsqrt(var.float()).to(norm) if norm in (torch.bfloat16, torch.float16)
+             else torch.rsqrt(var))
+    if policy.norm_cast_before_weight:
+        return weight.to(compute) * h.to(x.dtype).to(compute)
+    return (weight.to(h.dtype) * h).to(compute)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) as x / (1 + exp(-x)): torch's f32/f64 silu differs between its
+    vector body and scalar tail; exp and division do not. 16-bit silu agrees in both."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return torch.nn.functional.silu(x)
+    return x / (1 + torch.exp(-x))
+
+
+def _in_order(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` one block after the other: a fixed order, and trailing blocks that
+    hold only zeros leave the sum unchanged, whatever their number."""
+    acc = parts.select(dim, 0)
+    for i in range(1, parts.shape[dim]):
+        acc = acc + parts.select(dim, i)
+    return acc
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+              policy: Policy) -> torch.Tensor:
+    """ops.attention, computed per KEY_BLOCK block of keys in a fixed order.
+
+    q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S]. S is padded to a multiple of
+    KEY_BLOCK (with masked zero keys). The softmax takes the max over every block (exact
+    in any order), exp, per-block sums, and adds the block sums in order (16-bit softmax
+    dtypes add in f32 and round once, as torch's sum does); P@V partials are taken in
+    accum_dtype and added in order, then rounded once to compute_dtype.
+    """
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G, Kb = Hq // Hkv, KEY_BLOCK
+    compute, accum, soft = dt(policy.compute_dtype), dt(policy.accum_dtype), dt(policy.softmax_dtype)
+    pad = -S % Kb
+    if pad:
+        k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad))
+        v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad))
+        allowed = torch.nn.functional.pad(allowed, (0, pad))
+    nk, M = (S + pad) // Kb, G * T
+    quantum = _quantum(_operand_dtype(policy, compute), q.device)
+    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, M, D)
+    kb = k.permute(0, 2, 1, 3).reshape(B, Hkv, nk, Kb, D)
+    scores = ops._matmul(_pad_rows(qg, quantum)[:, :, None], kb.transpose(-1, -2), policy)
+    scores = scores[..., :M, :] * (D ** -0.5)                            # [B, Hkv, nk, M, Kb]
+    scores = scores.view(B, Hkv, nk, G, T, Kb).to(soft)
+    keep = allowed.view(B, T, nk, Kb).permute(0, 2, 1, 3)[:, None, :, None]
+    scores = scores.masked_fill(~keep, torch.finfo(soft).min)
+    e = torch.exp(scores - scores.amax(dim=(2, 5), keepdim=True))
+    wide = torch.float32 if soft in (torch.bfloat16, torch.float16) else soft
+    denom = _in_order(e.sum(-1, keepdim=True, dtype=wide), 2).to(soft)  # [B, Hkv, G, T, 1]
+    probs = (e / denom[:, :, None]).to(compute).view(B, Hkv, nk, M, Kb)
+    vb = v.permute(0, 2, 1, 3).reshape(B, Hkv, nk, Kb, D)
+    quantum = _quantum(accum, q.device)
+    parts = torch.matmul(_pad_rows(probs, quantum).to(accum), vb.to(accum))  # [B, Hkv, nk, M', D]
+    ctx = _in_order(parts[..., :M, :], 2).to(compute)                     # [B, Hkv, M, D]
+    return ctx.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
