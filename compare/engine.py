@@ -7,11 +7,15 @@ Per tap, in this order:
     exact      cand is bitwise equal to ref;
     semantic   cand64 differs from oracle beyond fp64 rounding (or the floor of a side
                that keeps f32 steps inside its fp64 run), or the difference is
-               structured (structure.analyse): a difference in the math;
+               structured (structure.analyse, RoPE pairs, attention conventions): a
+               difference in the math, with a hint that names the structure;
     precision  err(cand) > M * err(ref) + floor at P, errors measured against the
-               oracle: the candidate loses more precision than the reference;
+               oracle, over the whole tap or any quarter of its positions: the
+               candidate loses more precision than the reference;
     drift      anything else: rounding, as much as the reference's own.
-This first version works on whole taps; teacher forcing gives each layer's local error.
+Teacher forcing (every layer fed the oracle's input) gives each layer's local error and
+confirms the first divergence's layer: the first layer that adds it on its own.
+compare/controls.py holds the planted bugs and clean runs that calibrate all this.
 """
 
 from __future__ import annotations
@@ -24,16 +28,64 @@ from pathlib import Path
 
 import numpy as np
 
-from llamaspec import Policy, taps as tapnames
+from llamaspec import Policy, positions_from_mask, taps as tapnames
 
-from .metrics import nonfinite, rel_l2, unit_roundoff
+from .conventions import explain_attention
+from .environment import environment
+from .metrics import logits_agreement, nonfinite, pair_metrics, rel_l2, unit_roundoff
 from .structure import analyse, hint as structure_hint
 
 KINDS = ("exact", "drift", "precision", "semantic")
-M = 3.0                 # measured: err(jaxmodel)/err(torchref) <= 2.5 on SmolLM2 at every preset
-FLOOR_ULPS = 8          # floor of the precision check, in unit roundoffs of compute_dtype
+M = 3.0                 # the drift factor at 16-bit and fp64 working dtypes (see M_BY_DTYPE)
+# At fp32 the working dtype's own roundings are small, so how an implementation computes
+# exp, rsqrt and its reductions shows: measured on SmolLM2 (1x64 tokens), clean jaxmodel
+# vs torchref at fp32 reaches 4.4x the reference's error over a whole tap (layers.10.out,
+# 3.1e-6 vs 7.1e-7) and ~7x over a quarter of positions (layers.11.attn_norm). At bf16 and
+# fp16 the policy's own roundings dominate and the two agree to ~1.1x (worst 0.61 of the
+# M = 3 bound, quarters included). So fp32 gets 10, the rest 3.
+M_BY_DTYPE = {"float32": 10.0}
+# Floor of the precision check, in unit roundoffs of compute_dtype (and never below
+# FP64_FLOOR). Was 8: at bf16 that is a rel L2 of 1.6e-2, more than a bf16 tap's whole
+# error (~5e-3), so no bf16 precision deviation could ever show. Measured with 1
+# (bench/controls.py, the largest err(cand) / (M err(ref) + floor) over every tap and
+# quarter of positions): clean jaxmodel vs torchref <= 0.31 on the tiny checkpoint at
+# fp32/bf16/fp16 (2x128 tokens); on SmolLM2 (1x64) see M_BY_DTYPE. Planted precision
+# bugs: RoPE tables in bf16 2.0 (tiny, head_dim 32, 2x128) and 2.0 (SmolLM2, 1x64, in
+# the last quarter of positions; 1.14 over the whole tap), softmax in bf16 inside an
+# fp32 model ~1e3.
+FLOOR_ULPS = 1
 FP64_FLOOR = 1e-12      # measured fp64 noise between our two models: <= 7.4e-15 on SmolLM2
 F32_STEPS_FLOOR = 300 * 2.0 ** -24   # a side that keeps f32 steps in its fp64 run
+# A side that keeps f32 steps in its fp64 run (transformers: RMSNorm, RoPE tables and
+# softmax in f32) is still judged by structure below F32_STEPS_FLOOR: a scale, offset or
+# permutation larger than STRUCT_F32_FLOOR is math, not f32 rounding. Measured, clean
+# transformers fp64 vs torchref fp64 on SmolLM2 (1x64 tokens), every tap: the largest
+# such finding is 9.1e-8 (per-feature scale; per-row 3.8e-8, global 5.1e-8; 1.5 f32 ulps);
+# on the tiny checkpoint none. RoPE angles and the softmax rounded in f32 give position
+# trends and head/half confinement whose size grows with the sequence length: those
+# keep F32_STEPS_FLOOR.
+STRUCT_F32_FLOOR = 16 * 2.0 ** -24
+QUARTER_POSITIONS = 16   # the precision check also looks at each quarter of positions
+_F32_STEP_KINDS = ("position_trend", "head_confinement", "half_confinement", "sign_bias")
+# Where a precision deviation first shows, the step that most likely lost it.
+_PRECISION_STEP = {
+    "q_rope": "RoPE tables (angles, cos/sin) computed in lower precision",
+    "k_rope": "RoPE tables (angles, cos/sin) computed in lower precision",
+    "attn_ctx": "attention (scores, softmax or P@V) computed in lower precision",
+    "attn_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
+    "mlp_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
+    "final_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
+    "logits": "lm_head output kept in lower precision",
+}
+# Where a semantic difference with no simple structure first shows: what sits there.
+_COMPONENT_HINT = {
+    "embed": "the embedding table or token ids",
+    "attn_norm": "the input RMSNorm (epsilon, weight convention, normalisation)",
+    "mlp_norm": "the post-attention RMSNorm (epsilon, weight convention, normalisation)",
+    "final_norm": "the final RMSNorm",
+    "lm_head": "the lm_head matrix: everything before the logits agrees (tied vs untied "
+               "embeddings, a transposed or another matrix)",
+}
 
 
 @dataclasses.dataclass
@@ -47,6 +99,12 @@ class TapVerdict:
     err_fp64: float     # cand at fp64 vs oracle
     nonfinite: int
     hint: str
+    # err(cand) / (M * err(ref) + floor), the worse of the whole tap and its quarters of
+    # positions: > 1 is a precision deviation (when fp64 agrees)
+    precision_ratio: float = float("nan")
+    # candidate vs reference at the policy: max abs, max ULP (compute dtype), cosine,
+    # fraction of elements beyond 16 unit roundoffs (metrics.pair_metrics)
+    metrics: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -56,6 +114,10 @@ class Divergence:
     component: str
     kind: str
     hint: str
+    # Teacher forcing's word on the layer: True when the layer that adds the error on its
+    # own (oracle input forced) is this one, False when it is another, None when not run.
+    confirmed: bool | None = None
+    evidence: str = ""
 
 
 @dataclasses.dataclass
@@ -74,13 +136,38 @@ def _ours(name: str, checkpoint, policy: Policy) -> Side:
     return Side(name, at_p, at_64, False, tuple(tapnames.all_taps(at_p.cfg.num_hidden_layers)))
 
 
-def _transformers(model) -> Side:
+def _transformers(model, checkpoint=None) -> Side:
     import torch
 
     from .hf_adapter import HFAdapter, copy_at
     adapter = HFAdapter(model)
-    fp64 = HFAdapter(copy_at(model, torch.float64))
-    return Side(adapter.name, adapter, fp64, True, tuple(adapter.available_taps))
+    twin = copy_at(model, torch.float64)
+    if checkpoint is not None and adapter.dtype in (torch.bfloat16, torch.float16):
+        _full_precision_weights(twin, model, checkpoint)
+    return Side(adapter.name, adapter, HFAdapter(twin), True, tuple(adapter.available_taps))
+
+
+def _full_precision_weights(twin, model, checkpoint) -> bool:
+    """A bf16/fp16 transformers model loaded from an f32 checkpoint has lost the weights'
+    low bits; its fp64 copy would then run other weights than the oracle (torchref at
+    fp64 reads the checkpoint) and every tap would look semantic. When every parameter is
+    the checkpoint's tensor rounded to the model's dtype, the copy gets the checkpoint's
+    values instead; a model whose weights were changed keeps its own (returns False)."""
+    import torch
+
+    from llamaspec import load_weights
+    _, weights = load_weights(checkpoint, check_finite=False)
+    params = dict(model.named_parameters())
+    if not set(params) <= set(weights):
+        return False
+    for name, p in params.items():
+        if not torch.equal(torch.from_numpy(np.array(weights[name], np.float32)).to(p.dtype),
+                           p.detach().cpu()):
+            return False
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            p.copy_(torch.from_numpy(np.array(weights[name], np.float64)))
+    return True
 
 
 def resolve_side(spec, checkpoint, policy: Policy) -> Side:
@@ -94,17 +181,99 @@ def resolve_side(spec, checkpoint, policy: Policy) -> Side:
                              "transformers LlamaForCausalLM instance)")
         return _ours(spec, checkpoint, policy)
     if type(spec).__name__ == "LlamaForCausalLM":
-        return _transformers(spec)
+        return _transformers(spec, checkpoint)
     raise TypeError(f"cannot compare a {type(spec).__name__}: pass 'torchref', 'jaxmodel' or a "
                     "transformers LlamaForCausalLM")
 
 
-def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bool) -> TapVerdict:
-    """The ladder for one tap; arrays are [B, T, ...], mask [B, T] selects real positions."""
+def _findings(tap, cand64, oracle, mask, keeps_f32, context) -> list:
+    """Structure of the fp64-rung difference at one tap (structure.analyse, RoPE pairs with
+    the pre-RoPE inputs, attention conventions with the oracle's q/k/v)."""
+    kind = tapnames.parse(tap)[1]
+    per_head = kind in ("q", "k", "v", "q_rope", "k_rope")
+    c64, o = np.asarray(cand64, np.float64), np.asarray(oracle, np.float64)
+    found = analyse(c64, o, mask, per_head=per_head, pre=context.get("pre"),
+                    norm_input=context.get("norm_input"))
+    if kind == "attn_ctx" and context.get("qkv") is not None:
+        conv = explain_attention(c64, *context["qkv"], mask)
+        found = ([conv] if conv else []) + found
+    if keeps_f32:
+        found = [f for f in found
+                 if f.size > (F32_STEPS_FLOOR if f.kind in _F32_STEP_KINDS else STRUCT_F32_FLOOR)]
+    return found
+
+
+def precision_floor(policy: Policy) -> float:
+    return max(FLOOR_ULPS * unit_roundoff(policy.compute_dtype), FP64_FLOOR)
+
+
+def drift_factor(policy: Policy) -> float:
+    return M_BY_DTYPE.get(policy.compute_dtype, M)
+
+
+class _RowErrors:
+    """Squared norms per row (position) against one yardstick, so that the relative L2
+    error of any set of rows is two sums: one pass over each array instead of one per
+    subset (a report asks for the whole tap and four quarters of it, for ~450 taps).
+    rel(x, rows) equals metrics.rel_l2(x[rows], yardstick[rows]), NaN/Inf included."""
+
+    def __init__(self, yardstick):
+        self.o = self._rows(yardstick)
+        self.norm = np.einsum("ij,ij->i", self.o, self.o)
+
+    @staticmethod
+    def _rows(x) -> np.ndarray:
+        x = np.asarray(x, np.float64)
+        return x.reshape(len(x), -1)
+
+    def sq(self, x) -> np.ndarray:
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = self._rows(x) - self.o
+            return np.einsum("ij,ij->i", d, d)
+
+    def rel(self, sq, rows=slice(None)) -> float:
+        e, n = float(np.sum(sq[rows])), float(np.sum(self.norm[rows]))
+        return math.sqrt(e / n) if n else math.sqrt(e)
+
+
+def precision_ratio(r, c, o, pos, floor, m=M, rows: _RowErrors | None = None
+                    ) -> tuple[float, str]:
+    """err(c) / (M err(r) + floor) over the whole tap and over each quarter of positions
+    (when there are >= QUARTER_POSITIONS): the worst, and where. A step whose rounding
+    grows with position (RoPE angles in low precision) hides in a whole-tap average.
+    r, c may be given as per-row squared errors with `rows` (the oracle's _RowErrors)."""
+    if rows is None:
+        rows = _RowErrors(o)
+        r, c = rows.sq(r), rows.sq(c)
+
+    def ratio(sel):
+        return rows.rel(c, sel) / (m * rows.rel(r, sel) + floor)
+    best, where = ratio(slice(None)), "whole tap"
+    distinct = np.unique(pos)
+    if len(distinct) >= QUARTER_POSITIONS:
+        edges = distinct[np.linspace(0, len(distinct), 5).astype(int)[1:-1]]
+        quarter = np.searchsorted(edges, pos, side="right")
+        for q in range(4):
+            x = ratio(quarter == q)
+            if x > best:
+                lo, hi = pos[quarter == q].min(), pos[quarter == q].max()
+                best, where = x, f"positions {lo}-{hi}"
+    return best, where
+
+
+def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bool,
+             context=None) -> TapVerdict:
+    """The ladder for one tap; arrays are [B, T, ...], mask [B, T] selects real positions.
+
+    context (optional): {"pre": (cand64_pre, oracle_pre)} at q_rope/k_rope taps (the q/k
+    before RoPE), {"qkv": (q_rope, k_rope, v)} of the oracle at attn_ctx: they let the
+    structure analysis name RoPE and attention-convention differences."""
     layer, component = tapnames.layer_of(tap), tapnames.component_of(tap)
     r, c, o, c64 = (np.asarray(a)[mask] for a in (ref, cand, oracle, cand64))
     bad = nonfinite(r) + nonfinite(c)
-    err_ref, err_cand, err64 = rel_l2(r, o), rel_l2(c, o), rel_l2(c64, o)
+    rows = _RowErrors(o)
+    sq_r, sq_c = rows.sq(r), rows.sq(c)
+    err_ref, err_cand, err64 = rows.rel(sq_r), rows.rel(sq_c), rows.rel(rows.sq(c64))
     if bad or not all(math.isfinite(e) for e in (err_ref, err_cand, err64)):
         kind = "semantic" if nonfinite(c64) else "precision"
         return TapVerdict(tap, layer, component, kind, err_ref, err_cand, err64, bad,
@@ -113,24 +282,47 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
     if np.array_equal(r, c):
         return TapVerdict(tap, layer, component, "exact", err_ref, err_cand, err64, 0, "bitwise equal")
     floor64 = F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR
-    if err64 > floor64:
-        per_head = tapnames.parse(tap)[1] in ("q", "k", "v", "q_rope", "k_rope")
-        found = analyse(np.asarray(cand64, np.float64), np.asarray(oracle, np.float64), mask,
-                        per_head=per_head, floor=floor64)
-        why = structure_hint(found) if found else "no simple structure"
-        return TapVerdict(tap, layer, component, "semantic", err_ref, err_cand, err64, 0,
-                          f"differs at fp64 (rel L2 {err64:.1e} > {floor64:.0e}): a difference in "
-                          f"the math, not rounding; {why}")
-    floor = FLOOR_ULPS * unit_roundoff(policy.compute_dtype)
-    if err_cand > M * err_ref + floor:
+    gate = STRUCT_F32_FLOOR if keeps_f32 else FP64_FLOOR
+    if err64 > gate:
+        found = _findings(tap, cand64, oracle, mask, keeps_f32, context or {})
+        if err64 > floor64 or found:
+            why = structure_hint(found) if found else "no simple structure"
+            return TapVerdict(tap, layer, component, "semantic", err_ref, err_cand, err64, 0,
+                              f"differs at fp64 (rel L2 {err64:.1e}"
+                              + (f" > {floor64:.0e}" if err64 > floor64 else
+                                 f", structured above {gate:.0e}")
+                              + f"): a difference in the math, not rounding; {why}")
+    pos = positions_from_mask(np.asarray(mask))[np.asarray(mask, bool)]
+    m = drift_factor(policy)
+    ratio, where = precision_ratio(sq_r, sq_c, None, pos, precision_floor(policy), m, rows)
+    if ratio > 1:
+        step = _PRECISION_STEP.get(tapnames.parse(tap)[1], "a step computed in lower precision "
+                                   "(matmul accumulation, norm, softmax, RoPE tables)")
+        times = f"{err_cand / err_ref:.1f}x" if err_ref else "more than"
         return TapVerdict(tap, layer, component, "precision", err_ref, err_cand, err64, 0,
-                          f"the candidate loses {err_cand / max(err_ref, 1e-300):.1f}x the "
-                          f"reference's precision here ({err_cand:.1e} vs {err_ref:.1e}) while "
-                          "fp64 agrees: a step computed in lower precision (softmax, RoPE "
-                          "tables, norm, accumulation)")
+                          f"the candidate loses {times} the reference's precision here "
+                          f"({err_cand:.1e} vs {err_ref:.1e}; {ratio:.1f}x the drift bound "
+                          f"{m:g}x + {FLOOR_ULPS} ulp over the {where}) while fp64 agrees: {step}",
+                          ratio)
     return TapVerdict(tap, layer, component, "drift", err_ref, err_cand, err64, 0,
                       f"rounding: {err_cand:.1e} vs the reference's own {err_ref:.1e} "
-                      f"(within {M:g}x + {FLOOR_ULPS} ulp)")
+                      f"(within {m:g}x + {FLOOR_ULPS} ulp)", ratio)
+
+
+def _context(tap, c64, o) -> dict:
+    layer, kind = tapnames.parse(tap)
+    p = f"layers.{layer}."
+    norm_in = {"attn_norm": "embed" if not layer else f"layers.{layer - 1}.out",
+               "mlp_norm": p + "resid_mid",
+               "final_norm": max((t for t in o if t.endswith(".out")), default=None,
+                                 key=lambda t: tapnames.layer_of(t))}.get(kind)
+    if norm_in in o:
+        return {"norm_input": o[norm_in]}
+    if kind in ("q_rope", "k_rope") and p + kind[0] in c64 and p + kind[0] in o:
+        return {"pre": (c64[p + kind[0]], o[p + kind[0]])}
+    if kind == "attn_ctx" and all(p + t in o for t in ("q_rope", "k_rope", "v")):
+        return {"qkv": (o[p + "q_rope"], o[p + "k_rope"], o[p + "v"])}
+    return {}
 
 
 @dataclasses.dataclass
@@ -142,6 +334,8 @@ class Report:
     first_divergence: Divergence | None
     taps: list[TapVerdict]
     local: list[dict]       # per layer: local error of each side with oracle inputs forced
+    logits: dict = dataclasses.field(default_factory=dict)        # metrics.logits_agreement
+    environment: dict = dataclasses.field(default_factory=dict)   # compare.environment
 
     def to_dict(self) -> dict:
         return _jsonable(dataclasses.asdict(self))
@@ -160,6 +354,8 @@ class Report:
         if self.first_divergence:
             d = self.first_divergence
             lines.append(f"first {d.kind} at {d.tap} (layer {d.layer}, {d.component}): {d.hint}")
+            if d.evidence:
+                lines.append(d.evidence)
         return "\n".join(lines)
 
 
@@ -182,42 +378,146 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     progress(f"candidate {cand.name} at {policy.name}")
     _, c = cand.at_policy.capture(ids, mask, taps)
     progress("oracle: reference at fp64")
-    _, o = ref.at_fp64.capture(ids, mask, taps)
+    _, o = ref.at_fp64.capture(ids, mask, ref.taps)   # all of them: context for the hints
     progress("candidate at fp64 (semantic rung)")
     _, c64 = cand.at_fp64.capture(ids, mask, taps)
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
-    verdicts = [classify(t, r[t], c[t], o[t], c64[t], real, policy, keeps_f32) for t in taps]
+    verdicts = [classify(t, r[t], c[t], o[t], c64[t], real, policy, keeps_f32,
+                         _context(t, c64, o)) for t in taps]
+    for v in verdicts:
+        v.metrics = pair_metrics(c[v.tap][real], r[v.tap][real], policy.compute_dtype)
+    logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
+              if "logits" in taps else {})
     worst = max(verdicts, key=lambda v: KINDS.index(v.kind)).kind
     first = next((v for v in verdicts if v.kind == worst), None) if worst not in ("exact", "drift") \
         else None
-    divergence = None if first is None else Divergence(first.tap, first.layer, first.component,
-                                                       first.kind, first.hint)
+    divergence = None
+    if first is not None:
+        hint = first.hint
+        # Where a difference starts says what sits there; for the embedding and the lm_head
+        # (a table and one matrix) that is the best hint whatever pattern the values show.
+        if first.component in _COMPONENT_HINT and (
+                "no simple structure" in hint or first.component in ("embed", "lm_head")):
+            hint += f"; it starts in {_COMPONENT_HINT[first.component]}"
+        divergence = Divergence(first.tap, first.layer, first.component, first.kind, hint)
+    local = []
     if teacher_forcing:
         progress("teacher forcing: every layer fed the oracle's input")
-    local = _local_errors(ref, cand, ids, mask, o, real) if teacher_forcing else []
-    return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local)
+        local = _local_errors(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32)
+        _amplification(local, verdicts)
+    uses_jax = "jaxmodel" in (ref.name, cand.name) or any(
+        type(m).__module__.startswith("jaxmodel") for m in (ref.at_policy, cand.at_policy))
+    return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
+                  logits, environment(policy, uses_jax))
 
 
-def _local_errors(ref: Side, cand: Side, ids, mask, oracle, real) -> list[dict]:
+def _amplification(rows: list[dict], verdicts: list[TapVerdict]) -> None:
+    """Per layer and side: full-run error of the layer's output over that of its input (the
+    previous layer's output; the embedding for layer 0, where it is None when the embedding
+    is exact). > 1: the layer magnifies what it inherits (local error included)."""
+    full = {v.tap: v for v in verdicts}
+    for row in rows:
+        i = row["layer"]
+        out, inp = full.get(f"layers.{i}.out"), full.get("embed" if i == 0 else f"layers.{i - 1}.out")
+        for key, attr in (("ref", "err_ref"), ("cand", "err_cand")):
+            e_in = getattr(inp, attr) if inp else 0.0
+            row[f"{key}_amplification"] = (getattr(out, attr) / e_in if out and e_in else None)
+
+
+def _local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None,
+                  policy: Policy | None = None, keeps_f32=False) -> list[dict]:
     """Feed every layer the oracle's input (one call per side) and measure what each layer
-    adds on its own; inherited = full-run error, local = forced-run error."""
+    adds on its own; inherited = full-run error, local = forced-run error.
+
+    With a divergence, the same forced runs also measure the divergence's tap in every
+    layer (at fp64 for a semantic one, at P for a precision one) and say whether the
+    first layer that adds the difference on its own is the divergence's layer."""
     n = sum(1 for t in oracle if t.endswith(".out"))
     if n == 0 or "embed" not in oracle:
         return []
     inject = {0: oracle["embed"], **{i: oracle[f"layers.{i - 1}.out"] for i in range(1, n)}}
     outs = [f"layers.{i}.out" for i in range(n)]
+    kind = tapnames.parse(divergence.tap)[1] if divergence else None
+    at = [f"layers.{i}.{kind}" for i in range(n)] if divergence and divergence.layer is not None \
+        else outs
+    at = [t for t in at if t in oracle]
     rows = [{"layer": i} for i in range(n)]
+    forced = {}
     for side, key in ((ref, "ref"), (cand, "cand")):
-        _, forced = side.at_policy.capture(ids, mask, outs, inject=inject)
+        _, forced[key] = side.at_policy.capture(ids, mask, list(dict.fromkeys(outs + at)),
+                                                inject=inject)
         for i, t in enumerate(outs):
-            rows[i][f"{key}_local"] = rel_l2(forced[t][real], oracle[t][real])
+            rows[i][f"{key}_local"] = rel_l2(forced[key][t][real], oracle[t][real])
+    if divergence and divergence.kind == "precision":
+        pos = positions_from_mask(np.asarray(mask))[real]
+        for t in at:
+            row = rows[tapnames.layer_of(t)]
+            fr, fc, o = forced["ref"][t][real], forced["cand"][t][real], oracle[t][real]
+            row["ref_tap_local"], row["cand_tap_local"] = rel_l2(fr, o), rel_l2(fc, o)
+            row["tap_local_ratio"] = precision_ratio(fr, fc, o, pos, precision_floor(policy),
+                                                     drift_factor(policy))[0]
+    if divergence and divergence.kind == "semantic":
+        _, forced = cand.at_fp64.capture(ids, mask, list(dict.fromkeys(outs + at)), inject=inject)
+        for t in at:
+            rows[tapnames.layer_of(t)]["cand64_tap_local"] = rel_l2(forced[t][real], oracle[t][real])
+    if divergence:
+        _confirm(divergence, rows, at, policy, keeps_f32)
     return rows
 
 
+def _confirm(d: Divergence, rows, at, policy, keeps_f32) -> None:
+    """Teacher forcing's confirmation of the divergence's layer (DESIGN: localisation)."""
+    what = tapnames.parse(d.tap)[1] if d.layer is not None else "out"
+    if d.kind == "semantic":
+        gate = STRUCT_F32_FLOOR if keeps_f32 else FP64_FLOOR
+        local = {r["layer"]: r.get("cand64_tap_local") for r in rows}
+        adds = [i for i, e in local.items() if e is not None and not e <= gate]
+        rule = f"fp64 local error of layers.i.{what} > {gate:.0e}"
+    else:
+        local = {r["layer"]: (r.get("ref_tap_local"), r.get("cand_tap_local")) for r in rows}
+        adds = [r["layer"] for r in rows if r.get("tap_local_ratio", 0) > 1]
+        rule = (f"local error of layers.i.{what} > {drift_factor(policy):g}x the reference's "
+                f"+ {FLOOR_ULPS} ulp")
+    first = adds[0] if adds else None
+    if d.layer is None:
+        d.confirmed = first is None
+        d.evidence = (f"teacher forcing: no layer adds the difference on its own ({rule}), so it "
+                      f"starts outside the layers, in {d.component}" if first is None else
+                      f"teacher forcing: layer {first} adds a difference on its own ({rule})")
+        return
+    d.confirmed = first == d.layer
+    if d.kind == "semantic":
+        e = rows[d.layer].get("cand64_tap_local")
+        nums = f"{e:.1e} there" + (f", {rows[d.layer - 1]['cand64_tap_local']:.1e} in layer "
+                                   f"{d.layer - 1}" if d.layer > 0 and
+                                   rows[d.layer - 1].get("cand64_tap_local") is not None else "")
+    else:
+        e_r, e_c = local[d.layer]
+        nums = (f"{e_c:.1e} vs the reference's {e_r:.1e} there, "
+                f"{rows[d.layer].get('tap_local_ratio', float('nan')):.1f}x the bound")
+    d.evidence = (f"teacher forcing (oracle input forced into every layer): layer {first} is the "
+                  f"first to add it on its own ({rule}; {nums})" if first is not None else
+                  f"teacher forcing: no layer adds it on its own ({rule}); the difference is "
+                  "inherited or too small to isolate")
+
+
+# The default input: one chat prompt of 258 tokens with SmolLM2's tokenizer (the issue's
+# "256-token prompt"), long enough for position-dependent bugs (RoPE, masks) to show a
+# trend and for softmaxes over many keys, short enough for the fp64 rung to stay cheap.
 BUILTIN_PROMPTS = [
-    "What is the capital of France?",
-    "Explain in two sentences why the sky is blue.",
-    "Write a short poem about floating-point numbers.",
+    "Read the following notes and answer the question at the end.\n\n"
+    "Floating-point addition is not associative: (a + b) + c can differ from a + (b + c) in the "
+    "last bits, because every operation rounds its exact result to the nearest number the format "
+    "can hold. A float32 number keeps 24 bits of significand, a bfloat16 number only 8, so the "
+    "same sum computed in a different order lands on a neighbouring value. Inside a language "
+    "model these tiny differences pass through dozens of layers of matrix products. Most of the "
+    "time they stay at the level of the rounding itself. A real bug looks different: a rotary "
+    "embedding applied to the wrong pairs of dimensions, a normalisation with the wrong epsilon, "
+    "or a mask that lets a token see its future changes the numbers even when every step is "
+    "computed in double precision, and it changes them in a pattern that follows positions, "
+    "heads or rows rather than looking like noise.\n\n"
+    "Question: why can two correct implementations of the same model give different answers, "
+    "and how would you tell that apart from a bug?",
 ]
 
 

@@ -200,6 +200,72 @@ def _plot_local(taps: list[dict], local: list[dict]) -> tuple[str | None, str]:
     return _png(fig), caption
 
 
+def _local_table(local: list[dict]) -> str:
+    cols = (("ref_local", "ref local"), ("cand_local", "cand local"),
+            ("ref_amplification", "ref amplification"), ("cand_amplification", "cand amplification"))
+    head = "".join(f"<th>{_e(label)}</th>" for _, label in cols)
+    rows = "".join(f"<tr><td>{_e(row.get('layer'))}</td>"
+                   + "".join(f"<td class='n'>{_fmt(row.get(k)) if row.get(k) is not None else ''}"
+                             "</td>" for k, _ in cols) + "</tr>" for row in local)
+    return ("<details><summary>Per layer: local error and amplification (full-run error of "
+            "the layer's output / of its input)</summary>"
+            f"<table><tr><th>layer</th>{head}</tr>{rows}</table></details>")
+
+
+LOGIT_COLUMNS = (("rel_l2", "rel L2"), ("max_abs", "max abs"), ("kl_mean", "KL mean"),
+                 ("kl_max", "KL max"), ("top1_agreement", "top-1 agree"),
+                 ("top5_overlap", "top-5 overlap"), ("top1_disagree", "top-1 flips"),
+                 ("disagree_ref_margin_max", "largest margin flipped"))
+
+
+def _logits_table(pairs: dict) -> str:
+    head = "".join(f"<th>{_e(label)}</th>" for _, label in LOGIT_COLUMNS)
+    rows = []
+    for name, m in pairs.items():
+        cells = "".join(f"<td class='n'>{_e(m.get(k)) if k == 'top1_disagree' else _fmt(m.get(k))}"
+                        "</td>" for k, _ in LOGIT_COLUMNS)
+        rows.append(f"<tr><th>{_e(name)}</th>{cells}</tr>")
+    return f"<table><tr><th>pair</th>{head}</tr>{''.join(rows)}</table>"
+
+
+def _plot_logits(positions: dict) -> tuple[str | None, str]:
+    kl = positions.get("kl_cand_ref") or []
+    if not kl:
+        return None, "no per-position logits in this report"
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(11, 3.4))
+    x = list(range(len(kl)))
+    ys, clipped = _clip(kl)
+    ax.plot(x, ys, color="#000000", lw=1, label="KL(reference || candidate)")
+    own, c2 = _clip(positions.get("kl_ref_oracle") or [])
+    clipped += c2
+    if own:
+        ax.plot(x, own, color="#1f5fbf", lw=1, alpha=0.7, label="KL(oracle || reference)")
+    flips = [i for i, ok in enumerate(positions.get("top1_agree") or []) if not ok]
+    for i in flips:
+        ax.axvline(i, color=KIND_COLOURS["precision"], lw=1, ls=":")
+    ax.set_yscale("log")
+    ax.set_xlabel("position (real tokens, row by row)")
+    ax.set_ylabel("KL divergence (nats)")
+    margin = positions.get("ref_margin") or []
+    if margin:
+        ax2 = ax.twinx()
+        ax2.plot(x, [_num(v) for v in margin], color="#9a9a9a", lw=0.8, alpha=0.8,
+                 label="reference top-1 - top-2 logit margin")
+        ax2.set_ylabel("logit margin")
+        ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.07, 0.55), borderaxespad=0)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.07, 1.0), borderaxespad=0)
+    caption = (f"Per position: how far the candidate's next-token distribution is from the "
+               f"reference's (black) next to the reference's own distance from the fp64 oracle "
+               f"(blue), and the reference's top-1/top-2 margin (grey). {len(flips)} position(s) "
+               "where the top-1 token differs are marked with dotted lines; a flip where the "
+               "margin is near zero is a near tie, one where it is large is not rounding.")
+    if clipped:
+        caption += f" {clipped} zero value(s) were clipped to {LOG_CLIP:.0e} to fit the log scale."
+    return _png(fig), caption
+
+
 # ---------------------------------------------------------------- page
 
 CSS = """
@@ -225,6 +291,7 @@ code{font-family:ui-monospace,Menlo,Consolas,monospace}
 
 def _tap_row(t: dict) -> str:
     kind = t.get("kind", "")
+    m = t.get("metrics") or {}
     layer = t.get("layer")
     return ("<tr>"
             f"<td class='t'>{_e(t.get('tap'))}</td>"
@@ -234,11 +301,27 @@ def _tap_row(t: dict) -> str:
             f"<td class='n'>{_e(_fmt(t.get('err_ref')))}</td>"
             f"<td class='n'>{_e(_fmt(t.get('err_cand')))}</td>"
             f"<td class='n'>{_e(_fmt(t.get('err_fp64')))}</td>"
-            f"<td>{_e(t.get('hint'))}</td></tr>")
+            + "".join(f"<td class='n'>{_metric(m.get(k), k)}</td>" for k in _METRIC_KEYS)
+            + f"<td>{_e(t.get('hint'))}</td></tr>")
+
+
+_METRIC_KEYS = ("max_abs", "max_ulp", "cosine", "frac_beyond")
+
+
+def _metric(x, key) -> str:
+    v = _num(x)
+    if math.isnan(v):
+        return "" if x is None else "nan"
+    if key == "max_ulp":
+        return f"{v:.0f}" if v < 1e6 else f"{v:.1e}"
+    if key == "cosine":
+        return f"1 - {1 - v:.1e}" if 0.99 < v < 1 else f"{v:.6f}"
+    return f"{v:.2e}"
 
 
 _TAP_HEAD = ("<tr><th>tap</th><th>layer</th><th>component</th><th>kind</th><th>err_ref</th>"
-             "<th>err_cand</th><th>err_fp64</th><th>hint</th></tr>")
+             "<th>err_cand</th><th>err_fp64</th><th>max abs</th><th>max ULP</th><th>cosine</th>"
+             "<th>beyond 16u</th><th>hint</th></tr>")
 
 
 def _tap_table(taps: list[dict]) -> str:
@@ -312,7 +395,8 @@ def render_html(report_dict: dict) -> str:
             f"<div class='div' style='border-color:{_colour(d.get('kind'))}'>"
             f"<b>First divergence:</b> <b style='color:{_colour(d.get('kind'))}'>{_e(d.get('kind'))}"
             f"</b> at tap <code>{_e(d.get('tap'))}</code> (layer {_e(d.get('layer'))}, component "
-            f"{_e(d.get('component'))})<br>{_e(d.get('hint'))}</div>")
+            f"{_e(d.get('component'))})<br>{_e(d.get('hint'))}"
+            + (f"<br><i>{_e(d.get('evidence'))}</i>" if d.get("evidence") else "") + "</div>")
     elif verdict in ("exact", "drift"):
         parts.append(f"<div class='ok'><b>{_e(verdict)}:</b> no precision or semantic difference "
                      "found. The candidate's error against the fp64 oracle stays within what the "
@@ -338,10 +422,30 @@ def render_html(report_dict: dict) -> str:
     if img:
         parts.append(f"<img alt='local vs inherited error' src='{img}'>")
     parts.append(f"<p class='cap'>{_e(cap)}</p>")
+    if local:
+        parts.append(_local_table(local))
+
+    logits = r.get("logits") or {}
+    if logits:
+        parts.append("<h2>Logits agreement</h2><p class='cap'>Over real positions. KL is "
+                     "KL(second || first) of each pair's next-token distributions; \"largest "
+                     "margin flipped\" is the second's top-1/top-2 logit margin at the worst "
+                     "position where the top-1 tokens differ (0 when none do).</p>")
+        parts.append(_logits_table(logits.get("pairs") or {}))
+        try:
+            img, cap = _plot_logits(logits.get("positions") or {})
+        except Exception as exc:
+            img, cap = None, f"plot failed: {type(exc).__name__}: {exc}"
+        if img:
+            parts.append(f"<img alt='logits agreement per position' src='{img}'>")
+        parts.append(f"<p class='cap'>{_e(cap)}</p>")
 
     parts.append("<h2>Every tap</h2><p class='cap'>err_* are relative L2 errors against the "
                  "fp64 oracle (reference at fp64): err_ref = reference at the policy, err_cand = "
-                 "candidate at the policy, err_fp64 = candidate at fp64.</p>")
+                 "candidate at the policy, err_fp64 = candidate at fp64. max abs, max ULP (in the "
+                 "policy's compute dtype), cosine and \"beyond 16u\" (fraction of elements off by "
+                 "more than 16 unit roundoffs of the element or of the tap's RMS) compare the "
+                 "candidate with the reference at the policy.</p>")
     parts.append(_tap_table(taps))
 
     parts.append("<h2>Policy</h2>")

@@ -9,6 +9,8 @@ Python numbers, ready for JSON.
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 
@@ -285,3 +287,90 @@ def _logits_metrics(c: np.ndarray, r: np.ndarray) -> dict:
         # 0.0 when no position disagrees.
         "disagree_ref_margin_max": float(margin[differ].max()) if differ.any() else 0.0,
     }
+
+
+def logits_agreement(ref, cand, oracle, mask=None) -> dict:
+    """The report's logits section: distribution metrics for the three pairs, and per
+    position (real positions, in row-major order) the curves the HTML page plots.
+
+    "reference vs oracle" is the yardstick: a candidate whose KL and top-1 agreement
+    against the oracle are like the reference's loses no more than the reference does.
+    Each side's log-softmax, top-5 and margin are computed once (a [258, 49152] logits
+    tap is 100 MB in float64); the numbers are those of _logits_metrics.
+    """
+    sides = {k: select(x, mask) for k, x in (("r", ref), ("c", cand), ("o", oracle))}
+    if not all(np.isfinite(x).all() for x in sides.values()) or sides["r"].shape[0] == 0:
+        pairs = {name: {"rel_l2": rel_l2(sides[a], sides[b]), "max_abs": max_abs(sides[a], sides[b]),
+                        **_logits_metrics(sides[a], sides[b])} for name, (a, b) in _PAIRS.items()}
+        return {"pairs": pairs, "positions": {}}
+    logp = {k: log_softmax(x) for k, x in sides.items()}
+    top1 = {k: x.argmax(-1) for k, x in sides.items()}
+    top5 = {k: _topk(x, min(5, x.shape[-1])) for k, x in sides.items()}
+    margin = {k: top_margin(x) for k, x in sides.items()}
+
+    def kl(p, q):   # KL(softmax(p) || softmax(q)) as kl_per_position
+        pp = np.exp(logp[p])
+        return np.maximum(np.where(pp == 0, 0.0, pp * (logp[p] - logp[q])).sum(-1), 0.0)
+
+    pairs, kls = {}, {}
+    for name, (x, y) in _PAIRS.items():
+        kls[(y, x)] = kl(y, x)
+        differ = top1[x] != top1[y]
+        hits = (top5[x][:, :, None] == top5[y][:, None, :]).any(-1).sum(-1)
+        pairs[name] = {"rel_l2": rel_l2(sides[x], sides[y]), "max_abs": max_abs(sides[x], sides[y]),
+                       "kl_mean": float(kls[(y, x)].mean()), "kl_max": float(kls[(y, x)].max()),
+                       "top1_agreement": float((~differ).mean()),
+                       "top5_overlap": float(hits.mean() / top5[x].shape[-1]),
+                       "top1_disagree": int(differ.sum()), "ref_margin_min": float(margin[y].min()),
+                       "disagree_ref_margin_max": float(margin[y][differ].max()) if differ.any() else 0.0}
+    return {"pairs": pairs,
+            "positions": {"kl_cand_ref": kls[("r", "c")].tolist(),
+                          "kl_ref_oracle": kls[("o", "r")].tolist(),
+                          "ref_margin": margin["r"].tolist(),
+                          "top1_agree": (top1["r"] == top1["c"]).tolist()}}
+
+
+# (second side, first side) of each pair: KL(first || second), margins of the first
+_PAIRS = {"candidate vs reference": ("c", "r"), "reference vs oracle": ("r", "o"),
+          "candidate vs oracle": ("c", "o")}
+
+
+def pair_metrics(cand, ref, dtype) -> dict:
+    """The report's per-tap numbers besides relative L2 (rows already selected): max abs,
+    max ULP in `dtype`, cosine, fraction beyond BEYOND_UNITS unit roundoffs (relative to
+    each element or to the tap's RMS).
+
+    The same quantities as max_ulp / cosine / frac_beyond, on fast paths for a report's
+    ~450 taps: ULPs straight from the bit patterns when the arrays already hold `dtype`,
+    the cosine from float64 dot products (activations cannot overflow them)."""
+    c, r = np.asarray(cand), np.asarray(ref)
+    if c.size == 0:
+        return {}
+    if not (np.isfinite(c).all() and np.isfinite(r).all()):
+        nan = float("nan")
+        return {"max_abs": nan, "max_ulp": nan, "cosine": nan, "frac_beyond": nan}
+    dt = resolve_dtype(dtype)
+    ulp = _max_ulp_same_dtype(c, r) if c.dtype == r.dtype == dt else max_ulp(c, r, dt)
+    c64, r64 = c.astype(np.float64).ravel(), r.astype(np.float64).ravel()
+    diff = np.abs(c64 - r64)
+    nc, nr = math.sqrt(c64 @ c64), math.sqrt(r64 @ r64)
+    cos = (1.0 if nc == nr else 0.0) if nc == 0 or nr == 0 else float(c64 @ r64) / (nc * nr)
+    u = unit_roundoff(dt)
+    rms = nr / math.sqrt(r64.size)
+    tol = BEYOND_UNITS * u * np.maximum(np.abs(r64), rms)
+    return {"max_abs": float(diff.max()), "max_ulp": ulp, "cosine": min(cos, 1.0),
+            "frac_beyond": float((diff > tol).mean())}
+
+
+def _max_ulp_same_dtype(a: np.ndarray, b: np.ndarray) -> float:
+    """max_ulp for two finite arrays of one IEEE dtype: sign-magnitude bits mapped to an
+    ordered integer line (-0 and +0 both at 0), distances as int64."""
+    bits = a.dtype.itemsize * 8
+    signed = {16: np.int16, 32: np.int32, 64: np.int64}[bits]
+    def line(x):
+        i = x.view(signed).astype(np.int64) if bits < 64 else x.view(np.int64)
+        mag = i & ((1 << (bits - 1)) - 1)
+        return np.where(i < 0, -mag, mag)
+    if bits == 64:   # int64 differences could overflow: the general path is exact
+        return max_ulp(a, b, a.dtype)
+    return float(np.abs(line(a) - line(b)).max())

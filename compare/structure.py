@@ -99,13 +99,37 @@ SIGN_Z = 6.0
 SIGN_ROWS = 16
 SIGN_EFFECT = 0.1
 
+# RoPE (q_rope / k_rope taps, with the pre-RoPE q / k given): a side "rotates" a pair
+# layout when every pair keeps its norm to 1e-4 relative (a rotation in f64 keeps it to
+# ~1e-15, RoPE tables rounded in f32 to ~1e-7; the wrong layout breaks it at O(1)).
+# Frequencies are read from the rows at position 1 (angle = omega, no wrap: omega <= 1).
+ROPE_NORM_TOL = 1e-4
+ROPE_FREQ_TOL = 1e-6    # relative difference of frequencies that counts (f32 tables: ~1e-7)
+# Causal edge: the last real position of every sequence is (nearly) untouched, every
+# other position is not: a query that sees one token ahead changes all but the last.
+# "Nearly": 1e-3 of the median relative error of the other positions (rounding noise
+# gives every position the same order of error; a ratio of 1e-3 is out of its reach).
+EDGE_RATIO = 1e-3
+EDGE_MIN_POSITIONS = 4
+# RMSNorm epsilon (norm taps, with the norm's input given): per-row factors k = cand/ref
+# that an epsilon difference explains satisfy ms * (1/k^2 - 1) = eps_c - eps_r, one number
+# for every row (ms = mean square of the row's input). It must fit 99% of the error and
+# the per-row estimates must agree to 10% (median absolute deviation): a global scale or
+# any other per-row factor gives estimates proportional to ms instead. (f32 norms inside
+# an fp64 run scatter a 1e-5 epsilon difference by ~1e-2 of itself.)
+EPS_EXPLAINED = 0.99
+EPS_SPREAD = 0.1
+
 # Tie-break when scores are equal (to 1e-3): the more specific description first.
-PRIORITY = ("nonfinite", "permutation", "global_scale", "head_confinement",
+PRIORITY = ("nonfinite", "rope_layout", "rope_frequency", "attention_convention",
+            "causal_edge", "norm_weight_offset", "norm_epsilon", "permutation", "global_scale", "head_confinement",
             "per_feature_scale", "per_row_scale", "offset", "half_confinement",
             "position_trend", "sign_bias")
 # Findings that model d itself (d = fitted part + small rest); a one-sided sign of d is
 # then a consequence, not a separate finding.
-_MODELS = ("permutation", "global_scale", "per_feature_scale", "per_row_scale", "offset")
+_MODELS = ("permutation", "global_scale", "per_feature_scale", "per_row_scale", "offset",
+           "rope_layout", "rope_frequency", "causal_edge", "attention_convention", "norm_epsilon",
+           "norm_weight_offset")
 
 
 @dataclasses.dataclass
@@ -544,6 +568,191 @@ def sign_bias(cand, ref, mask=None) -> Finding | None:
     return _sign_bias(_tap(cand, ref, mask))
 
 
+# --- RoPE: which pairs are rotated, and at which frequencies ----------------------------
+
+def _rope_pairs(D: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
+    i = np.arange(D // 2)
+    return (i, i + D // 2) if layout == "half-split" else (2 * i, 2 * i + 1)
+
+
+def _rotates(out: np.ndarray, pre: np.ndarray, layout: str) -> bool:
+    """Does out keep the norm of every pair of pre (out is pre rotated pairwise)?"""
+    a, b = _rope_pairs(out.shape[-1], layout)
+    n_out, n_pre = np.hypot(out[..., a], out[..., b]), np.hypot(pre[..., a], pre[..., b])
+    den = float(np.linalg.norm(n_pre))
+    return den > 0 and float(np.linalg.norm(n_out - n_pre)) <= ROPE_NORM_TOL * den
+
+
+def _pair_angles(out: np.ndarray, pre: np.ndarray, layout: str) -> np.ndarray:
+    """Angle of the rotation taking each pair of pre to the same pair of out: [..., D/2]."""
+    a, b = _rope_pairs(out.shape[-1], layout)
+    cross = pre[..., a] * out[..., b] - pre[..., b] * out[..., a]
+    dot = pre[..., a] * out[..., a] + pre[..., b] * out[..., b]
+    return np.arctan2(cross, dot)
+
+
+def _frequencies(out, pre, pos, layout) -> np.ndarray | None:
+    """Per-pair angle per position, read at position 1 (median over rows and heads)."""
+    at1 = pos == 1
+    if not at1.any():
+        return None
+    ang = _pair_angles(out[at1], pre[at1], layout)          # [n, H, D/2]
+    return np.median(ang.reshape(-1, ang.shape[-1]), axis=0)
+
+
+def _implied_theta(freq: np.ndarray) -> float:
+    """theta of the default schedule omega_k = theta^(-2k/D) that fits these best."""
+    D = 2 * len(freq)
+    k = np.arange(1, len(freq))
+    ok = freq[1:] > 0
+    if not ok.any():
+        return float("nan")
+    return float(np.exp(np.median(-np.log(freq[1:][ok]) * D / (2 * k[ok]))))
+
+
+def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
+    """At a q_rope / k_rope tap ([B, T, H, D]) with both sides' pre-RoPE input: which pair
+    layout does each side rotate, and at which frequencies? Names RoPE layout (interleaved
+    vs half-split) and theta / scaling differences directly."""
+    c, r, cp, rp = (as64(x) for x in (cand, ref, cand_pre, ref_pre))
+    if c.ndim != 4 or c.shape[-1] % 2 or c.shape != cp.shape:
+        return None
+    m = np.ones(c.shape[:2], bool) if mask is None else np.asarray(mask, bool)
+    pos = positions_from_mask(m)[m]
+    c, r, cp, rp = c[m], r[m], cp[m], rp[m]
+    if not np.all(np.isfinite(c)) or not np.all(np.isfinite(r)):
+        return None
+    size = _rel_of(c - r, r)
+    layouts = ("half-split", "interleaved")
+    c_lay = [lay for lay in layouts if _rotates(c, cp, lay)]
+    r_lay = [lay for lay in layouts if _rotates(r, rp, lay)]
+    if not c_lay or not r_lay:
+        return None
+    if c_lay[0] != r_lay[0] and len(c_lay) == 1 and len(r_lay) == 1:
+        name = {"half-split": "(i, i + D/2): half-split, HF rotate_half",
+                "interleaved": "(2i, 2i + 1): interleaved, GPT-J / Meta style"}
+        return Finding("rope_layout", 1.0,
+                       f"the candidate keeps the norm of pairs {name[c_lay[0]]}, the reference "
+                       f"of pairs {name[r_lay[0]]}: both rotate, different pairs",
+                       f"RoPE layout: rotates pairs {name[c_lay[0]].split(':')[0]} instead of "
+                       f"{name[r_lay[0]].split(':')[0]} (interleaved vs half-split; a missing "
+                       "or extra q/k permutation on conversion)", size)
+    lay = r_lay[0] if r_lay[0] in c_lay else c_lay[0]
+    fc, fr = _frequencies(c, cp, pos, lay), _frequencies(r, rp, pos, lay)
+    if fc is None or fr is None:
+        return None
+    ratio = fc / np.where(fr != 0, fr, 1.0)
+    if np.all(np.abs(fc - fr) <= ROPE_FREQ_TOL * np.maximum(np.abs(fr), 1e-300)):
+        return None
+    # The angle difference should then grow linearly with position: phi_c - phi_r = p * d_omega.
+    dphi = _pair_angles(c, cp, lay) - _pair_angles(r, rp, lay)
+    pred = pos[:, None, None] * (fc - fr)
+    wrap = lambda x: (x + np.pi) % (2 * np.pi) - np.pi  # noqa: E731
+    linear = float(np.median(np.abs(wrap(dphi - pred)))) <= 1e-3 * max(float(np.median(np.abs(wrap(pred)))), 1e-300)
+    tc, tr = _implied_theta(fc), _implied_theta(fr)
+    const = np.allclose(ratio, ratio[0], rtol=1e-3)
+    what = (f"all frequencies scaled by {ratio[0]:.6g} (linear position scaling)" if const else
+            f"implied theta {tc:.6g} (candidate) vs {tr:.6g} (reference)")
+    return Finding("rope_frequency", 1.0,
+                   f"same pairs rotated ({lay}), at other frequencies: omega_cand / omega_ref "
+                   f"from {ratio.min():.4g} to {ratio.max():.4g}; "
+                   + ("angle error = position x frequency error at every row"
+                      if linear else "angle error not proportional to position"),
+                   f"RoPE frequencies: {what}; the angle error grows linearly with position "
+                   "(rope_theta or rope scaling)" if linear else
+                   f"RoPE angles differ ({what}): positions or scaling", size)
+
+
+# --- RMSNorm epsilon ------------------------------------------------------------------------
+
+def norm_epsilon(cand, ref, norm_input, mask=None) -> Finding | None:
+    """At a norm tap with the norm's input x: is cand/ref a per-row factor that one epsilon
+    difference explains, k^2 = (ms + eps_r) / (ms + eps_c)?"""
+    c, r, x = as64(cand), as64(ref), as64(norm_input)
+    m = np.ones(c.shape[:2], bool) if mask is None else np.asarray(mask, bool)
+    c, r, x = c[m], r[m], x[m]
+    if len(c) < MIN_VALUES or not (np.isfinite(c).all() and np.isfinite(r).all()):
+        return None
+    rr = (r * r).sum(-1)
+    ok = rr > 0
+    k = np.where(ok, (c * r).sum(-1) / np.where(ok, rr, 1), 1.0)
+    d = c - r
+    dd = float((d * d).sum())
+    if not dd:
+        return None
+    explained = 1 - float(((c - k[:, None] * r) ** 2).sum()) / dd
+    ms = (x * x).mean(-1)
+    est = (ms * (1 / k ** 2 - 1))[ok]
+    mid = float(np.median(est))
+    spread = float(np.median(np.abs(est - mid))) / abs(mid) if mid else math.inf
+    if explained < EPS_EXPLAINED or spread > EPS_SPREAD:
+        return None
+    return Finding("norm_epsilon", explained,
+                   f"cand = k_row x ref with ms x (1/k^2 - 1) = {mid:.3g} in every row (spread "
+                   f"{spread:.1e}; fit explains {explained:.1%}); ms = mean square of the norm input",
+                   f"per-row scale factor of an RMSNorm epsilon difference: eps(candidate) - "
+                   f"eps(reference) = {mid:.3g}", _rel_of(d, r))
+
+
+def norm_weight_offset(cand, ref, norm_input, mask=None) -> Finding | None:
+    """At a norm tap: is cand - ref the normalised input itself times one constant a? Then
+    the weight is applied with an offset: (1 + w) instead of w is a = 1 (Gemma's
+    convention on a Llama checkpoint), w instead of (1 + w) a = -1."""
+    c, r, x = as64(cand), as64(ref), as64(norm_input)
+    m = np.ones(c.shape[:2], bool) if mask is None else np.asarray(mask, bool)
+    d, x = (c - r)[m], x[m]
+    if len(d) < MIN_VALUES or not np.isfinite(d).all():
+        return None
+    xhat = x / np.sqrt(np.maximum((x * x).mean(-1, keepdims=True), 1e-300))
+    xx = float((xhat * xhat).sum())
+    dd = float((d * d).sum())
+    if not xx or not dd:
+        return None
+    a = float((d * xhat).sum()) / xx
+    explained = 1 - float(((d - a * xhat) ** 2).sum()) / dd
+    if explained < EPS_EXPLAINED:
+        return None
+    what = ("(1 + w) instead of w" if abs(a - 1) < 1e-2 else "w instead of (1 + w)"
+            if abs(a + 1) < 1e-2 else f"w + {a:.4g} instead of w")
+    return Finding("norm_weight_offset", explained,
+                   f"cand - ref = {a:.4g} x the normalised input, in every row and feature (fit "
+                   f"explains {explained:.1%})",
+                   f"norm weight convention: applied as {what} (a per-feature offset of the "
+                   "norm weight)", _rel_of(c[m] - r[m], r[m]))
+
+
+# --- causal edge ------------------------------------------------------------------------
+
+def causal_edge(cand, ref, mask=None) -> Finding | None:
+    """Every position differs except the last real one of each sequence: the queries see
+    one token ahead (a causal mask off by one leaks the next token)."""
+    c, r = as64(cand), as64(ref)
+    if c.ndim < 3:
+        return None
+    m = np.ones(c.shape[:2], bool) if mask is None else np.asarray(mask, bool)
+    d = (c - r).reshape(c.shape[0], c.shape[1], -1)
+    rr = (r.reshape(d.shape) ** 2).sum(-1)
+    err = np.sqrt((d * d).sum(-1) / np.maximum(rr, 1e-300))
+    last, others = [], []
+    for b in range(len(m)):
+        real = np.flatnonzero(m[b])
+        if len(real) < EDGE_MIN_POSITIONS:
+            continue
+        last.append(err[b, real[-1]])
+        others.append(err[b, real[:-1]])
+    if not last:
+        return None
+    others = np.concatenate(others)
+    typical = float(np.median(others))
+    if not typical > 0 or max(last) > EDGE_RATIO * typical or float((others > EDGE_RATIO * typical).mean()) < 0.9:
+        return None
+    return Finding("causal_edge", 1.0,
+                   f"the last real position of each sequence agrees (rel error <= {max(last):.1e}) "
+                   f"while the others differ (median {typical:.1e})",
+                   "all positions but the last differ: queries see a later token (causal mask "
+                   "off by one, future leak)", _rel_of(d[m], r.reshape(d.shape)[m]))
+
+
 def _nonfinite(c: np.ndarray, r: np.ndarray) -> Finding | None:
     bad_c, bad_r = int((~np.isfinite(c)).sum()), int((~np.isfinite(r)).sum())
     if not (bad_c or bad_r):
@@ -553,7 +762,8 @@ def _nonfinite(c: np.ndarray, r: np.ndarray) -> Finding | None:
                    math.inf)
 
 
-def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0) -> list[Finding]:
+def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0, pre=None,
+            norm_input=None) -> list[Finding]:
     """All findings for one tap, best first; [] means noise-like.
 
     per_head=True: the tap is [B, T, H, D]; an int H reshapes a [B, T, H*D] tap (attn_ctx)
@@ -562,6 +772,9 @@ def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0) -> list[Fi
     angles rounded in f32 grow with position; a softmax rounded in f32 concentrates in
     the flat-attention heads), so where one side keeps f32 steps inside an f64 run, a
     floor of a few hundred f32 unit roundoffs separates those from math differences.
+    pre=(cand_pre, ref_pre): at a q_rope / k_rope tap, both sides' q / k before RoPE, so
+    rope_finding can say which pairs each side rotates and at which frequencies.
+    norm_input: at a norm tap, the norm's input (so norm_epsilon can test an epsilon).
     """
     c, r = as64(cand), as64(ref)
     if per_head and not isinstance(per_head, bool) and c.ndim == 3:
@@ -574,7 +787,12 @@ def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0) -> list[Fi
     if bad or not t.d.any():
         return [bad] if bad else []
     fits = _scale_fits(t)
-    found = [f for f in (_permutation(t), _global_scale(t, fits), _per_row_scale(t, fits),
+    found = [f for f in (rope_finding(c, r, *pre, mask) if pre is not None else None,
+                         norm_epsilon(c, r, norm_input, mask) if norm_input is not None else None,
+                         norm_weight_offset(c, r, norm_input, mask) if norm_input is not None
+                         else None,
+                         causal_edge(c, r, mask),
+                         _permutation(t), _global_scale(t, fits), _per_row_scale(t, fits),
                          _per_feature_scale(t, fits), _offset(t), _position_trend(t),
                          _head_confinement(t) if per_head else None,
                          _half_confinement(t) if per_head else None) if f]

@@ -24,6 +24,24 @@ def test_clean_jaxmodel_vs_torchref_is_never_a_finding(policy, tiny_dir):
     report.to_dict()  # JSON-safe
 
 
+def test_report_carries_per_tap_metrics_logits_agreement_and_environment(tiny_dir, tmp_path):
+    report = compare_models("torchref", "jaxmodel", tiny_dir("gqa"), inputs=IDS, policy="bf16")
+    for v in report.taps:
+        assert set(v.metrics) == {"max_abs", "max_ulp", "cosine", "frac_beyond"}, v.tap
+        if v.kind == "exact":
+            assert v.metrics["max_ulp"] == 0 and v.metrics["max_abs"] == 0
+        else:
+            assert v.metrics["max_ulp"] >= 1 and 0.9 < v.metrics["cosine"] <= 1
+    pairs = report.logits["pairs"]
+    assert set(pairs) == {"candidate vs reference", "reference vs oracle", "candidate vs oracle"}
+    assert pairs["candidate vs reference"]["top1_agreement"] > 0.9
+    assert len(report.logits["positions"]["kl_cand_ref"]) == IDS.size
+    assert report.environment["torch"].startswith("2.") and "jax backend" in report.environment
+    assert report.local[1]["cand_amplification"] > 0
+    page = report.to_html(tmp_path / "r.html").read_text()
+    assert "Logits agreement" in page and "max ULP" in page and "jax backend" in page
+
+
 def test_clean_transformers_vs_torchref_at_fp32(tiny_dir):
     transformers = pytest.importorskip("transformers")
     folder = tiny_dir("gqa")

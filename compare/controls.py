@@ -1,0 +1,430 @@
+"""Planted bugs (positive controls) and clean runs (negative controls) for the ladder.
+
+Each Control builds a candidate Side with one bug planted at one layer of one model (a
+patched torchref, a patched transformers LlamaForCausalLM, or jaxmodel loading a
+doctored copy of the checkpoint) and says what the ladder must answer: verdict, first
+tap, layer, component, and words the hint must contain. Code-level bugs patch the
+module at LAYER only; precision controls change one policy knob of the candidate's
+working model, its fp64 twin stays clean. tests/test_controls.py asserts them;
+bench/controls.py prints the table for a checkpoint.
+
+    side = CONTROLS["rope_layout"].side(folder)      # a Side to pass as candidate
+    report = run_control(CONTROLS["rope_layout"], folder, ids, mask)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import types
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from llamaspec import Policy, taps as tapnames
+
+from .engine import Report, Side, _transformers, resolve_side, run_ladder
+
+LAYER = 1
+
+
+@dataclasses.dataclass
+class Control:
+    name: str
+    where: str              # "torchref" | "transformers" | "jaxmodel"
+    policy: str             # working policy (preset name)
+    verdict: str | None     # None: informational, reported but not asserted
+    tap: str | None         # expected first divergence ("{L}" = LAYER), None for clean runs
+    component: str | None
+    hint: tuple[str, ...]   # words the hint must contain (case-insensitive)
+    build: Callable = dataclasses.field(repr=False, default=None)   # (folder, Policy) -> Side
+    what: str = ""
+
+    @property
+    def expected_tap(self) -> str | None:
+        return None if self.tap is None else self.tap.format(L=LAYER)
+
+    @property
+    def expected_layer(self) -> int | None:
+        return None if self.tap is None else tapnames.layer_of(self.expected_tap)
+
+    def side(self, folder) -> Side:
+        return self.build(folder, Policy.get(self.policy))
+
+
+# ----- torchref: code-level patches at one layer -------------------------------------------
+
+def _torch_side(patch, knobs=None):
+    """Candidate: torchref with `patch` applied (at P and in its fp64 twin), or with policy
+    knobs changed at P only (precision controls: the fp64 twin is clean)."""
+    def build(folder, policy):
+        import torchref
+        at_p = torchref.from_pretrained(folder, policy=Policy.get(policy, **knobs) if knobs else policy)
+        at_64 = torchref.from_pretrained(folder, policy="fp64")
+        for m in (at_p, at_64):
+            patch(m)
+        name = "torchref+" + (",".join(f"{k}={v}" for k, v in knobs.items()) if knobs else "bug")
+        return Side(name, at_p, at_64, False, tuple(tapnames.all_taps(at_p.cfg.num_hidden_layers)))
+    return build
+
+
+def _attn_forward(rope=None, attention=None, allowed_fn=None):
+    """torchref Attention.forward (no KV cache) with one step replaced."""
+    def forward(self, x, cos, sin, allowed, policy, rec, p, kv=None, index=0):
+        from torchref import ops
+        if kv is not None:
+            raise NotImplementedError("planted attention bugs are for capture, not generation")
+        B, T, _ = x.shape
+        q = self.q_proj(x, policy).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x, policy).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x, policy).view(B, T, self.n_kv, self.head_dim)
+        rec(p + "q", q), rec(p + "k", k), rec(p + "v", v)
+        apply = rope or ops.apply_rope
+        q, k = apply(q, cos, sin), apply(k, cos, sin)
+        rec(p + "q_rope", q), rec(p + "k_rope", k)
+        if allowed_fn is not None:
+            allowed = allowed_fn(allowed)
+        ctx = (attention or ops.attention)(q, k, v, allowed, policy).reshape(B, T, -1)
+        rec(p + "attn_ctx", ctx)
+        return self.o_proj(ctx, policy)
+    return forward
+
+
+def _patch_attn(**kw):
+    def patch(m):
+        attn = m.model.layers[LAYER].self_attn
+        attn.forward = types.MethodType(_attn_forward(**kw), attn)
+    return patch
+
+
+def _rope_interleaved(x, cos, sin):
+    """RoPE on pairs (2i, 2i+1) (GPT-J / Meta layout) with the same frequencies."""
+    import torch
+    D = x.shape[-1]
+    c = cos[..., : D // 2].repeat_interleave(2, -1).to(x.dtype)[:, :, None]
+    s = sin[..., : D // 2].repeat_interleave(2, -1).to(x.dtype)[:, :, None]
+    rot = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).reshape(x.shape)
+    return x * c + rot * s
+
+
+def _rope_theta(theta):
+    """Layer LAYER's RoPE tables built with another rope_theta (e.g. Llama 3's 500000)."""
+    def patch(m):
+        from torchref import ops
+        from torchref.dtypes import dt
+        run_rope = m._rope
+
+        def rope(positions):
+            m._planted_positions = positions
+            return run_rope(positions)
+        m._rope = rope
+        block = m.model.layers[LAYER]
+        forward = block.forward
+
+        def block_forward(h, cos, sin, *a, **kw):
+            pos = m._planted_positions
+            dtype = dt(m.policy.rope_dtype)
+            inv = ops.rope_inv_freq(dataclasses.replace(m.cfg.rope, theta=theta), m.cfg.head_dim,
+                                    m.cfg.max_position_embeddings, int(pos.max()) + 1, dtype)
+            cos2, sin2 = ops.rope_cos_sin(inv.to(cos.device), pos, dtype)
+            return forward(h, cos2, sin2, *a, **kw)
+        block.forward = block_forward
+    return patch
+
+
+def _scale_factor(how: str, D: int) -> float:
+    """Factor on the right 1/sqrt(D): "missing" -> scale 1, "1/D" -> scale 1/D."""
+    return {"missing": D ** 0.5, "1/D": D ** -0.5}[how]
+
+
+def _scaled_attention(how):
+    def attention(q, k, v, allowed, policy):
+        from torchref import ops
+        return ops.attention(q * _scale_factor(how, q.shape[-1]), k, v, allowed, policy)
+    return attention
+
+
+def _tiled_gqa(q, k, v, allowed, policy):
+    """Query head h reads kv head h % n_kv (k/v tiled) instead of h // G (repeat_kv)."""
+    from torchref import ops
+    G = q.shape[2] // k.shape[2]
+    return ops.attention(q, k.repeat(1, 1, G, 1), v.repeat(1, 1, G, 1), allowed, policy)
+
+
+def _sees_next(allowed):
+    nxt = allowed.clone()
+    nxt[:, :, 1:] |= allowed[:, :, :-1]
+    return nxt
+
+
+def _misses_self(allowed):
+    import torch
+    T = allowed.shape[1]
+    return allowed & ~torch.eye(T, allowed.shape[2], dtype=torch.bool, device=allowed.device)
+
+
+def _mlp_with(act_fn_name, swap=False):
+    def forward(self, x, policy, rec, p):
+        import torch
+        act_fn = getattr(torch.nn.functional, act_fn_name)
+        gate, up = self.gate_proj(x, policy), self.up_proj(x, policy)
+        if swap:
+            gate, up = up, gate
+        act = act_fn(gate) * up
+        rec(p + "gate", gate), rec(p + "up", up), rec(p + "act", act)
+        return self.down_proj(act, policy)
+
+    def patch(m):
+        mlp = m.model.layers[LAYER].mlp
+        mlp.forward = types.MethodType(forward, mlp)
+    return patch
+
+
+def _set_eps(eps):
+    def patch(m):
+        m.model.layers[LAYER].input_layernorm.eps = eps
+    return patch
+
+
+def _one_plus_w(m):
+    import torch
+    norm = m.model.layers[LAYER].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight + 1, requires_grad=False)
+
+
+def _qk_interleave_rows(w, head_dim):
+    """A conversion script's q/k row permutation per head (half-split <-> interleaved)."""
+    n = w.shape[0]
+    perm = np.arange(n).reshape(-1, 2, head_dim // 2).transpose(0, 2, 1).reshape(-1)
+    return w[perm]
+
+
+def _qk_permuted(m):
+    import torch
+    attn = m.model.layers[LAYER].self_attn
+    for proj in (attn.q_proj, attn.k_proj):
+        proj.weight = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(
+            _qk_interleave_rows(proj.weight.cpu().numpy(), attn.head_dim))).to(proj.weight.device),
+            requires_grad=False)
+
+
+def _tied_head(m):
+    """lm_head tied vs untied, whichever is wrong for the checkpoint: an untied checkpoint's
+    lm_head.weight dropped and the embedding used instead; a tied checkpoint's head
+    "newly initialized" by a loader that unties it (transformers warns, many ignore it)."""
+    import torch
+    if m.lm_head is not None:
+        m.lm_head = None
+        m.head_weight = m._lm_head_weight().detach()
+        return
+    w = m.head_weight
+    fresh = np.random.default_rng(0).standard_normal(tuple(w.shape)) * float(w.float().std())
+    m.head_weight = torch.from_numpy(fresh).to(dtype=w.dtype, device=w.device)
+
+
+def _none(m):
+    pass
+
+
+# ----- transformers: a patched LlamaForCausalLM ----------------------------------------------
+
+def _hf_side(patch, dtype="float32"):
+    def build(folder, policy):
+        import torch
+        import transformers
+        hf = transformers.LlamaForCausalLM.from_pretrained(
+            folder, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
+        patch(hf)
+        side = _transformers(hf, folder)
+        if patch is not _none:
+            side.name += "+bug"
+        return side
+    return build
+
+
+def _hf_eps(eps):
+    def patch(hf):
+        hf.model.layers[LAYER].input_layernorm.variance_epsilon = eps
+    return patch
+
+
+def _hf_scaling(how):
+    def patch(hf):
+        attn = hf.model.layers[LAYER].self_attn
+        attn.scaling = attn.head_dim ** -0.5 * _scale_factor(how, attn.head_dim)
+    return patch
+
+
+def _hf_weights(fn):
+    def patch(hf):
+        import torch
+        with torch.no_grad():
+            fn(hf.model.layers[LAYER])
+    return patch
+
+
+def _hf_swap_gate_up(layer):
+    g, u = layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight
+    tmp = g.clone()
+    g.copy_(u), u.copy_(tmp)
+
+
+def _hf_qk_permuted(layer):
+    import torch
+    attn = layer.self_attn
+    for proj in (attn.q_proj, attn.k_proj):
+        w = proj.weight
+        w.copy_(torch.from_numpy(np.ascontiguousarray(_qk_interleave_rows(w.numpy(), attn.head_dim))))
+
+
+def _hf_one_plus_w(layer):
+    layer.post_attention_layernorm.weight += 1
+
+
+# ----- jaxmodel: a doctored copy of the checkpoint ------------------------------------------
+
+def _jax_side(doctor):
+    """jaxmodel loading a copy of the checkpoint whose layer-LAYER weights `doctor` changed
+    (what a broken conversion script writes)."""
+    def build(folder, policy):
+        import jaxmodel
+        from llamaspec import load_weights
+        from llamaspec.testing import write_safetensors
+        cfg, weights = load_weights(folder)
+        weights = {k: np.array(v) for k, v in weights.items()}
+        doctor(weights, cfg, f"model.layers.{LAYER}.")
+        out = Path(tempfile.mkdtemp(prefix="planted-"))
+        (out / "config.json").write_text((Path(folder) / "config.json").read_text())
+        write_safetensors(out / "model.safetensors", weights, {"format": "pt"})
+        at_p, at_64 = (jaxmodel.from_pretrained(out, policy=p) for p in (policy, "fp64"))
+        return Side("jaxmodel+bug", at_p, at_64, False, tuple(tapnames.all_taps(cfg.num_hidden_layers)))
+    return build
+
+
+def _w_swap_gate_up(w, cfg, p):
+    w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = \
+        w[p + "mlp.up_proj.weight"], w[p + "mlp.gate_proj.weight"]
+
+
+def _w_qk_permuted(w, cfg, p):
+    for k in ("q_proj", "k_proj"):
+        w[p + f"self_attn.{k}.weight"] = _qk_interleave_rows(w[p + f"self_attn.{k}.weight"], cfg.head_dim)
+
+
+def _w_one_plus_w(w, cfg, p):
+    key = p + "post_attention_layernorm.weight"
+    w[key] = (w[key].astype(np.float64) + 1).astype(w[key].dtype)
+
+
+# ----- the suite ---------------------------------------------------------------------------
+
+def _c(name, where, policy, verdict, tap, component, hint, build, what):
+    return Control(name, where, policy, verdict, tap, component, tuple(hint), build, what)
+
+
+A = "layers.{L}."
+CONTROLS: dict[str, Control] = {c.name: c for c in [
+    # torchref, code-level, layer LAYER, fp32
+    _c("rmsnorm_eps", "torchref", "fp32", "semantic", A + "attn_norm", "attn_norm", ["per-row scale"],
+       _torch_side(_set_eps(1e-6)), "input RMSNorm epsilon 1e-6 (config 1e-5)"),
+    _c("norm_one_plus_w", "torchref", "fp32", "semantic", A + "mlp_norm", "mlp_norm",
+       ["norm weight", "(1 + w)"], _torch_side(_one_plus_w), "post-attention norm weight applied as (1 + w)"),
+    _c("silu_to_gelu", "torchref", "fp32", "semantic", A + "act", "mlp", [],
+       _torch_side(_mlp_with("gelu")), "MLP activation GELU instead of SiLU"),
+    _c("gate_up_swapped", "torchref", "fp32", "semantic", A + "gate", "mlp", [],
+       _torch_side(_mlp_with("silu", swap=True)), "gate and up projections swapped"),
+    _c("qk_permutation", "torchref", "fp32", "semantic", A + "q", "attn", ["permuted", "RoPE layout"],
+       _torch_side(_qk_permuted), "q/k weight rows permuted (half-split -> interleaved, per head)"),
+    _c("rope_layout", "torchref", "fp32", "semantic", A + "q_rope", "attn", ["RoPE layout"],
+       _torch_side(_patch_attn(rope=_rope_interleaved)), "RoPE rotates pairs (2i, 2i+1): interleaved"),
+    _c("rope_theta", "torchref", "fp32", "semantic", A + "q_rope", "attn",
+       ["RoPE frequencies", "theta", "linearly with position"],
+       _torch_side(_rope_theta(500000.0)), "rope_theta 500000 (config 10000 / 100000)"),
+    _c("attn_scale_missing", "torchref", "fp32", "semantic", A + "attn_ctx", "attn",
+       ["no attention scale"], _torch_side(_patch_attn(attention=_scaled_attention("missing"))),
+       "scores not divided by sqrt(head_dim)"),
+    _c("attn_scale_wrong", "torchref", "fp32", "semantic", A + "attn_ctx", "attn",
+       ["1/head_dim"], _torch_side(_patch_attn(attention=_scaled_attention("1/D"))),
+       "scores divided by head_dim instead of sqrt(head_dim)"),
+    _c("gqa_grouping", "torchref", "fp32", "semantic", A + "attn_ctx", "attn", ["GQA grouping"],
+       _torch_side(_patch_attn(attention=_tiled_gqa)), "query head h reads kv head h % n_kv"),
+    _c("causal_sees_next", "torchref", "fp32", "semantic", A + "attn_ctx", "attn",
+       ["causal mask off by one", "next token"], _torch_side(_patch_attn(allowed_fn=_sees_next)),
+       "causal mask lets each query see the next token"),
+    _c("causal_misses_self", "torchref", "fp32", "semantic", A + "attn_ctx", "attn",
+       ["causal mask off by one", "own token"], _torch_side(_patch_attn(allowed_fn=_misses_self)),
+       "causal mask hides each query's own token"),
+    _c("lm_head_tied", "torchref", "fp32", "semantic", "logits", "lm_head", ["lm_head matrix"],
+       _torch_side(_tied_head), "lm_head tied to the embedding although the checkpoint has its own"),
+    # precision: one policy knob of the candidate at P (its fp64 twin is clean)
+    _c("rope_tables_bf16", "torchref", "bf16", "precision", "layers.0.q_rope", "attn", ["RoPE tables"],
+       _torch_side(_none, dict(rope_dtype="bfloat16")), "RoPE angles and cos/sin in bf16 (bf16 policy)"),
+    _c("softmax_bf16_in_fp32", "torchref", "fp32", "precision", "layers.0.attn_ctx", "attn",
+       ["attention"], _torch_side(_none, dict(softmax_dtype="bfloat16")),
+       "softmax in bf16 inside an fp32 model"),
+    # Reported, not asserted: under bf16 the policy itself rounds scores and probabilities
+    # to bf16, so a bf16 softmax adds about one more rounding (measured 1.0-1.4x the
+    # reference's error at attn_ctx, teacher-forced or not): drift by the ladder's rule.
+    _c("softmax_bf16", "torchref", "bf16", None, "layers.0.attn_ctx", "attn", [],
+       _torch_side(_none, dict(softmax_dtype="bfloat16")), "softmax in bf16 (bf16 policy)"),
+    # transformers LlamaForCausalLM (eager), patched, against torchref
+    _c("hf_rmsnorm_eps", "transformers", "fp32", "semantic", A + "attn_norm", "attn_norm",
+       ["per-row scale"], _hf_side(_hf_eps(1e-6)), "input_layernorm.variance_epsilon 1e-6"),
+    _c("hf_attn_scale_missing", "transformers", "fp32", "semantic", A + "attn_ctx", "attn",
+       ["no attention scale"], _hf_side(_hf_scaling("missing")), "self_attn.scaling = 1"),
+    _c("hf_qk_permutation", "transformers", "fp32", "semantic", A + "q", "attn", ["permuted"],
+       _hf_side(_hf_weights(_hf_qk_permuted)), "q/k weight rows permuted"),
+    _c("hf_gate_up_swapped", "transformers", "fp32", "semantic", A + "gate", "mlp", [],
+       _hf_side(_hf_weights(_hf_swap_gate_up)), "gate_proj and up_proj weights swapped"),
+    _c("hf_norm_one_plus_w", "transformers", "fp32", "semantic", A + "mlp_norm", "mlp_norm",
+       ["norm weight", "(1 + w)"], _hf_side(_hf_weights(_hf_one_plus_w)), "post-attention norm weight + 1"),
+    # jaxmodel on a doctored checkpoint copy
+    _c("jax_gate_up_swapped", "jaxmodel", "fp32", "semantic", A + "gate", "mlp", [],
+       _jax_side(_w_swap_gate_up), "checkpoint with gate_proj / up_proj swapped"),
+    _c("jax_qk_permutation", "jaxmodel", "fp32", "semantic", A + "q", "attn", ["permuted"],
+       _jax_side(_w_qk_permuted), "checkpoint with q/k rows permuted (Meta layout)"),
+    _c("jax_norm_one_plus_w", "jaxmodel", "fp32", "semantic", A + "mlp_norm", "mlp_norm",
+       ["norm weight", "(1 + w)"], _jax_side(_w_one_plus_w), "checkpoint with norm weight stored as w - 1"),
+]}
+
+
+def clean(where: str, policy: str) -> Control:
+    """A negative control: the clean candidate `where` against torchref at `policy`."""
+    def build(folder, pol):
+        if where == "transformers":
+            dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}[policy]
+            return _hf_side(_none, dtype)(folder, pol)
+        return resolve_side(where, folder, pol)
+    return Control(f"clean_{where}_{policy}", where, policy, "drift", None, None, (), build,
+                   f"clean {where} vs torchref at {policy}")
+
+
+def run_control(control: Control, folder, ids, mask=None, teacher_forcing=True) -> Report:
+    mask = np.ones(np.shape(ids), np.int64) if mask is None else mask
+    policy = Policy.get(control.policy)
+    ref = resolve_side("torchref", folder, policy)
+    return run_ladder(ref, control.side(folder), ids, mask, policy, teacher_forcing)
+
+
+def check(control: Control, report: Report) -> list[str]:
+    """What is wrong with the report for this control ([] = as expected)."""
+    d = report.first_divergence
+    if control.tap is None:
+        return [] if report.verdict in ("exact", "drift") else [f"clean run gave {report.verdict}: "
+                                                                 f"{report.summary()}"]
+    problems = []
+    if control.verdict is None:     # informational: reported, not asserted
+        return problems
+    if report.verdict != control.verdict:
+        problems.append(f"verdict {report.verdict}, expected {control.verdict}")
+    if d is None:
+        return problems + ["no first divergence"]
+    got = (d.tap, d.layer, d.component)
+    want = (control.expected_tap, control.expected_layer, control.component)
+    if got != want:
+        problems.append(f"at {got}, expected {want}")
+    missing = [w for w in control.hint if w.lower() not in d.hint.lower()]
+    if missing:
+        problems.append(f"hint lacks {missing}: {d.hint}")
+    return problems
