@@ -151,12 +151,26 @@ def cmd_compare(args) -> int:
                             progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
     print_verdict_table(report, colour=sys.stdout.isatty() and not args.no_colour)
     say(report.summary())
-    if args.json:
-        say(f"JSON report: {report.to_json(args.json)}")
-    if args.html:
-        say(f"HTML report: {report.to_html(args.html)}")
+    json_path, html_path = _report_paths(args)
+    if json_path:
+        say(f"JSON report: {report.to_json(json_path)}")
+    if html_path:
+        say(f"HTML report: {report.to_html(html_path)}")
     say(f"done in {time.perf_counter() - t0:.1f} s")
     return 0 if KINDS.index(report.verdict) <= KINDS.index("drift") else 1
+
+
+def _report_paths(args):
+    """--json/--html where given; otherwise both go to --out-dir (default ./parity-report/,
+    git-ignored), named after the comparison, unless --no-files."""
+    if args.no_files:
+        return args.json, args.html
+    from pathlib import Path
+    out = Path(args.out_dir)
+    stem = f"{args.candidate}-vs-{args.reference}-{args.policy}"
+    if not (args.json and args.html):
+        out.mkdir(parents=True, exist_ok=True)
+    return args.json or out / f"{stem}.json", args.html or out / f"{stem}.html"
 
 
 def print_verdict_table(report, colour: bool) -> None:
@@ -204,14 +218,21 @@ def main(argv=None) -> int:
     p.add_argument("--reference", default="torchref", choices=impls)
     p.add_argument("--candidate", default="jaxmodel", choices=impls)
     p.add_argument("--policy", default="fp32", help="preset: fp64 fp32 tf32 bf16 fp16 bf16w-f32 fp64-hf")
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-ins")
+    p.add_argument("--prompt", action="append",
+                   help="a prompt (repeatable); default: one built-in 258-token prompt")
     p.add_argument("--random-tokens", metavar="BxT", help="random token ids instead of prompts "
                    "(for checkpoints without a tokenizer), e.g. 2x64")
-    p.add_argument("--json", help="write the JSON report here")
-    p.add_argument("--html", help="write the HTML report here")
+    p.add_argument("--json", help="write the JSON report here (default: in --out-dir)")
+    p.add_argument("--html", help="write the HTML report here (default: in --out-dir)")
+    p.add_argument("--out-dir", default="parity-report",
+                   help="folder for the JSON and HTML reports not given a path (default: %(default)s)")
+    p.add_argument("--no-files", action="store_true", help="write only the reports given a path")
     p.add_argument("--no-teacher-forcing", action="store_true")
     p.add_argument("--no-colour", action="store_true")
     p.set_defaults(func=cmd_compare)
+
+    from .probe_cli import add_parser as add_probe_parser
+    add_probe_parser(sub)
 
     args = parser.parse_args(argv)
     from llamaspec import LlamaParityError

@@ -20,3 +20,12 @@ def test_compare_writes_json_and_exits_zero_on_drift(tiny_dir, tmp_path, capsys)
 def test_unknown_policy_is_a_clear_error(tiny_dir, capsys):
     rc = main(["compare", str(tiny_dir("gqa")), "--random-tokens", "1x8", "--policy", "fp12"])
     assert rc == 2 and "unknown precision policy 'fp12'" in capsys.readouterr().err
+
+
+def test_compare_writes_both_reports_to_out_dir_by_default(tiny_dir, tmp_path, capsys):
+    rc = main(["compare", str(tiny_dir("gqa")), "--random-tokens", "1x16", "--no-colour",
+               "--no-teacher-forcing", "--out-dir", str(tmp_path / "rep")])
+    assert rc == 0, capsys.readouterr().out
+    written = sorted(p.name for p in (tmp_path / "rep").iterdir())
+    assert written == ["jaxmodel-vs-torchref-fp32.html", "jaxmodel-vs-torchref-fp32.json"]
+    assert json.loads((tmp_path / "rep" / written[1]).read_text())["policy"]["name"] == "fp32"

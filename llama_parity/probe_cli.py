@@ -1,0 +1,174 @@
+"""`llama-parity probe {batch,padding,determinism,divergence,all}`: invariance probes.
+
+    llama-parity probe batch --impl torchref,jaxmodel --policy fp32,bf16 --mode default,invariant
+    llama-parity probe all --checkpoint DIR --json probes.json --html probes.html
+
+Progress goes to stderr, the table to stdout. Exit code 1 when a probe finds a
+semantic problem (a padding, mask, position or cache error, or NaN/Inf), 2 on a usage
+error or when nothing could run, 0 otherwise (exact or drift).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import numpy as np
+
+PROBE_KINDS = ("batch", "padding", "determinism", "divergence", "all")
+IMPLS = ("torchref", "jaxmodel", "transformers")
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+def _list(values, default, allowed=None, what="value") -> list[str]:
+    """Repeatable and comma-separated options -> a de-duplicated list, in order."""
+    out = []
+    for v in values or [default]:
+        for x in str(v).split(","):
+            x = x.strip()
+            if x and x not in out:
+                if allowed and x not in allowed:
+                    raise SystemExit(f"llama-parity probe: unknown {what} '{x}' (one of {', '.join(allowed)})")
+                out.append(x)
+    return out
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("probe", help="invariance probes: batch, padding, run-to-run, greedy divergence",
+                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("kind", choices=PROBE_KINDS)
+    p.add_argument("checkpoint_pos", nargs="?", default=None, metavar="CHECKPOINT",
+                   help="HF folder (or --checkpoint); default: cached SmolLM2, fetched if missing")
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--impl", action="append", help="torchref, jaxmodel, transformers (repeatable or "
+                   "comma list; default torchref,jaxmodel)")
+    p.add_argument("--policy", action="append", help="preset(s), repeatable or comma list (default fp32)")
+    p.add_argument("--mode", action="append", help="default, invariant (repeatable or comma list)")
+    p.add_argument("--batch-invariant", action="store_true", help="same as --mode invariant")
+    p.add_argument("--prompt", default=None, help=f"target prompt (default {DEFAULT_PROMPT!r}; random "
+                   "tokens when the checkpoint has no tokenizer)")
+    p.add_argument("--length", type=int, default=24, help="random target length (no tokenizer)")
+    p.add_argument("--batch-sizes", default="2,3,4,8,16,32")
+    p.add_argument("--completions", type=int, default=24, help="greedy completions per model")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens per greedy completion")
+    p.add_argument("--divergence-batch-sizes", default="4,8,16")
+    p.add_argument("--repeats", type=int, default=2, help="in-process repeats (determinism)")
+    p.add_argument("--processes", type=int, default=1, help="fresh processes (determinism)")
+    p.add_argument("--no-cross", action="store_true", help="skip jaxmodel-vs-torchref greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write all results here")
+    p.add_argument("--html", help="write the HTML report here")
+    p.add_argument("--no-colour", action="store_true")
+    p.set_defaults(func=cmd_probe)
+
+
+def _log(t0):
+    def say(msg):
+        print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    return say
+
+
+def resolve_checkpoint(path, say) -> str:
+    if path:
+        return str(path)
+    from .fetch import default_model_dir, fetch_smollm2, is_complete
+    folder = default_model_dir()
+    if not is_complete(folder):
+        say("SmolLM2-135M-Instruct is not cached yet; fetching it (about a minute, once).")
+        folder = fetch_smollm2(progress=lambda m: say("  " + m))
+    return str(folder)
+
+
+def _target(folder, prompt, length, seed):
+    """Token ids of the target and how they were made."""
+    from pathlib import Path
+    if (Path(folder) / "tokenizer.json").is_file():
+        from llamaspec.tokenizer import Tokenizer
+        tok = Tokenizer.from_pretrained(folder)
+        text = prompt or DEFAULT_PROMPT
+        ids = tok.encode_chat(text) if tok.has_chat_template else tok.encode_prompt(text)
+        return np.asarray(ids, np.int64), f"prompt {text!r} ({len(ids)} tokens)"
+    if prompt:
+        raise SystemExit(f"llama-parity probe: {folder} has no tokenizer.json; drop --prompt")
+    import json
+    from pathlib import Path as P
+    vocab = json.loads((P(folder) / "config.json").read_text())["vocab_size"]
+    ids = np.random.default_rng(seed).integers(0, vocab, length)
+    return ids.astype(np.int64), f"{length} random tokens (no tokenizer)"
+
+
+def run_probes(kinds, models, target, args, say) -> list:
+    """Runs the probes on each loaded model; cross-framework greedy when both ours are there."""
+    from compare import probes
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x]
+    dsizes = [int(x) for x in args.divergence_batch_sizes.split(",") if x]
+    out = []
+    for pm in models:
+        for kind in kinds:
+            kw = dict(seed=args.seed, progress=say)
+            if kind == "batch":
+                kw["batch_sizes"] = sizes
+            elif kind == "determinism":
+                kw.update(repeats=args.repeats, processes=args.processes)
+            elif kind == "divergence":
+                kw.update(completions=args.completions, new_tokens=args.new_tokens, batch_sizes=dsizes)
+            r = probes.run_probe(kind, pm, ids=target, **kw)
+            say(f"{r.probe} [{r.model}]: {r.verdict}")
+            out.append(r)
+    by_impl = {pm.impl: pm for pm in models}
+    if "divergence" in kinds and not args.no_cross and {"jaxmodel", "torchref"} <= set(by_impl):
+        r = probes.probe_cross_greedy(by_impl["jaxmodel"], by_impl["torchref"], new_tokens=args.new_tokens,
+                                      seed=args.seed, progress=say)
+        say(f"{r.probe} [{r.model}]: {r.verdict}")
+        out.append(r)
+    return out
+
+
+def cmd_probe(args) -> int:
+    from compare.probe_models import load_model
+    from compare.probe_report import environment, format_table, write_html, write_json
+    from llamaspec import Policy
+
+    t0 = time.perf_counter()
+    say = _log(t0)
+    impls = _list(args.impl, "torchref,jaxmodel", IMPLS, "implementation")
+    policies = [Policy.get(p).name for p in _list(args.policy, "fp32")]
+    modes = _list(args.mode, "invariant" if args.batch_invariant else "default",
+                  ("default", "invariant"), "mode")
+    if args.batch_invariant and "invariant" not in modes:
+        modes.append("invariant")
+    kinds = list(PROBE_KINDS[:-1]) if args.kind == "all" else [args.kind]
+    folder = resolve_checkpoint(args.checkpoint or args.checkpoint_pos, say)
+    target, how = _target(folder, args.prompt, args.length, args.seed)
+    say(f"checkpoint {folder}; target: {how}")
+
+    results, skipped = [], []
+    for policy in policies:
+        for mode in modes:
+            models = []
+            for impl in impls:
+                say(f"loading {impl} at {policy} ({mode} mode)")
+                try:
+                    models.append(load_model(impl, folder, policy, batch_invariant=mode == "invariant"))
+                except NotImplementedError as e:
+                    skipped.append(f"{impl} {policy} {mode}: {e}")
+                    say(f"  skipped: {e}")
+            results += run_probes(kinds, models, target, args, say)
+            del models
+            gc.collect()
+
+    print(format_table(results, colour=sys.stdout.isatty() and not args.no_colour))
+    for s in skipped:
+        print(f"skipped {s}")
+    meta = {"checkpoint": folder, "target": how, "probes": kinds, "impls": impls, "policies": policies,
+            "modes": modes, "skipped": skipped, "argv": sys.argv[1:], "environment": environment(policies[0])}
+    if args.json:
+        print(f"JSON: {write_json(results, args.json, meta)}")
+    if args.html:
+        print(f"HTML: {write_html(results, args.html, meta)}")
+    say(f"done: {len(results)} results")
+    if not results:
+        print("llama-parity probe: nothing ran (every implementation/mode was skipped)", file=sys.stderr)
+        return 2
+    return 1 if any(r.verdict == "semantic" for r in results) else 0
