@@ -17,8 +17,6 @@ from pathlib import Path
 KIND_COLOURS = {"exact": "#8a8a8a", "drift": "#2e9d3a", "precision": "#e07b00",
                 "semantic": "#d0312d"}
 KIND_ORDER = ("exact", "drift", "precision", "semantic")
-ENVELOPE_M = 3.0            # drift envelope: M * err_ref + floor (engine.M)
-FLOOR_ULPS = 8              # floor in unit roundoffs of compute_dtype (engine.FLOOR_ULPS)
 LOG_CLIP = 1e-18            # zero errors are drawn at this value on the log axes
 COLLAPSE_AFTER = 40         # tap tables longer than this fold the quiet rows away
 
@@ -46,12 +44,19 @@ def _colour(kind) -> str:
     return KIND_COLOURS.get(str(kind), "#555555")
 
 
-def _floor(policy: dict) -> float:
-    try:
-        from .metrics import unit_roundoff
-        return FLOOR_ULPS * unit_roundoff(policy.get("compute_dtype", "float32"))
-    except Exception:  # unknown dtype in a hand-made dict: no floor rather than no page
-        return 0.0
+def _envelope(policy: dict) -> tuple[float, float]:
+    """The engine's drift bound for this policy: err(cand) <= m * err(ref) + floor."""
+    from llamaspec import Policy
+
+    from .engine import drift_factor, precision_floor
+    for make in (lambda: Policy(**policy),   # a hand-made dict: its compute dtype, else fp32's
+                 lambda: Policy.get("fp32", compute_dtype=policy["compute_dtype"]),
+                 lambda: Policy.get("fp32")):
+        try:
+            p = make()
+            return drift_factor(p), precision_floor(p)
+        except Exception:  # noqa: BLE001 - a plot must never cost the page
+            continue
 
 
 # ---------------------------------------------------------------- plots
@@ -100,13 +105,13 @@ def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
     ref, c1 = _clip(r.get("err_ref") for r in rows)
     cand, c2 = _clip(r.get("err_cand") for r in rows)
     f64, c3 = _clip(r.get("err_fp64") for r in rows)
-    floor = _floor(policy)
-    env = [math.nan if math.isnan(v) else ENVELOPE_M * v + floor for v in ref]
+    m, floor = _envelope(policy)
+    env = [math.nan if math.isnan(v) else m * v + floor for v in ref]
 
     fig, ax = plt.subplots(figsize=(11, 4.2))
     ax.fill_between(x, LOG_CLIP, env, color="#2e9d3a", alpha=0.08, linewidth=0)
     ax.plot(x, env, "-", lw=1.2, color="#2e9d3a",
-            label=f"drift envelope: {ENVELOPE_M:g}·err_ref + {floor:.1e} (shaded below)")
+            label=f"drift envelope: {m:g}·err_ref + {floor:.1e} (shaded below)")
     ax.plot(x, ref, "-", lw=4, alpha=0.45, color="#1f5fbf",
             label="err_ref: reference @ policy vs fp64 oracle")
     ax.plot(x, cand, "-o", lw=1.2, ms=3, color="#000000",
