@@ -21,7 +21,6 @@ import argparse
 import functools
 import importlib
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,33 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_models import environment  # noqa: E402
-
-
-def _median(fn, repeats):
-    fn()  # warm-up: compilation, allocator, caches
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def time_mode(m, ids, n_decode, repeats):
-    mask = np.ones_like(ids)
-    total = ids.shape[1] + n_decode
-    prefill = _median(lambda: m.prefill(ids, mask, total), repeats)
-
-    def decode_run():
-        logits, cache = m.prefill(ids, mask, total)
-        t0 = time.perf_counter()
-        for _ in range(n_decode):
-            logits, cache = m.decode(cache, np.asarray(logits).argmax(-1))
-        return (time.perf_counter() - t0) / n_decode
-
-    decode_run()
-    return prefill, statistics.median(decode_run() for _ in range(repeats))
+from bench.bench_models import environment, time_prefill_decode  # noqa: E402
 
 
 def run_timing(args, folder, vocab):
@@ -70,7 +43,7 @@ def run_timing(args, folder, vocab):
                 got = {}
                 for mode, m in models.items():
                     print(f"  {policy:>5} {impl:<9} B={B:<3} {mode:<9} ...", end="", flush=True)
-                    got[mode] = time_mode(m, ids, args.decode, args.repeats)
+                    got[mode] = time_prefill_decode(m, ids, args.decode, args.repeats)
                     print(f" prefill {got[mode][0] * 1e3:8.1f} ms, decode {got[mode][1] * 1e3:7.1f} ms/token",
                           flush=True)
                 (p0, d0), (p1, d1) = got["default"], got["invariant"]

@@ -34,7 +34,13 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def bench_ours(module, folder, policy, ids, n_decode, repeats):
-    m = module.from_pretrained(folder, policy=policy)
+    return time_prefill_decode(module.from_pretrained(folder, policy=policy), ids, n_decode,
+                               repeats)
+
+
+def time_prefill_decode(m, ids, n_decode, repeats):
+    """(prefill seconds, decode seconds per token) of a loaded model of ours: medians of
+    `repeats` runs after a warm-up (which includes JAX compilation)."""
     mask = np.ones_like(ids)
     total = ids.shape[1] + n_decode
     prefill = _median_time(lambda: m.prefill(ids, mask, total), repeats)

@@ -37,7 +37,7 @@ import warnings
 import numpy as np
 import torch
 
-from llamaspec import InputError, positions_from_mask, taps as tapnames
+from llamaspec import positions_from_mask, taps as tapnames
 from llamaspec.inputs import check_inject, check_token_array
 from torchref.dtypes import TORCH, from_numpy, to_numpy
 

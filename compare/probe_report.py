@@ -128,7 +128,7 @@ def _plot_bitwise_vs_batch(rows) -> tuple[str | None, str]:
         ax.set_xlabel("batch size")
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("fraction bitwise equal to the target alone")
-    handles, labels = {}, {}
+    handles = {}
     for ax in axes[0]:
         for h, l in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(l, h)

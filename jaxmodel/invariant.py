@@ -91,7 +91,7 @@ def attention(q, k, v, allowed, policy: Policy):
     to a multiple of KEY_BLOCK with masked zero keys."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    G, Kb = Hq // Hkv, KEY_BLOCK
+    Kb = KEY_BLOCK
     pad = -S % Kb
     if pad:
         k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))

@@ -278,15 +278,22 @@ def _forward(graphdef, state, ids, mask, positions, inject, *, taps):
     return logits, acts
 
 
-def _prefill(graphdef, state, ids, mask, positions, *, cache_len):
-    model = nnx.merge(graphdef, state)
+def _empty_cache(model, mask, cache_len):
+    """Zero k, v [L, B, cache_len, Hkv, D], the slots holding the prompt's real tokens, and
+    the prompt's attention pattern allowed [B, T, cache_len]."""
     cfg = model.cfg
-    B, T = ids.shape
+    B, T = mask.shape
     shape = (cfg.num_hidden_layers, B, cache_len, cfg.num_key_value_heads, cfg.head_dim)
     k_all = jnp.zeros(shape, of(model.policy.compute_dtype))
     v_all = jnp.zeros(shape, of(model.policy.compute_dtype))
     slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
-    allowed = slots[:, None, :] & _causal(T, cache_len)[None]
+    return k_all, v_all, slots, slots[:, None, :] & _causal(T, cache_len)[None]
+
+
+def _prefill(graphdef, state, ids, mask, positions, *, cache_len):
+    model = nnx.merge(graphdef, state)
+    k_all, v_all, slots, allowed = _empty_cache(model, mask, cache_len)
+    T = ids.shape[1]
     logits, _, (k_all, v_all, _) = model(ids, positions, allowed, cache=(k_all, v_all, 0),
                                          last_only=True)
     cache = {"k": k_all, "v": v_all, "mask": slots,
@@ -312,13 +319,7 @@ def _prefill_invariant(graphdef, state, ids, mask, positions, *, cache_len):
     """_prefill in the canonical layout: row b fills slots [0, lens[b]); logits of each
     row's last real slot."""
     model = nnx.merge(graphdef, state)
-    cfg = model.cfg
-    B, T = ids.shape
-    shape = (cfg.num_hidden_layers, B, cache_len, cfg.num_key_value_heads, cfg.head_dim)
-    k_all = jnp.zeros(shape, of(model.policy.compute_dtype))
-    v_all = jnp.zeros(shape, of(model.policy.compute_dtype))
-    slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
-    allowed = slots[:, None, :] & _causal(T, cache_len)[None]
+    k_all, v_all, _, allowed = _empty_cache(model, mask, cache_len)
     lens = mask.sum(1).astype(jnp.int32)
     logits, _, (k_all, v_all, _) = model(ids, positions, allowed, cache=(k_all, v_all, 0),
                                          last=lens - 1)
