@@ -360,6 +360,9 @@ class Report:
 
 
 def _jsonable(x):
+    """JSON-safe copy: non-finite floats as strings, numpy scalars as Python numbers."""
+    if isinstance(x, (np.floating, np.integer)):
+        return _jsonable(x.item())
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):

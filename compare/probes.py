@@ -40,7 +40,7 @@ import numpy as np
 
 from llamaspec.inputs import left_align
 
-from .engine import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M
+from .engine import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M, _jsonable
 from .metrics import max_ulp, nonfinite, rel_l2, unit_roundoff
 from .probe_models import ProbeModel, as_probe_model
 
@@ -125,18 +125,6 @@ class ProbeResult:
 
 def _g(x) -> str:
     return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
-
-
-def _jsonable(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, (np.floating, np.integer)):
-        return _jsonable(x.item())
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 # ----------------------------------------------------------------- judging
