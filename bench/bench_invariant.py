@@ -117,12 +117,21 @@ def run_probe():
     dot = jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST),
                   compiler_options=compiler_options())
     red = jax.jit(lambda a: jnp.sum(a, -1), compiler_options=compiler_options())
+
+    def softmax(a):  # rows of 9 x 64 scores, as attention's [heads, keys]
+        a = a.reshape(a.shape[0], 9, 64)
+        e = jnp.exp(a - jnp.max(a, -1, keepdims=True))
+        return (e / jnp.sum(e, -1, keepdims=True)).reshape(a.shape[0], -1)
+    smx = {mode: jax.jit(softmax, compiler_options=compiler_options(mode == "invariant"))
+           for mode in ("default", "invariant")}
     for name, fn in {
         "torch f32 linear": lambda X: torch.nn.functional.linear(torch.from_numpy(X), torch.from_numpy(w)).numpy(),
         "torch bf16 linear": lambda X: torch.nn.functional.linear(
             torch.from_numpy(X).bfloat16(), torch.from_numpy(w).bfloat16()).float().numpy(),
         "xla f32 dot": lambda X: np.asarray(dot(X, w)),
         "xla f32 row sum": lambda X: np.asarray(red(X))[:, None],
+        "xla f32 softmax, default options": lambda X: np.asarray(smx["default"](X)),
+        "xla f32 softmax, invariant options": lambda X: np.asarray(smx["invariant"](X)),
     }.items():
         seen, where = [], []
         for M in counts:
@@ -136,7 +145,7 @@ def run_probe():
                     k = len(seen) - 1
                 where.append(f"{M}/{i}:{k}")
         out[name] = where
-        print(f"  {name:<18} result class per (rows/row index): {' '.join(where)}")
+        print(f"  {name:<34} result class per (rows/row index): {' '.join(where)}")
     return out
 
 

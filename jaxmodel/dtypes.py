@@ -33,18 +33,34 @@ _DTYPES = {
 # depends on which activations the program returns. Without this option a capture()
 # of layers.*.q_rope changed the f32 logits by an ulp against a plain call; with the
 # classic emitters the code for an op does not depend on its consumers, so observing
-# an activation never changes the numbers (tests/test_jaxmodel.py checks this). It
+# an activation never changes the numbers (tests/test_models.py checks this). It
 # also ran the SmolLM2 forward and decode 10-20% faster here, but compiles slower.
 # Other backends ignore it.
 _WANTED_OPTIONS = {"xla_allow_excess_precision": False, "xla_cpu_use_fusion_emitters": False}
 
+# Batch-invariant programs only: XLA:CPU hands some fusions to the YNNPACK library,
+# and whether it does depends on their size. Two such hand-overs broke invariance:
+# a max-reduce fused with the exp after it (the softmax) went to YNNPACK once a decode
+# batch had 8 * 64 keys or more, and YNNPACK's exp differs from XLA's in the last bit;
+# and with 8 rows or more a dot took its elementwise neighbours (RoPE, the softmax
+# division, the norm weight) into one YNNPACK fusion. Either way one row's logits
+# depended on how many rows shared the batch (measured: jaxmodel fp32 decode logits
+# differed by up to 1e-4 between a sequence alone and in 4-16-row batches; the test
+# test_decode_logits_are_bitwise_invariant_in_large_batches). Keeping YNNPACK to
+# individual dots, which give one result for every row count >= 2 (invariant.py),
+# removes both. The default mode keeps XLA's choices: they are among the batch effects
+# it measures.
+_INVARIANT_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
 
 @functools.cache
-def compiler_options() -> dict:
-    """_WANTED_OPTIONS less any this jaxlib does not know (an unknown option is a compile
-    error, and XLA renames its debug options now and then): probed once, on a toy program."""
+def compiler_options(batch_invariant: bool = False) -> dict:
+    """_WANTED_OPTIONS (plus _INVARIANT_OPTIONS for batch-invariant programs) less any this
+    jaxlib does not know (an unknown option is a compile error, and XLA renames its debug
+    options now and then): probed once, on a toy program."""
     options = {}
-    for key, value in _WANTED_OPTIONS.items():
+    wanted = {**_WANTED_OPTIONS, **(_INVARIANT_OPTIONS if batch_invariant else {})}
+    for key, value in wanted.items():
         try:
             jax.jit(lambda x: x + 1, compiler_options={key: value}).lower(1.0).compile()
             options[key] = value

@@ -18,7 +18,12 @@ options; bench/bench_invariant.py --probe prints it again):
   RMSNorm, KEY_BLOCK for the softmax), then block after block in order. Blocks past a
   row's end hold only zeros and add nothing. max is exact in any order.
 - Elementwise ops (exp, logistic, rsqrt, cos, sin) gave the same result at every
-  position: they are used as in ops.py.
+  position: they are used as in ops.py. But XLA hands a large enough softmax fusion
+  (max-reduce + exp) to YNNPACK, whose exp differs in the last bit, and from 8 rows on
+  fuses a dot with its elementwise neighbours in YNNPACK; batch-invariant programs are
+  therefore compiled with YNNPACK kept to individual dots (dtypes._INVARIANT_OPTIONS).
+  Before that, decode logits differed by up to 1e-4 between a sequence alone and in
+  4-16-row batches.
 
 Invariance holds up to max_position_embeddings tokens per sequence (prompt plus new
 tokens; past it dynamic NTK RoPE depends on the batch's longest row). Not measured on

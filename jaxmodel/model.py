@@ -345,7 +345,7 @@ def _programs(graphdef, batch_invariant: bool):
     loads several copies). The graphdef is bound here, once: hashing it costs
     milliseconds, too much to pay on every decode step as a static argument.
     """
-    jit = functools.partial(jax.jit, compiler_options=compiler_options())
+    jit = functools.partial(jax.jit, compiler_options=compiler_options(batch_invariant))
     prefill, decode = ((_prefill_invariant, _decode_invariant) if batch_invariant
                        else (_prefill, _decode))
     return (jit(functools.partial(_forward, graphdef), static_argnames="taps"),
