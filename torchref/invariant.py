@@ -23,6 +23,14 @@ on AVX2, torch's own bf16/fp16 GEMM; scripts in bench/bench_invariant.py --probe
   sigmoid/silu (4% of inputs) and bf16 rsqrt (29%). exp, cos, sin, f32 rsqrt, +-*/
   agree. silu is therefore x / (1 + exp(-x)), and a 16-bit rsqrt goes through f32.
 - Row reductions over a fixed length (RMSNorm's mean) and max are row-count invariant.
+- The price is batch-1 decode: a 4-row GEMM costs 2-3x the 1-row GEMV it replaces
+  (SmolLM2's lm_head: 18 ms vs 7.8 ms). Measured and rejected: with the weight stored
+  transposed ([in, out]), MKL gives every row of a call of at most 3 rows the GEMV's
+  result, at GEMV cost, but the cost is per row (3 rows: 12.7 ms), so a decode step of
+  B rows costs B GEMVs: batch-1 decode then matched the default mode (ratio 0.98) and
+  8 rows cost 1.96x, 32 rows 4.11x (bench/bench_invariant.py, fp32). oneDNN's f32
+  linear needs only 2 rows (one result for every row count >= 2) but its per-call
+  conversions cost more than the padding saves on SmolLM2's small block matrices.
 
 Invariance holds up to max_position_embeddings tokens per sequence (prompt plus new
 tokens; the dynamic NTK RoPE base depends on the batch's longest row past it). On
