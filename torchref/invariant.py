@@ -137,7 +137,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     nk, M = (S + pad) // Kb, G * T
     quantum = _quantum(_operand_dtype(policy, compute), q.device)
     qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, M, D)
-    kb = k.permute(0, 2, 1, 3).reshape(B, Hkv, nk, Kb, D)
+    # Contiguous copies: the cache is a slice of a longer buffer or the whole of it, and
+    # torch's bf16 matmul sums in another order for another operand layout (measured:
+    # one bf16 rounding in layer 24 of SmolLM2 changed with the cache length).
+    kb = k.permute(0, 2, 1, 3).reshape(B, Hkv, nk, Kb, D).contiguous()
     scores = ops._matmul(_pad_rows(qg, quantum)[:, :, None], kb.transpose(-1, -2), policy)
     scores = scores[..., :M, :] * (D ** -0.5)                            # [B, Hkv, nk, M, Kb]
     scores = scores.view(B, Hkv, nk, G, T, Kb).to(soft)
@@ -147,7 +150,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     wide = torch.float32 if soft in (torch.bfloat16, torch.float16) else soft
     denom = _in_order(e.sum(-1, keepdim=True, dtype=wide), 2).to(soft)  # [B, Hkv, G, T, 1]
     probs = (e / denom[:, :, None]).to(compute).view(B, Hkv, nk, M, Kb)
-    vb = v.permute(0, 2, 1, 3).reshape(B, Hkv, nk, Kb, D)
+    vb = v.permute(0, 2, 1, 3).reshape(B, Hkv, nk, Kb, D).contiguous()
     quantum = _quantum(accum, q.device)
     parts = torch.matmul(_pad_rows(probs, quantum).to(accum), vb.to(accum))  # [B, Hkv, nk, M', D]
     ctx = _in_order(parts[..., :M, :], 2).to(compute)                     # [B, Hkv, M, D]
