@@ -325,8 +325,20 @@ def _context(tap, c64, o) -> dict:
     return {}
 
 
+class JsonResult:
+    """to_dict / to_json for the result dataclasses (Report, probes.ProbeResult)."""
+
+    def to_dict(self) -> dict:
+        return _jsonable(dataclasses.asdict(self))
+
+    def to_json(self, path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+
 @dataclasses.dataclass
-class Report:
+class Report(JsonResult):
     reference: str
     candidate: str
     policy: dict
@@ -336,14 +348,6 @@ class Report:
     local: list[dict]       # per layer: local error of each side with oracle inputs forced
     logits: dict = dataclasses.field(default_factory=dict)        # metrics.logits_agreement
     environment: dict = dataclasses.field(default_factory=dict)   # compare.environment
-
-    def to_dict(self) -> dict:
-        return _jsonable(dataclasses.asdict(self))
-
-    def to_json(self, path) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        return path
 
     def to_html(self, path) -> Path:
         from .html import write_html

@@ -44,7 +44,9 @@ def _jax_settings() -> dict:
     return {"jax backend": jax.default_backend(),
             "jax devices": ", ".join(str(d) for d in jax.devices()),
             "jax_enable_x64": bool(jax.config.jax_enable_x64),
-            "jaxmodel compiler options": ", ".join(f"{k}={v}" for k, v in compiler_options().items())}
+            "jaxmodel compiler options": ", ".join(f"{k}={v}" for k, v in compiler_options().items()),
+            "jaxmodel batch-invariant extra options": ", ".join(
+                f"{k}={v}" for k, v in compiler_options(True).items() if k not in compiler_options()) or "none"}
 
 
 def environment(policy, uses_jax: bool = True) -> dict:

@@ -127,7 +127,19 @@ def forcing_hook(h: torch.Tensor):
     return pre
 
 
-class HFAdapter:
+class WrapsModel:
+    """dtype and device of the wrapped transformers model (self.model)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+class HFAdapter(WrapsModel):
     """Taps on a transformers LlamaForCausalLM, as numpy arrays under llamaspec tap names."""
 
     unavailable_taps = dict(UNAVAILABLE)
@@ -152,14 +164,6 @@ class HFAdapter:
     def at_dtype(cls, model, dtype) -> "HFAdapter":
         """An adapter on a deep copy of `model` cast to `dtype`; `model` is left as is."""
         return cls(copy_at(model, dtype))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
 
     @property
     def name(self) -> str:

@@ -36,6 +36,8 @@ from llamaspec import LlamaConfig, Sampling, check_tokens, generate as run_gener
 from llamaspec.inputs import check_next_ids, check_prefill
 from torchref.dtypes import to_numpy
 
+from .hf_adapter import WrapsModel
+
 POSITIONS = ("mask", "default")
 
 
@@ -53,7 +55,7 @@ def _config(model) -> LlamaConfig | types.SimpleNamespace:
                                      rope=types.SimpleNamespace(type="default", factor=1.0))
 
 
-class HFRunner:
+class HFRunner(WrapsModel):
     """logits(ids, mask), prefill/decode and greedy generate on a LlamaForCausalLM."""
 
     def __init__(self, model, positions: str = "mask"):
@@ -83,14 +85,6 @@ class HFRunner:
     def _cache_kw(self, kv) -> dict:
         """transformers 5 names the KV cache argument `cache` (past_key_values before)."""
         return {"cache": kv} if self._cache_arg == "cache" else {"past_key_values": kv}
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
 
     @property
     def name(self) -> str:

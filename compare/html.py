@@ -94,6 +94,16 @@ def _depth_taps(taps: list[dict]) -> list[dict]:
             or t.get("tap") in ("final_norm", "logits")]
 
 
+def _figure(alt: str, plot, *args) -> str:
+    """A plot (`plot(*args)` -> (data URI or None, caption)) and its caption as HTML; a
+    failing plot becomes its caption: a plot must never cost the page."""
+    try:
+        img, cap = plot(*args)
+    except Exception as exc:  # noqa: BLE001
+        img, cap = None, f"plot failed: {type(exc).__name__}: {exc}"
+    return (f"<img alt='{_e(alt)}' src='{img}'>" if img else "") + f"<p class='cap'>{_e(cap)}</p>"
+
+
 def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
     rows = _depth_taps(taps)
     if not rows:
@@ -410,23 +420,9 @@ def render_html(report_dict: dict) -> str:
         parts.append(f"<div class='div' style='border-color:{_colour(verdict)}'>Verdict "
                      f"{_e(verdict)} but no first divergence was recorded.</div>")
 
-    parts.append("<h2>Error vs depth</h2>")
-    try:
-        img, cap = _plot_depth(taps, policy)
-    except Exception as exc:  # a plot must never cost the page
-        img, cap = None, f"plot failed: {type(exc).__name__}: {exc}"
-    if img:
-        parts.append(f"<img alt='error vs depth' src='{img}'>")
-    parts.append(f"<p class='cap'>{_e(cap)}</p>")
-
-    parts.append("<h2>Local vs inherited error per layer</h2>")
-    try:
-        img, cap = _plot_local(taps, local)
-    except Exception as exc:
-        img, cap = None, f"plot failed: {type(exc).__name__}: {exc}"
-    if img:
-        parts.append(f"<img alt='local vs inherited error' src='{img}'>")
-    parts.append(f"<p class='cap'>{_e(cap)}</p>")
+    parts.append("<h2>Error vs depth</h2>" + _figure("error vs depth", _plot_depth, taps, policy))
+    parts.append("<h2>Local vs inherited error per layer</h2>"
+                 + _figure("local vs inherited error", _plot_local, taps, local))
     if local:
         parts.append(_local_table(local))
 
@@ -437,13 +433,8 @@ def render_html(report_dict: dict) -> str:
                      "margin flipped\" is the second's top-1/top-2 logit margin at the worst "
                      "position where the top-1 tokens differ (0 when none do).</p>")
         parts.append(_logits_table(logits.get("pairs") or {}))
-        try:
-            img, cap = _plot_logits(logits.get("positions") or {})
-        except Exception as exc:
-            img, cap = None, f"plot failed: {type(exc).__name__}: {exc}"
-        if img:
-            parts.append(f"<img alt='logits agreement per position' src='{img}'>")
-        parts.append(f"<p class='cap'>{_e(cap)}</p>")
+        parts.append(_figure("logits agreement per position", _plot_logits,
+                             logits.get("positions") or {}))
 
     parts.append("<h2>Every tap</h2><p class='cap'>err_* are relative L2 errors against the "
                  "fp64 oracle (reference at fp64): err_ref = reference at the policy, err_cand = "

@@ -17,7 +17,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from .html import CSS, KIND_ORDER, _colour, _e, _environment, _kv_table, _num, _plt, _png
+from .html import CSS, KIND_ORDER, _colour, _e, _environment, _figure, _kv_table, _num, _plt, _png
 
 COLOUR = {"exact": "90", "drift": "32", "precision": "33", "semantic": "31"}
 MODE_STYLE = {"default": ("-", "o"), "invariant": ("--", "s")}
@@ -273,14 +273,7 @@ def render_html(doc: dict) -> str:
     for title, fn in (("Bitwise-equal fraction vs batch size", _plot_bitwise_vs_batch),
                       ("Distinct greedy completions per mode", _plot_distinct),
                       ("Divergence step vs margin", _plot_margin)):
-        parts.append(f"<h2>{_e(title)}</h2>")
-        try:
-            img, cap = fn(rows)
-        except Exception as exc:  # a plot must never cost the page
-            img, cap = None, f"plot failed: {type(exc).__name__}: {exc}"
-        if img:
-            parts.append(f"<img alt='{_e(title)}' src='{img}'>")
-        parts.append(f"<p class='cap'>{_e(cap)}</p>")
+        parts.append(f"<h2>{_e(title)}</h2>" + _figure(title, fn, rows))
     parts.append("<h2>Every case</h2>")
     for d in rows:
         parts.append(f"<details><summary><span style='color:{_colour(d.get('verdict'))}'>"

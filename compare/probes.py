@@ -40,7 +40,7 @@ import numpy as np
 
 from llamaspec.inputs import left_align
 
-from .engine import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M, _jsonable
+from .engine import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M, JsonResult
 from .metrics import max_ulp, nonfinite, rel_l2, unit_roundoff
 from .probe_models import ProbeModel, as_probe_model
 
@@ -71,7 +71,7 @@ class Case:
 
 
 @dataclasses.dataclass
-class ProbeResult:
+class ProbeResult(JsonResult):
     probe: str
     model: str                  # label: "jaxmodel bf16 invariant"
     impl: str
@@ -93,14 +93,6 @@ class ProbeResult:
     @property
     def ok(self) -> bool:
         return self.verdict != "semantic"
-
-    def to_dict(self) -> dict:
-        return _jsonable(dataclasses.asdict(self))
-
-    def to_json(self, path) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        return path
 
     def summary(self) -> str:
         return (f"{self.probe} [{self.model}]: {self.verdict}, {self.bitwise_equal_frac:.0%} bitwise "
