@@ -124,8 +124,12 @@ def run_probe():
         return (e / jnp.sum(e, -1, keepdims=True)).reshape(a.shape[0], -1)
     smx = {mode: jax.jit(softmax, compiler_options=compiler_options(mode == "invariant"))
            for mode in ("default", "invariant")}
+    from torchref.invariant import ONEDNN_PACK_ROWS
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.from_numpy(w), ONEDNN_PACK_ROWS)
     for name, fn in {
         "torch f32 linear": lambda X: torch.nn.functional.linear(torch.from_numpy(X), torch.from_numpy(w)).numpy(),
+        "torch f32 oneDNN linear, packed": lambda X: torch.ops.mkldnn._linear_pointwise(
+            torch.from_numpy(X), packed, None, "none", [], "").numpy(),
         "torch bf16 linear": lambda X: torch.nn.functional.linear(
             torch.from_numpy(X).bfloat16(), torch.from_numpy(w).bfloat16()).float().numpy(),
         "xla f32 dot": lambda X: np.asarray(dot(X, w)),

@@ -158,3 +158,73 @@ def test_torchref_bf16_logits_do_not_depend_on_the_cache_length(smollm2):
     short, _ = m.prefill(ids, mask, 128)   # a 128-slot cache: attention reads all of it
     long, _ = m.prefill(ids, mask, 129)    # 192 slots: attention reads the first 128
     assert np.array_equal(bits(long[0]), bits(short[0]))
+
+
+# ----- torchref's f32 linear on oneDNN (torchref/invariant.py) ---------------------------
+
+def _f32():
+    from llamaspec import Policy
+    return Policy.get("fp32")
+
+
+@pytest.mark.parametrize("n_out, n_in", [(48, 32), (96, 64), (576, 576)])
+def test_torchref_f32_linear_gives_a_row_one_result_at_every_row_count(n_out, n_in):
+    """The measured property the invariant mode rests on (bench_invariant.py --probe), checked
+    on this machine: a row alone (one row, a GEMV elsewhere) and at any position of any
+    row count up to 300 gets the same bits."""
+    import torch
+    from torchref import invariant
+    g = torch.Generator().manual_seed(n_out)
+    w, b = torch.randn(n_out, n_in, generator=g), torch.randn(n_out, generator=g)
+    x = torch.randn(300, n_in, generator=g)
+    alone = torch.cat([invariant.linear(x[i:i + 1], w, b, _f32()) for i in range(300)])
+    for start, rows in [(0, 300), (0, 2), (5, 3), (17, 4), (40, 13), (101, 64), (299, 1)]:
+        assert torch.equal(invariant.linear(x[start:start + rows], w, b, _f32()), alone[start:start + rows])
+
+
+def test_torchref_stacked_projections_equal_separate_ones():
+    """linears() runs q/k/v (gate/up) as one GEMM: the same bits as one call per weight."""
+    import torch
+    from torchref import invariant
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(n, 64, generator=g) for n in (64, 16, 16)]
+    x = torch.randn(5, 64, generator=g)
+    for got, w in zip(invariant.linears(x, ws, [None] * 3, _f32()), ws):
+        assert torch.equal(got, invariant.linear(x, w, None, _f32()))
+
+
+def test_torchref_packed_weights_follow_changes_to_the_weight():
+    """The oneDNN copy of a weight is made once: a weight changed in place or replaced must
+    be packed again, never served stale; a dead weight's copy is freed."""
+    import gc
+
+    import torch
+    from torchref import invariant
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(24, 32, generator=g), torch.randn(3, 32, generator=g)
+    before = invariant.linear(x, w, None, _f32())
+    with torch.no_grad():
+        w.mul_(2)
+    after = invariant.linear(x, w, None, _f32())
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert torch.equal(after, invariant.linear(x, w.clone(), None, _f32()))
+    n = len(invariant._PACKED)
+    del w
+    gc.collect()
+    assert len(invariant._PACKED) < n
+
+
+def test_torchref_invariant_model_sees_a_replaced_weight(tiny_dir):
+    """A control that swaps a Linear's weight on a loaded invariant model (compare/controls.py
+    does this on default models) changes its output, as in the default mode."""
+    import torch
+    m, d = load("torchref", tiny_dir(), "fp32"), load("torchref", tiny_dir(), "fp32", False)
+    ids = np.random.default_rng(0).integers(3, VOCAB, (2, WIDTH))
+    before = m(ids)
+    for model in (m, d):
+        proj = model.model.layers[0].mlp.up_proj
+        proj.weight = torch.nn.Parameter(proj.weight.flip(0), requires_grad=False)
+    got, want = m(ids).float().numpy(), d(ids).float().numpy()
+    assert not np.array_equal(bits(before), bits(m(ids)))
+    assert rel_l2(got, want) < 1e-5

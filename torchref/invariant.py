@@ -4,12 +4,22 @@ rest of the batch. Same names and signatures as ops.py; the model swaps the modu
 What breaks invariance was measured on this project's CPU (torch 2.13, MKL sgemm/dgemm
 on AVX2, torch's own bf16/fp16 GEMM; scripts in bench/bench_invariant.py --probe):
 
-- MKL f32/f64 GEMM gives a row one result whenever it sits in a full 4-row panel,
-  whatever M (checked M = 4..4096, every row position, fixed K and N); the trailing
-  M % 4 rows and M < 4 (GEMV and small kernels) use other summation orders. So every
-  f32/f64 matmul here runs on a row count padded to a multiple of ROW_QUANTUM. torch's
-  bf16/fp16 CPU GEMM (used when oneDNN has no bf16/fp16 kernel for the CPU) is one
-  fixed dot product per output and needs no padding (padding would cost ~M-fold).
+- f32 linear layers run on oneDNN (torch.ops.mkldnn._linear_pointwise) against weights
+  packed once into its blocked layout (_reorder_linear_weight with a 2-row hint; a
+  1-row hint keeps the plain layout, whose kernel is slower at 2+ rows). Its brgemm
+  kernel gives a row one result at every row count, one row included (checked at every
+  position, 1 and 2 threads: M = 1..4096 on SmolLM2's shapes, stacked ones and the
+  lm_head included; M = 1..1100 on 392 shapes from 8 to 1536, with and without bias),
+  so nothing is padded. Projections
+  that read one input (q/k/v, gate/up) run as one GEMM on their stacked weights: the same
+  bits as one call each, fewer calls. The packed copies double the f32 weight memory.
+- MKL f32/f64 GEMM (torch's F.linear) gives a row one result whenever it sits in a full
+  4-row panel, whatever M (checked M = 4..4096, every row position, fixed K and N); the
+  trailing M % 4 rows and M < 4 (GEMV and small kernels) use other summation orders. So
+  the matmuls that stay on it (attention's, f64 linears, and f32 linears where oneDNN is
+  missing) run on a row count padded to a multiple of ROW_QUANTUM. torch's bf16/fp16 CPU
+  GEMM (used when oneDNN has no bf16/fp16 kernel for the CPU) is one fixed dot product
+  per output and needs no padding (padding would cost ~M-fold).
 - GEMM results also change with K and N (blocking and column tails): attention over a
   key length S that depends on the batch's longest row is not invariant. Attention
   therefore works on key blocks of KEY_BLOCK slots: q.k^T and P@V are GEMMs of one
@@ -23,14 +33,14 @@ on AVX2, torch's own bf16/fp16 GEMM; scripts in bench/bench_invariant.py --probe
   sigmoid/silu (4% of inputs) and bf16 rsqrt (29%). exp, cos, sin, f32 rsqrt, +-*/
   agree. silu is therefore x / (1 + exp(-x)), and a 16-bit rsqrt goes through f32.
 - Row reductions over a fixed length (RMSNorm's mean) and max are row-count invariant.
-- The price is batch-1 decode: a 4-row GEMM costs 2-3x the 1-row GEMV it replaces
-  (SmolLM2's lm_head: 18 ms vs 7.8 ms). Measured and rejected: with the weight stored
-  transposed ([in, out]), MKL gives every row of a call of at most 3 rows the GEMV's
-  result, at GEMV cost, but the cost is per row (3 rows: 12.7 ms), so a decode step of
-  B rows costs B GEMVs: batch-1 decode then matched the default mode (ratio 0.98) and
-  8 rows cost 1.96x, 32 rows 4.11x (bench/bench_invariant.py, fp32). oneDNN's f32
-  linear needs only 2 rows (one result for every row count >= 2) but its per-call
-  conversions cost more than the padding saves on SmolLM2's small block matrices.
+- Cost, and what was tried before oneDNN (bench/bench_invariant.py, SmolLM2 fp32 decode):
+  padding every linear to 4 rows for MKL cost 1.9x the default mode at batch 1 (a 4-row
+  GEMM costs 2-3x the GEMV it replaces). With the weight stored transposed MKL gives a
+  call of at most 3 rows the GEMV's result at GEMV cost, but per row: batch 1 then
+  matched the default mode and 8 rows cost 1.96x, 32 rows 4.11x. oneDNN with weights
+  packed per call was slower than the padding; packed once, its 1-row and 2-row calls
+  cost about a GEMV (SmolLM2's lm_head: 5.1 ms against MKL's 9.7 ms GEMV), so the mode
+  now decodes about as fast as the default one.
 
 Invariance holds up to max_position_embeddings tokens per sequence (prompt plus new
 tokens; the dynamic NTK RoPE base depends on the batch's longest row past it). On
@@ -38,6 +48,9 @@ GPUs none of the above was measured (cuBLAS picks kernels by M): no claim there.
 """
 
 from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +63,7 @@ from .ops import apply_rope, rope_cos_sin, rope_inv_freq, rotate_half  # noqa: F
 ROW_QUANTUM = 4     # MKL's f32/f64 micro-panel height on this CPU (measured)
 KEY_BLOCK = 64      # keys per attention block: every attention GEMM has this fixed size
 MAX_ROWS = 4096     # largest row count measured invariant; longer inputs run in chunks
+ONEDNN_PACK_ROWS = 2  # row hint for oneDNN's weight packing: 2+ gives the blocked layout (measured)
 
 
 def _quantum(dtype: torch.dtype, device: torch.device) -> int:
@@ -75,14 +89,69 @@ def _operand_dtype(policy: Policy, out: torch.dtype) -> torch.dtype:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Policy,
            out_dtype: str | None = None) -> torch.Tensor:
-    """ops.linear on [rows, in] chunks of at most MAX_ROWS rows, padded to the quantum."""
+    """ops.linear at a row count whose result does not depend on the batch: f32 operands
+    on oneDNN (at least 2 rows), other dtypes on ops.linear padded to the quantum; in
+    chunks of at most MAX_ROWS rows."""
+    return linears(x, (w,), (b,), policy, out_dtype)[0]
+
+
+def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = None) -> list[torch.Tensor]:
+    """ops.linears: on the oneDNN path one GEMM against the weights stacked (packed once),
+    split into one result per weight (views of it); otherwise linear() for each."""
     out = dt(out_dtype or policy.compute_dtype)
-    quantum = _quantum(_operand_dtype(policy, out), x.device)
+    operand = _operand_dtype(policy, out)
+    packed = _onednn_pack(ws, bs) if operand == torch.float32 else None
     rows = x.reshape(-1, x.shape[-1])
-    ys = [ops.linear(_pad_rows(r, quantum), w, b, policy, out_dtype)[:r.shape[0]]
-          for r in rows.split(MAX_ROWS)]
-    y = ys[0] if len(ys) == 1 else torch.cat(ys)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    if packed is None:
+        quantum = _quantum(operand, x.device)
+        return [_in_chunks(rows, x.shape, lambda r: ops.linear(_pad_rows(r, quantum), w, b, policy,
+                                                                out_dtype)[:r.shape[0]])
+                for w, b in zip(ws, bs)]
+    y = _in_chunks(rows.to(operand), x.shape, lambda r: torch.ops.mkldnn._linear_pointwise(
+        r, packed.weight, packed.bias, "none", [], "").to(out))
+    return list(y.split([w.shape[0] for w in ws], dim=-1)) if len(ws) > 1 else [y]
+
+
+def _in_chunks(rows: torch.Tensor, shape, fn) -> torch.Tensor:
+    """fn on chunks of at most MAX_ROWS rows, joined and shaped as [*shape[:-1], out]."""
+    y = fn(rows) if rows.shape[0] <= MAX_ROWS else torch.cat([fn(r) for r in rows.split(MAX_ROWS)])
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+class _Packed(NamedTuple):
+    refs: tuple          # weak references to the source tensors
+    versions: tuple      # their version counters when packed
+    weight: torch.Tensor  # the weights stacked, f32, in oneDNN's blocked layout
+    bias: torch.Tensor | None
+
+
+def _onednn_pack(ws, bs) -> _Packed | None:
+    """The weights (and biases) stacked as f32 and packed for oneDNN, once per set of
+    tensors and again when one is replaced or changed in place (its version counter
+    moves). None where the oneDNN path does not apply (no oneDNN, not on the CPU, an
+    inference-mode tensor, which has no version counter, or biases on some weights
+    only): those weights always take ops.linear's padded path instead."""
+    if not _ONEDNN:
+        return None
+    tensors = tuple(ws) + tuple(b for b in bs if b is not None)
+    if len(tensors) not in (len(ws), 2 * len(ws)) or any(
+            t.device.type != "cpu" or t.is_inference() for t in tensors):
+        return None
+    key = tuple(map(id, tensors))
+    entry = _PACKED.get(key)
+    if (entry is None or any(r() is not t for r, t in zip(entry.refs, tensors))
+            or entry.versions != tuple(t._version for t in tensors)):
+        drop = lambda _, key=key: _PACKED.pop(key, None)  # noqa: E731
+        weight = torch.cat([w.detach().float() for w in ws])
+        bias = torch.cat([b.detach().float() for b in bs]) if len(tensors) > len(ws) else None
+        entry = _PACKED[key] = _Packed(tuple(weakref.ref(t, drop) for t in tensors),
+                                       tuple(t._version for t in tensors),
+                                       torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS), bias)
+    return entry
+
+
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_PACKED: dict[tuple, _Packed] = {}  # ids of the source tensors -> their packed form
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, policy: Policy) -> torch.Tensor:

@@ -83,9 +83,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, allowed, policy, rec, p, kv=None, index=0):
         B, T, _ = x.shape
-        q = self.q_proj(x, policy).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x, policy).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x, policy).view(B, T, self.n_kv, self.head_dim)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], policy)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k, v = k.view(B, T, self.n_kv, self.head_dim), v.view(B, T, self.n_kv, self.head_dim)
         rec(p + "q", q), rec(p + "k", k), rec(p + "v", v)
         q, k = self.ops.apply_rope(q, cos, sin), self.ops.apply_rope(k, cos, sin)
         rec(p + "q_rope", q), rec(p + "k_rope", k)
@@ -115,7 +116,8 @@ class MLP(nn.Module):
         self.ops = kernels
 
     def forward(self, x, policy, rec, p):
-        gate, up = self.gate_proj(x, policy), self.up_proj(x, policy)
+        projs = (self.gate_proj, self.up_proj)
+        gate, up = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], policy)
         act = self.ops.silu(gate) * up
         rec(p + "gate", gate), rec(p + "up", up), rec(p + "act", act)
         return self.down_proj(act, policy)

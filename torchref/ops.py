@@ -91,6 +91,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     return y.to(out)
 
 
+def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = None) -> list[torch.Tensor]:
+    """linear(x, w, b) for each weight and bias: the projections that read one input."""
+    return [linear(x, w, b, policy, out_dtype) for w, b in zip(ws, bs)]
+
+
 def _native(compute: torch.dtype, accum: torch.dtype, out: torch.dtype) -> bool:
     """Whether torch's own kernel for `compute` inputs realises this accumulation.
 
