@@ -107,6 +107,7 @@ def run_probe():
     from jax import lax
 
     import jaxmodel  # noqa: F401 (x64)
+    from jaxmodel import rowdot
     from jaxmodel.dtypes import compiler_options
 
     out = {}
@@ -116,6 +117,7 @@ def run_probe():
     x = rng.standard_normal(576).astype(np.float32)
     dot = jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST),
                   compiler_options=compiler_options())
+    row_dot = jax.jit(rowdot.row_dot, compiler_options=compiler_options(True))
     red = jax.jit(lambda a: jnp.sum(a, -1), compiler_options=compiler_options())
 
     def softmax(a):  # rows of 9 x 64 scores, as attention's [heads, keys]
@@ -133,6 +135,7 @@ def run_probe():
         "torch bf16 linear": lambda X: torch.nn.functional.linear(
             torch.from_numpy(X).bfloat16(), torch.from_numpy(w).bfloat16()).float().numpy(),
         "xla f32 dot": lambda X: np.asarray(dot(X, w)),
+        **({"xla f32 rowdot.cc kernel": lambda X: np.asarray(row_dot(X, w))} if rowdot.available() else {}),
         "xla f32 row sum": lambda X: np.asarray(red(X))[:, None],
         "xla f32 softmax, default options": lambda X: np.asarray(smx["default"](X)),
         "xla f32 softmax, invariant options": lambda X: np.asarray(smx["invariant"](X)),

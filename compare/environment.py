@@ -25,8 +25,11 @@ def _version(pkg: str) -> str:
 def _torch_settings(policy) -> dict:
     import torch
 
+    from torchref import invariant
     from torchref.dtypes import matmul_settings
     out = {"torch threads": torch.get_num_threads(),
+           "torchref batch-invariant f32 linears": "oneDNN, weights packed once" if invariant._ONEDNN
+           else "MKL, rows padded to 4",
            "torch cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
     with matmul_settings(policy):  # the settings every torchref call of this run used
         mm, cpu = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
@@ -40,13 +43,16 @@ def _torch_settings(policy) -> dict:
 def _jax_settings() -> dict:
     import jax
 
+    from jaxmodel import rowdot
     from jaxmodel.dtypes import compiler_options
     return {"jax backend": jax.default_backend(),
             "jax devices": ", ".join(str(d) for d in jax.devices()),
             "jax_enable_x64": bool(jax.config.jax_enable_x64),
             "jaxmodel compiler options": ", ".join(f"{k}={v}" for k, v in compiler_options().items()),
             "jaxmodel batch-invariant extra options": ", ".join(
-                f"{k}={v}" for k, v in compiler_options(True).items() if k not in compiler_options()) or "none"}
+                f"{k}={v}" for k, v in compiler_options(True).items() if k not in compiler_options()) or "none",
+            "jaxmodel batch-invariant f32 decode": "rowdot.cc fixed-order kernel" if rowdot.available()
+            else "XLA dot padded to 2 rows"}
 
 
 def environment(policy, uses_jax: bool = True) -> dict:

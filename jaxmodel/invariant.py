@@ -6,7 +6,15 @@ options; bench/bench_invariant.py --probe prints it again):
 
 - A dot gives a row one result for every row count M >= 2 (checked to M = 4096, every
   position, SmolLM2 and tiny shapes); M = 1 is a matrix-vector product with another
-  summation order. Linear layers therefore never run on a single row (ROW_MIN).
+  summation order (XLA's own code: YNNPACK, which runs 2+ rows, takes no vectors).
+  Multi-token calls (prefill, forward) therefore never run a linear layer on a single
+  row (ROW_MIN). One-token-per-sequence calls (decode) with f32 operands run on
+  rowdot.cc instead, an FFI kernel with one fixed order per output at any M: padding
+  them to 2 rows made batch-1 decode 2x slower (YNNPACK repacks the weights on every
+  call); the kernel costs about the default mode's matrix-vector product (decode ratio
+  1.0 at batch 1, 0.7 at 8, SmolLM2 fp32). bf16/f16 policies keep the padding (their
+  decode is no slower than the default mode's), as does any machine where the kernel
+  cannot be built (rowdot.available()).
 - Which dot algorithm XLA picks also depends on the other sizes (a [M, 64] x [64, 8]
   product changed result between M = 8 and M = 96): attention dots must have one fixed
   shape. Queries go through in tiles of Q_BLOCK (lax.map, so XLA cannot merge the tiles
@@ -32,12 +40,13 @@ GPU: no claim there.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from llamaspec import Policy
 
-from . import ops
+from . import ops, rowdot
 from .dtypes import matmul_precision, of
 from .ops import apply_rope, rope_cos_sin, rope_inv_freq, rotate_half, silu  # noqa: F401 (invariant as is)
 
@@ -70,13 +79,33 @@ def _in_order(parts):
 
 
 def linear(x, w, b, policy: Policy, out_dtype=None):
-    """ops.linear on the rows flattened, with a zero row added when there is only one."""
+    """ops.linear at a row count whose result does not depend on the batch.
+
+    One token per sequence (x [B, 1, in]: decode steps, and the lm_head on each row's
+    last slot) with f32 operands on the CPU: rowdot's fixed-order kernel, one result per
+    row at any B, at matrix-vector cost. Otherwise ops.linear on the rows flattened, with
+    a zero row added when there is only one (XLA's 1-row product sums in another order).
+    """
     rows = x.reshape(-1, x.shape[-1])
+    if x.ndim == 3 and x.shape[1] == 1 and _row_kernel(w, policy):
+        y = rowdot.row_dot(rows.astype(of(policy.compute_dtype)), w)
+        if b is not None:
+            y = y + b.astype(of(policy.accum_dtype))
+        y = y.astype(out_dtype or of(policy.compute_dtype))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     M = rows.shape[0]
     if M < ROW_MIN:
         rows = jnp.pad(rows, ((0, ROW_MIN - M), (0, 0)))
     y = ops.linear(rows, w, b, policy, out_dtype)[:M]
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _row_kernel(w, policy: Policy) -> bool:
+    """Whether rowdot computes this product exactly as the policy asks: f32 inputs, f32
+    sums, full-precision products (HIGHEST; "tf32" is f32 on a CPU), on the CPU."""
+    f32 = jnp.dtype(jnp.float32)
+    return (of(policy.compute_dtype) == f32 and of(policy.accum_dtype) == f32 and w.dtype == f32
+            and jax.default_backend() == "cpu" and rowdot.available())
 
 
 def rms_norm(x, weight, eps: float, policy: Policy):

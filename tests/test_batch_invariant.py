@@ -228,3 +228,64 @@ def test_torchref_invariant_model_sees_a_replaced_weight(tiny_dir):
     got, want = m(ids).float().numpy(), d(ids).float().numpy()
     assert not np.array_equal(bits(before), bits(m(ids)))
     assert rel_l2(got, want) < 1e-5
+
+
+# ----- jaxmodel's fixed-order row kernel (jaxmodel/rowdot.cc) ---------------------------
+
+def _row_dot_reference(x, w):
+    """rowdot.cc's summation order, transcribed in numpy (every f32 op rounds on its own)."""
+    M, K = x.shape
+    s = np.zeros((M, w.shape[0], 8), np.float32)
+    k = 0
+    while k + 8 <= K:
+        s = s + x[:, None, k:k + 8] * w[None, :, k:k + 8]
+        k += 8
+    for j in range(K - k):
+        s[..., j] = s[..., j] + x[:, None, k + j] * w[None, :, k + j]
+    s = s[..., :4] + s[..., 4:]
+    s = s[..., :2] + s[..., 2:]
+    return s[..., 0] + s[..., 1]
+
+
+def _rowdot_or_skip():
+    from jaxmodel import rowdot
+    if not rowdot.available():  # it says why in a warning
+        pytest.skip("jaxmodel's row kernel cannot be built here (needs x86-64 AVX2 and g++)")
+    return rowdot
+
+
+@pytest.mark.parametrize("M, N, K", [(1, 5, 20), (3, 9, 8), (2, 4, 3), (7, 130, 576), (32, 67, 1536)])
+def test_jaxmodel_row_kernel_sums_in_its_documented_order(M, N, K):
+    """Bitwise equal to a numpy transcription of the order rowdot.cc documents (lane tails,
+    weight-row tails, one row, many rows), so every row gets the same bits at any M."""
+    import jax
+    rowdot = _rowdot_or_skip()
+    rng = np.random.default_rng(M * N + K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    got = np.asarray(jax.jit(rowdot.row_dot)(x, w))
+    assert np.array_equal(bits(got), bits(_row_dot_reference(x, w)))
+
+
+def test_jaxmodel_row_kernel_rows_alone_equal_rows_in_a_batch():
+    """Large enough to take XLA's thread pool: each row alone vs inside 2..300 rows."""
+    import jax
+    rowdot = _rowdot_or_skip()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((300, 576)).astype(np.float32)
+    w = rng.standard_normal((1000, 576)).astype(np.float32)
+    f = jax.jit(rowdot.row_dot)
+    full = np.asarray(f(x, w))
+    for start, rows in [(0, 1), (7, 1), (3, 2), (40, 13), (0, 300)]:
+        assert np.array_equal(bits(np.asarray(f(x[start:start + rows], w))), bits(full[start:start + rows]))
+
+
+def test_jaxmodel_decode_without_the_row_kernel_is_still_invariant(tiny_dir, monkeypatch):
+    """Where the kernel cannot be built, decode pads to 2 rows: slower, just as invariant."""
+    from jaxmodel import model as jm, rowdot
+    monkeypatch.setattr(rowdot, "available", lambda: False)
+    jm._programs.cache_clear()  # programs compiled with the kernel must not be reused
+    try:
+        test_decode_logits_are_bitwise_invariant_in_large_batches("jaxmodel", tiny_dir)
+    finally:
+        jm._programs.cache_clear()
