@@ -5,7 +5,7 @@
         [--repeats 2] [--check] [--probe] [--out FILE]
 
 Timing (default): prefill of [B, prompt_len] prompts and decode ms/token (B rows, greedy
-steps after a prefill), default and invariant mode side by side, median of repeats after
+steps after a prefill), default and invariant mode taking turns in each repeat, median of repeats after
 a warm-up (which includes JAX compilation); the ratio invariant/default per row.
 --check: one target prompt alone vs inside batches of 2, 8 and 32 with random companions
 of mixed lengths, left and right padding: the fraction of its logits that are bitwise
@@ -21,6 +21,7 @@ import argparse
 import functools
 import importlib
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,29 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_models import environment, time_prefill_decode  # noqa: E402
+from bench.bench_models import decode_seconds_per_token, environment  # noqa: E402
+
+
+def time_modes(models, ids, n_decode, repeats):
+    """{mode: (prefill seconds, decode seconds per token)}, medians of `repeats` after a
+    warm-up of each model (JAX compiles then). The modes take turns within each repeat, so
+    a slow spell of the machine (it has happened: one mode 1.5x slower for minutes) falls
+    on both instead of on whichever ran then."""
+    mask, total = np.ones_like(ids), ids.shape[1] + n_decode
+
+    def prefill(m):
+        t0 = time.perf_counter()
+        m.prefill(ids, mask, total)
+        return time.perf_counter() - t0
+
+    for m in models.values():
+        prefill(m), decode_seconds_per_token(m, ids, n_decode)
+    times = {mode: ([], []) for mode in models}
+    for _ in range(repeats):
+        for mode, m in models.items():
+            times[mode][0].append(prefill(m))
+            times[mode][1].append(decode_seconds_per_token(m, ids, n_decode))
+    return {mode: (statistics.median(p), statistics.median(d)) for mode, (p, d) in times.items()}
 
 
 def run_timing(args, folder, vocab):
@@ -40,12 +63,10 @@ def run_timing(args, folder, vocab):
                       for mode in ("default", "invariant")}
             for B in args.batch:
                 ids = np.random.default_rng(0).integers(3, vocab, (B, args.prompt_len))
-                got = {}
-                for mode, m in models.items():
-                    print(f"  {policy:>5} {impl:<9} B={B:<3} {mode:<9} ...", end="", flush=True)
-                    got[mode] = time_prefill_decode(m, ids, args.decode, args.repeats)
-                    print(f" prefill {got[mode][0] * 1e3:8.1f} ms, decode {got[mode][1] * 1e3:7.1f} ms/token",
-                          flush=True)
+                print(f"  {policy:>5} {impl:<9} B={B:<3} ...", end="", flush=True)
+                got = time_modes(models, ids, args.decode, args.repeats)
+                print("".join(f" {mode}: prefill {p * 1e3:.1f} ms, decode {d * 1e3:.1f} ms/token;"
+                              for mode, (p, d) in got.items()), flush=True)
                 (p0, d0), (p1, d1) = got["default"], got["invariant"]
                 rows.append({"policy": policy, "impl": impl, "batch": B,
                              "prefill_ms": {"default": p0 * 1e3, "invariant": p1 * 1e3, "ratio": p1 / p0},

@@ -41,20 +41,19 @@ def bench_ours(module, folder, policy, ids, n_decode, repeats):
 def time_prefill_decode(m, ids, n_decode, repeats):
     """(prefill seconds, decode seconds per token) of a loaded model of ours: medians of
     `repeats` runs after a warm-up (which includes JAX compilation)."""
-    mask = np.ones_like(ids)
-    total = ids.shape[1] + n_decode
-    prefill = _median_time(lambda: m.prefill(ids, mask, total), repeats)
-
-    def decode_run():
-        logits, cache = m.prefill(ids, mask, total)
-        t0 = time.perf_counter()
-        for _ in range(n_decode):
-            logits, cache = m.decode(cache, np.asarray(logits).argmax(-1))
-        return (time.perf_counter() - t0) / n_decode
-
-    decode_run()
-    decode = statistics.median(decode_run() for _ in range(repeats))
+    prefill = _median_time(lambda: m.prefill(ids, np.ones_like(ids), ids.shape[1] + n_decode), repeats)
+    decode_seconds_per_token(m, ids, n_decode)
+    decode = statistics.median(decode_seconds_per_token(m, ids, n_decode) for _ in range(repeats))
     return prefill, decode
+
+
+def decode_seconds_per_token(m, ids, n_decode) -> float:
+    """One prefill of ids (untimed), then n_decode greedy steps: seconds per step."""
+    logits, cache = m.prefill(ids, np.ones_like(ids), ids.shape[1] + n_decode)
+    t0 = time.perf_counter()
+    for _ in range(n_decode):
+        logits, cache = m.decode(cache, np.asarray(logits).argmax(-1))
+    return (time.perf_counter() - t0) / n_decode
 
 
 def bench_transformers(folder, policy, ids, n_decode, repeats):
