@@ -51,8 +51,7 @@ def _jax_settings() -> dict:
             "jaxmodel compiler options": ", ".join(f"{k}={v}" for k, v in compiler_options().items()),
             "jaxmodel batch-invariant extra options": ", ".join(
                 f"{k}={v}" for k, v in compiler_options(True).items() if k not in compiler_options()) or "none",
-            "jaxmodel batch-invariant f32 decode": "rowdot.cc fixed-order kernel" if rowdot.available()
-            else "XLA dot padded to 2 rows"}
+            "jaxmodel batch-invariant f32 decode": rowdot.state()}
 
 
 def environment(policy, uses_jax: bool = True) -> dict:

@@ -88,7 +88,7 @@ def linear(x, w, b, policy: Policy, out_dtype=None):
     """
     rows = x.reshape(-1, x.shape[-1])
     if x.ndim == 3 and x.shape[1] == 1 and _row_kernel(w, policy):
-        y = rowdot.row_dot(rows.astype(of(policy.compute_dtype)), w)
+        y = rowdot.row_dot(rows, w)  # compute_dtype is f32 here: row_dot rounds to it
         if b is not None:
             y = y + b.astype(of(policy.accum_dtype))
         y = y.astype(out_dtype or of(policy.compute_dtype))

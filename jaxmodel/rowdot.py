@@ -59,6 +59,13 @@ def available() -> bool:
     return True
 
 
+def state() -> str:
+    """What batch-invariant decode uses in this process, for run records; never builds."""
+    if available.cache_info().currsize == 0:
+        return "not asked for yet in this process"
+    return "rowdot.cc fixed-order kernel" if available() else "XLA dot padded to 2 rows"
+
+
 def _build(cxx: str) -> Path:
     """The compiled library, from the cache when this source, jaxlib and compiler built it."""
     from llama_parity.fetch import cache_root

@@ -283,7 +283,11 @@ def test_jaxmodel_row_kernel_rows_alone_equal_rows_in_a_batch():
 def test_jaxmodel_decode_without_the_row_kernel_is_still_invariant(tiny_dir, monkeypatch):
     """Where the kernel cannot be built, decode pads to 2 rows: slower, just as invariant."""
     from jaxmodel import model as jm, rowdot
+
+    def not_here(*args):
+        raise AssertionError("row_dot called although available() is False")
     monkeypatch.setattr(rowdot, "available", lambda: False)
+    monkeypatch.setattr(rowdot, "row_dot", not_here)
     jm._programs.cache_clear()  # programs compiled with the kernel must not be reused
     try:
         test_decode_logits_are_bitwise_invariant_in_large_batches("jaxmodel", tiny_dir)

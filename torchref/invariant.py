@@ -10,9 +10,9 @@ on AVX2, torch's own bf16/fp16 GEMM; scripts in bench/bench_invariant.py --probe
   kernel gives a row one result at every row count, one row included (checked at every
   position, 1 and 2 threads: M = 1..4096 on SmolLM2's shapes, stacked ones and the
   lm_head included; M = 1..1100 on 392 shapes from 8 to 1536, with and without bias),
-  so nothing is padded. Projections
-  that read one input (q/k/v, gate/up) run as one GEMM on their stacked weights: the same
-  bits as one call each, fewer calls. The packed copies double the f32 weight memory.
+  so nothing is padded. Projections that read one input (q/k/v, gate/up) run as one
+  GEMM on their stacked weights: the same bits as one call each, fewer calls. The
+  packed copies double the f32 weight memory.
 - MKL f32/f64 GEMM (torch's F.linear) gives a row one result whenever it sits in a full
   4-row panel, whatever M (checked M = 4..4096, every row position, fixed K and N); the
   trailing M % 4 rows and M < 4 (GEMV and small kernels) use other summation orders. So
@@ -89,9 +89,9 @@ def _operand_dtype(policy: Policy, out: torch.dtype) -> torch.dtype:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Policy,
            out_dtype: str | None = None) -> torch.Tensor:
-    """ops.linear at a row count whose result does not depend on the batch: f32 operands
-    on oneDNN (at least 2 rows), other dtypes on ops.linear padded to the quantum; in
-    chunks of at most MAX_ROWS rows."""
+    """ops.linear with a result per row that does not depend on the row count: f32
+    operands on oneDNN (any row count), other dtypes on ops.linear padded to the quantum;
+    in chunks of at most MAX_ROWS rows."""
     return linears(x, (w,), (b,), policy, out_dtype)[0]
 
 
@@ -119,7 +119,7 @@ def _in_chunks(rows: torch.Tensor, shape, fn) -> torch.Tensor:
 
 
 class _Packed(NamedTuple):
-    refs: tuple          # weak references to the source tensors
+    refs: tuple          # weak references to the source tensors (they drop the entry)
     versions: tuple      # their version counters when packed
     weight: torch.Tensor  # the weights stacked, f32, in oneDNN's blocked layout
     bias: torch.Tensor | None
@@ -137,10 +137,11 @@ def _onednn_pack(ws, bs) -> _Packed | None:
     if len(tensors) not in (len(ws), 2 * len(ws)) or any(
             t.device.type != "cpu" or t.is_inference() for t in tensors):
         return None
+    # An entry lives only while all its tensors do (each weak reference drops it when its
+    # tensor dies, before the id can be reused), so the ids name these very tensors.
     key = tuple(map(id, tensors))
     entry = _PACKED.get(key)
-    if (entry is None or any(r() is not t for r, t in zip(entry.refs, tensors))
-            or entry.versions != tuple(t._version for t in tensors)):
+    if entry is None or entry.versions != tuple(t._version for t in tensors):
         drop = lambda _, key=key: _PACKED.pop(key, None)  # noqa: E731
         weight = torch.cat([w.detach().float() for w in ws])
         bias = torch.cat([b.detach().float() for b in bs]) if len(tensors) > len(ws) else None
