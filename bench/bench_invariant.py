@@ -72,8 +72,10 @@ def run_timing(args, folder, vocab):
                              "prefill_ms": {"default": p0 * 1e3, "invariant": p1 * 1e3, "ratio": p1 / p0},
                              "decode_ms_per_token": {"default": d0 * 1e3, "invariant": d1 * 1e3,
                                                      "ratio": d1 / d0}})
+    cpu = environment()
     print(f"\nprefill [B, {args.prompt_len}] and decode ms/token ({args.decode} steps), median of "
-          f"{args.repeats}; ratio = invariant / default")
+          f"{args.repeats}; ratio = invariant / default; CPU: {cpu['cpu']} ({cpu['cpu isa']}; caps: "
+          f"{cpu['isa caps']}); GPU: {cpu.get('gpu', 'none')}")
     print(f"{'policy':<7}{'impl':<10}{'B':>3}{'prefill ms':>12}{'inv':>10}{'ratio':>7}"
           f"{'decode ms':>11}{'inv':>9}{'ratio':>7}")
     for r in rows:
@@ -147,12 +149,11 @@ def run_probe():
         return (e / jnp.sum(e, -1, keepdims=True)).reshape(a.shape[0], -1)
     smx = {mode: jax.jit(softmax, compiler_options=compiler_options(mode == "invariant"))
            for mode in ("default", "invariant")}
-    from torchref.invariant import ONEDNN_PACK_ROWS
-    packed = torch.ops.mkldnn._reorder_linear_weight(torch.from_numpy(w), ONEDNN_PACK_ROWS)
+    from llamaspec import fixed_order
+    packed = fixed_order.pack(w)
     for name, fn in {
         "torch f32 linear": lambda X: torch.nn.functional.linear(torch.from_numpy(X), torch.from_numpy(w)).numpy(),
-        "torch f32 oneDNN linear, packed": lambda X: torch.ops.mkldnn._linear_pointwise(
-            torch.from_numpy(X), packed, None, "none", [], "").numpy(),
+        "fixed_order f32 gemm": lambda X: fixed_order.gemm(X, packed, w.shape[0]),
         "torch bf16 linear": lambda X: torch.nn.functional.linear(
             torch.from_numpy(X).bfloat16(), torch.from_numpy(w).bfloat16()).float().numpy(),
         "xla f32 dot": lambda X: np.asarray(dot(X, w)),

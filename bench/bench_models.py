@@ -96,7 +96,9 @@ def bench_transformers(folder, policy, ids, n_decode, repeats):
 def environment() -> dict:
     import jax
     import torch
-    return {"python": platform.python_version(), "machine": platform.machine(),
+
+    from compare.environment import cpu
+    return {**cpu(), "python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "jax": jax.__version__, "jax_devices": [str(d) for d in jax.devices()],
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -139,8 +141,10 @@ def main(argv=None) -> int:
             rows.append({"policy": policy, "impl": name, "prefill_ms": prefill * 1e3,
                          "decode_ms_per_token": decode * 1e3})
 
+    env = environment()
     print(f"\nprefill {args.prompt_len} tokens (batch 1) and decode ms/token ({args.decode} steps), "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}; CPU: {env['cpu']} ({env['cpu isa']}; caps: {env['isa caps']}); "
+          f"GPU: {env.get('gpu', 'none')}")
     print(f"{'policy':<7}{'impl':<14}{'prefill ms':>12}{'decode ms/tok':>15}")
     for r in rows:
         print(f"{r['policy']:<7}{r['impl']:<14}{r['prefill_ms']:>12.1f}{r['decode_ms_per_token']:>15.1f}")
@@ -150,7 +154,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"checkpoint": str(folder), "prompt_len": args.prompt_len,
                                "decode_steps": args.decode, "repeats": args.repeats,
-                               "environment": environment(), "results": rows}, indent=1))
+                               "environment": env, "results": rows}, indent=1))
     print(f"\nwrote {out}")
     return 0
 

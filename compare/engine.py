@@ -392,7 +392,7 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     verdicts = [classify(t, r[t], c[t], o[t], c64[t], real, policy, keeps_f32,
                          _context(t, c64, o)) for t in taps]
     for v in verdicts:
-        v.metrics = pair_metrics(c[v.tap][real], r[v.tap][real], policy.compute_dtype)
+        v.metrics = pair_metrics(c[v.tap][real], r[v.tap][real], tapnames.dtype_of(v.tap, policy))
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
               if "logits" in taps else {})
     worst = max(verdicts, key=lambda v: KINDS.index(v.kind)).kind

@@ -1,6 +1,7 @@
 """What a report records about where it ran, so two reports can be told apart later.
 
-Framework versions, devices, the XLA flags and jaxmodel's compiler options, and torch's
+The CPU and its instruction sets (and the caps put on the libraries), framework
+versions, devices, the XLA flags and jaxmodel's compiler options, and torch's
 matmul settings as a policy pins them (llamaspec.policy). A number that differs between
 two machines is often explained by one of these lines (JAX's TF32 default on GPU,
 XLA_FLAGS set in a shell profile, a different MKL thread count).
@@ -22,14 +23,46 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
+# The instruction-set extensions that change which kernels the libraries pick.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
+# Variables that cap the libraries' instruction sets (docs/invariance.md: one machine, many CPUs).
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+            "MKL_CBWR", "LLAMA_PARITY_KERNEL_ISA")
+
+
+def cpu() -> dict:
+    """The CPU (model name, its ISA extensions that matter), the caps set on the libraries,
+    and the code paths they report using; the GPU when there is one."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    out = {"cpu": name, "cpu isa": " ".join(f for f in ISA_FLAGS if f in flags) or "unknown",
+           "isa caps": ", ".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if k in os.environ) or "none"}
+    try:
+        import torch
+        out["torch cpu capability"] = torch.backends.cpu.get_cpu_capability()
+        out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    except ImportError:
+        pass
+    from llamaspec import fixed_order
+    out["fixed-order kernels"] = fixed_order.state()
+    return out
+
+
 def _torch_settings(policy) -> dict:
     import torch
 
-    from torchref import invariant
     from torchref.dtypes import matmul_settings
     out = {"torch threads": torch.get_num_threads(),
-           "torchref batch-invariant f32 linears": "oneDNN, weights packed once" if invariant._ONEDNN
-           else "MKL, rows padded to 4",
            "torch cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
     with matmul_settings(policy):  # the settings every torchref call of this run used
         mm, cpu = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
@@ -57,7 +90,7 @@ def _jax_settings() -> dict:
 def environment(policy, uses_jax: bool = True) -> dict:
     """Flat {name: value} for the report (JSON-safe)."""
     env = {"python": platform.python_version(), "platform": platform.platform(),
-           "cpu count": os.cpu_count()}
+           "cpu count": os.cpu_count(), **cpu()}
     env.update({pkg: _version(pkg) for pkg in PACKAGES})
     env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "(unset)")
     env.update(_torch_settings(policy))

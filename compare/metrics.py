@@ -337,8 +337,11 @@ _PAIRS = {"candidate vs reference": ("c", "r"), "reference vs oracle": ("r", "o"
 
 def pair_metrics(cand, ref, dtype) -> dict:
     """The report's per-tap numbers besides relative L2 (rows already selected): max abs,
-    max ULP in `dtype`, cosine, fraction beyond BEYOND_UNITS unit roundoffs (relative to
-    each element or to the tap's RMS).
+    max ULP in the tap's own dtype (the arrays' dtype when both sides hold the same one,
+    else `dtype`, what the policy says the tap holds: llamaspec.taps.dtype_of), cosine,
+    fraction beyond BEYOND_UNITS unit roundoffs of that dtype (relative to each element
+    or to the tap's RMS). Counting ULPs in a narrower dtype than the tap's would call a
+    real difference 0 ULP.
 
     The same quantities as max_ulp / cosine / frac_beyond, on fast paths for a report's
     ~450 taps: ULPs straight from the bit patterns when the arrays already hold `dtype`,
@@ -349,7 +352,7 @@ def pair_metrics(cand, ref, dtype) -> dict:
     if not (np.isfinite(c).all() and np.isfinite(r).all()):
         nan = float("nan")
         return {"max_abs": nan, "max_ulp": nan, "cosine": nan, "frac_beyond": nan}
-    dt = resolve_dtype(dtype)
+    dt = c.dtype if c.dtype == r.dtype and c.dtype in _SUPPORTED else resolve_dtype(dtype)
     ulp = _max_ulp_same_dtype(c, r) if c.dtype == r.dtype == dt else max_ulp(c, r, dt)
     c64, r64 = c.astype(np.float64).ravel(), r.astype(np.float64).ravel()
     diff = np.abs(c64 - r64)

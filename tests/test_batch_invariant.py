@@ -160,7 +160,7 @@ def test_torchref_bf16_logits_do_not_depend_on_the_cache_length(smollm2):
     assert np.array_equal(bits(long[0]), bits(short[0]))
 
 
-# ----- torchref's f32 linear on oneDNN (torchref/invariant.py) ---------------------------
+# ----- torchref's linears on llamaspec.fixed_order (torchref/invariant.py) ------------------
 
 def _f32():
     from llamaspec import Policy
@@ -169,9 +169,8 @@ def _f32():
 
 @pytest.mark.parametrize("n_out, n_in", [(48, 32), (96, 64), (576, 576)])
 def test_torchref_f32_linear_gives_a_row_one_result_at_every_row_count(n_out, n_in):
-    """The measured property the invariant mode rests on (bench_invariant.py --probe), checked
-    on this machine: a row alone (one row, a GEMV elsewhere) and at any position of any
-    row count up to 300 gets the same bits."""
+    """What fixed_order guarantees, through torchref's linear: a row alone and at any
+    position of any row count up to 300 gets the same bits."""
     import torch
     from torchref import invariant
     g = torch.Generator().manual_seed(n_out)
@@ -183,7 +182,7 @@ def test_torchref_f32_linear_gives_a_row_one_result_at_every_row_count(n_out, n_
 
 
 def test_torchref_stacked_projections_equal_separate_ones():
-    """linears() runs q/k/v (gate/up) as one GEMM: the same bits as one call per weight."""
+    """linears() runs q/k/v (gate/up) as one product: the same bits as one call per weight."""
     import torch
     from torchref import invariant
     g = torch.Generator().manual_seed(0)
@@ -194,7 +193,7 @@ def test_torchref_stacked_projections_equal_separate_ones():
 
 
 def test_torchref_packed_weights_follow_changes_to_the_weight():
-    """The oneDNN copy of a weight is made once: a weight changed in place or replaced must
+    """The packed copy of a weight is made once: a weight changed in place or replaced must
     be packed again, never served stale; a dead weight's copy is freed."""
     import gc
 
@@ -213,6 +212,30 @@ def test_torchref_packed_weights_follow_changes_to_the_weight():
     del w
     gc.collect()
     assert len(invariant._PACKED) < n
+
+
+@pytest.mark.parametrize("op", ["linear", "silu"])
+def test_torchref_self_check_catches_an_order_changing_kernel_and_names_it(op, tiny_dir, monkeypatch):
+    """The self-check at load: a kernel whose summation order changes with the row count
+    (planted here) makes from_pretrained refuse, naming the operation."""
+    import torch
+    from llamaspec.errors import InvarianceError
+    from torchref import invariant
+    if op == "linear":
+        def gemm(x, packed):  # sums k in two halves once there is more than one row
+            K = x.shape[1]
+            w = packed.data.view(-1, K, 16).transpose(1, 2).reshape(-1, K)[:packed.n].to(x.dtype)
+            h = K // 2
+            return x @ w.T if x.shape[0] == 1 else x[:, :h] @ w[:, :h].T + x[:, h:] @ w[:, h:].T
+        monkeypatch.setattr(invariant, "_gemm", gemm)
+        named = "linear q/k/v"
+    else:
+        exp = invariant._exp
+        monkeypatch.setattr(invariant, "_exp", lambda x: exp(x) if x.numel() < 200 else torch.exp(x) * 1.0000001)
+        named = "silu"
+    monkeypatch.setattr(invariant, "_CHECKED", set())
+    with pytest.raises(InvarianceError, match=f"self-check failed on this machine: {named} gives a row"):
+        load("torchref", tiny_dir(), "fp32")
 
 
 def test_torchref_invariant_model_sees_a_replaced_weight(tiny_dir):

@@ -1,179 +1,208 @@
 """Batch-invariant versions of the ops whose result for one sequence could depend on the
 rest of the batch. Same names and signatures as ops.py; the model swaps the module.
 
-What breaks invariance was measured on this project's CPU (torch 2.13, MKL sgemm/dgemm
-on AVX2, torch's own bf16/fp16 GEMM; scripts in bench/bench_invariant.py --probe):
+Every reduction runs in an order this code fixes, on any CPU and library build:
 
-- f32 linear layers run on oneDNN (torch.ops.mkldnn._linear_pointwise) against weights
-  packed once into its blocked layout (_reorder_linear_weight with a 2-row hint; a
-  1-row hint keeps the plain layout, whose kernel is slower at 2+ rows). Its brgemm
-  kernel gives a row one result at every row count, one row included (checked at every
-  position, 1 and 2 threads: M = 1..4096 on SmolLM2's shapes, stacked ones and the
-  lm_head included; M = 1..1100 on 392 shapes from 8 to 1536, with and without bias),
-  so nothing is padded. Projections that read one input (q/k/v, gate/up) run as one
-  GEMM on their stacked weights: the same bits as one call each, fewer calls. The
-  packed copies double the f32 weight memory.
-- MKL f32/f64 GEMM (torch's F.linear) gives a row one result whenever it sits in a full
-  4-row panel, whatever M (checked M = 4..4096, every row position, fixed K and N); the
-  trailing M % 4 rows and M < 4 (GEMV and small kernels) use other summation orders. So
-  the matmuls that stay on it (attention's, f64 linears, and f32 linears where oneDNN is
-  missing) run on a row count padded to a multiple of ROW_QUANTUM. torch's bf16/fp16 CPU
-  GEMM (used when oneDNN has no bf16/fp16 kernel for the CPU) is one fixed dot product
-  per output and needs no padding (padding would cost ~M-fold).
-- GEMM results also change with K and N (blocking and column tails): attention over a
-  key length S that depends on the batch's longest row is not invariant. Attention
-  therefore works on key blocks of KEY_BLOCK slots: q.k^T and P@V are GEMMs of one
-  fixed [rows, D] x [D, KEY_BLOCK] / [rows, KEY_BLOCK] x [KEY_BLOCK, D] shape, the
-  softmax sum is a per-block sum of fixed length, and block results are added in
-  order, block by block. The canonical layout (real tokens at slots [0, n), see
-  llamaspec.inputs.invariant_layout) puts every key at the same block and column
+- matrix products (linears, the lm_head, q.k^T and P@V) and row sums (RMSNorm's mean,
+  softmax denominators) on llamaspec.fixed_order: one fma chain per output, k ascending,
+  whatever the row count, thread count or instruction set;
+- exp (softmax, silu) by fixed_order's one program per element; torch's own exp and
+  silu may take another code path for the tail of a vector loop;
+- RMSNorm's 1/sqrt(var) as a division and a square root, both correctly rounded (a
+  16-bit rsqrt kernel rounds differently in its vector body and its tail);
+- RoPE tables computed once per 4096 positions, a fixed shape, and gathered;
+- attention over fixed KEY_BLOCK-key blocks, block results added in order; the canonical
+  layout (llamaspec.inputs.invariant_layout) puts every key at the same block and column
   whatever the padding, and blocks past a row's end add exact zeros.
-- Elementwise kernels run the vectorised body on most elements and a scalar loop on
-  the tail of each thread's chunk, and for some functions the two differ: f32/f64
-  sigmoid/silu (4% of inputs) and bf16 rsqrt (29%). exp, cos, sin, f32 rsqrt, +-*/
-  agree. silu is therefore x / (1 + exp(-x)), and a 16-bit rsqrt goes through f32.
-- Row reductions over a fixed length (RMSNorm's mean) and max are row-count invariant.
-- Cost, and what was tried before oneDNN (bench/bench_invariant.py, SmolLM2 fp32 decode):
-  padding every linear to 4 rows for MKL cost 1.9x the default mode at batch 1 (a 4-row
-  GEMM costs 2-3x the GEMV it replaces). With the weight stored transposed MKL gives a
-  call of at most 3 rows the GEMV's result at GEMV cost, but per row: batch 1 then
-  matched the default mode and 8 rows cost 1.96x, 32 rows 4.11x. oneDNN with weights
-  packed per call was slower than the padding; packed once, its 1-row and 2-row calls
-  cost about a GEMV (SmolLM2's lm_head: 5.1 ms against MKL's 9.7 ms GEMV), so the mode
-  now decodes about as fast as the default one.
 
-Invariance holds up to max_position_embeddings tokens per sequence (prompt plus new
-tokens; the dynamic NTK RoPE base depends on the batch's longest row past it). On
-GPUs none of the above was measured (cuBLAS picks kernels by M): no claim there.
+What remains in torch is order-free: +, -, *, /, sqrt (IEEE, correctly rounded), max,
+casts, gathers and masks. The CPU only: the kernels are CPU code. docs/invariance.md
+says why each step is needed and what the mode costs; self_check() verifies the promise
+on this machine at load.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from llamaspec import Policy
+from llamaspec import fixed_order as fo
+from llamaspec.errors import InvarianceError
+from llamaspec.selfcheck import check_rows
 
 from . import ops
 from .dtypes import dt
-from .ops import apply_rope, rope_cos_sin, rope_inv_freq, rotate_half  # noqa: F401 (invariant as is)
+from .ops import apply_rope, rope_inv_freq, rotate_half  # noqa: F401 (invariant as is)
 
-ROW_QUANTUM = 4     # MKL's f32/f64 micro-panel height on this CPU (measured)
-KEY_BLOCK = 64      # keys per attention block: every attention GEMM has this fixed size
-MAX_ROWS = 4096     # largest row count measured invariant; longer inputs run in chunks
-ONEDNN_PACK_ROWS = 2  # row hint for oneDNN's weight packing: 2+ gives the blocked layout (measured)
-
-
-def _quantum(dtype: torch.dtype, device: torch.device) -> int:
-    """Row padding a matmul on `dtype` operands needs for row-invariant results."""
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        native = (torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16
-                  else torch.ops.mkldnn._is_mkldnn_fp16_supported())
-        if not native:  # torch's own fixed-order kernel, measured invariant at every M
-            return 1
-    return ROW_QUANTUM
+LAYOUT_MULTIPLE = 4  # canonical widths are multiples of this (fewer shapes; order-free)
+KEY_BLOCK = 64       # keys per attention block: every attention product has this shape
+ROPE_CHUNK = 4096    # RoPE tables are computed for this many positions at a time
+_WTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
-def _pad_rows(x: torch.Tensor, quantum: int) -> torch.Tensor:
-    """x [..., M, K] with M padded by zero rows to a multiple of quantum."""
-    extra = -x.shape[-2] % quantum
-    return torch.nn.functional.pad(x, (0, 0, 0, extra)) if extra else x
+def _acc(policy: Policy) -> torch.dtype:
+    """The accumulator of every product and sum: f64 for an f64 accumulation, else f32."""
+    return torch.float64 if dt(policy.accum_dtype) == torch.float64 else torch.float32
 
 
-def _operand_dtype(policy: Policy, out: torch.dtype) -> torch.dtype:
-    compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
-    return compute if ops._native(compute, accum, out) else accum
+def _on_cpu(t: torch.Tensor) -> None:
+    if t.device.type != "cpu":
+        raise InvarianceError(f"batch_invariant=True runs on the CPU only (its fixed-order kernels are "
+                              f"CPU code); got a tensor on {t.device}")
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Policy,
-           out_dtype: str | None = None) -> torch.Tensor:
-    """ops.linear with a result per row that does not depend on the row count: f32
-    operands on oneDNN (any row count), other dtypes on ops.linear padded to the quantum;
-    in chunks of at most MAX_ROWS rows."""
-    return linears(x, (w,), (b,), policy, out_dtype)[0]
+# ----- fixed-order kernels on torch tensors ------------------------------------------------
+
+def _gemm(x: torch.Tensor, packed: "_Packed") -> torch.Tensor:
+    """x [M, K] (accumulator dtype, contiguous) @ w^T -> [M, N] in the accumulator dtype."""
+    M, K = x.shape
+    y = torch.empty((M, packed.n), dtype=x.dtype)
+    fo.library().fo_gemm(M, packed.n, K, x.data_ptr(), K, packed.data.data_ptr(), packed.wtype,
+                         y.data_ptr(), packed.n, torch.get_num_threads())
+    return y
 
 
-def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = None) -> list[torch.Tensor]:
-    """ops.linears: on the oneDNN path one GEMM against the weights stacked (packed once),
-    split into one result per weight (views of it); otherwise linear() for each."""
-    out = dt(out_dtype or policy.compute_dtype)
-    operand = _operand_dtype(policy, out)
-    packed = _onednn_pack(ws, bs) if operand == torch.float32 else None
-    rows = x.reshape(-1, x.shape[-1])
-    if packed is None:
-        quantum = _quantum(operand, x.device)
-        return [_in_chunks(rows, x.shape, lambda r: ops.linear(_pad_rows(r, quantum), w, b, policy,
-                                                                out_dtype)[:r.shape[0]])
-                for w, b in zip(ws, bs)]
-    y = _in_chunks(rows.to(operand), x.shape, lambda r: torch.ops.mkldnn._linear_pointwise(
-        r, packed.weight, packed.bias, "none", [], "").to(out))
-    return list(y.split([w.shape[0] for w in ws], dim=-1)) if len(ws) > 1 else [y]
+def _gemm_batched(x: torch.Tensor, w: torch.Tensor, w_kn: bool) -> torch.Tensor:
+    """x [P, Q, M, K] @ w[p, q]^T for w [P, Q, N, K] (or [P, Q, K, N] when w_kn), all in
+    one accumulator dtype; x's Q axis may have stride 0 (one x for every q)."""
+    P, Q, M, K = x.shape
+    N = w.shape[-1] if w_kn else w.shape[-2]
+    assert x.stride(-1) == 1 and x.stride(-2) == K and w.is_contiguous()
+    y = torch.empty((P, Q, M, N), dtype=x.dtype)
+    sn, sk = (1, N) if w_kn else (K, 1)
+    fo.library().fo_gemm_batched(P, Q, M, N, K, x.data_ptr(), K, x.stride(0), x.stride(1),
+                                 w.data_ptr(), _WTYPE[x.dtype], sn, sk, w.stride(0), w.stride(1),
+                                 y.data_ptr(), N, y.stride(0), y.stride(1), torch.get_num_threads())
+    return y
 
 
-def _in_chunks(rows: torch.Tensor, shape, fn) -> torch.Tensor:
-    """fn on chunks of at most MAX_ROWS rows, joined and shaped as [*shape[:-1], out]."""
-    y = fn(rows) if rows.shape[0] <= MAX_ROWS else torch.cat([fn(r) for r in rows.split(MAX_ROWS)])
-    return y.reshape(*shape[:-1], y.shape[-1])
+def _row_sums(x: torch.Tensor, squares: bool = False) -> torch.Tensor:
+    """Sum over the last axis (of x or x^2), one fma chain per row; x f32 or f64."""
+    x = x.contiguous()
+    s = torch.empty(x.shape[:-1], dtype=x.dtype)
+    fo.library().fo_row_sums(s.numel(), x.shape[-1], x.data_ptr(), x.shape[-1], int(squares),
+                             int(x.dtype == torch.float64), s.data_ptr(), torch.get_num_threads())
+    return s
 
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp by fixed_order's program; 16-bit inputs are taken in f32 and rounded once (as
+    torch's 16-bit exp does)."""
+    wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    a = x.to(wide).contiguous()
+    y = torch.empty_like(a)
+    fo.library().fo_exp(a.numel(), a.data_ptr(), int(wide == torch.float64), y.data_ptr(),
+                        torch.get_num_threads())
+    return y.to(x.dtype)
+
+
+# ----- packed weights ---------------------------------------------------------------------
 
 class _Packed(NamedTuple):
     refs: tuple          # weak references to the source tensors (they drop the entry)
     versions: tuple      # their version counters when packed
-    weight: torch.Tensor  # the weights stacked, f32, in oneDNN's blocked layout
+    data: torch.Tensor   # the weights stacked, in fixed_order's panel layout
+    wtype: int
+    n: int               # rows of the stacked weights (outputs)
     bias: torch.Tensor | None
 
 
-def _onednn_pack(ws, bs) -> _Packed | None:
-    """The weights (and biases) stacked as f32 and packed for oneDNN, once per set of
-    tensors and again when one is replaced or changed in place (its version counter
-    moves). None where the oneDNN path does not apply (no oneDNN, not on the CPU, an
-    inference-mode tensor, which has no version counter, or biases on some weights
-    only): those weights always take ops.linear's padded path instead."""
-    if not _ONEDNN:
-        return None
+def _pack(ws, bs, policy: Policy) -> _Packed:
+    """The weights stacked and packed once per set of tensors, again when one is replaced
+    or changed in place (its version counter moves). Stored in the operand dtype (f32,
+    bf16 or f16, converted to the accumulator exactly inside the kernel) or in f64."""
     tensors = tuple(ws) + tuple(b for b in bs if b is not None)
-    if len(tensors) not in (len(ws), 2 * len(ws)) or any(
-            t.device.type != "cpu" or t.is_inference() for t in tensors):
-        return None
-    # An entry lives only while all its tensors do (each weak reference drops it when its
-    # tensor dies, before the id can be reused), so the ids name these very tensors.
-    key = tuple(map(id, tensors))
+    key = (tuple(map(id, tensors)), policy.compute_dtype, policy.accum_dtype)
     entry = _PACKED.get(key)
-    if entry is None or entry.versions != tuple(t._version for t in tensors):
+    versions = tuple(t._version for t in tensors)
+    if entry is None or entry.versions != versions:
+        acc = _acc(policy)
+        operand = dt(policy.compute_dtype)
+        store = operand if acc == torch.float32 and operand != torch.float64 else acc
+        w = torch.cat([w.detach().to(operand).to(store) for w in ws]).contiguous()
+        N, K = w.shape
+        data = torch.empty(fo.library().fo_packed_elements(N, K), dtype=store)
+        fo.library().fo_pack(w.data_ptr(), _WTYPE[store], N, K, K, 1, data.data_ptr())
+        bias = (torch.cat([b.detach().to(operand).to(acc) for b in bs])
+                if all(b is not None for b in bs) else None)
         drop = lambda _, key=key: _PACKED.pop(key, None)  # noqa: E731
-        weight = torch.cat([w.detach().float() for w in ws])
-        bias = torch.cat([b.detach().float() for b in bs]) if len(tensors) > len(ws) else None
-        entry = _PACKED[key] = _Packed(tuple(weakref.ref(t, drop) for t in tensors),
-                                       tuple(t._version for t in tensors),
-                                       torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS), bias)
+        # An entry lives only while all its tensors do (each weak reference drops it when
+        # its tensor dies, before the id can be reused), so the ids name these very tensors.
+        entry = _PACKED[key] = _Packed(tuple(weakref.ref(t, drop) for t in tensors), versions, data,
+                                       _WTYPE[store], N, bias)
     return entry
 
 
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_PACKED: dict[tuple, _Packed] = {}  # ids of the source tensors -> their packed form
+_PACKED: dict[tuple, _Packed] = {}  # (ids of the source tensors, dtypes) -> their packed form
+
+
+# ----- the ops ----------------------------------------------------------------------------
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Policy,
+           out_dtype: str | None = None) -> torch.Tensor:
+    """ops.linear: operands rounded to compute_dtype, products summed in the accumulator
+    by fixed_order's gemm, bias added, rounded once to out_dtype."""
+    return linears(x, (w,), (b,), policy, out_dtype)[0]
+
+
+def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = None) -> list[torch.Tensor]:
+    """ops.linears as one product against the weights stacked (packed once), split into
+    one result per weight: the same bits as one call each."""
+    _on_cpu(x)
+    if any(b is not None for b in bs) and not all(b is not None for b in bs):
+        return [linear(x, w, b, policy, out_dtype) for w, b in zip(ws, bs)]
+    packed = _pack(ws, bs, policy)
+    rows = x.reshape(-1, x.shape[-1]).to(dt(policy.compute_dtype)).to(_acc(policy)).contiguous()
+    y = _gemm(rows, packed)
+    if packed.bias is not None:
+        y = y + packed.bias
+    y = y.to(dt(out_dtype or policy.compute_dtype)).reshape(*x.shape[:-1], packed.n)
+    return list(y.split([w.shape[0] for w in ws], dim=-1)) if len(ws) > 1 else [y]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, policy: Policy) -> torch.Tensor:
-    """ops.rms_norm; a 16-bit rsqrt is taken in f32 and rounded once (what the vectorised
-    kernel does; its scalar tail rounds twice)."""
+    """ops.rms_norm with mean(x^2) as a fixed-order sum of squares over the hidden size
+    (in f32 for a 16-bit norm dtype, rounded once) and 1/sqrt(var) in place of rsqrt."""
     compute, norm = dt(policy.compute_dtype), dt(policy.norm_dtype)
     h = x.to(norm)
-    var = h.pow(2).mean(-1, keepdim=True) + eps
-    h = h * (torch.rsqrt(var.float()).to(norm) if norm in (torch.bfloat16, torch.float16)
-             else torch.rsqrt(var))
+    wide = norm if norm in (torch.float32, torch.float64) else torch.float32
+    var = (_row_sums(h.to(wide), squares=True) / x.shape[-1]).to(norm)[..., None] + eps
+    h = h * (1 / torch.sqrt(var))
     if policy.norm_cast_before_weight:
         return weight.to(compute) * h.to(x.dtype).to(compute)
     return (weight.to(h.dtype) * h).to(compute)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x) as x / (1 + exp(-x)): torch's f32/f64 silu differs between its
-    vector body and scalar tail; exp and division do not. 16-bit silu agrees in both."""
-    if x.dtype in (torch.bfloat16, torch.float16):
-        return torch.nn.functional.silu(x)
-    return x / (1 + torch.exp(-x))
+    """x * sigmoid(x) as x / (1 + exp(-x)) with the fixed exp (16-bit: in f32, rounded once)."""
+    wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    h = x.to(wide)
+    return (h / (1 + _exp(-h))).to(x.dtype)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.rope_cos_sin gathered from tables of ROPE_CHUNK positions (one fixed shape, so an
+    entry's cos and sin never depend on which positions the batch holds)."""
+    chunks = int(positions.max()) // ROPE_CHUNK + 1 if positions.numel() else 1
+    key = (inv_freq.to(torch.float64).cpu().numpy().tobytes(), dtype)
+    cos = torch.cat([_rope_table(key, c, inv_freq, dtype)[0] for c in range(chunks)])
+    sin = torch.cat([_rope_table(key, c, inv_freq, dtype)[1] for c in range(chunks)])
+    flat = positions.reshape(-1).cpu()
+    shape = (*positions.shape, cos.shape[-1])
+    return cos[flat].reshape(shape).to(positions.device), sin[flat].reshape(shape).to(positions.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_table(key, chunk: int, inv_freq: torch.Tensor, dtype: torch.dtype):
+    positions = torch.arange(chunk * ROPE_CHUNK, (chunk + 1) * ROPE_CHUNK)[None]
+    cos, sin = ops.rope_cos_sin(inv_freq.cpu(), positions, dtype)
+    return cos[0], sin[0]
 
 
 def _in_order(parts: torch.Tensor, dim: int) -> torch.Tensor:
@@ -190,38 +219,107 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     """ops.attention, computed per KEY_BLOCK block of keys in a fixed order.
 
     q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S]. S is padded to a multiple of
-    KEY_BLOCK (with masked zero keys). The softmax takes the max over every block (exact
-    in any order), exp, per-block sums, and adds the block sums in order (16-bit softmax
-    dtypes add in f32 and round once, as torch's sum does); P@V partials are taken in
-    accum_dtype and added in order, then rounded once to compute_dtype.
+    KEY_BLOCK (with masked zero keys). Scores are fixed-order products rounded to
+    compute_dtype and scaled; the softmax takes the max over every block (exact in any
+    order), the fixed exp, per-block fixed-order sums (in f32 for 16-bit softmax dtypes,
+    rounded once) added block after block; P@V partials are fixed-order products in the
+    accumulator, added in order, then rounded once to compute_dtype.
     """
+    _on_cpu(q)
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G, Kb = Hq // Hkv, KEY_BLOCK
-    compute, accum, soft = dt(policy.compute_dtype), dt(policy.accum_dtype), dt(policy.softmax_dtype)
+    compute, soft, acc = dt(policy.compute_dtype), dt(policy.softmax_dtype), _acc(policy)
     pad = -S % Kb
     if pad:
         k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad))
         v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad))
         allowed = torch.nn.functional.pad(allowed, (0, pad))
     nk, M = (S + pad) // Kb, G * T
-    quantum = _quantum(_operand_dtype(policy, compute), q.device)
-    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, M, D)
-    # Contiguous copies: the cache is a slice of a longer buffer or the whole of it, and
-    # torch's bf16 matmul sums in another order for another operand layout (measured:
-    # one bf16 rounding in layer 24 of SmolLM2 changed with the cache length).
-    kb = k.permute(0, 2, 1, 3).reshape(B, Hkv, nk, Kb, D).contiguous()
-    scores = ops._matmul(_pad_rows(qg, quantum)[:, :, None], kb.transpose(-1, -2), policy)
-    scores = scores[..., :M, :] * (D ** -0.5)                            # [B, Hkv, nk, M, Kb]
+    qg = q.to(compute).reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B * Hkv, 1, M, D)
+    kb = k.to(compute).permute(0, 2, 1, 3).reshape(B * Hkv, nk, Kb, D)
+    scores = _gemm_batched(qg.to(acc).contiguous().expand(B * Hkv, nk, M, D), kb.to(acc).contiguous(),
+                           w_kn=False)                                    # [B*Hkv, nk, M, Kb]
+    scores = scores.to(compute) * (D ** -0.5)
     scores = scores.view(B, Hkv, nk, G, T, Kb).to(soft)
     keep = allowed.view(B, T, nk, Kb).permute(0, 2, 1, 3)[:, None, :, None]
     scores = scores.masked_fill(~keep, torch.finfo(soft).min)
-    e = torch.exp(scores - scores.amax(dim=(2, 5), keepdim=True))
+    e = _exp(scores - scores.amax(dim=(2, 5), keepdim=True))
     wide = torch.float32 if soft in (torch.bfloat16, torch.float16) else soft
-    denom = _in_order(e.sum(-1, keepdim=True, dtype=wide), 2).to(soft)  # [B, Hkv, G, T, 1]
-    probs = (e / denom[:, :, None]).to(compute).view(B, Hkv, nk, M, Kb)
-    vb = v.permute(0, 2, 1, 3).reshape(B, Hkv, nk, Kb, D).contiguous()
-    quantum = _quantum(accum, q.device)
-    parts = torch.matmul(_pad_rows(probs, quantum).to(accum), vb.to(accum))  # [B, Hkv, nk, M', D]
-    ctx = _in_order(parts[..., :M, :], 2).to(compute)                     # [B, Hkv, M, D]
+    denom = _in_order(_row_sums(e.to(wide))[..., None], 2).to(soft)       # [B, Hkv, G, T, 1]
+    probs = (e / denom[:, :, None]).to(compute).view(B * Hkv, nk, M, Kb)
+    vb = v.to(compute).permute(0, 2, 1, 3).reshape(B * Hkv, nk, Kb, D)
+    parts = _gemm_batched(probs.to(acc).contiguous(), vb.to(acc).contiguous(), w_kn=True)
+    ctx = _in_order(parts.view(B, Hkv, nk, M, D), 2).to(compute)          # [B, Hkv, M, D]
     return ctx.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+
+# ----- the self-check -------------------------------------------------------------------
+
+def self_check(model) -> None:
+    """Verifies on this machine, once per process, configuration and policy, that every
+    op the invariant model runs gives a row the same bits alone and inside batches of
+    several sizes (llamaspec.selfcheck.check_rows); raises InvarianceError naming the op
+    otherwise. Uses the model's own weights for the linears, random rows for the rest."""
+    key = (model.cfg, model.policy.name, model.policy)
+    if key in _CHECKED:
+        return
+    cfg, policy = model.cfg, model.policy
+    compute = dt(policy.compute_dtype)
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(compute)  # noqa: E731
+    pool = 24
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    x_d, x_f, x_o = rand(pool, 1, d), rand(pool, 1, f), rand(pool, 1, cfg.num_attention_heads * hd)
+    with torch.inference_mode():
+        def rows_of(fn, x):
+            return lambda idx: fn(x[torch.as_tensor(idx)]).float().numpy()
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        checks = {
+            "linear q/k/v": rows_of(lambda x: torch.cat(model.ops.linears(
+                x, [m.weight for m in qkv], [m.bias for m in qkv], policy), -1), x_d),
+            "linear o_proj": rows_of(lambda x: attn.o_proj(x, policy), x_o),
+            "linear gate/up": rows_of(lambda x: torch.cat(model.ops.linears(
+                x, [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias],
+                policy), -1), x_d),
+            "linear down_proj": rows_of(lambda x: mlp.down_proj(x, policy), x_f),
+            "lm_head": rows_of(lambda x: model.ops.linear(x, model.head_weight, None, policy,
+                                                          policy.logits_dtype), x_d),
+            "rms_norm": rows_of(lambda x: layer.input_layernorm(x, policy), x_d),
+            "silu": rows_of(model.ops.silu, x_f),
+            "attention": _attention_rows(model, gen),
+        }
+        check_rows(checks, pool)
+    _CHECKED.add(key)
+
+
+def _attention_rows(model, gen):
+    """Rows for the attention check: sequences of random lengths (one to two key blocks),
+    each row's keys at slots [0, n) as the canonical layout puts them."""
+    cfg, policy = model.cfg, model.policy
+    compute = dt(policy.compute_dtype)
+    H, Hkv, D, S = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, KEY_BLOCK + 16
+    pool = 24
+    q = torch.randn(pool, S, H, D, generator=gen).to(compute)
+    k = torch.randn(pool, S, Hkv, D, generator=gen).to(compute)
+    v = torch.randn(pool, S, Hkv, D, generator=gen).to(compute)
+    lens = torch.randint(1, S + 1, (pool,), generator=gen)
+    slots = torch.arange(S)
+    allowed = (slots[None, None, :] <= slots[None, :, None]) & (slots[None, None, :] < lens[:, None, None])
+
+    def rows(idx):
+        i = torch.as_tensor(idx)
+        width = int(lens[i].max())  # the batch's longest row sets the width, as in the model
+        width = -(-width // LAYOUT_MULTIPLE) * LAYOUT_MULTIPLE
+        out = model.ops.attention(q[i, :width], k[i, :width], v[i, :width], allowed[i, :width, :width], policy)
+        full = torch.zeros((len(idx), S, H, D), dtype=out.dtype)
+        full[:, :width] = out
+        real = slots[None, :, None, None] < lens[i][:, None, None, None]
+        full = torch.where(real, full, torch.zeros((), dtype=full.dtype))  # real queries only
+        return full.float().numpy()
+    return rows
+
+
+_CHECKED: set = set()

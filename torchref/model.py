@@ -7,7 +7,7 @@ hold weights and wire ops together. Every step follows the precision policy.
 batch_invariant=True swaps ops.py for invariant.py (same function names; why each
 change is needed is measured and written there) and runs every call in the canonical
 layout of llamaspec.inputs.invariant_layout: each row's real tokens at slots [0, n),
-positions 0..n-1, width a multiple of ROW_QUANTUM. Results go back to the caller's slots
+positions 0..n-1, width a multiple of LAYOUT_MULTIPLE. Results go back to the caller's slots
 (padding slots hold zeros). The KV cache keeps that layout: row b's tokens fill slots
 [0, lens[b]) and each decode step writes at its own row's slot lens[b], so a row's keys
 sit in the same blocks whatever the other rows' lengths; decode attends to the blocks up
@@ -265,7 +265,7 @@ class LlamaModel(nn.Module):
         """Batch-invariant mode: (ids, mask, positions, back) in the canonical layout
         (llamaspec.inputs.invariant_layout) for checked inputs."""
         ids_c, mask_c, back = invariant_layout(self.cfg, ids.cpu().numpy(), mask.cpu().numpy(),
-                                               invariant.ROW_QUANTUM)
+                                               invariant.LAYOUT_MULTIPLE)
         to = functools.partial(torch.as_tensor, device=self.device)
         return to(ids_c), to(mask_c), to(positions_from_mask(mask_c)).long(), to(back).long()
 
@@ -358,7 +358,7 @@ class LlamaModel(nn.Module):
     def _prefill_invariant(self, ids: np.ndarray, mask: np.ndarray, total_len: int):
         """prefill in the canonical layout; the cache keeps per-row lengths ("lens")."""
         cfg, Kb = self.cfg, invariant.KEY_BLOCK
-        ids_c, mask_c, _ = invariant_layout(cfg, ids, mask, invariant.ROW_QUANTUM,
+        ids_c, mask_c, _ = invariant_layout(cfg, ids, mask, invariant.LAYOUT_MULTIPLE,
                                             extra_length=total_len - ids.shape[1])
         B, W = ids_c.shape
         S = -(-max(total_len, W) // Kb) * Kb
@@ -406,4 +406,7 @@ def from_pretrained(path: str | Path, policy: str | Policy = "fp32", batch_invar
     policy = Policy.get(policy)
     cfg, weights = load_weights(path, check_finite=check_finite)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return LlamaModel(cfg, policy, device, batch_invariant).load_numpy(weights).eval()
+    model = LlamaModel(cfg, policy, device, batch_invariant).load_numpy(weights).eval()
+    if batch_invariant:
+        invariant.self_check(model)
+    return model

@@ -1,0 +1,386 @@
+// Fixed-order kernels for the batch-invariant mode: the same bits for a row whatever
+// the other rows, the row count, the thread count, the CPU and its instruction set.
+//
+// Every result is defined by a scalar program, and the vector code computes exactly that
+// program, one output per lane:
+//
+//   gemm     y[m, n] = fma(x[m, K-1], w[n, K-1], ... fma(x[m, 1], w[n, 1],
+//                          fma(x[m, 0], w[n, 0], 0)))          k ascending, one chain
+//   row_sum  s[m]    = the same chain over x[m, k] * 1 (or * x[m, k] for squares)
+//   exp      a fixed polynomial program (exp_f32 / exp_f64 below) per element
+//
+// fma rounds once (IEEE 754), so AVX-512, AVX2+FMA and the scalar std::fma path give
+// identical bits; vectors run across outputs (n), never across k, so no lane tree or
+// K blocking enters the order. Threads split the outputs, never a sum. Weights are
+// converted to the accumulator type exactly (bf16 and f16 are subsets of f32).
+// docs/invariance.md says why the batch-invariant mode needs this and what it costs.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace fo {
+
+enum WType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+constexpr int64_t kPanel = 16;  // packed weights: panels of 16 outputs, [K][16] each
+
+inline int64_t Panels(int64_t N) { return (N + kPanel - 1) / kPanel; }
+
+// ----- scalar conversions (exact) -------------------------------------------------------
+
+inline float Bf16ToF32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float F16ToF32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = man;
+    do { m <<= 1; ++e; } while (!(m & 0x400));
+    u = sign | uint32_t(112 - e) << 23 | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <class W> inline float ToF32(W v);
+template <> inline float ToF32<float>(float v) { return v; }
+
+struct Bf16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+template <> inline float ToF32<Bf16>(Bf16 v) { return Bf16ToF32(v.bits); }
+template <> inline float ToF32<F16>(F16 v) { return F16ToF32(v.bits); }
+
+// ----- packing -----------------------------------------------------------------------
+
+// w element (n, k) at w[n * sn + k * sk]; packed[p][k][j] = w(p * 16 + j, k), zero past N.
+template <class W>
+void Pack(const W* w, int64_t N, int64_t K, int64_t sn, int64_t sk, W* packed) {
+  for (int64_t p = 0; p < Panels(N); ++p)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const int64_t n = p * kPanel + j;
+        W v;
+        if (n < N) v = w[n * sn + k * sk];
+        else std::memset(&v, 0, sizeof(W));
+        packed[(p * K + k) * kPanel + j] = v;
+      }
+}
+
+// ----- the scalar program (the definition) ----------------------------------------------
+
+template <class W>
+void PanelScalar(const float* x, int64_t ldx, int64_t rows, const W* panel, int64_t K,
+                 float* y, int64_t ldy, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(x[r * ldx + k], ToF32(panel[k * kPanel + j]), acc);
+      y[r * ldy + j] = acc;
+    }
+}
+
+inline void PanelScalar(const double* x, int64_t ldx, int64_t rows, const double* panel, int64_t K,
+                        double* y, int64_t ldy, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(x[r * ldx + k], panel[k * kPanel + j], acc);
+      y[r * ldy + j] = acc;
+    }
+}
+
+// ----- AVX-512: MR rows x NP panels, one zmm of 16 floats (or two of 8 doubles) each ------
+
+#define FO_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define FO_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+FO_AVX512 inline __m512 Load512(const float* p) { return _mm512_loadu_ps(p); }
+FO_AVX512 inline __m512 Load512(const Bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+FO_AVX512 inline __m512 Load512(const F16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int MR, int NP, class W>
+FO_AVX512 void Tile512(const float* x, int64_t ldx, const W* panels, int64_t K, float* y,
+                       int64_t ldy, int64_t cols) {
+  __m512 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[NP];
+    for (int p = 0; p < NP; ++p) w[p] = Load512(panels + (p * K + k) * kPanel);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      const int64_t c = cols - p * kPanel;
+      if (c >= kPanel) _mm512_storeu_ps(y + r * ldy + p * kPanel, acc[r][p]);
+      else if (c > 0) _mm512_mask_storeu_ps(y + r * ldy + p * kPanel, __mmask16((1u << c) - 1), acc[r][p]);
+    }
+}
+
+template <int MR, int NP>
+FO_AVX512 void Tile512(const double* x, int64_t ldx, const double* panels, int64_t K, double* y,
+                       int64_t ldy, int64_t cols) {
+  __m512d acc[MR][2 * NP];
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2 * NP; ++h) acc[r][h] = _mm512_setzero_pd();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512d w[2 * NP];
+    for (int h = 0; h < 2 * NP; ++h) w[h] = _mm512_loadu_pd(panels + ((h / 2) * K + k) * kPanel + (h % 2) * 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m512d xv = _mm512_set1_pd(x[r * ldx + k]);
+      for (int h = 0; h < 2 * NP; ++h) acc[r][h] = _mm512_fmadd_pd(xv, w[h], acc[r][h]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2 * NP; ++h) {
+      const int64_t c = cols - h * 8;
+      if (c >= 8) _mm512_storeu_pd(y + r * ldy + h * 8, acc[r][h]);
+      else if (c > 0) _mm512_mask_storeu_pd(y + r * ldy + h * 8, __mmask8((1u << c) - 1), acc[r][h]);
+    }
+}
+
+// ----- AVX2 + FMA: MR rows x 1 panel (two ymm of 8 floats, or four of 4 doubles) ---------
+
+FO_AVX2 inline __m256 Load256(const float* p) { return _mm256_loadu_ps(p); }
+FO_AVX2 inline __m256 Load256(const Bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+FO_AVX2 inline __m256 Load256(const F16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int MR, class W>
+FO_AVX2 void Tile256(const float* x, int64_t ldx, const W* panel, int64_t K, float* y, int64_t ldy,
+                     int64_t cols) {
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = Load256(panel + k * kPanel), w1 = Load256(panel + k * kPanel + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  alignas(32) float tmp[16];
+  for (int r = 0; r < MR; ++r) {
+    if (cols >= kPanel) {
+      _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+      _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+    } else {
+      _mm256_store_ps(tmp, acc[r][0]);
+      _mm256_store_ps(tmp + 8, acc[r][1]);
+      std::memcpy(y + r * ldy, tmp, cols * sizeof(float));
+    }
+  }
+}
+
+template <int MR>
+FO_AVX2 void Tile256(const double* x, int64_t ldx, const double* panel, int64_t K, double* y,
+                     int64_t ldy, int64_t cols) {
+  __m256d acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_setzero_pd();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256d w[4];
+    for (int h = 0; h < 4; ++h) w[h] = _mm256_loadu_pd(panel + k * kPanel + 4 * h);
+    for (int r = 0; r < MR; ++r) {
+      const __m256d xv = _mm256_broadcast_sd(x + r * ldx + k);
+      for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_fmadd_pd(xv, w[h], acc[r][h]);
+    }
+  }
+  alignas(32) double tmp[16];
+  for (int r = 0; r < MR; ++r) {
+    for (int h = 0; h < 4; ++h) _mm256_store_pd(tmp + 4 * h, acc[r][h]);
+    std::memcpy(y + r * ldy, tmp, (cols < kPanel ? cols : kPanel) * sizeof(double));
+  }
+}
+
+// ----- driving the tiles -------------------------------------------------------------
+
+// Rows [0, M) x panels [p0, p1) of y = x @ w^T, w packed. Tile shapes change speed only.
+template <class A, class W>
+void Columns(Isa isa, const A* x, int64_t ldx, int64_t M, const W* packed, int64_t N, int64_t K,
+             A* y, int64_t ldy, int64_t p0, int64_t p1) {
+  constexpr int64_t kRowBlock = 64;  // rows of x kept hot in cache while panels stream
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t m1 = m0 + kRowBlock < M ? m0 + kRowBlock : M;
+    for (int64_t p = p0; p < p1;) {
+      const int64_t np = (isa == kAvx512 && p + 2 <= p1) ? 2 : 1;
+      const W* panels = packed + p * K * kPanel;
+      const int64_t cols = N - p * kPanel;
+      for (int64_t m = m0; m < m1;) {
+        const A* xr = x + m * ldx;
+        A* yr = y + m * ldy + p * kPanel;
+        const int64_t left = m1 - m;
+        int64_t done;
+        if (isa == kAvx512) {
+          if constexpr (std::is_same_v<A, double>) {
+            if (left >= 4) { np == 2 ? Tile512<4, 2>(xr, ldx, panels, K, yr, ldy, cols) : Tile512<4, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 4; }
+            else { np == 2 ? Tile512<1, 2>(xr, ldx, panels, K, yr, ldy, cols) : Tile512<1, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
+          } else {
+            if (left >= 8) { np == 2 ? Tile512<8, 2, W>(xr, ldx, panels, K, yr, ldy, cols) : Tile512<8, 1, W>(xr, ldx, panels, K, yr, ldy, cols); done = 8; }
+            else if (left >= 4) { np == 2 ? Tile512<4, 2, W>(xr, ldx, panels, K, yr, ldy, cols) : Tile512<4, 1, W>(xr, ldx, panels, K, yr, ldy, cols); done = 4; }
+            else { np == 2 ? Tile512<1, 2, W>(xr, ldx, panels, K, yr, ldy, cols) : Tile512<1, 1, W>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
+          }
+        } else if (isa == kAvx2) {
+          if constexpr (std::is_same_v<A, double>) {
+            if (left >= 2) { Tile256<2>(xr, ldx, panels, K, yr, ldy, cols); done = 2; }
+            else { Tile256<1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
+          } else {
+            if (left >= 4) { Tile256<4, W>(xr, ldx, panels, K, yr, ldy, cols); done = 4; }
+            else { Tile256<1, W>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
+          }
+        } else {
+          PanelScalar(xr, ldx, 1, panels, K, yr, ldy, cols < kPanel ? cols : kPanel);
+          done = 1;
+        }
+        m += done;
+      }
+      p += np;
+    }
+  }
+}
+
+// ----- row sums ----------------------------------------------------------------------
+
+// s[m] = fma chain over k of x[m, k] * (squares ? x[m, k] : 1), k ascending.
+template <class A>
+void RowSums(const A* x, int64_t ldx, int64_t M, int64_t K, bool squares, A* s) {
+  for (int64_t m = 0; m < M; ++m) {
+    const A* r = x + m * ldx;
+    A acc = 0;
+    if (squares) for (int64_t k = 0; k < K; ++k) acc = std::fma(r[k], r[k], acc);
+    else for (int64_t k = 0; k < K; ++k) acc = std::fma(r[k], A(1), acc);
+    s[m] = acc;
+  }
+}
+
+// ----- exp: one straight-line program per element (no table, no lane-dependent path) ----
+
+inline float ExpF32(float x) {
+  if (!(x == x)) return x;                     // NaN
+  if (x > 88.72283935546875f) return INFINITY;
+  if (x < -103.972084045410156f) return 0.0f;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(-n, 0.693145751953125f, x);  // ln2 split: hi has 16 bits
+  r = std::fma(-n, 1.428606765330187045e-06f, r);
+  float p = 1.0f / 40320;                      // Taylor to r^8 on |r| <= ln2 / 2
+  p = std::fma(p, r, 1.0f / 5040);
+  p = std::fma(p, r, 1.0f / 720);
+  p = std::fma(p, r, 1.0f / 120);
+  p = std::fma(p, r, 1.0f / 24);
+  p = std::fma(p, r, 1.0f / 6);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  // p * 2^n in two steps (n may be below the normal range); e1 = floor(e / 2)
+  const int e = int(n), e1 = e >> 1, e2 = e - e1;
+  uint32_t u1 = uint32_t(e1 + 127) << 23, u2 = uint32_t(e2 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &u1, 4);
+  std::memcpy(&s2, &u2, 4);
+  return p * s1 * s2;
+}
+
+// ExpF32's program on 16 (8) lanes: the same operations in the same order.
+FO_AVX512 inline __m512 Exp512(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(n), _mm512_set1_epi32(INT32_MIN)));
+  __m512 r = _mm512_fmadd_ps(neg, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fmadd_ps(neg, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  const float c[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+  __m512 p = _mm512_set1_ps(1.0f / 40320);
+  for (float ci : c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ci));
+  const __m512i e = _mm512_cvtps_epi32(n), e1 = _mm512_srai_epi32(e, 1), e2 = _mm512_sub_epi32(e, e1);
+  const __m512i bias = _mm512_set1_epi32(127);
+  const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e1, bias), 23));
+  const __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e2, bias), 23));
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.972084045410156f), _CMP_LT_OQ), y,
+                           _mm512_setzero_ps());
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ), y,
+                           _mm512_set1_ps(INFINITY));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+}
+
+FO_AVX2 inline __m256 Exp256(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 neg = _mm256_xor_ps(n, _mm256_set1_ps(-0.0f));
+  __m256 r = _mm256_fmadd_ps(neg, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fmadd_ps(neg, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  const float c[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+  __m256 p = _mm256_set1_ps(1.0f / 40320);
+  for (float ci : c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(ci));
+  const __m256i e = _mm256_cvtps_epi32(n), e1 = _mm256_srai_epi32(e, 1), e2 = _mm256_sub_epi32(e, e1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e2, bias), 23));
+  __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+  y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-103.972084045410156f), _CMP_LT_OQ));
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ));
+  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+FO_AVX512 inline void ExpF32Avx512(const float* a, float* b, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(b + i, Exp512(_mm512_loadu_ps(a + i)));
+  for (; i < n; ++i) b[i] = ExpF32(a[i]);
+}
+
+FO_AVX2 inline void ExpF32Avx2(const float* a, float* b, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(b + i, Exp256(_mm256_loadu_ps(a + i)));
+  for (; i < n; ++i) b[i] = ExpF32(a[i]);
+}
+
+inline double ExpF64(double x) {
+  if (!(x == x)) return x;
+  if (x > 709.782712893383973) return INFINITY;
+  if (x < -745.133219101941108) return 0.0;
+  const double n = std::nearbyint(x * 1.44269504088896341);
+  double r = std::fma(-n, 0.693147180369123816490, x);  // ln2 split: hi has 32 bits
+  r = std::fma(-n, 1.90821492927058770002e-10, r);
+  double p = 1.0 / 6227020800.0;                    // Taylor to r^13 on |r| <= ln2 / 2
+  const double c[] = {1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+                      1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+  for (double ci : c) p = std::fma(p, r, ci);
+  const int e = int(n), e1 = e / 2, e2 = e - e1;
+  uint64_t u1 = uint64_t(e1 + 1023) << 52, u2 = uint64_t(e2 + 1023) << 52;
+  double s1, s2;
+  std::memcpy(&s1, &u1, 8);
+  std::memcpy(&s2, &u2, 8);
+  return p * s1 * s2;
+}
+
+}  // namespace fo

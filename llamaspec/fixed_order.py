@@ -1,0 +1,187 @@
+"""The fixed-order kernels (fixed_order.h) for the batch-invariant mode, through ctypes.
+
+Each result is defined by a scalar program: a matrix product sums every output as one
+fused multiply-add chain over k in ascending order; row sums likewise; exp is one fixed
+polynomial program per element. The AVX-512, AVX2+FMA and scalar code paths compute
+that program exactly, so a row's result cannot depend on the row count, the other rows,
+the thread count or the CPU. Why the batch-invariant mode needs this, and what it costs:
+docs/invariance.md.
+
+The C++ source is compiled on first use with g++ (or $CXX) into the llama-parity cache
+(cache_root()/kernels, one file per source, compiler and flags, with its sha256 beside it:
+a damaged file is rebuilt, never loaded). $LLAMA_PARITY_KERNEL_ISA = scalar | avx2 |
+avx512 caps the code path (auto: the widest this CPU runs), so one machine can run every
+path; the results are the same bits on all of them.
+
+Framework-neutral: functions take numpy arrays or raw pointers (torchref passes its
+tensors' data pointers; jaxmodel compiles the same header into an XLA FFI target).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .cache import cache_root
+from .errors import InvarianceError
+
+HERE = Path(__file__).parent
+SOURCE = HERE / "fixed_order.cc"
+HEADER = HERE / "fixed_order.h"
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-shared", "-fPIC", "-pthread")
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+WTYPES = {"float32": 0, "bfloat16": 1, "float16": 2, "float64": 3}
+PANEL = 16
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise InvarianceError("the batch-invariant mode compiles its fixed-order kernels with a C++ "
+                              "compiler, and none was found (g++, c++ or $CXX); install g++")
+    return cxx
+
+
+def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key_parts: tuple[str, ...] = ()
+          ) -> Path:
+    """Compiles `sources` (plus fixed_order.h) into cache_root()/kernels/<name>-<key>.so
+    once; the key covers the sources, compiler, flags and key_parts. The file's sha256 is
+    kept beside it and checked before every load: a damaged or truncated library (which
+    would crash the process in dlopen) is rebuilt instead. Writes are atomic."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise InvarianceError(f"the fixed-order kernels are written for x86-64; this machine is "
+                              f"{platform.machine()}")
+    cxx = compiler()
+    texts = [p.read_text() for p in (*sources, HEADER)]
+    key = hashlib.sha256("\n".join([*texts, cxx, *FLAGS, *extra_flags, *key_parts]).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"{name}-{key}.so"
+    digest = target.with_name(target.name + ".sha256")
+    if target.is_file() and digest.is_file() and digest.read_text().strip() == _sha256(target):
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([cxx, *FLAGS, *extra_flags, "-I", str(HERE), *map(str, sources), "-o", str(built)],
+                           check=True, capture_output=True, text=True)
+            (Path(tmp) / "sha").write_text(_sha256(built) + "\n")
+            os.replace(built, target)  # atomic: a concurrent build never loads half a file
+            os.replace(Path(tmp) / "sha", digest)
+    except subprocess.CalledProcessError as e:
+        raise InvarianceError(f"compiling {', '.join(p.name for p in sources)} with {cxx} failed:\n"
+                              f"{e.stderr.strip()[-2000:]}") from None
+    except OSError as e:
+        raise InvarianceError(f"cannot write the compiled kernel into {target.parent} ({e}); set "
+                              "LLAMA_PARITY_CACHE to a writable folder") from None
+    return target
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def requested_isa() -> str:
+    """$LLAMA_PARITY_KERNEL_ISA, checked ('auto' when unset)."""
+    isa = os.environ.get("LLAMA_PARITY_KERNEL_ISA", "auto").strip().lower() or "auto"
+    if isa != "auto" and isa not in ISAS:
+        raise InvarianceError(f"LLAMA_PARITY_KERNEL_ISA={isa!r}: expected auto, {', '.join(ISAS)}")
+    return isa
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded kernels, on the code path $LLAMA_PARITY_KERNEL_ISA asks for."""
+    lib = ctypes.CDLL(str(build("fixed_order", [SOURCE])))
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.fo_pack.argtypes = [ptr, c_int, i64, i64, i64, i64, ptr]
+    lib.fo_gemm.argtypes = [i64, i64, i64, ptr, i64, ptr, c_int, ptr, i64, c_int]
+    lib.fo_gemm_batched.argtypes = [i64, i64, i64, i64, i64, ptr, i64, i64, i64, ptr, c_int, i64, i64,
+                                    i64, i64, ptr, i64, i64, i64, c_int]
+    lib.fo_row_sums.argtypes = [i64, i64, ptr, i64, c_int, c_int, ptr, c_int]
+    lib.fo_exp.argtypes = [i64, ptr, c_int, ptr, c_int]
+    lib.fo_packed_elements.argtypes = [i64, i64]
+    lib.fo_packed_elements.restype = i64
+    best = lib.fo_max_isa()
+    want = requested_isa()
+    level = best if want == "auto" else ISAS[want]
+    if lib.fo_set_isa(level) < 0:
+        names = {v: k for k, v in ISAS.items()}
+        raise InvarianceError(f"LLAMA_PARITY_KERNEL_ISA={want}: this CPU runs at most {names[best]}")
+    return lib
+
+
+def isa() -> str:
+    """The code path in use ('scalar', 'avx2', 'avx512')."""
+    return {v: k for k, v in ISAS.items()}[library().fo_isa()]
+
+
+def state() -> str:
+    """What the kernels use in this process, for run records; never builds."""
+    if library.cache_info().currsize == 0:
+        return "not loaded in this process"
+    return f"fixed_order ({isa()} path)"
+
+
+def threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+# ----- numpy API (tests, jaxmodel's packing, the self-check) ------------------------------
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def wtype(dtype) -> int:
+    name = np.dtype(dtype).name if not str(dtype).startswith("bfloat16") else "bfloat16"
+    if name not in WTYPES:
+        raise TypeError(f"fixed-order kernels take float32, bfloat16, float16 or float64 weights, not {name}")
+    return WTYPES[name]
+
+
+def pack(w: np.ndarray) -> np.ndarray:
+    """w [N, K] (any supported dtype) -> panels [ceil(N/16), K, 16] of the same dtype."""
+    w = np.ascontiguousarray(w)
+    N, K = w.shape
+    out = np.empty((-(-N // PANEL), K, PANEL), dtype=w.dtype)
+    library().fo_pack(_ptr(w), wtype(w.dtype), N, K, K, 1, _ptr(out))
+    return out
+
+
+def gemm(x: np.ndarray, packed: np.ndarray, n: int, n_threads: int | None = None) -> np.ndarray:
+    """x [M, K] @ w^T for w packed by pack() (n = w's row count). x is float32, or float64
+    for float64 weights; the result has x's dtype."""
+    acc = np.float64 if packed.dtype == np.float64 else np.float32
+    x = np.ascontiguousarray(x, dtype=acc)
+    M, K = x.shape
+    if packed.shape[1] != K:
+        raise ValueError(f"gemm: x has K={K}, the packed weights K={packed.shape[1]}")
+    y = np.empty((M, n), dtype=acc)
+    library().fo_gemm(M, n, K, _ptr(x), K, _ptr(packed), wtype(packed.dtype), _ptr(y), n,
+                      n_threads or threads())
+    return y
+
+
+def row_sums(x: np.ndarray, squares: bool = False) -> np.ndarray:
+    """Sum over the last axis (of x or x**2) as one fma chain per row; f32 or f64."""
+    x = np.ascontiguousarray(x)
+    M, K = int(np.prod(x.shape[:-1])), x.shape[-1]
+    s = np.empty(x.shape[:-1], dtype=x.dtype)
+    library().fo_row_sums(M, K, _ptr(x), K, int(squares), int(x.dtype == np.float64), _ptr(s), threads())
+    return s
+
+
+def exp(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x)
+    y = np.empty_like(x)
+    library().fo_exp(x.size, _ptr(x), int(x.dtype == np.float64), _ptr(y), threads())
+    return y

@@ -1,0 +1,153 @@
+"""llamaspec.fixed_order: the kernels under the batch-invariant mode.
+
+What they guarantee, checked here without assuming any machine's rounding: every code
+path (AVX-512, AVX2+FMA, scalar) computes the documented scalar program bit for bit; the
+scalar program is an fma chain over k in ascending order (checked against exact rational
+arithmetic); a row's result does not depend on the rows around it or the thread count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from llamaspec import fixed_order as fo
+from llamaspec.errors import InvarianceError
+
+PATHS = [name for name, level in fo.ISAS.items() if level <= fo.library().fo_max_isa()]
+
+
+@contextlib.contextmanager
+def code_path(name: str):
+    lib = fo.library()
+    before = lib.fo_isa()
+    assert lib.fo_set_isa(fo.ISAS[name]) == fo.ISAS[name]
+    try:
+        yield
+    finally:
+        lib.fo_set_isa(before)
+
+
+def _round_f32(q: Fraction) -> np.float32:
+    """q rounded to the nearest float32, ties to even (exact: no double rounding)."""
+    c = np.float32(float(q))
+    best = None
+    for v in (np.nextafter(c, np.float32(-np.inf)), c, np.nextafter(c, np.float32(np.inf))):
+        d = abs(Fraction(float(v)) - q)
+        even = int(np.asarray(v).view(np.uint32)) % 2 == 0
+        if best is None or d < best[0] or (d == best[0] and even):
+            best = (d, v)
+    return best[1]
+
+
+def _fma_chain_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The documented program, in exact arithmetic with one f32 rounding per fma."""
+    M, K = x.shape
+    y = np.zeros((M, w.shape[0]), np.float32)
+    for m in range(M):
+        for n in range(w.shape[0]):
+            acc = np.float32(0)
+            for k in range(K):
+                acc = _round_f32(Fraction(float(x[m, k])) * Fraction(float(w[n, k])) + Fraction(float(acc)))
+            y[m, n] = acc
+    return y
+
+
+def test_scalar_path_is_the_documented_fma_chain():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 13)).astype(np.float32)
+    w = rng.standard_normal((5, 13)).astype(np.float32)
+    with code_path("scalar"):
+        got = fo.gemm(x, fo.pack(w), 5)
+    assert np.array_equal(got.view(np.uint32), _fma_chain_f32(x, w).view(np.uint32))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16, np.float64])
+def test_every_code_path_gives_the_scalar_programs_bits(path, dtype):
+    rng = np.random.default_rng(2)
+    acc = np.float64 if dtype == np.float64 else np.float32
+    for M, N, K in [(1, 1, 1), (1, 37, 19), (9, 16, 64), (70, 33, 7), (5, 100, 300), (17, 48, 576)]:
+        x = rng.standard_normal((M, K)).astype(dtype).astype(acc)
+        w = (rng.standard_normal((N, K)) * 3).astype(dtype)
+        packed = fo.pack(w)
+        with code_path("scalar"):
+            want = fo.gemm(x, packed, N)
+        with code_path(path):
+            got = fo.gemm(x, packed, N)
+        assert np.array_equal(got, want), (path, M, N, K)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_row_gives_the_same_bits_alone_in_any_batch_and_thread_count(path):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((200, 96)).astype(np.float32)
+    packed = fo.pack(w)
+    x = rng.standard_normal((300, 96)).astype(np.float32)
+    with code_path(path):
+        alone = np.concatenate([fo.gemm(x[i:i + 1], packed, 200) for i in range(0, 300, 7)])
+        for rows, threads in [(2, 1), (3, 2), (8, 2), (70, 1), (300, 2), (300, 3)]:
+            got = fo.gemm(x[:rows], packed, 200, threads)
+            assert np.array_equal(got[::7], alone[:len(got[::7])]), (rows, threads)
+
+
+def test_row_sums_are_one_fma_chain_per_row():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 50)).astype(np.float32)
+    for squares in (False, True):
+        got = fo.row_sums(x, squares)
+        for m in range(4):
+            acc = np.float32(0)
+            for v in x[m]:
+                acc = _round_f32(Fraction(float(v)) * Fraction(float(v if squares else 1)) + Fraction(float(acc)))
+            assert got[m] == acc
+        # a row's sum does not depend on how many rows are summed at once
+        assert np.array_equal(fo.row_sums(x[1:2], squares), got[1:2])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_code_path_gives_the_scalar_exp_bits(path):
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.uniform(-110, 95, 100003), [np.nan, np.inf, -np.inf, 0.0, -0.0]]).astype(np.float32)
+    with code_path("scalar"):
+        want = fo.exp(x)
+    with code_path(path):
+        got = fo.exp(x)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exp_is_accurate_and_elementwise(dtype):
+    x = np.concatenate([np.linspace(-120, 90, 20001), [0.0, -0.0, 1e-30, -1e-30, 700, -800]]).astype(dtype)
+    with np.errstate(over="ignore"):
+        want = np.exp(x.astype(np.float64))
+        got = fo.exp(x).astype(np.float64)
+    finite = (want < np.finfo(dtype).max) & (want > np.finfo(dtype).tiny)
+    eps = np.finfo(dtype).eps
+    assert np.all(np.abs(got[finite] - want[finite]) <= 2 * eps * want[finite])
+    assert np.array_equal(np.isinf(got), np.isinf(want.astype(dtype)))
+    special = fo.exp(np.array([np.nan, np.inf, -np.inf, np.finfo(dtype).min], dtype))
+    assert np.isnan(special[0]) and special[1] == np.inf and special[2] == 0 and special[3] == 0
+    # the same element gives the same bits at any position of any array
+    assert np.array_equal(fo.exp(x[5:6]), fo.exp(x)[5:6])
+    assert np.array_equal(fo.exp(x[3:40007]), fo.exp(x)[3:40007])
+
+
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_PARITY_CACHE", str(tmp_path))
+    first = fo.build("fixed_order", [fo.SOURCE])
+    size = first.stat().st_size
+    with open(first, "r+b") as f:
+        f.truncate(4000)
+    again = fo.build("fixed_order", [fo.SOURCE])
+    assert again == first and again.stat().st_size == size
+
+
+def test_an_unknown_or_unsupported_isa_cap_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("LLAMA_PARITY_KERNEL_ISA", "avx1024")
+    with pytest.raises(InvarianceError, match="LLAMA_PARITY_KERNEL_ISA='avx1024'"):
+        fo.requested_isa()
