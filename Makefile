@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model demo test test-all bench clean-venv
+.PHONY: setup model demo test test-caps test-all bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,22 @@ demo: setup
 # Default suite: tiny random checkpoints plus the SmolLM2 checks (well under 15 min on 2 cores).
 test: model
 	$(BIN)/python -m pytest -ra
+
+# The invariance, kernel and parity tests again with the libraries capped to older
+# instruction sets, as on other users' CPUs (docs/invariance.md). Each cap: CAP_<name>.
+CAP_TESTS := tests/test_fixed_order.py tests/test_batch_invariant.py tests/test_parity.py tests/test_models.py
+CAP_avx2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	LLAMA_PARITY_KERNEL_ISA=avx2 XLA_FLAGS=--xla_cpu_max_isa=AVX2
+CAP_scalar := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
+	LLAMA_PARITY_KERNEL_ISA=scalar XLA_FLAGS=--xla_cpu_max_isa=SSE4_2
+CAPS ?= avx2 scalar
+test-caps: model
+	@set -e; for cap in $(CAPS); do \
+	  echo "== tests under cap $$cap"; \
+	  case $$cap in avx2) env $(CAP_avx2) $(BIN)/python -m pytest -q $(CAP_TESTS);; \
+	    scalar) env $(CAP_scalar) $(BIN)/python -m pytest -q $(CAP_TESTS);; \
+	    *) echo "unknown cap $$cap (avx2, scalar)"; exit 2;; esac; \
+	done
 
 # Everything, including tests marked slow.
 test-all: model

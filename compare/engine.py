@@ -203,8 +203,17 @@ def _findings(tap, cand64, oracle, mask, keeps_f32, context) -> list:
     return found
 
 
-def precision_floor(policy: Policy) -> float:
-    return max(FLOOR_ULPS * unit_roundoff(policy.compute_dtype), FP64_FLOOR)
+def precision_floor(policy: Policy, hidden: int | None = None) -> float:
+    """FLOOR_ULPS unit roundoffs of compute_dtype (at least FP64_FLOOR). At fp32, given the
+    model's hidden size, at least sqrt(hidden) unit roundoffs: the typical relative error
+    of one f32 sum over the hidden size, by which two correct implementations that sum in
+    different orders (one fma chain against blocked or pairwise sums, as another CPU's
+    kernels choose) can differ. Below it a difference in accuracy is not a lower-precision
+    step (docs/method.md)."""
+    floor = max(FLOOR_ULPS * unit_roundoff(policy.compute_dtype), FP64_FLOOR)
+    if hidden and policy.compute_dtype == "float32":
+        floor = max(floor, math.sqrt(hidden) * unit_roundoff("float32"))
+    return floor
 
 
 def drift_factor(policy: Policy) -> float:
@@ -262,7 +271,7 @@ def precision_ratio(r, c, o, pos, floor, m=M, rows: _RowErrors | None = None
 
 
 def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bool,
-             context=None) -> TapVerdict:
+             context=None, hidden: int | None = None) -> TapVerdict:
     """The ladder for one tap; arrays are [B, T, ...], mask [B, T] selects real positions.
 
     context (optional): {"pre": (cand64_pre, oracle_pre)} at q_rope/k_rope taps (the q/k
@@ -294,7 +303,7 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
                               + f"): a difference in the math, not rounding; {why}")
     pos = positions_from_mask(np.asarray(mask))[np.asarray(mask, bool)]
     m = drift_factor(policy)
-    ratio, where = precision_ratio(sq_r, sq_c, None, pos, precision_floor(policy), m, rows)
+    ratio, where = precision_ratio(sq_r, sq_c, None, pos, precision_floor(policy, hidden), m, rows)
     if ratio > 1:
         step = _PRECISION_STEP.get(tapnames.parse(tap)[1], "a step computed in lower precision "
                                    "(matmul accumulation, norm, softmax, RoPE tables)")
@@ -389,8 +398,9 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     progress("candidate at fp64 (semantic rung)")
     _, c64 = cand.at_fp64.capture(ids, mask, taps)
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
+    hidden = np.shape(o["embed"])[-1] if "embed" in o else None
     verdicts = [classify(t, r[t], c[t], o[t], c64[t], real, policy, keeps_f32,
-                         _context(t, c64, o)) for t in taps]
+                         _context(t, c64, o), hidden) for t in taps]
     for v in verdicts:
         v.metrics = pair_metrics(c[v.tap][real], r[v.tap][real], tapnames.dtype_of(v.tap, policy))
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
@@ -461,7 +471,7 @@ def _local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=Non
             row = rows[tapnames.layer_of(t)]
             fr, fc, o = forced["ref"][t][real], forced["cand"][t][real], oracle[t][real]
             row["ref_tap_local"], row["cand_tap_local"] = rel_l2(fr, o), rel_l2(fc, o)
-            row["tap_local_ratio"] = precision_ratio(fr, fc, o, pos, precision_floor(policy),
+            row["tap_local_ratio"] = precision_ratio(fr, fc, o, pos, precision_floor(policy, oracle["embed"].shape[-1]),
                                                      drift_factor(policy))[0]
     if divergence and divergence.kind == "semantic":
         _, forced = cand.at_fp64.capture(ids, mask, list(dict.fromkeys(outs + at)), inject=inject)

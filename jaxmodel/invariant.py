@@ -53,6 +53,7 @@ from .ops import apply_rope, rope_cos_sin, rope_inv_freq, rotate_half, silu  # n
 ROW_MIN = 2        # a linear layer never runs on fewer rows (one row is a GEMV)
 Q_BLOCK = 16       # queries per attention tile (prefill widths are multiples of it)
 KEY_BLOCK = 64     # keys per attention block: every attention dot has this fixed size
+SELF_CHECK_SIZES = (2, 5, 17)  # batch sizes of the load-time self-check (each one a compile)
 
 
 def tree_sum(x, wide=None):
@@ -162,3 +163,90 @@ def _attend(q, allowed, kb, vb, policy: Policy):
                             precision=matmul_precision(policy), preferred_element_type=accum)
     o = _in_order(parts).astype(compute)                           # [B, K, Tq, G, D]
     return o.transpose(0, 2, 1, 3, 4).reshape(B, Tq, Hq, D)
+
+
+# ----- the self-check -------------------------------------------------------------------
+
+def self_check(module) -> None:
+    """Verifies on this machine, once per process, configuration and policy, that the ops
+    the invariant model runs give a row the same bits alone and inside batches of several
+    sizes (llamaspec.selfcheck.check_rows): the linears on the model's own weights, one
+    token per row (decode) and Q_BLOCK tokens per row (prefill), RMSNorm, silu and
+    attention on random rows; raises InvarianceError naming the op otherwise. Each op is
+    compiled with the batch-invariant compiler options, as the model's programs are."""
+    import functools
+
+    import numpy as np
+
+    from llamaspec.selfcheck import check_rows
+
+    from .dtypes import compiler_options
+    cfg, policy = module.cfg, module.policy
+    key = (cfg, policy)
+    if key in _CHECKED:
+        return
+    compute = of(policy.compute_dtype)
+    rng = np.random.default_rng(0)
+    pool = 24
+    jit = functools.partial(jax.jit, compiler_options=compiler_options(True))
+
+    def rand(*shape):
+        return jnp.asarray(rng.standard_normal(shape), compute)
+
+    def rows_of(fn, x, *params):  # params go in as arguments: constants would slow the compile
+        f = jit(fn)
+        return lambda idx: np.asarray(f(x[np.asarray(idx)], *params).astype(jnp.float32))
+
+    layer = module.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    d, f, o = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
+    x1, xq = rand(pool, 1, d), rand(pool, Q_BLOCK, d)
+    head = module.embed_tokens.weight[...] if module.lm_head is None else module.lm_head.weight[...]
+    def lin(m):
+        return lambda x, w, b: linear(x, w, b, policy)
+
+    def wb(m):
+        return (m.weight[...], None if m.bias is None else m.bias[...])
+
+    checks = {
+        "linear q_proj (one token)": rows_of(lin(attn.q_proj), x1, *wb(attn.q_proj)),
+        f"linear q_proj ({Q_BLOCK} tokens)": rows_of(lin(attn.q_proj), xq, *wb(attn.q_proj)),
+        "linear o_proj (one token)": rows_of(lin(attn.o_proj), rand(pool, 1, o), *wb(attn.o_proj)),
+        "linear gate_proj (one token)": rows_of(lin(mlp.gate_proj), x1, *wb(mlp.gate_proj)),
+        f"linear down_proj ({Q_BLOCK} tokens)": rows_of(lin(mlp.down_proj), rand(pool, Q_BLOCK, f),
+                                                       *wb(mlp.down_proj)),
+        "lm_head (one token)": rows_of(lambda x, w: linear(x, w, None, policy, policy.logits_dtype), x1, head),
+        "rms_norm": rows_of(lambda x, w: rms_norm(x, w, cfg.rms_norm_eps, policy), xq,
+                            layer.input_layernorm.weight[...]),
+        "silu": rows_of(silu, rand(pool, Q_BLOCK, f)),
+        "attention": _attention_rows(cfg, policy, rng, jit, pool),
+    }
+    check_rows(checks, pool, sizes=SELF_CHECK_SIZES)
+    _CHECKED.add(key)
+
+
+def _attention_rows(cfg, policy: Policy, rng, jit, pool):
+    """Rows for the attention check: sequences of random lengths (up to two key blocks),
+    keys at slots [0, n) as the canonical layout puts them; the batch's longest row sets
+    the width, rounded up to Q_BLOCK, as in the model."""
+    import numpy as np
+    compute = of(policy.compute_dtype)
+    H, Hkv, D, S = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, KEY_BLOCK + Q_BLOCK
+    q, k, v = (np.asarray(rng.standard_normal((pool, S, h, D)), np.float32) for h in (H, Hkv, Hkv))
+    lens = rng.integers(1, S + 1, pool)
+    slots = np.arange(S)
+    allowed = (slots[None, None, :] <= slots[None, :, None]) & (slots[None, None, :] < lens[:, None, None])
+    fn = jit(lambda q, k, v, a: attention(q.astype(compute), k.astype(compute), v.astype(compute), a, policy))
+
+    def rows(idx):
+        idx = np.asarray(idx)
+        width = -(-int(lens[idx].max()) // Q_BLOCK) * Q_BLOCK
+        out = np.asarray(fn(q[idx, :width], k[idx, :width], v[idx, :width], allowed[idx, :width, :width])
+                         .astype(jnp.float32))
+        full = np.zeros((len(idx), S, H, D), np.float32)
+        full[:, :width] = out
+        return np.where(slots[None, :, None, None] < lens[idx][:, None, None, None], full, 0)
+    return rows
+
+
+_CHECKED: set = set()

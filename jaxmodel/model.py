@@ -465,4 +465,7 @@ def from_pretrained(path, policy="fp32", batch_invariant: bool = False,
     whatever the rest of the batch, its row and its padding (see invariant.py)."""
     policy = Policy.get(policy)
     cfg, weights = load_weights(path, check_finite=check_finite)
-    return LlamaModel(Llama(cfg, policy, weights, batch_invariant))
+    module = Llama(cfg, policy, weights, batch_invariant)
+    if batch_invariant:
+        invariant.self_check(module)
+    return LlamaModel(module)

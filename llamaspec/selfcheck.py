@@ -19,17 +19,18 @@ from .errors import InvarianceError
 SIZES = (2, 3, 5, 8, 13, 17, 70)
 
 
-def check_rows(ops: dict[str, Callable[[np.ndarray], np.ndarray]], pool: int, seed: int = 0) -> None:
+def check_rows(ops: dict[str, Callable[[np.ndarray], np.ndarray]], pool: int, seed: int = 0,
+               sizes: tuple[int, ...] = SIZES) -> None:
     """ops: name -> fn(indices) giving the op's result for the batch of pool rows at
     `indices` (first axis: the batch). For each op, a target row alone is compared with
-    the same row at the first, a middle and the last position of batches of SIZES rows
+    the same row at the first, a middle and the last position of batches of `sizes` rows
     (companions drawn from the pool, repeats allowed). Raises InvarianceError naming the
     op, batch size, position and the largest difference."""
     rng = np.random.default_rng(seed)
     for name, fn in ops.items():
         target = 0
         alone = np.asarray(fn(np.array([target])))[0]
-        for size in SIZES:
+        for size in sizes:
             for pos in sorted({0, size // 2, size - 1}):
                 idx = rng.integers(1, pool, size)
                 idx[pos] = target

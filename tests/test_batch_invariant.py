@@ -238,6 +238,21 @@ def test_torchref_self_check_catches_an_order_changing_kernel_and_names_it(op, t
         load("torchref", tiny_dir(), "fp32")
 
 
+def test_jaxmodel_self_check_catches_an_order_changing_op_and_names_it(tiny_dir, monkeypatch):
+    """jaxmodel's self-check at load: an op whose result changes with the row count
+    (planted: silu computed another way once the batch has more than one row) makes
+    from_pretrained refuse, naming it."""
+    import jax
+    import jax.numpy as jnp
+    from jaxmodel import invariant
+    from llamaspec.errors import InvarianceError
+    monkeypatch.setattr(invariant, "silu", lambda x: x * jax.nn.sigmoid(x) if x.shape[0] == 1
+                        else x / (1 + jnp.exp(-x)))
+    monkeypatch.setattr(invariant, "_CHECKED", set())
+    with pytest.raises(InvarianceError, match="self-check failed on this machine: silu gives a row"):
+        load("jaxmodel", tiny_dir(), "fp32")
+
+
 def test_torchref_invariant_model_sees_a_replaced_weight(tiny_dir):
     """A control that swaps a Linear's weight on a loaded invariant model (compare/controls.py
     does this on default models) changes its output, as in the default mode."""

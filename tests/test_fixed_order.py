@@ -129,7 +129,8 @@ def test_exp_is_accurate_and_elementwise(dtype):
     finite = (want < np.finfo(dtype).max) & (want > np.finfo(dtype).tiny)
     eps = np.finfo(dtype).eps
     assert np.all(np.abs(got[finite] - want[finite]) <= 2 * eps * want[finite])
-    assert np.array_equal(np.isinf(got), np.isinf(want.astype(dtype)))
+    with np.errstate(over="ignore"):
+        assert np.array_equal(np.isinf(got), np.isinf(want.astype(dtype)))
     special = fo.exp(np.array([np.nan, np.inf, -np.inf, np.finfo(dtype).min], dtype))
     assert np.isnan(special[0]) and special[1] == np.inf and special[2] == 0 and special[3] == 0
     # the same element gives the same bits at any position of any array

@@ -347,3 +347,20 @@ def test_public_detectors_and_hint():
     found = [S.Finding("position_trend", 0.99, "", "error grows with position: RoPE"),
              S.Finding("sign_bias", 0.2, "", "one-sided")]
     assert S.hint(found) == "error grows with position: RoPE (also: sign_bias)"
+
+
+def test_ulps_are_counted_in_the_taps_own_dtype():
+    """Under a 16-bit policy the logits are f32: a one-f32-ulp difference is 1 ULP, not
+    the 0 it would round to in bf16."""
+    from compare.metrics import pair_metrics
+    from llamaspec import Policy, taps
+    bf16 = Policy.get("bf16")
+    assert taps.dtype_of("logits", bf16) == "float32"
+    assert taps.dtype_of("layers.3.out", bf16) == bf16.residual_dtype
+    assert taps.dtype_of("layers.3.q", bf16) == "bfloat16"
+    r = np.linspace(1, 2, 64, dtype=np.float32)
+    c = r.copy()
+    c[7] = np.nextafter(c[7], np.float32(3))
+    assert pair_metrics(c, r, taps.dtype_of("logits", bf16))["max_ulp"] == 1
+    # arrays that hold the same dtype are counted in it, whatever the policy says
+    assert pair_metrics(c, r, "bfloat16")["max_ulp"] == 1
