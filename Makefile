@@ -27,20 +27,23 @@ test: model
 	$(BIN)/python -m pytest -ra
 
 # The invariance, kernel and parity tests again with the libraries capped to older
-# instruction sets, as on other users' CPUs (docs/invariance.md). Each cap: CAP_<name>.
+# instruction sets, as on other users' CPUs (docs/invariance.md). `make test-caps` runs
+# CAPS (CI: avx2 and baseline); `make test-cap-avx512` one of them.
 CAP_TESTS := tests/test_fixed_order.py tests/test_batch_invariant.py tests/test_parity.py tests/test_models.py
+CAP_avx512 := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE MKL_ENABLE_INSTRUCTIONS=AVX512 \
+	LLAMA_PARITY_KERNEL_ISA=avx512 XLA_FLAGS=--xla_cpu_max_isa=AVX512
 CAP_avx2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
 	LLAMA_PARITY_KERNEL_ISA=avx2 XLA_FLAGS=--xla_cpu_max_isa=AVX2
-CAP_scalar := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
-	LLAMA_PARITY_KERNEL_ISA=scalar XLA_FLAGS=--xla_cpu_max_isa=SSE4_2
-CAPS ?= avx2 scalar
-test-caps: model
-	@set -e; for cap in $(CAPS); do \
-	  echo "== tests under cap $$cap"; \
-	  case $$cap in avx2) env $(CAP_avx2) $(BIN)/python -m pytest -q $(CAP_TESTS);; \
-	    scalar) env $(CAP_scalar) $(BIN)/python -m pytest -q $(CAP_TESTS);; \
-	    *) echo "unknown cap $$cap (avx2, scalar)"; exit 2;; esac; \
-	done
+CAP_baseline := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
+	LLAMA_PARITY_KERNEL_ISA=scalar XLA_FLAGS=--xla_cpu_max_isa=AVX
+CAPS ?= avx2 baseline
+
+test-caps: $(addprefix test-cap-,$(CAPS))
+
+test-cap-%: model
+	@test -n "$(CAP_$*)" || { echo "unknown cap $* (avx512, avx2, baseline)"; exit 2; }
+	@echo "== tests under cap $*: $(CAP_$*)"
+	env $(CAP_$*) $(BIN)/python -m pytest -q $(CAP_TESTS)
 
 # Everything, including tests marked slow.
 test-all: model

@@ -15,12 +15,35 @@ namespace {
 
 fo::Isa g_isa = fo::kScalar;
 
+// A host framework's OpenMP runtime (fo_use_openmp): the tasks then run on its threads,
+// instead of a pool of ours competing with them for the cores.
+using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+GompParallel g_gomp_parallel = nullptr;
+
+struct OmpJob {
+  const std::function<void(int64_t)>* task;
+  int64_t n;
+  std::atomic<int64_t> next{0};
+};
+
+void OmpTrampoline(void* data) {
+  auto* job = static_cast<OmpJob*>(data);
+  for (int64_t i; (i = job->next.fetch_add(1)) < job->n;) (*job->task)(i);
+}
+
 // Tasks [0, n) run by the caller and up to threads - 1 workers; one job at a time.
 class Pool {
  public:
   void Run(int64_t n, int threads, const std::function<void(int64_t)>& task) {
     if (threads <= 1 || n <= 1) {
       for (int64_t i = 0; i < n; ++i) task(i);
+      return;
+    }
+    if (g_gomp_parallel != nullptr) {
+      OmpJob job;
+      job.task = &task;
+      job.n = n;
+      g_gomp_parallel(OmpTrampoline, &job, unsigned(threads), 0);
       return;
     }
     std::lock_guard<std::mutex> one_job(job_mu_);
@@ -94,6 +117,20 @@ void Gemm(int64_t M, int64_t N, int64_t K, const A* x, int64_t ldx, const W* pac
   });
 }
 
+void GemmPairs(int64_t M, int64_t N, int64_t K, const fo::Bf16* x, int64_t ldx, const fo::Bf16* packed,
+               float* y, int64_t ldy, int threads) {
+  const int64_t panels = fo::Panels(N);
+  if (M * N * K < (int64_t{1} << 18)) threads = 1;
+  const int64_t chunks = threads <= 1 ? 1 : std::min<int64_t>(panels, 4 * threads);
+  const int64_t per = (panels + chunks - 1) / chunks;
+  const int64_t width = per + (per % 2);
+  const int64_t n_tasks = (panels + width - 1) / width;
+  ThePool().Run(n_tasks, threads, [&](int64_t t) {
+    const int64_t p0 = t * width, p1 = std::min(panels, p0 + width);
+    fo::ColumnsPairs(g_isa, x, ldx, M, packed, N, K, y, ldy, p0, p1);
+  });
+}
+
 template <class A, class W>
 void Batched(int64_t b1, int64_t b2, int64_t M, int64_t N, int64_t K, const A* x, int64_t ldx,
              int64_t sx1, int64_t sx2, const W* w, int64_t sn, int64_t sk, int64_t sw1, int64_t sw2,
@@ -123,9 +160,13 @@ void ForEachType(int wtype, F&& f) {
 
 extern "C" {
 
-// 0 scalar, 1 AVX2+FMA, 2 AVX-512; what this CPU can run at most.
+// 0 scalar, 1 AVX2+FMA, 2 AVX-512, 3 AVX-512 with BF16; what this CPU can run at most.
 int fo_max_isa() {
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+      __builtin_cpu_supports("avx512bf16"))
+    return fo::kAvx512Bf16;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c"))
     return fo::kAvx512;
@@ -144,10 +185,20 @@ int fo_set_isa(int isa) {
 
 int fo_isa() { return g_isa; }
 
-int64_t fo_packed_elements(int64_t N, int64_t K) { return fo::Panels(N) * K * fo::kPanel; }
+// Run parallel work through this GOMP_parallel (the host's libgomp), or our pool (null).
+void fo_use_openmp(void* gomp_parallel) { g_gomp_parallel = reinterpret_cast<GompParallel>(gomp_parallel); }
 
-// w (n, k) at w[n * sn + k * sk], element type wtype, into `packed` (same element type).
+int64_t fo_packed_elements(int64_t N, int64_t K, int wtype) {
+  return wtype == fo::kBF16Pairs ? fo::Panels(N) * fo::Pairs(K) * fo::kPanel * 2 : fo::Panels(N) * K * fo::kPanel;
+}
+
+// w (n, k) at w[n * sn + k * sk], element type wtype, into `packed` (same element type;
+// kBF16Pairs: bf16 weights for the pair program, x bf16 too).
 void fo_pack(const void* w, int wtype, int64_t N, int64_t K, int64_t sn, int64_t sk, void* packed) {
+  if (wtype == fo::kBF16Pairs) {
+    fo::PackPairs(static_cast<const fo::Bf16*>(w), N, K, sn, sk, static_cast<fo::Bf16*>(packed));
+    return;
+  }
   ForEachType(wtype, [&](auto tag) {
     using W = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     fo::Pack(static_cast<const W*>(w), N, K, sn, sk, static_cast<W*>(packed));
@@ -155,9 +206,14 @@ void fo_pack(const void* w, int wtype, int64_t N, int64_t K, int64_t sn, int64_t
 }
 
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w^T, w packed by fo_pack.
-// x and y are f64 when wtype is f64, else f32.
+// x and y are f64 when wtype is f64; x bf16 and y f32 for kBF16Pairs; else both f32.
 void fo_gemm(int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, const void* packed,
              int wtype, void* y, int64_t ldy, int threads) {
+  if (wtype == fo::kBF16Pairs) {
+    GemmPairs(M, N, K, static_cast<const fo::Bf16*>(x), ldx, static_cast<const fo::Bf16*>(packed),
+              static_cast<float*>(y), ldy, threads);
+    return;
+  }
   ForEachType(wtype, [&](auto tag) {
     using W = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     using A = std::conditional_t<std::is_same_v<W, double>, double, float>;
@@ -188,9 +244,9 @@ void fo_row_sums(int64_t M, int64_t K, const void* x, int64_t ldx, int squares, 
   ThePool().Run((M + chunk - 1) / chunk, threads, [&](int64_t t) {
     const int64_t m0 = t * chunk, rows = std::min(chunk, M - m0);
     if (is_f64)
-      fo::RowSums(static_cast<const double*>(x) + m0 * ldx, ldx, rows, K, squares, static_cast<double*>(s) + m0);
+      fo::RowSums(g_isa, static_cast<const double*>(x) + m0 * ldx, ldx, rows, K, squares, static_cast<double*>(s) + m0);
     else
-      fo::RowSums(static_cast<const float*>(x) + m0 * ldx, ldx, rows, K, squares, static_cast<float*>(s) + m0);
+      fo::RowSums(g_isa, static_cast<const float*>(x) + m0 * ldx, ldx, rows, K, squares, static_cast<float*>(s) + m0);
   });
 }
 
@@ -207,7 +263,7 @@ void fo_exp(int64_t n, const void* x, int is_f64, void* y, int threads) {
     } else {
       const float* a = static_cast<const float*>(x) + i0;
       float* b = static_cast<float*>(y) + i0;
-      if (g_isa == fo::kAvx512) fo::ExpF32Avx512(a, b, i1 - i0);
+      if (g_isa >= fo::kAvx512) fo::ExpF32Avx512(a, b, i1 - i0);
       else if (g_isa == fo::kAvx2) fo::ExpF32Avx2(a, b, i1 - i0);
       else for (int64_t i = 0; i < i1 - i0; ++i) b[i] = fo::ExpF32(a[i]);
     }

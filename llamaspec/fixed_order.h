@@ -6,6 +6,12 @@
 //
 //   gemm     y[m, n] = fma(x[m, K-1], w[n, K-1], ... fma(x[m, 1], w[n, 1],
 //                          fma(x[m, 0], w[n, 0], 0)))          k ascending, one chain
+//   gemm, bf16 x and bf16 w ("pairs"): k taken in pairs (2i, 2i+1), the odd one first:
+//            acc = ftz(fma(x[2i+1], w[2i+1], acc)); acc = ftz(fma(x[2i], w[2i], acc))
+//            with denormal inputs read as zero and denormal results flushed to zero: what
+//            the AVX-512-BF16 instruction vdpbf16ps computes (checked bit for bit against
+//            this program in tests/test_fixed_order.py), so CPUs that have it run it and
+//            the others emulate it
 //   row_sum  s[m]    = the same chain over x[m, k] * 1 (or * x[m, k] for squares)
 //   exp      a fixed polynomial program (exp_f32 / exp_f64 below) per element
 //
@@ -25,8 +31,8 @@
 
 namespace fo {
 
-enum WType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3 };
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum WType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3, kBF16Pairs = 4 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 constexpr int64_t kPanel = 16;  // packed weights: panels of 16 outputs, [K][16] each
 
@@ -224,6 +230,191 @@ FO_AVX2 void Tile256(const double* x, int64_t ldx, const double* panel, int64_t 
   }
 }
 
+// ----- bf16 x bf16 in pairs (the vdpbf16ps program) ------------------------------------
+
+inline int64_t Pairs(int64_t K) { return (K + 1) / 2; }
+
+// packed[p][i][j][h] = w(p * 16 + j, 2 i + h), zero past N and K.
+inline void PackPairs(const Bf16* w, int64_t N, int64_t K, int64_t sn, int64_t sk, Bf16* packed) {
+  for (int64_t p = 0; p < Panels(N); ++p)
+    for (int64_t i = 0; i < Pairs(K); ++i)
+      for (int64_t j = 0; j < kPanel; ++j)
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t n = p * kPanel + j, k = 2 * i + h;
+          packed[((p * Pairs(K) + i) * kPanel + j) * 2 + h] = (n < N && k < K) ? w[n * sn + k * sk] : Bf16{0};
+        }
+}
+
+inline float Ftz(float a) {
+  return std::fabs(a) < 1.17549435e-38f ? std::copysign(0.0f, a) : a;
+}
+
+// x's pair i as the 32 bits vdpbf16ps broadcasts (the odd element in the high half).
+inline uint32_t XPair(const Bf16* x, int64_t i, int64_t K) {
+  const uint32_t lo = x[2 * i].bits, hi = 2 * i + 1 < K ? x[2 * i + 1].bits : 0;
+  return lo | (hi << 16);
+}
+
+inline float PairLo(uint32_t v) { return Ftz(Bf16ToF32(uint16_t(v))); }
+inline float PairHi(uint32_t v) { return Ftz(Bf16ToF32(uint16_t(v >> 16))); }
+
+inline void PanelPairsScalar(const Bf16* x, int64_t ldx, int64_t rows, const Bf16* panel, int64_t K,
+                             float* y, int64_t ldy, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < Pairs(K); ++i) {
+        const uint32_t xp = XPair(x + r * ldx, i, K);
+        uint32_t wp;
+        std::memcpy(&wp, panel + (i * kPanel + j) * 2, 4);
+        acc = Ftz(std::fma(PairHi(xp), PairHi(wp), acc));
+        acc = Ftz(std::fma(PairLo(xp), PairLo(wp), acc));
+      }
+      y[r * ldy + j] = acc;
+    }
+}
+
+#define FO_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+
+template <int MR, int NP>
+FO_AVX512BF16 void TilePairsBf16(const Bf16* x, int64_t ldx, const Bf16* panels, int64_t K, float* y,
+                                int64_t ldy, int64_t cols) {
+  const int64_t P = Pairs(K);
+  __m512 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < P; ++i) {
+    __m512i w[NP];
+    for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_si512(panels + (p * P + i) * kPanel * 2);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;  // a whole pair straight from x, but the odd K's last half pair
+      if (2 * i + 1 < K) std::memcpy(&pair, x + r * ldx + 2 * i, 4);
+      else pair = int32_t(XPair(x + r * ldx, i, K));
+      const __m512i xv = _mm512_set1_epi32(pair);
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)xv, (__m512bh)w[p]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      const int64_t c = cols - p * kPanel;
+      if (c >= kPanel) _mm512_storeu_ps(y + r * ldy + p * kPanel, acc[r][p]);
+      else if (c > 0) _mm512_mask_storeu_ps(y + r * ldy + p * kPanel, __mmask16((1u << c) - 1), acc[r][p]);
+    }
+}
+
+// The same program without the instruction: fma and explicit flushes, 16 lanes.
+FO_AVX512 inline __m512 Ftz512(__m512 a) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(1.17549435e-38f), _CMP_LT_OQ);
+  const __m512 sign = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
+  return _mm512_mask_mov_ps(a, tiny, sign);
+}
+
+template <int MR, int NP>
+FO_AVX512 void TilePairs512(const Bf16* x, int64_t ldx, const Bf16* panels, int64_t K, float* y,
+                            int64_t ldy, int64_t cols) {
+  const int64_t P = Pairs(K);
+  const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
+  __m512 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < P; ++i) {
+    __m512 wlo[NP], whi[NP];
+    for (int p = 0; p < NP; ++p) {
+      const __m512i v = _mm512_loadu_si512(panels + (p * P + i) * kPanel * 2);
+      wlo[p] = Ftz512(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+      whi[p] = Ftz512(_mm512_castsi512_ps(_mm512_and_si512(v, high)));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const uint32_t xp = XPair(x + r * ldx, i, K);
+      const __m512 xlo = _mm512_set1_ps(PairLo(xp)), xhi = _mm512_set1_ps(PairHi(xp));
+      for (int p = 0; p < NP; ++p) {
+        acc[r][p] = Ftz512(_mm512_fmadd_ps(xhi, whi[p], acc[r][p]));
+        acc[r][p] = Ftz512(_mm512_fmadd_ps(xlo, wlo[p], acc[r][p]));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      const int64_t c = cols - p * kPanel;
+      if (c >= kPanel) _mm512_storeu_ps(y + r * ldy + p * kPanel, acc[r][p]);
+      else if (c > 0) _mm512_mask_storeu_ps(y + r * ldy + p * kPanel, __mmask16((1u << c) - 1), acc[r][p]);
+    }
+}
+
+FO_AVX2 inline __m256 Ftz256(__m256 a) {
+  const __m256 tiny = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), a), _mm256_set1_ps(1.17549435e-38f),
+                                    _CMP_LT_OQ);
+  return _mm256_blendv_ps(a, _mm256_and_ps(a, _mm256_set1_ps(-0.0f)), tiny);
+}
+
+template <int MR>
+FO_AVX2 void TilePairs256(const Bf16* x, int64_t ldx, const Bf16* panel, int64_t K, float* y, int64_t ldy,
+                          int64_t cols) {
+  const int64_t P = Pairs(K);
+  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < P; ++i) {
+    __m256 wlo[2], whi[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (i * kPanel + 8 * h) * 2));
+      wlo[h] = Ftz256(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+      whi[h] = Ftz256(_mm256_castsi256_ps(_mm256_and_si256(v, high)));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const uint32_t xp = XPair(x + r * ldx, i, K);
+      const __m256 xlo = _mm256_set1_ps(PairLo(xp)), xhi = _mm256_set1_ps(PairHi(xp));
+      for (int h = 0; h < 2; ++h) {
+        acc[r][h] = Ftz256(_mm256_fmadd_ps(xhi, whi[h], acc[r][h]));
+        acc[r][h] = Ftz256(_mm256_fmadd_ps(xlo, wlo[h], acc[r][h]));
+      }
+    }
+  }
+  alignas(32) float tmp[16];
+  for (int r = 0; r < MR; ++r) {
+    _mm256_store_ps(tmp, acc[r][0]);
+    _mm256_store_ps(tmp + 8, acc[r][1]);
+    std::memcpy(y + r * ldy, tmp, (cols < kPanel ? cols : kPanel) * sizeof(float));
+  }
+}
+
+// Rows [0, M) x panels [p0, p1) of the pair program.
+inline void ColumnsPairs(Isa isa, const Bf16* x, int64_t ldx, int64_t M, const Bf16* packed, int64_t N,
+                         int64_t K, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  constexpr int64_t kRowBlock = 64;
+  const int64_t stride = Pairs(K) * kPanel * 2;  // one panel
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t m1 = m0 + kRowBlock < M ? m0 + kRowBlock : M;
+    for (int64_t p = p0; p < p1;) {
+      const int64_t np = (isa >= kAvx512 && p + 2 <= p1) ? 2 : 1;
+      const Bf16* panels = packed + p * stride;
+      const int64_t cols = N - p * kPanel;
+      for (int64_t m = m0; m < m1;) {
+        const Bf16* xr = x + m * ldx;
+        float* yr = y + m * ldy + p * kPanel;
+        const int64_t left = m1 - m;
+        int64_t done;
+        if (isa == kAvx512Bf16) {
+          if (left >= 8) { np == 2 ? TilePairsBf16<8, 2>(xr, ldx, panels, K, yr, ldy, cols) : TilePairsBf16<8, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 8; }
+          else if (left >= 4) { np == 2 ? TilePairsBf16<4, 2>(xr, ldx, panels, K, yr, ldy, cols) : TilePairsBf16<4, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 4; }
+          else { np == 2 ? TilePairsBf16<1, 2>(xr, ldx, panels, K, yr, ldy, cols) : TilePairsBf16<1, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
+        } else if (isa == kAvx512) {
+          if (left >= 4) { np == 2 ? TilePairs512<4, 2>(xr, ldx, panels, K, yr, ldy, cols) : TilePairs512<4, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 4; }
+          else { np == 2 ? TilePairs512<1, 2>(xr, ldx, panels, K, yr, ldy, cols) : TilePairs512<1, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
+        } else if (isa == kAvx2) {
+          if (left >= 2) { TilePairs256<2>(xr, ldx, panels, K, yr, ldy, cols); done = 2; }
+          else { TilePairs256<1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
+        } else {
+          PanelPairsScalar(xr, ldx, 1, panels, K, yr, ldy, cols < kPanel ? cols : kPanel);
+          done = 1;
+        }
+        m += done;
+      }
+      p += np;
+    }
+  }
+}
+
 // ----- driving the tiles -------------------------------------------------------------
 
 // Rows [0, M) x panels [p0, p1) of y = x @ w^T, w packed. Tile shapes change speed only.
@@ -234,7 +425,7 @@ void Columns(Isa isa, const A* x, int64_t ldx, int64_t M, const W* packed, int64
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = m0 + kRowBlock < M ? m0 + kRowBlock : M;
     for (int64_t p = p0; p < p1;) {
-      const int64_t np = (isa == kAvx512 && p + 2 <= p1) ? 2 : 1;
+      const int64_t np = (isa >= kAvx512 && p + 2 <= p1) ? 2 : 1;
       const W* panels = packed + p * K * kPanel;
       const int64_t cols = N - p * kPanel;
       for (int64_t m = m0; m < m1;) {
@@ -242,7 +433,7 @@ void Columns(Isa isa, const A* x, int64_t ldx, int64_t M, const W* packed, int64
         A* yr = y + m * ldy + p * kPanel;
         const int64_t left = m1 - m;
         int64_t done;
-        if (isa == kAvx512) {
+        if (isa >= kAvx512) {
           if constexpr (std::is_same_v<A, double>) {
             if (left >= 4) { np == 2 ? Tile512<4, 2>(xr, ldx, panels, K, yr, ldy, cols) : Tile512<4, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 4; }
             else { np == 2 ? Tile512<1, 2>(xr, ldx, panels, K, yr, ldy, cols) : Tile512<1, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
@@ -273,15 +464,40 @@ void Columns(Isa isa, const A* x, int64_t ldx, int64_t M, const W* packed, int64
 // ----- row sums ----------------------------------------------------------------------
 
 // s[m] = fma chain over k of x[m, k] * (squares ? x[m, k] : 1), k ascending.
+// Rows go RB at a time, their chains interleaved (independent, so the order of each is
+// unchanged): one chain is bound by the fma latency, RB of them by its throughput.
 template <class A>
-void RowSums(const A* x, int64_t ldx, int64_t M, int64_t K, bool squares, A* s) {
-  for (int64_t m = 0; m < M; ++m) {
-    const A* r = x + m * ldx;
+__attribute__((always_inline)) inline void RowSumsBody(const A* x, int64_t ldx, int64_t M, int64_t K,
+                                                       bool squares, A* s) {
+  constexpr int64_t RB = 8;
+  int64_t m = 0;
+  for (; m + RB <= M; m += RB) {
+    A acc[RB] = {};
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < RB; ++r) {
+        const A v = x[(m + r) * ldx + k];
+        acc[r] = std::fma(v, squares ? v : A(1), acc[r]);
+      }
+    for (int64_t r = 0; r < RB; ++r) s[m + r] = acc[r];
+  }
+  for (; m < M; ++m) {
     A acc = 0;
-    if (squares) for (int64_t k = 0; k < K; ++k) acc = std::fma(r[k], r[k], acc);
-    else for (int64_t k = 0; k < K; ++k) acc = std::fma(r[k], A(1), acc);
+    for (int64_t k = 0; k < K; ++k) acc = std::fma(x[m * ldx + k], squares ? x[m * ldx + k] : A(1), acc);
     s[m] = acc;
   }
+}
+
+// The same code compiled with and without the fma instruction (std::fma is a library call
+// on a CPU without it); the same bits either way.
+template <class A>
+FO_AVX2 void RowSumsFma(const A* x, int64_t ldx, int64_t M, int64_t K, bool squares, A* s) {
+  RowSumsBody(x, ldx, M, K, squares, s);
+}
+
+template <class A>
+void RowSums(Isa isa, const A* x, int64_t ldx, int64_t M, int64_t K, bool squares, A* s) {
+  if (isa >= kAvx2) RowSumsFma(x, ldx, M, K, squares, s);
+  else RowSumsBody(x, ldx, M, K, squares, s);
 }
 
 // ----- exp: one straight-line program per element (no table, no lane-dependent path) ----

@@ -1,7 +1,8 @@
 """The fixed-order kernels (fixed_order.h) for the batch-invariant mode, through ctypes.
 
 Each result is defined by a scalar program: a matrix product sums every output as one
-fused multiply-add chain over k in ascending order; row sums likewise; exp is one fixed
+fused multiply-add chain over k in ascending order (bf16 by bf16: k in pairs, the odd one
+first, denormals flushed, which is what AVX-512-BF16's vdpbf16ps computes); row sums likewise; exp is one fixed
 polynomial program per element. The AVX-512, AVX2+FMA and scalar code paths compute
 that program exactly, so a row's result cannot depend on the row count, the other rows,
 the thread count or the CPU. Why the batch-invariant mode needs this, and what it costs:
@@ -10,7 +11,7 @@ docs/invariance.md.
 The C++ source is compiled on first use with g++ (or $CXX) into the llama-parity cache
 (cache_root()/kernels, one file per source, compiler and flags, with its sha256 beside it:
 a damaged file is rebuilt, never loaded). $LLAMA_PARITY_KERNEL_ISA = scalar | avx2 |
-avx512 caps the code path (auto: the widest this CPU runs), so one machine can run every
+avx512 | avx512_bf16 caps the code path (auto: the widest this CPU runs), so one machine can run every
 path; the results are the same bits on all of them.
 
 Framework-neutral: functions take numpy arrays or raw pointers (torchref passes its
@@ -38,8 +39,9 @@ HERE = Path(__file__).parent
 SOURCE = HERE / "fixed_order.cc"
 HEADER = HERE / "fixed_order.h"
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-shared", "-fPIC", "-pthread")
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 WTYPES = {"float32": 0, "bfloat16": 1, "float16": 2, "float64": 3}
+BF16_PAIRS = 4  # bf16 weights packed for the pair program (x bf16 too): vdpbf16ps's order
 PANEL = 16
 
 
@@ -108,8 +110,9 @@ def library() -> ctypes.CDLL:
                                     i64, i64, ptr, i64, i64, i64, c_int]
     lib.fo_row_sums.argtypes = [i64, i64, ptr, i64, c_int, c_int, ptr, c_int]
     lib.fo_exp.argtypes = [i64, ptr, c_int, ptr, c_int]
-    lib.fo_packed_elements.argtypes = [i64, i64]
+    lib.fo_packed_elements.argtypes = [i64, i64, c_int]
     lib.fo_packed_elements.restype = i64
+    lib.fo_use_openmp.argtypes = [ptr]
     best = lib.fo_max_isa()
     want = requested_isa()
     level = best if want == "auto" else ISAS[want]
@@ -117,6 +120,23 @@ def library() -> ctypes.CDLL:
         names = {v: k for k, v in ISAS.items()}
         raise InvarianceError(f"LLAMA_PARITY_KERNEL_ISA={want}: this CPU runs at most {names[best]}")
     return lib
+
+
+def use_openmp(runtime: str | None) -> bool:
+    """Runs the kernels' parallel work on the threads of this GNU OpenMP runtime (a path,
+    or a library name already loaded; torch's, for torchref) instead of a pool of ours,
+    which would compete with the runtime's spinning threads for the cores. False (and our
+    pool) when it has no GOMP_parallel."""
+    lib = library()
+    if runtime is None:
+        lib.fo_use_openmp(None)
+        return False
+    try:
+        fn = ctypes.cast(ctypes.CDLL(runtime).GOMP_parallel, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return False
+    lib.fo_use_openmp(ctypes.c_void_p(fn))
+    return True
 
 
 def isa() -> str:
@@ -155,6 +175,24 @@ def pack(w: np.ndarray) -> np.ndarray:
     out = np.empty((-(-N // PANEL), K, PANEL), dtype=w.dtype)
     library().fo_pack(_ptr(w), wtype(w.dtype), N, K, K, 1, _ptr(out))
     return out
+
+
+def pack_pairs(w: np.ndarray) -> np.ndarray:
+    """bf16 w [N, K] -> panels for the pair program (gemm_pairs)."""
+    w = np.ascontiguousarray(w)
+    N, K = w.shape
+    out = np.empty(library().fo_packed_elements(N, K, BF16_PAIRS), dtype=w.dtype)
+    library().fo_pack(_ptr(w), BF16_PAIRS, N, K, K, 1, _ptr(out))
+    return out
+
+
+def gemm_pairs(x: np.ndarray, packed: np.ndarray, n: int, n_threads: int | None = None) -> np.ndarray:
+    """bf16 x [M, K] @ w^T (w packed by pack_pairs) by the pair program, f32 out."""
+    x = np.ascontiguousarray(x)
+    M, K = x.shape
+    y = np.empty((M, n), dtype=np.float32)
+    library().fo_gemm(M, n, K, _ptr(x), K, _ptr(packed), BF16_PAIRS, _ptr(y), n, n_threads or threads())
+    return y
 
 
 def gemm(x: np.ndarray, packed: np.ndarray, n: int, n_threads: int | None = None) -> np.ndarray:

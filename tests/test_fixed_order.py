@@ -82,6 +82,56 @@ def test_every_code_path_gives_the_scalar_programs_bits(path, dtype):
         assert np.array_equal(got, want), (path, M, N, K)
 
 
+def _ftz(v: np.float32) -> np.float32:
+    return np.float32(np.copysign(0, v)) if abs(v) < np.finfo(np.float32).tiny else v
+
+
+def _pair_program(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The bf16 pair program, exactly: pairs (2i, 2i+1), odd first, one rounding per step,
+    denormal inputs read as zero and denormal results flushed."""
+    M, K = x.shape
+    xs, ws = x.astype(np.float32), w.astype(np.float32)
+    y = np.zeros((M, w.shape[0]), np.float32)
+    for m in range(M):
+        for n in range(w.shape[0]):
+            acc = np.float32(0)
+            for i in range(0, K, 2):
+                for k in (i + 1, i):
+                    if k < K:
+                        a, b = _ftz(xs[m, k]), _ftz(ws[n, k])
+                        acc = _ftz(_round_f32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(acc))))
+            y[m, n] = acc
+    return y
+
+
+def test_bf16_pairs_scalar_path_is_the_documented_pair_program():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 15)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((5, 15)).astype(ml_dtypes.bfloat16)
+    w[1, 3] = np.float32(3e-39)  # a bf16 denormal: read as zero
+    with code_path("scalar"):
+        got = fo.gemm_pairs(x, fo.pack_pairs(w), 5)
+    assert np.array_equal(got.view(np.uint32), _pair_program(x, w).view(np.uint32))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_code_path_gives_the_bf16_pair_programs_bits(path):
+    """Where the CPU has AVX-512-BF16, this checks vdpbf16ps against the program too."""
+    rng = np.random.default_rng(7)
+    for M, N, K in [(1, 1, 1), (1, 37, 19), (9, 16, 64), (70, 33, 7), (5, 100, 301), (17, 48, 576)]:
+        x = rng.standard_normal((M, K)).astype(ml_dtypes.bfloat16)
+        w = (rng.standard_normal((N, K)) * 3).astype(ml_dtypes.bfloat16)
+        x[0, 0], w[0, -1] = np.float32(1e-39), np.float32(-2e-39)     # denormals
+        if M > 1:
+            x[1] *= np.float32(1e-30).astype(ml_dtypes.bfloat16)      # tiny sums flush
+        packed = fo.pack_pairs(w)
+        with code_path("scalar"):
+            want = fo.gemm_pairs(x, packed, N)
+        with code_path(path):
+            got = fo.gemm_pairs(x, packed, N)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (path, M, N, K)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_a_row_gives_the_same_bits_alone_in_any_batch_and_thread_count(path):
     rng = np.random.default_rng(3)

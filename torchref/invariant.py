@@ -4,8 +4,9 @@ rest of the batch. Same names and signatures as ops.py; the model swaps the modu
 Every reduction runs in an order this code fixes, on any CPU and library build:
 
 - matrix products (linears, the lm_head, q.k^T and P@V) and row sums (RMSNorm's mean,
-  softmax denominators) on llamaspec.fixed_order: one fma chain per output, k ascending,
-  whatever the row count, thread count or instruction set;
+  softmax denominators) on llamaspec.fixed_order: one fma chain per output, k ascending
+  (bf16 linears: k in pairs, vdpbf16ps's order), whatever the row count, thread count or
+  instruction set;
 - exp (softmax, silu) by fixed_order's one program per element; torch's own exp and
   silu may take another code path for the tail of a vector loop;
 - RMSNorm's 1/sqrt(var) as a division and a square root, both correctly rounded (a
@@ -45,6 +46,29 @@ ROPE_CHUNK = 4096    # RoPE tables are computed for this many positions at a tim
 _WTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
+@functools.cache
+def _kernels():
+    """fixed_order's library, its parallel work on torch's OpenMP threads where torch has
+    GNU OpenMP (its own threads would fight torch's spinning ones for the cores: measured
+    1.7x slower products on 2 cores)."""
+    lib = fo.library()
+    fo.use_openmp(_torch_openmp())
+    return lib
+
+
+def _torch_openmp() -> str | None:
+    """The GNU OpenMP runtime this torch loaded (a path), if any."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "libgomp" in path.rsplit("/", 1)[-1]:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
 def _acc(policy: Policy) -> torch.dtype:
     """The accumulator of every product and sum: f64 for an f64 accumulation, else f32."""
     return torch.float64 if dt(policy.accum_dtype) == torch.float64 else torch.float32
@@ -59,10 +83,11 @@ def _on_cpu(t: torch.Tensor) -> None:
 # ----- fixed-order kernels on torch tensors ------------------------------------------------
 
 def _gemm(x: torch.Tensor, packed: "_Packed") -> torch.Tensor:
-    """x [M, K] (accumulator dtype, contiguous) @ w^T -> [M, N] in the accumulator dtype."""
+    """x [M, K] (contiguous; bf16 for bf16 x bf16 pairs, else the accumulator dtype) @ w^T
+    -> [M, N] in the accumulator dtype."""
     M, K = x.shape
-    y = torch.empty((M, packed.n), dtype=x.dtype)
-    fo.library().fo_gemm(M, packed.n, K, x.data_ptr(), K, packed.data.data_ptr(), packed.wtype,
+    y = torch.empty((M, packed.n), dtype=torch.float32 if x.dtype == torch.bfloat16 else x.dtype)
+    _kernels().fo_gemm(M, packed.n, K, x.data_ptr(), K, packed.data.data_ptr(), packed.wtype,
                          y.data_ptr(), packed.n, torch.get_num_threads())
     return y
 
@@ -75,7 +100,7 @@ def _gemm_batched(x: torch.Tensor, w: torch.Tensor, w_kn: bool) -> torch.Tensor:
     assert x.stride(-1) == 1 and x.stride(-2) == K and w.is_contiguous()
     y = torch.empty((P, Q, M, N), dtype=x.dtype)
     sn, sk = (1, N) if w_kn else (K, 1)
-    fo.library().fo_gemm_batched(P, Q, M, N, K, x.data_ptr(), K, x.stride(0), x.stride(1),
+    _kernels().fo_gemm_batched(P, Q, M, N, K, x.data_ptr(), K, x.stride(0), x.stride(1),
                                  w.data_ptr(), _WTYPE[x.dtype], sn, sk, w.stride(0), w.stride(1),
                                  y.data_ptr(), N, y.stride(0), y.stride(1), torch.get_num_threads())
     return y
@@ -85,7 +110,7 @@ def _row_sums(x: torch.Tensor, squares: bool = False) -> torch.Tensor:
     """Sum over the last axis (of x or x^2), one fma chain per row; x f32 or f64."""
     x = x.contiguous()
     s = torch.empty(x.shape[:-1], dtype=x.dtype)
-    fo.library().fo_row_sums(s.numel(), x.shape[-1], x.data_ptr(), x.shape[-1], int(squares),
+    _kernels().fo_row_sums(s.numel(), x.shape[-1], x.data_ptr(), x.shape[-1], int(squares),
                              int(x.dtype == torch.float64), s.data_ptr(), torch.get_num_threads())
     return s
 
@@ -96,7 +121,7 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     a = x.to(wide).contiguous()
     y = torch.empty_like(a)
-    fo.library().fo_exp(a.numel(), a.data_ptr(), int(wide == torch.float64), y.data_ptr(),
+    _kernels().fo_exp(a.numel(), a.data_ptr(), int(wide == torch.float64), y.data_ptr(),
                         torch.get_num_threads())
     return y.to(x.dtype)
 
@@ -110,12 +135,14 @@ class _Packed(NamedTuple):
     wtype: int
     n: int               # rows of the stacked weights (outputs)
     bias: torch.Tensor | None
+    x_dtype: torch.dtype  # what the kernel takes x in
 
 
 def _pack(ws, bs, policy: Policy) -> _Packed:
     """The weights stacked and packed once per set of tensors, again when one is replaced
     or changed in place (its version counter moves). Stored in the operand dtype (f32,
-    bf16 or f16, converted to the accumulator exactly inside the kernel) or in f64."""
+    bf16 or f16, converted to the accumulator exactly inside the kernel) or in f64; bf16
+    operands with an f32 accumulator take the bf16 pair program (fixed_order.h)."""
     tensors = tuple(ws) + tuple(b for b in bs if b is not None)
     key = (tuple(map(id, tensors)), policy.compute_dtype, policy.accum_dtype)
     entry = _PACKED.get(key)
@@ -126,15 +153,16 @@ def _pack(ws, bs, policy: Policy) -> _Packed:
         store = operand if acc == torch.float32 and operand != torch.float64 else acc
         w = torch.cat([w.detach().to(operand).to(store) for w in ws]).contiguous()
         N, K = w.shape
-        data = torch.empty(fo.library().fo_packed_elements(N, K), dtype=store)
-        fo.library().fo_pack(w.data_ptr(), _WTYPE[store], N, K, K, 1, data.data_ptr())
+        wtype = fo.BF16_PAIRS if store == torch.bfloat16 else _WTYPE[store]
+        data = torch.empty(_kernels().fo_packed_elements(N, K, wtype), dtype=store)
+        _kernels().fo_pack(w.data_ptr(), wtype, N, K, K, 1, data.data_ptr())
         bias = (torch.cat([b.detach().to(operand).to(acc) for b in bs])
                 if all(b is not None for b in bs) else None)
         drop = lambda _, key=key: _PACKED.pop(key, None)  # noqa: E731
         # An entry lives only while all its tensors do (each weak reference drops it when
         # its tensor dies, before the id can be reused), so the ids name these very tensors.
         entry = _PACKED[key] = _Packed(tuple(weakref.ref(t, drop) for t in tensors), versions, data,
-                                       _WTYPE[store], N, bias)
+                                       wtype, N, bias, torch.bfloat16 if wtype == fo.BF16_PAIRS else acc)
     return entry
 
 
@@ -157,7 +185,7 @@ def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = Non
     if any(b is not None for b in bs) and not all(b is not None for b in bs):
         return [linear(x, w, b, policy, out_dtype) for w, b in zip(ws, bs)]
     packed = _pack(ws, bs, policy)
-    rows = x.reshape(-1, x.shape[-1]).to(dt(policy.compute_dtype)).to(_acc(policy)).contiguous()
+    rows = x.reshape(-1, x.shape[-1]).to(dt(policy.compute_dtype)).to(packed.x_dtype).contiguous()
     y = _gemm(rows, packed)
     if packed.bias is not None:
         y = y + packed.bias
