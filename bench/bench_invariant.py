@@ -10,8 +10,8 @@ a warm-up (which includes JAX compilation); the ratio invariant/default per row.
 --check: one target prompt alone vs inside batches of 2, 8 and 32 with random companions
 of mixed lengths, left and right padding: the fraction of its logits that are bitwise
 equal to the alone run, default vs invariant mode.
---probe: the kernel measurements behind torchref/invariant.py and jaxmodel/invariant.py
-(one row's matmul result at each row count; a reduction at each row count).
+--probe: one row's result at each row count for the libraries' kernels and for the
+fixed-order ones (docs/invariance.md: why the invariant mode does not rely on the former).
 Prints tables and writes JSON (default bench/results/invariant-<time>.json).
 """
 
@@ -130,7 +130,7 @@ def run_probe():
     from jax import lax
 
     import jaxmodel  # noqa: F401 (x64)
-    from jaxmodel import rowdot
+    from jaxmodel import kernels
     from jaxmodel.dtypes import compiler_options
 
     out = {}
@@ -140,7 +140,8 @@ def run_probe():
     x = rng.standard_normal(576).astype(np.float32)
     dot = jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST),
                   compiler_options=compiler_options())
-    row_dot = jax.jit(rowdot.row_dot, compiler_options=compiler_options(True))
+    ffi_gemm = jax.jit(kernels.gemm)
+    packed_w = kernels.PackedWeight.of(w, "float32", "float32")
     red = jax.jit(lambda a: jnp.sum(a, -1), compiler_options=compiler_options())
 
     def softmax(a):  # rows of 9 x 64 scores, as attention's [heads, keys]
@@ -157,7 +158,7 @@ def run_probe():
         "torch bf16 linear": lambda X: torch.nn.functional.linear(
             torch.from_numpy(X).bfloat16(), torch.from_numpy(w).bfloat16()).float().numpy(),
         "xla f32 dot": lambda X: np.asarray(dot(X, w)),
-        **({"xla f32 rowdot.cc kernel": lambda X: np.asarray(row_dot(X, w))} if rowdot.available() else {}),
+        "xla f32 fixed_order FFI gemm": lambda X: np.asarray(ffi_gemm(X, packed_w)),
         "xla f32 row sum": lambda X: np.asarray(red(X))[:, None],
         "xla f32 softmax, default options": lambda X: np.asarray(smx["default"](X)),
         "xla f32 softmax, invariant options": lambda X: np.asarray(smx["invariant"](X)),

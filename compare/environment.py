@@ -76,7 +76,7 @@ def _torch_settings(policy) -> dict:
 def _jax_settings() -> dict:
     import jax
 
-    from jaxmodel import rowdot
+    from jaxmodel import kernels
     from jaxmodel.dtypes import compiler_options
     return {"jax backend": jax.default_backend(),
             "jax devices": ", ".join(str(d) for d in jax.devices()),
@@ -84,7 +84,7 @@ def _jax_settings() -> dict:
             "jaxmodel compiler options": ", ".join(f"{k}={v}" for k, v in compiler_options().items()),
             "jaxmodel batch-invariant extra options": ", ".join(
                 f"{k}={v}" for k, v in compiler_options(True).items() if k not in compiler_options()) or "none",
-            "jaxmodel batch-invariant f32 decode": rowdot.state()}
+            "jaxmodel batch-invariant kernels": kernels.state()}
 
 
 def environment(policy, uses_jax: bool = True) -> dict:

@@ -38,18 +38,11 @@ _DTYPES = {
 # Other backends ignore it.
 _WANTED_OPTIONS = {"xla_allow_excess_precision": False, "xla_cpu_use_fusion_emitters": False}
 
-# Batch-invariant programs only: XLA:CPU hands some fusions to the YNNPACK library,
-# and whether it does depends on their size. Two such hand-overs broke invariance:
-# a max-reduce fused with the exp after it (the softmax) went to YNNPACK once a decode
-# batch had 8 * 64 keys or more, and YNNPACK's exp differs from XLA's in the last bit;
-# and with 8 rows or more a dot took its elementwise neighbours (RoPE, the softmax
-# division, the norm weight) into one YNNPACK fusion. Either way one row's logits
-# depended on how many rows shared the batch (measured: jaxmodel fp32 decode logits
-# differed by up to 1e-4 between a sequence alone and in 4-16-row batches; the test
-# test_decode_logits_are_bitwise_invariant_in_large_batches). Keeping YNNPACK to
-# individual dots, which give one result for every row count >= 2 (invariant.py),
-# removes both. The default mode keeps XLA's choices: they are among the batch effects
-# it measures.
+# Batch-invariant programs only: XLA:CPU hands some fusions to the YNNPACK library, and
+# whether it does depends on their size (a softmax's exp and elementwise neighbours of a
+# dot once went there, and YNNPACK's exp differs from XLA's in the last bit). The invariant
+# ops run their products, sums and exp on fixed-order FFI kernels; this keeps whatever
+# elementwise work remains in XLA's own code at every batch size (docs/invariance.md).
 _INVARIANT_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 

@@ -20,7 +20,7 @@ keep the rotation they were written with, as in transformers.
 batch_invariant=True: every module calls invariant.py instead of ops.py (same names; the
 measurements behind each change are written there), and calls run in the canonical
 layout of llamaspec.inputs.invariant_layout (each row's real tokens at slots [0, n),
-width a multiple of invariant.Q_BLOCK); results go back to the caller's slots, with
+width a multiple of invariant.LAYOUT_MULTIPLE); results go back to the caller's slots, with
 zeros on padding. Its cache has no shared write slot: lens [B] replaces mask/pos/index,
 row b's tokens fill slots [0, lens[b]) and a decode step writes each row at its own
 lens[b], so a row's keys sit in the same key blocks whatever the other rows hold.
@@ -76,15 +76,32 @@ def _ops(batch_invariant: bool):
     return invariant if batch_invariant else ops
 
 
+class Packed(nnx.Variable):
+    """A weight packed for the batch-invariant mode's fixed-order kernels (flat array)."""
+
+
+def _pack(w, policy: Policy) -> tuple[Packed, tuple]:
+    """(the packed array, the static rest of its PackedWeight) for invariant.linear."""
+    p = invariant.pack(np.asarray(w), policy)
+    return Packed(p.data), (p.n, p.k, p.wtype, p.x_dtype, p.acc)
+
+
 class Linear(nnx.Module):
-    def __init__(self, weights, key, dtype, bias: bool, batch_invariant=False):
+    def __init__(self, weights, key, dtype, bias: bool, batch_invariant=False, policy=None):
         self.weight = _param(weights, key + ".weight", dtype)
         self.bias = _param(weights, key + ".bias", dtype) if bias else None
         self.batch_invariant = batch_invariant
+        if batch_invariant:  # packed once here, from the weight as rounded to param_dtype
+            self.packed, self.packed_meta = _pack(self.weight[...], policy)
+
+    def packed_weight(self):
+        return invariant.PackedWeight(self.packed[...], *self.packed_meta)
 
     def __call__(self, x, policy, out_dtype=None):
         b = None if self.bias is None else self.bias[...]
-        return _ops(self.batch_invariant).linear(x, self.weight[...], b, policy, out_dtype)
+        if self.batch_invariant:
+            return invariant.linear(x, self.packed_weight(), b, policy, out_dtype)
+        return ops.linear(x, self.weight[...], b, policy, out_dtype)
 
 
 class Embedding(nnx.Module):
@@ -106,9 +123,9 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, batch_invariant=False):
+    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, batch_invariant=False, policy=None):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            Linear(weights, prefix + name, dtype, cfg.attention_bias, batch_invariant)
+            Linear(weights, prefix + name, dtype, cfg.attention_bias, batch_invariant, policy)
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
         self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                      cfg.num_key_value_heads, cfg.head_dim)
@@ -144,9 +161,9 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, batch_invariant=False):
+    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, batch_invariant=False, policy=None):
         self.gate_proj, self.up_proj, self.down_proj = (
-            Linear(weights, prefix + name, dtype, cfg.mlp_bias, batch_invariant)
+            Linear(weights, prefix + name, dtype, cfg.mlp_bias, batch_invariant, policy)
             for name in ("gate_proj", "up_proj", "down_proj"))
         self.batch_invariant = batch_invariant
 
@@ -158,14 +175,14 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, i, dtype, batch_invariant=False):
+    def __init__(self, cfg: LlamaConfig, weights, i, dtype, batch_invariant=False, policy=None):
         p = f"model.layers.{i}."
         self.input_layernorm = RMSNorm(weights, p + "input_layernorm", dtype, cfg.rms_norm_eps,
                                        batch_invariant)
-        self.self_attn = Attention(cfg, weights, p + "self_attn.", dtype, batch_invariant)
+        self.self_attn = Attention(cfg, weights, p + "self_attn.", dtype, batch_invariant, policy)
         self.post_attention_layernorm = RMSNorm(weights, p + "post_attention_layernorm", dtype,
                                                 cfg.rms_norm_eps, batch_invariant)
-        self.mlp = MLP(cfg, weights, p + "mlp.", dtype, batch_invariant)
+        self.mlp = MLP(cfg, weights, p + "mlp.", dtype, batch_invariant, policy)
 
     def __call__(self, h, cos, sin, allowed, policy, rec, cache=None, layer=0):
         resid = of(policy.residual_dtype)
@@ -186,9 +203,18 @@ class Llama(nnx.Module):
         self.cfg, self.policy, self.batch_invariant = cfg, policy, batch_invariant
         dt, bi = numpy_dtype(policy.param_dtype), batch_invariant
         self.embed_tokens = Embedding(weights, "model.embed_tokens", dt)
-        self.layers = nnx.List([Block(cfg, weights, i, dt, bi) for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([Block(cfg, weights, i, dt, bi, policy) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, bi)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, bi)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, bi, policy)
+        if bi:  # the lm_head packed once (the embedding table when tied)
+            head = self.embed_tokens if self.lm_head is None else self.lm_head
+            self.head_packed, self.head_meta = _pack(head.weight[...], policy)
+
+    def head_weight(self):
+        """The lm_head as the ops take it: the matrix, or (invariant) its packed form."""
+        if self.batch_invariant:
+            return invariant.PackedWeight(self.head_packed[...], *self.head_meta)
+        return (self.embed_tokens if self.lm_head is None else self.lm_head).weight[...]
 
     def __call__(self, ids, positions, allowed, taps=(), cache=None, last_only=False, inject=None,
                  scan=False, last=None):
@@ -219,8 +245,7 @@ class Llama(nnx.Module):
         elif last_only:
             h = h[:, -1:]
         x = rec("final_norm", self.norm(h, policy))
-        head = (self.embed_tokens if self.lm_head is None else self.lm_head).weight[...]
-        logits = rec("logits", _ops(self.batch_invariant).linear(x, head, None, policy,
+        logits = rec("logits", _ops(self.batch_invariant).linear(x, self.head_weight(), None, policy,
                                                                  of(policy.logits_dtype)))
         return logits, rec.acts, cache
 
@@ -387,7 +412,7 @@ class LlamaModel:
         """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         if self.batch_invariant:
-            ids_c, mask_c, back = invariant_layout(self.cfg, ids, mask, invariant.Q_BLOCK)
+            ids_c, mask_c, back = invariant_layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE)
             logits, _ = self._forward(self.state, ids_c, mask_c, positions_from_mask(mask_c), {},
                                       taps=())
             return jnp.asarray(_restore(np.asarray(logits), back, mask))
@@ -411,7 +436,7 @@ class LlamaModel:
                                          taps=program_taps)
             acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
             return np.asarray(logits), {n: _pick(acts, n) for n in names}
-        ids_c, mask_c, back = invariant_layout(self.cfg, ids, mask, invariant.Q_BLOCK)
+        ids_c, mask_c, back = invariant_layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE)
         rows, slots = np.nonzero(mask)
         for i, x in forced.items():
             h = np.zeros((*ids_c.shape, x.shape[-1]), x.dtype)
@@ -428,7 +453,7 @@ class LlamaModel:
         as numpy, cache). The cache holds total_len tokens, rounded up to CACHE_BLOCK."""
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         if self.batch_invariant:
-            ids, mask, _ = invariant_layout(self.cfg, ids, mask, invariant.Q_BLOCK,
+            ids, mask, _ = invariant_layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE,
                                             extra_length=total_len - ids.shape[1])
             total_len = max(total_len, ids.shape[1])
         cache_len = -(-total_len // CACHE_BLOCK) * CACHE_BLOCK

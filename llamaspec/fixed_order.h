@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace fo {
 
@@ -598,5 +599,135 @@ inline double ExpF64(double x) {
   std::memcpy(&s2, &u2, 8);
   return p * s1 * s2;
 }
+
+// ----- jobs: each operation as independent tasks, for any thread pool --------------------
+// A task writes its own outputs and sums nothing another task sums, so the tasks may run
+// in any order on any threads (the ctypes library's pool or OpenMP, XLA's intra-op pool).
+
+inline int MaxIsa() {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+  if (avx512 && __builtin_cpu_supports("avx512bf16")) return kAvx512Bf16;
+  if (avx512) return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return kAvx2;
+  return kScalar;
+}
+
+constexpr int64_t kSmall = int64_t{1} << 18;  // fewer multiply-adds run as one task
+
+struct Gemm {
+  int64_t M, N, K;
+  const void* x;
+  int64_t ldx;
+  const void* packed;
+  int wtype;
+  void* y;
+  int64_t ldy;
+  int64_t width = 1;  // panels per task
+
+  int64_t Tasks(int threads) {
+    const int64_t panels = Panels(N);
+    if (M * N * K < kSmall) threads = 1;
+    const int64_t chunks = threads <= 1 ? 1 : (panels < 4 * threads ? panels : 4 * threads);
+    const int64_t per = (panels + chunks - 1) / chunks;
+    width = per + (per % 2);  // an even count keeps AVX-512's two-panel tiles
+    return (panels + width - 1) / width;
+  }
+
+  void Run(Isa isa, int64_t t) const {
+    const int64_t p0 = t * width, p1 = p0 + width < Panels(N) ? p0 + width : Panels(N);
+    switch (wtype) {
+      case kBF16Pairs:
+        ColumnsPairs(isa, static_cast<const Bf16*>(x), ldx, M, static_cast<const Bf16*>(packed), N, K,
+                     static_cast<float*>(y), ldy, p0, p1);
+        break;
+      case kF64:
+        Columns(isa, static_cast<const double*>(x), ldx, M, static_cast<const double*>(packed), N, K,
+                static_cast<double*>(y), ldy, p0, p1);
+        break;
+      case kBF16: Cols<Bf16>(isa, p0, p1); break;
+      case kF16: Cols<F16>(isa, p0, p1); break;
+      default: Cols<float>(isa, p0, p1); break;
+    }
+  }
+
+  template <class W> void Cols(Isa isa, int64_t p0, int64_t p1) const {
+    Columns(isa, static_cast<const float*>(x), ldx, M, static_cast<const W*>(packed), N, K,
+            static_cast<float*>(y), ldy, p0, p1);
+  }
+};
+
+// For i < b1, j < b2: y[i, j] = x[i, j] @ w[i, j]^T (w[i, j] element (n, k) at sn, sk),
+// one task per (i, j), each packing its w into a thread-local buffer. f32 or f64 (is_f64).
+struct Batched {
+  int64_t b1, b2, M, N, K;
+  const void* x;
+  int64_t ldx, sx1, sx2;
+  const void* w;
+  int64_t sn, sk, sw1, sw2;
+  void* y;
+  int64_t ldy, sy1, sy2;
+  bool is_f64;
+
+  int64_t Tasks(int) const { return b1 * b2; }
+
+  void Run(Isa isa, int64_t t) const {
+    if (is_f64) Typed<double>(isa, t);
+    else Typed<float>(isa, t);
+  }
+
+  template <class A> void Typed(Isa isa, int64_t t) const {
+    const int64_t i = t / b2, j = t % b2;
+    thread_local std::vector<A> packed;
+    packed.resize(Panels(N) * K * kPanel);
+    Pack(static_cast<const A*>(w) + i * sw1 + j * sw2, N, K, sn, sk, packed.data());
+    Columns(isa, static_cast<const A*>(x) + i * sx1 + j * sx2, ldx, M, packed.data(), N, K,
+            static_cast<A*>(y) + i * sy1 + j * sy2, ldy, 0, Panels(N));
+  }
+};
+
+struct RowSumJob {
+  int64_t M, K;
+  const void* x;
+  int64_t ldx;
+  bool squares, is_f64;
+  void* s;
+  static constexpr int64_t kRows = 256;
+
+  int64_t Tasks(int threads) const { return M * K < kSmall || threads <= 1 ? 1 : (M + kRows - 1) / kRows; }
+
+  void Run(Isa isa, int64_t t, int64_t tasks) const {
+    const int64_t rows = tasks == 1 ? M : kRows, m0 = t * rows, n = m0 + rows < M ? rows : M - m0;
+    if (is_f64) RowSums(isa, static_cast<const double*>(x) + m0 * ldx, ldx, n, K, squares, static_cast<double*>(s) + m0);
+    else RowSums(isa, static_cast<const float*>(x) + m0 * ldx, ldx, n, K, squares, static_cast<float*>(s) + m0);
+  }
+};
+
+struct ExpJob {
+  int64_t n;
+  const void* x;
+  bool is_f64;
+  void* y;
+  static constexpr int64_t kChunk = 1 << 14;
+
+  int64_t Tasks(int threads) const { return n < 4 * kChunk || threads <= 1 ? 1 : (n + kChunk - 1) / kChunk; }
+
+  void Run(Isa isa, int64_t t, int64_t tasks) const {
+    const int64_t size = tasks == 1 ? n : kChunk, i0 = t * size, i1 = i0 + size < n ? i0 + size : n;
+    if (is_f64) {
+      const double* a = static_cast<const double*>(x);
+      double* b = static_cast<double*>(y);
+      for (int64_t i = i0; i < i1; ++i) b[i] = ExpF64(a[i]);
+      return;
+    }
+    const float* a = static_cast<const float*>(x) + i0;
+    float* b = static_cast<float*>(y) + i0;
+    if (isa >= kAvx512) ExpF32Avx512(a, b, i1 - i0);
+    else if (isa == kAvx2) ExpF32Avx2(a, b, i1 - i0);
+    else for (int64_t i = 0; i < i1 - i0; ++i) b[i] = ExpF32(a[i]);
+  }
+};
 
 }  // namespace fo

@@ -79,8 +79,9 @@ def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key
             os.replace(built, target)  # atomic: a concurrent build never loads half a file
             os.replace(Path(tmp) / "sha", digest)
     except subprocess.CalledProcessError as e:
+        errors = [line for line in e.stderr.splitlines() if "error" in line] or e.stderr.splitlines()[-20:]
         raise InvarianceError(f"compiling {', '.join(p.name for p in sources)} with {cxx} failed:\n"
-                              f"{e.stderr.strip()[-2000:]}") from None
+                              + "\n".join(errors[:20])) from None
     except OSError as e:
         raise InvarianceError(f"cannot write the compiled kernel into {target.parent} ({e}); set "
                               "LLAMA_PARITY_CACHE to a writable folder") from None
@@ -193,6 +194,24 @@ def gemm_pairs(x: np.ndarray, packed: np.ndarray, n: int, n_threads: int | None 
     y = np.empty((M, n), dtype=np.float32)
     library().fo_gemm(M, n, K, _ptr(x), K, _ptr(packed), BF16_PAIRS, _ptr(y), n, n_threads or threads())
     return y
+
+
+def pack_for(w: np.ndarray, compute: str, accum: str) -> tuple[np.ndarray, int, str, str]:
+    """w [N, K] packed for a product at a policy's compute and accum dtypes: the operands
+    are w's values rounded to `compute`, summed in f32 (f64 for an f64 accumulation).
+    Returns (packed, wtype for gemm, the dtype x goes in, the accumulator dtype). bf16
+    operands with an f32 accumulator take the pair program; f32, bf16 and f16 weights are
+    otherwise kept in their dtype (widened exactly inside the kernel); f64 sums take f64."""
+    import ml_dtypes
+    names = {"float32": np.float32, "float16": np.float16, "float64": np.float64,
+             "bfloat16": ml_dtypes.bfloat16}
+    acc = "float64" if accum == "float64" else "float32"
+    wv = np.asarray(w).astype(names[compute])
+    if acc == "float32" and compute == "bfloat16":
+        return pack_pairs(wv), BF16_PAIRS, "bfloat16", acc
+    if acc == "float32" and compute in ("float32", "float16"):
+        return pack(wv), WTYPES[compute], "float32", acc
+    return pack(wv.astype(np.float64)), WTYPES["float64"], "float64", "float64"
 
 
 def gemm(x: np.ndarray, packed: np.ndarray, n: int, n_threads: int | None = None) -> np.ndarray:

@@ -268,66 +268,47 @@ def test_torchref_invariant_model_sees_a_replaced_weight(tiny_dir):
     assert rel_l2(got, want) < 1e-5
 
 
-# ----- jaxmodel's fixed-order row kernel (jaxmodel/rowdot.cc) ---------------------------
+# ----- jaxmodel's fixed-order kernels through XLA's FFI (jaxmodel/kernels.py) ------------
 
-def _row_dot_reference(x, w):
-    """rowdot.cc's summation order, transcribed in numpy (every f32 op rounds on its own)."""
-    M, K = x.shape
-    s = np.zeros((M, w.shape[0], 8), np.float32)
-    k = 0
-    while k + 8 <= K:
-        s = s + x[:, None, k:k + 8] * w[None, :, k:k + 8]
-        k += 8
-    for j in range(K - k):
-        s[..., j] = s[..., j] + x[:, None, k + j] * w[None, :, k + j]
-    s = s[..., :4] + s[..., 4:]
-    s = s[..., :2] + s[..., 2:]
-    return s[..., 0] + s[..., 1]
-
-
-def _rowdot_or_skip():
-    from jaxmodel import rowdot
-    if not rowdot.available():  # it says why in a warning
-        pytest.skip("jaxmodel's row kernel cannot be built here (needs x86-64 AVX2 and g++)")
-    return rowdot
-
-
-@pytest.mark.parametrize("M, N, K", [(1, 5, 20), (3, 9, 8), (2, 4, 3), (7, 130, 576), (32, 67, 1536)])
-def test_jaxmodel_row_kernel_sums_in_its_documented_order(M, N, K):
-    """Bitwise equal to a numpy transcription of the order rowdot.cc documents (lane tails,
-    weight-row tails, one row, many rows), so every row gets the same bits at any M."""
+@pytest.mark.parametrize("compute", ["float32", "bfloat16", "float64"])
+def test_jaxmodel_ffi_products_are_the_same_program_as_the_ctypes_ones(compute):
+    """One program, two doors: XLA's FFI gives the bits llamaspec.fixed_order gives, at
+    any row count, through XLA's thread pool."""
     import jax
-    rowdot = _rowdot_or_skip()
-    rng = np.random.default_rng(M * N + K)
-    x = rng.standard_normal((M, K)).astype(np.float32)
-    w = rng.standard_normal((N, K)).astype(np.float32)
-    got = np.asarray(jax.jit(rowdot.row_dot)(x, w))
-    assert np.array_equal(bits(got), bits(_row_dot_reference(x, w)))
-
-
-def test_jaxmodel_row_kernel_rows_alone_equal_rows_in_a_batch():
-    """Large enough to take XLA's thread pool: each row alone vs inside 2..300 rows."""
-    import jax
-    rowdot = _rowdot_or_skip()
+    import ml_dtypes
+    from jaxmodel import kernels
+    from llamaspec import fixed_order as fo
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((300, 576)).astype(np.float32)
-    w = rng.standard_normal((1000, 576)).astype(np.float32)
-    f = jax.jit(rowdot.row_dot)
-    full = np.asarray(f(x, w))
+    w = rng.standard_normal((1000, 576))
+    accum = "float64" if compute == "float64" else "float32"
+    packed, wtype, x_dtype, acc = fo.pack_for(w, compute, accum)
+    pw = kernels.PackedWeight.of(w, compute, accum)
+    x = rng.standard_normal((300, 576)).astype(ml_dtypes.bfloat16 if x_dtype == "bfloat16" else x_dtype)
+    want = fo.gemm_pairs(x, packed, 1000) if wtype == fo.BF16_PAIRS else fo.gemm(x, packed, 1000)
+    f = jax.jit(kernels.gemm)
     for start, rows in [(0, 1), (7, 1), (3, 2), (40, 13), (0, 300)]:
-        assert np.array_equal(bits(np.asarray(f(x[start:start + rows], w))), bits(full[start:start + rows]))
+        got = np.asarray(f(x[start:start + rows], pw))
+        assert np.array_equal(bits(got), bits(want[start:start + rows])), (start, rows)
 
 
-def test_jaxmodel_decode_without_the_row_kernel_is_still_invariant(tiny_dir, monkeypatch):
-    """Where the kernel cannot be built, decode pads to 2 rows: slower, just as invariant."""
-    from jaxmodel import model as jm, rowdot
+def test_jaxmodel_ffi_row_sums_and_exp_are_the_ctypes_programs():
+    import jax
+    from jaxmodel import kernels
+    from llamaspec import fixed_order as fo
+    x = np.random.default_rng(1).standard_normal((3, 70, 577)).astype(np.float32)
+    assert np.array_equal(np.asarray(jax.jit(kernels.row_sums, static_argnums=1)(x, True)), fo.row_sums(x, True))
+    assert np.array_equal(bits(np.asarray(jax.jit(kernels.exp)(x))), bits(fo.exp(x)))
 
-    def not_here(*args):
-        raise AssertionError("row_dot called although available() is False")
-    monkeypatch.setattr(rowdot, "available", lambda: False)
-    monkeypatch.setattr(rowdot, "row_dot", not_here)
-    jm._programs.cache_clear()  # programs compiled with the kernel must not be reused
-    try:
-        test_decode_logits_are_bitwise_invariant_in_large_batches("jaxmodel", tiny_dir)
-    finally:
-        jm._programs.cache_clear()
+
+def test_both_invariant_models_run_the_same_linear_program(tiny_dir):
+    """torchref and jaxmodel in invariant mode multiply on the same kernels: one linear
+    layer gives both the same bits (the models as a whole still differ where their
+    frameworks round elementwise steps differently)."""
+    import torch
+    t, j = load("torchref", tiny_dir(), "bf16"), load("jaxmodel", tiny_dir(), "bf16")
+    x = np.random.default_rng(2).standard_normal((5, 3, t.cfg.hidden_size)).astype(np.float32)
+    pol = t.policy
+    got_t = t.model.layers[0].mlp.up_proj(torch.from_numpy(x).bfloat16(), pol).float().numpy()
+    import jax.numpy as jnp
+    got_j = np.asarray(j.module.layers[0].mlp.up_proj(jnp.asarray(x, jnp.bfloat16), pol).astype(jnp.float32))
+    assert np.array_equal(bits(got_t), bits(got_j))

@@ -145,6 +145,17 @@ def test_a_row_gives_the_same_bits_alone_in_any_batch_and_thread_count(path):
             assert np.array_equal(got[::7], alone[:len(got[::7])]), (rows, threads)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_every_code_path_gives_the_scalar_row_sums(path):
+    x = np.random.default_rng(8).standard_normal((300, 577)).astype(np.float32)
+    for squares in (False, True):
+        with code_path("scalar"):
+            want = fo.row_sums(x, squares)
+        with code_path(path):
+            got = fo.row_sums(x, squares)
+        assert np.array_equal(got, want)
+
+
 def test_row_sums_are_one_fma_chain_per_row():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((4, 50)).astype(np.float32)
