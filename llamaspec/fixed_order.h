@@ -129,6 +129,17 @@ FO_AVX512 inline __m512 Load512(const F16* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// acc[r][p] to row r, columns [16 p, 16 p + 16) of y, the first `cols` columns only.
+template <int MR, int NP>
+FO_AVX512 inline void Store512(const __m512 (&acc)[MR][NP], float* y, int64_t ldy, int64_t cols) {
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      const int64_t c = cols - p * kPanel;
+      if (c >= kPanel) _mm512_storeu_ps(y + r * ldy + p * kPanel, acc[r][p]);
+      else if (c > 0) _mm512_mask_storeu_ps(y + r * ldy + p * kPanel, __mmask16((1u << c) - 1), acc[r][p]);
+    }
+}
+
 template <int MR, int NP, class W>
 FO_AVX512 void Tile512(const float* x, int64_t ldx, const W* panels, int64_t K, float* y,
                        int64_t ldy, int64_t cols) {
@@ -143,12 +154,7 @@ FO_AVX512 void Tile512(const float* x, int64_t ldx, const W* panels, int64_t K, 
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) {
-      const int64_t c = cols - p * kPanel;
-      if (c >= kPanel) _mm512_storeu_ps(y + r * ldy + p * kPanel, acc[r][p]);
-      else if (c > 0) _mm512_mask_storeu_ps(y + r * ldy + p * kPanel, __mmask16((1u << c) - 1), acc[r][p]);
-    }
+  Store512<MR, NP>(acc, y, ldy, cols);
 }
 
 template <int MR, int NP>
@@ -295,12 +301,7 @@ FO_AVX512BF16 void TilePairsBf16(const Bf16* x, int64_t ldx, const Bf16* panels,
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)xv, (__m512bh)w[p]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) {
-      const int64_t c = cols - p * kPanel;
-      if (c >= kPanel) _mm512_storeu_ps(y + r * ldy + p * kPanel, acc[r][p]);
-      else if (c > 0) _mm512_mask_storeu_ps(y + r * ldy + p * kPanel, __mmask16((1u << c) - 1), acc[r][p]);
-    }
+  Store512<MR, NP>(acc, y, ldy, cols);
 }
 
 // The same program without the instruction: fma and explicit flushes, 16 lanes.
@@ -334,12 +335,7 @@ FO_AVX512 void TilePairs512(const Bf16* x, int64_t ldx, const Bf16* panels, int6
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) {
-      const int64_t c = cols - p * kPanel;
-      if (c >= kPanel) _mm512_storeu_ps(y + r * ldy + p * kPanel, acc[r][p]);
-      else if (c > 0) _mm512_mask_storeu_ps(y + r * ldy + p * kPanel, __mmask16((1u << c) - 1), acc[r][p]);
-    }
+  Store512<MR, NP>(acc, y, ldy, cols);
 }
 
 FO_AVX2 inline __m256 Ftz256(__m256 a) {

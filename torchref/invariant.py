@@ -28,7 +28,6 @@ import functools
 import weakref
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from llamaspec import Policy
@@ -37,13 +36,13 @@ from llamaspec.errors import InvarianceError
 from llamaspec.selfcheck import check_rows
 
 from . import ops
-from .dtypes import dt
+from .dtypes import dt, from_numpy, to_numpy
 from .ops import apply_rope, rope_inv_freq, rotate_half  # noqa: F401 (invariant as is)
 
 LAYOUT_MULTIPLE = 4  # canonical widths are multiples of this (fewer shapes; order-free)
 KEY_BLOCK = 64       # keys per attention block: every attention product has this shape
 ROPE_CHUNK = 4096    # RoPE tables are computed for this many positions at a time
-_WTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+_WTYPE = {torch.float32: fo.WTYPES["float32"], torch.float64: fo.WTYPES["float64"]}  # batched products
 
 
 @functools.cache
@@ -139,30 +138,24 @@ class _Packed(NamedTuple):
 
 
 def _pack(ws, bs, policy: Policy) -> _Packed:
-    """The weights stacked and packed once per set of tensors, again when one is replaced
-    or changed in place (its version counter moves). Stored in the operand dtype (f32,
-    bf16 or f16, converted to the accumulator exactly inside the kernel) or in f64; bf16
-    operands with an f32 accumulator take the bf16 pair program (fixed_order.h)."""
+    """The weights stacked and packed once per set of tensors (llamaspec.fixed_order.pack_for
+    decides how), again when one is replaced or changed in place (its version counter
+    moves)."""
     tensors = tuple(ws) + tuple(b for b in bs if b is not None)
     key = (tuple(map(id, tensors)), policy.compute_dtype, policy.accum_dtype)
     entry = _PACKED.get(key)
     versions = tuple(t._version for t in tensors)
     if entry is None or entry.versions != versions:
         acc = _acc(policy)
-        operand = dt(policy.compute_dtype)
-        store = operand if acc == torch.float32 and operand != torch.float64 else acc
-        w = torch.cat([w.detach().to(operand).to(store) for w in ws]).contiguous()
-        N, K = w.shape
-        wtype = fo.BF16_PAIRS if store == torch.bfloat16 else _WTYPE[store]
-        data = torch.empty(_kernels().fo_packed_elements(N, K, wtype), dtype=store)
-        _kernels().fo_pack(w.data_ptr(), wtype, N, K, K, 1, data.data_ptr())
-        bias = (torch.cat([b.detach().to(operand).to(acc) for b in bs])
+        w = torch.cat([w.detach().cpu() for w in ws])
+        packed, wtype, x_dtype, _ = fo.pack_for(to_numpy(w), policy.compute_dtype, policy.accum_dtype)
+        bias = (torch.cat([b.detach().to(dt(policy.compute_dtype)).to(acc) for b in bs])
                 if all(b is not None for b in bs) else None)
         drop = lambda _, key=key: _PACKED.pop(key, None)  # noqa: E731
         # An entry lives only while all its tensors do (each weak reference drops it when
         # its tensor dies, before the id can be reused), so the ids name these very tensors.
-        entry = _PACKED[key] = _Packed(tuple(weakref.ref(t, drop) for t in tensors), versions, data,
-                                       wtype, N, bias, torch.bfloat16 if wtype == fo.BF16_PAIRS else acc)
+        entry = _PACKED[key] = _Packed(tuple(weakref.ref(t, drop) for t in tensors), versions,
+                                       from_numpy(packed), wtype, w.shape[0], bias, dt(x_dtype))
     return entry
 
 
