@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model demo test test-caps test-all bench clean-venv
+.PHONY: setup model demo lint test test-caps test-all bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ model: setup
 
 demo: setup
 	$(BIN)/llama-parity demo
+
+# ruff: pyflakes, pycodestyle (120 columns) and import order ([tool.ruff] in pyproject.toml).
+lint: setup
+	$(BIN)/ruff check .
 
 # Default suite: tiny random checkpoints plus the SmolLM2 checks (well under 15 min on 2 cores).
 test: model

@@ -59,6 +59,7 @@ def decode_seconds_per_token(m, ids, n_decode) -> float:
 def bench_transformers(folder, policy, ids, n_decode, repeats):
     import torch
     from transformers import LlamaForCausalLM
+
     from llamaspec import Policy
     from torchref.dtypes import dt
     dtype = dt(Policy.get(policy).param_dtype)

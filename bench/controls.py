@@ -80,6 +80,7 @@ def main(argv=None):
         folder, label = Path(args.checkpoint), Path(args.checkpoint).name
     else:
         import tempfile
+
         from llamaspec.testing import make_checkpoint
         folder = make_checkpoint(Path(tempfile.mkdtemp()) / "tiny", head_dim=TINY_HEAD_DIM)
         label = "tiny"

@@ -42,6 +42,7 @@ def main(argv=None) -> int:
 
     import jax
     import torch
+
     import jaxmodel
     import torchref
     from compare.metrics import rel_l2

@@ -31,7 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -137,14 +136,15 @@ def main(argv=None) -> int:
             gc.collect()
 
     table = format_rows(rows)
+    env = environment(policies[0])
     print(table)
+    print(f"CPU: {env.get('cpu')} ({env.get('cpu isa')}; caps: {env.get('isa caps')}); GPU: {env.get('gpu', 'none')}")
     for s in skipped:
         print(f"skipped {s}")
     out = Path(args.out)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     meta = {"checkpoint": folder, "target": how, "settings": vars(args), "table": rows,
-            "skipped": skipped, "seconds": round(time.perf_counter() - t0, 1),
-            "environment": environment(policies[0])}
+            "skipped": skipped, "seconds": round(time.perf_counter() - t0, 1), "environment": env}
     print(f"JSON: {write_json(results, out / f'invariance-{stamp}.json', meta)}")
     print(f"HTML: {write_html(results, out / f'invariance-{stamp}.html', meta)}")
     return 1 if any(r.verdict == "semantic" for r in results) else 0

@@ -8,12 +8,24 @@ by `llama-parity demo`.
 
 from .engine import KINDS, Report, assert_parity, compare_models
 from .layers import Row, layer_summary
-from .metrics import (cosine, frac_beyond, kl_per_position, max_abs, max_ulp, nonfinite,
-                      nonfinite_report, rel_l2, tap_metrics, top1_agreement, top_margin,
-                      topk_overlap, unit_roundoff)
+from .metrics import (
+                      cosine,
+                      frac_beyond,
+                      kl_per_position,
+                      max_abs,
+                      max_ulp,
+                      nonfinite,
+                      nonfinite_report,
+                      rel_l2,
+                      tap_metrics,
+                      top1_agreement,
+                      top_margin,
+                      topk_overlap,
+                      unit_roundoff,
+)
 from .structure import Finding, analyse, hint
 
-__all__ = ["KINDS", "Report", "assert_parity", "compare_models", "Row", "layer_summary", "cosine", "frac_beyond", "kl_per_position", "max_abs",
-           "max_ulp", "nonfinite", "nonfinite_report", "rel_l2", "tap_metrics",
+__all__ = ["KINDS", "Report", "assert_parity", "compare_models", "Row", "layer_summary", "cosine", "frac_beyond",
+           "kl_per_position", "max_abs", "max_ulp", "nonfinite", "nonfinite_report", "rel_l2", "tap_metrics",
            "top1_agreement", "top_margin", "topk_overlap", "unit_roundoff", "Finding",
            "analyse", "hint"]

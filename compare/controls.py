@@ -22,7 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from llamaspec import Policy, taps as tapnames
+from llamaspec import Policy
+from llamaspec import taps as tapnames
 
 from .engine import Report, Side, _transformers, resolve_side, run_ladder
 

@@ -28,12 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
-from llamaspec import Policy, positions_from_mask, taps as tapnames
+from llamaspec import Policy, positions_from_mask
+from llamaspec import taps as tapnames
 
 from .conventions import explain_attention
 from .environment import environment
 from .metrics import logits_agreement, nonfinite, pair_metrics, rel_l2, unit_roundoff
-from .structure import analyse, hint as structure_hint
+from .structure import analyse
+from .structure import hint as structure_hint
 
 KINDS = ("exact", "drift", "precision", "semantic")
 M = 3.0                 # the drift factor at 16-bit and fp64 working dtypes (see M_BY_DTYPE)

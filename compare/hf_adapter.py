@@ -37,9 +37,11 @@ import warnings
 import numpy as np
 import torch
 
-from llamaspec import positions_from_mask, taps as tapnames
+from llamaspec import positions_from_mask
+from llamaspec import taps as tapnames
 from llamaspec.inputs import check_inject, check_token_array
 from torchref.dtypes import TORCH, from_numpy, to_numpy
+
 
 def _rope_reason(what: str) -> str:
     return (f"transformers applies RoPE inside LlamaAttention.forward (apply_rotary_pos_emb, a plain "
@@ -229,7 +231,8 @@ class HFAdapter(WrapsModel):
             blk = m.model.layers[layer]
             att, mlp = blk.self_attn, blk.mlp
             head_dim = att.head_dim
-            per_head = (lambda x, d=head_dim: x.view(*x.shape[:-1], -1, d))
+            def per_head(x, d=head_dim):
+                return (x.view(*x.shape[:-1], -1, d))
             where = {
                 "attn_norm": (blk.input_layernorm, "post", None),
                 "q": (att.q_proj, "post", per_head), "k": (att.k_proj, "post", per_head),

@@ -32,7 +32,8 @@ import types
 import numpy as np
 import torch
 
-from llamaspec import LlamaConfig, Sampling, check_tokens, generate as run_generation, positions_from_mask
+from llamaspec import LlamaConfig, Sampling, check_tokens, positions_from_mask
+from llamaspec import generate as run_generation
 from llamaspec.inputs import check_next_ids, check_prefill
 from torchref.dtypes import to_numpy
 

@@ -155,7 +155,8 @@ def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
             lbl.set_horizontalalignment("right")
     _label_axes(ax, "layer (output of each block), then final norm and logits", grid_axis="both")
     caption = ("Error of each side against the fp64 oracle along depth. The shaded band is the "
-               "drift envelope; the candidate is within drift while its line stays inside it. Circles mark block outputs "
+               "drift envelope; the candidate is within drift while its line stays inside it. "
+               "Circles mark block outputs "
                "with a precision/semantic finding; a dotted vertical line marks a finding at a "
                "tap inside that block (see the table).")
     n = c1 + c2 + c3
@@ -187,8 +188,8 @@ def _plot_local(taps: list[dict], local: list[dict]) -> tuple[str | None, str]:
     series = [
         ("ref local (oracle input forced)", [r.get("ref_local") for r in rows], "#8fb3e8"),
         ("cand local (oracle input forced)", [r.get("cand_local") for r in rows], "#9a9a9a"),
-        ("ref full run (local + inherited)", [full.get(l, {}).get("err_ref") for l in layers], "#1f5fbf"),
-        ("cand full run (local + inherited)", [full.get(l, {}).get("err_cand") for l in layers], "#000000"),
+        ("ref full run (local + inherited)", [full.get(i, {}).get("err_ref") for i in layers], "#1f5fbf"),
+        ("cand full run (local + inherited)", [full.get(i, {}).get("err_cand") for i in layers], "#000000"),
     ]
     fig, ax = plt.subplots(figsize=(11, 3.8))
     w = 0.8 / len(series)
@@ -204,7 +205,7 @@ def _plot_local(taps: list[dict], local: list[dict]) -> tuple[str | None, str]:
     if shown:
         ax.set_ylim(min(shown) / 3, max(shown) * 3)
     ax.set_xticks(range(len(layers)))
-    ax.set_xticklabels([str(l) for l in layers], fontsize=8)
+    ax.set_xticklabels([str(i) for i in layers], fontsize=8)
     _label_axes(ax, "layer", grid_axis="y")
     caption = ("Per layer: the error a layer adds on its own when fed the oracle's input "
                "(local), against the error of its output in the full run (local + inherited "
@@ -369,8 +370,8 @@ def _environment(report: dict) -> tuple[str, dict]:
         if isinstance(env, dict):
             return "from the report", env
         return "from the report", {"environment": env}
-    from importlib.metadata import version
     import platform
+    from importlib.metadata import version
     found = {"python": platform.python_version()}
     for pkg in ("numpy", "torch", "jax", "jaxlib", "ml_dtypes", "transformers", "matplotlib"):
         try:

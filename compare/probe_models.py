@@ -148,8 +148,9 @@ def fp64_twin(model, spec: ModelSpec | None = None):
         weights = {k: to_numpy(v.detach().cpu()) for k, v in model.state_dict().items()}
         return tm.LlamaModel(model.cfg, fp64_policy(model.policy), "cpu").load_numpy(weights).eval()
     if impl == "jaxmodel":
-        import jaxmodel.model as jm
         from flax import nnx
+
+        import jaxmodel.model as jm
         weights = {}
         for path, var in nnx.to_flat_state(model.state):
             key = ".".join(str(p) for p in path)

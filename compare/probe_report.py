@@ -85,7 +85,7 @@ def _label(d: dict) -> str:
 
 def _series_colours(labels):
     palette = ["#1f5fbf", "#d0312d", "#2e9d3a", "#e07b00", "#7a3fbf", "#00a0a0", "#8a5a00", "#555555"]
-    return {l: palette[i % len(palette)] for i, l in enumerate(sorted(set(labels)))}
+    return {label: palette[i % len(palette)] for i, label in enumerate(sorted(set(labels)))}
 
 
 def _plot_bitwise_vs_batch(rows) -> tuple[str | None, str]:
@@ -130,8 +130,8 @@ def _plot_bitwise_vs_batch(rows) -> tuple[str | None, str]:
     axes[0][0].set_ylabel("fraction bitwise equal to the target alone")
     handles = {}
     for ax in axes[0]:
-        for h, l in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(l, h)
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
     axes[0][-1].legend(handles.values(), handles.keys(), fontsize=8, loc="upper left",
                        bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return _png(fig), ("Per batch size: the fraction of target copies whose logits are bitwise "
@@ -157,11 +157,11 @@ def _plot_distinct(rows) -> tuple[str | None, str]:
     w = 0.8 / max(1, len(modes))
     for j, mode in enumerate(modes):
         xs = [i + (j - (len(modes) - 1) / 2) * w for i in range(len(labels))]
-        ys = [(data.get((l, mode)) or (0, 0))[0] or 0 for l in labels]
+        ys = [(data.get((label, mode)) or (0, 0))[0] or 0 for label in labels]
         bars = ax.bar(xs, ys, width=w, color="#1f5fbf" if mode == "default" else "#2e9d3a",
                       label=f"{mode} mode")
-        for b, l in zip(bars, labels):
-            n = (data.get((l, mode)) or (None, None))[1]
+        for b, label in zip(bars, labels):
+            n = (data.get((label, mode)) or (None, None))[1]
             if n:
                 ax.annotate(f"{int(b.get_height())}/{n}", (b.get_x() + b.get_width() / 2, b.get_height()),
                             ha="center", va="bottom", fontsize=8)

@@ -40,7 +40,7 @@ import numpy as np
 
 from llamaspec.inputs import left_align
 
-from .engine import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M, JsonResult
+from .engine import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, JsonResult, M
 from .metrics import max_ulp, nonfinite, rel_l2, unit_roundoff
 from .probe_models import ProbeModel, as_probe_model
 

@@ -36,8 +36,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from llamaspec import (LlamaConfig, Policy, Sampling, check_tokens, generate,
-                       load_weights, positions_from_mask, taps as tapnames)
+from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, generate, load_weights, positions_from_mask
+from llamaspec import taps as tapnames
 from llamaspec.inputs import check_inject, check_next_ids, check_prefill, invariant_layout
 
 from . import invariant, ops

@@ -151,6 +151,9 @@ def cmd_compare(args) -> int:
                             progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
     print_verdict_table(report, colour=sys.stdout.isatty() and not args.no_colour)
     say(report.summary())
+    env = report.environment
+    say(f"measured on: {env.get('cpu')} ({env.get('cpu isa')}; caps: {env.get('isa caps')}); "
+        f"GPU: {env.get('gpu', 'none')}")
     json_path, html_path = _report_paths(args)
     if json_path:
         say(f"JSON report: {report.to_json(json_path)}")

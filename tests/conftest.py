@@ -7,7 +7,6 @@ import pytest
 from compare.metrics import rel_l2  # noqa: F401  (NaN on either side gives NaN: every bound fails)
 from llamaspec.testing import make_checkpoint
 
-
 # Tiny configs that cover the architecture space the acceptance criteria name.
 CONFIGS = {
     "gqa": {},

@@ -6,9 +6,9 @@ import importlib
 
 import numpy as np
 import pytest
+from conftest import rel_l2
 
 from llamaspec import InputError
-from conftest import rel_l2
 
 FRAMEWORKS = ["torchref", "jaxmodel"]
 VOCAB, TARGET_LEN, WIDTH = 96, 11, 16  # canonical widths stay 16: few JAX compiles
@@ -172,6 +172,7 @@ def test_torchref_f32_linear_gives_a_row_one_result_at_every_row_count(n_out, n_
     """What fixed_order guarantees, through torchref's linear: a row alone and at any
     position of any row count up to 300 gets the same bits."""
     import torch
+
     from torchref import invariant
     g = torch.Generator().manual_seed(n_out)
     w, b = torch.randn(n_out, n_in, generator=g), torch.randn(n_out, generator=g)
@@ -184,6 +185,7 @@ def test_torchref_f32_linear_gives_a_row_one_result_at_every_row_count(n_out, n_
 def test_torchref_stacked_projections_equal_separate_ones():
     """linears() runs q/k/v (gate/up) as one product: the same bits as one call per weight."""
     import torch
+
     from torchref import invariant
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, 64, generator=g) for n in (64, 16, 16)]
@@ -198,6 +200,7 @@ def test_torchref_packed_weights_follow_changes_to_the_weight():
     import gc
 
     import torch
+
     from torchref import invariant
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(24, 32, generator=g), torch.randn(3, 32, generator=g)
@@ -219,6 +222,7 @@ def test_torchref_self_check_catches_an_order_changing_kernel_and_names_it(op, t
     """The self-check at load: a kernel whose summation order changes with the row count
     (planted here) makes from_pretrained refuse, naming the operation."""
     import torch
+
     from llamaspec.errors import InvarianceError
     from torchref import invariant
     if op == "linear":
@@ -244,6 +248,7 @@ def test_jaxmodel_self_check_catches_an_order_changing_op_and_names_it(tiny_dir,
     from_pretrained refuse, naming it."""
     import jax
     import jax.numpy as jnp
+
     from jaxmodel import invariant
     from llamaspec.errors import InvarianceError
     monkeypatch.setattr(invariant, "silu", lambda x: x * jax.nn.sigmoid(x) if x.shape[0] == 1
@@ -276,6 +281,7 @@ def test_jaxmodel_ffi_products_are_the_same_program_as_the_ctypes_ones(compute):
     any row count, through XLA's thread pool."""
     import jax
     import ml_dtypes
+
     from jaxmodel import kernels
     from llamaspec import fixed_order as fo
     rng = np.random.default_rng(0)
@@ -293,6 +299,7 @@ def test_jaxmodel_ffi_products_are_the_same_program_as_the_ctypes_ones(compute):
 
 def test_jaxmodel_ffi_row_sums_and_exp_are_the_ctypes_programs():
     import jax
+
     from jaxmodel import kernels
     from llamaspec import fixed_order as fo
     x = np.random.default_rng(1).standard_normal((3, 70, 577)).astype(np.float32)

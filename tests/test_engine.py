@@ -8,7 +8,8 @@ import torch
 
 import torchref
 from compare.engine import Side, compare_models, run_ladder
-from llamaspec import Policy, taps as tapnames
+from llamaspec import Policy
+from llamaspec import taps as tapnames
 
 IDS = np.random.default_rng(0).integers(3, 96, (2, 40))
 MASK = np.ones_like(IDS)

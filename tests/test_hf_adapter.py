@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 import torchref  # noqa: E402
 from compare.hf_adapter import EAGER_F64_LEFT_PADDING, HFAdapter, copy_at, forcing_hook  # noqa: E402
 from compare.metrics import rel_l2  # noqa: E402
-from llamaspec import InputError, Policy, taps as tapnames  # noqa: E402
+from llamaspec import InputError, Policy  # noqa: E402
+from llamaspec import taps as tapnames  # noqa: E402
 
 TOL = 1e-12
 

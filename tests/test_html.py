@@ -55,7 +55,8 @@ def test_drift_report():
 
 def test_semantic_report_with_first_divergence():
     bad = "layers.1.q_rope"
-    kind_of = lambda tap: "semantic" if tap == bad else ("precision" if tap == "logits" else "drift")
+    def kind_of(tap):
+        return "semantic" if tap == bad else ("precision" if tap == "logits" else "drift")
     taps = _taps(3, kind_of)
     first = Divergence(bad, 1, "attn", "semantic", "position-dependent, one half of each head: RoPE layout")
     d = Report("torchref", "jaxmodel", POLICY, "semantic", first, taps, _local(3)).to_dict()

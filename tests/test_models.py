@@ -6,9 +6,9 @@ import importlib
 import ml_dtypes
 import numpy as np
 import pytest
-
-from llamaspec import InputError, Policy, PRESETS, LlamaConfig, expected_shapes, taps
 from conftest import CONFIGS, hf_logits, rel_l2
+
+from llamaspec import PRESETS, InputError, LlamaConfig, Policy, expected_shapes, taps
 
 FRAMEWORKS = ["torchref", "jaxmodel"]
 

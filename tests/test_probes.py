@@ -11,8 +11,17 @@ import pytest
 
 from compare.probe_models import ProbeModel, fp64_twin, load_model
 from compare.probe_report import format_table, render_html, to_document
-from compare.probes import (Case, ProbeResult, compare_completion, divergence_plan, probe_batch,
-                            probe_cross_greedy, probe_determinism, probe_divergence, probe_padding)
+from compare.probes import (
+    Case,
+    ProbeResult,
+    compare_completion,
+    divergence_plan,
+    probe_batch,
+    probe_cross_greedy,
+    probe_determinism,
+    probe_divergence,
+    probe_padding,
+)
 from llama_parity.cli import main
 
 IMPLS = ("torchref", "jaxmodel")

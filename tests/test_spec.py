@@ -6,8 +6,19 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from llamaspec import (Checkpoint, CheckpointError, ConfigError, InputError, LlamaConfig,
-                       Policy, PolicyError, check_tokens, load_weights, positions_from_mask, taps)
+from llamaspec import (
+    Checkpoint,
+    CheckpointError,
+    ConfigError,
+    InputError,
+    LlamaConfig,
+    Policy,
+    PolicyError,
+    check_tokens,
+    load_weights,
+    positions_from_mask,
+    taps,
+)
 from llamaspec.inputs import left_align
 from llamaspec.testing import TINY, make_checkpoint, write_safetensors
 

@@ -273,7 +273,8 @@ SMOLLM2_CHATS = [
 @pytest.mark.parametrize("messages", SMOLLM2_CHATS, ids=range(len(SMOLLM2_CHATS)))
 def test_smollm2_chat_matches_transformers(messages):
     folder = _smollm2_dir()
-    transformers = pytest.importorskip("transformers", reason="transformers is the reference here (pip install -e .[hf])")
+    transformers = pytest.importorskip("transformers",
+                                       reason="transformers is the reference here (pip install -e .[hf])")
     hf = transformers.AutoTokenizer.from_pretrained(folder)
     ours = Tokenizer.from_pretrained(folder)
 

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from llamaspec import (LlamaConfig, Policy, Sampling, check_tokens, generate as run_generation,
-                       load_weights, positions_from_mask, taps as tapnames)
+from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, load_weights, positions_from_mask
+from llamaspec import generate as run_generation
+from llamaspec import taps as tapnames
 from llamaspec.inputs import check_inject, check_next_ids, check_prefill, invariant_layout
 
 from . import invariant, ops

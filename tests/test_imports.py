@@ -1,0 +1,131 @@
+"""The import graph of the packages: dependencies flow one way (llamaspec <- jaxmodel,
+torchref <- compare <- llama_parity), no module imports itself back through others (lazy
+imports inside functions count too: a cycle is a design knot whether or not Python trips on
+it), and no private name (`_x`) is imported from or read off another module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LEVEL = {"llamaspec": 0, "jaxmodel": 1, "torchref": 1, "compare": 2, "llama_parity": 3}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in LEVEL for p in (ROOT / pkg).rglob("*.py")}
+
+
+def _imports(name: str, path: Path, known: set[str]):
+    """(imported module, names taken from it, line) for every import in the file; names
+    read as attributes of an imported module (`ops._x`) are reported as taken too."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    aliases: dict[str, str] = {}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                found.append((a.name, [], node.lineno))
+                if a.asname:
+                    aliases[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                if sub in known:  # `from . import ops`: a module, not a name
+                    found.append((sub, [], node.lineno))
+                    aliases[a.asname or a.name] = sub
+                else:
+                    found.append((base, [a.name], node.lineno))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            found.append((aliases[node.value.id], [node.attr], node.lineno))
+    return found
+
+
+def _graph():
+    mods = _modules()
+    known = set(mods)
+    edges, problems = {m: set() for m in mods}, []
+    for name, path in mods.items():
+        top = name.split(".")[0]
+        for target, names, line in _imports(name, path, known):
+            if target.split(".")[0] not in LEVEL:
+                continue
+            where = f"{path.relative_to(ROOT)}:{line}"
+            other = target.split(".")[0]
+            if other != top and LEVEL[other] >= LEVEL[top]:
+                problems.append(f"{where}: {name} imports {target} (not below {top})")
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private and target != name:
+                problems.append(f"{where}: {name} takes private {', '.join(private)} from {target}")
+            if target in known and target != name:
+                edges[name].add(target)
+    return edges, problems
+
+
+def _cycles(edges) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _without_package_inits(edges):
+    """A package's __init__ re-exports its modules; a module importing a sibling through the
+    package (`from llamaspec import Policy`) is not a cycle with that module."""
+    return {m: {t for t in ts if not (t in LEVEL or "." not in t and t == m.split(".")[0])} for m, ts in edges.items()}
+
+
+def test_dependencies_flow_one_way_and_no_private_name_crosses_a_module():
+    _, problems = _graph()
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycle():
+    edges, _ = _graph()
+    cycles = _cycles(_without_package_inits(edges))
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_checker_sees_what_it_checks():
+    """The graph is not empty and knows the edges every reader can see."""
+    edges, _ = _graph()
+    assert "llamaspec.policy" in edges["torchref.ops"] or "llamaspec" in edges["torchref.ops"]
+    assert "compare.metrics" in edges["compare.engine"]
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
