@@ -25,7 +25,7 @@ import numpy as np
 from llamaspec import Policy
 from llamaspec import taps as tapnames
 
-from .engine import Report, Side, _transformers, resolve_side, run_ladder
+from .engine import Report, Side, resolve_side, run_ladder, transformers_side
 
 LAYER = 1
 
@@ -237,7 +237,7 @@ def _hf_side(patch, dtype="float32"):
         hf = transformers.LlamaForCausalLM.from_pretrained(
             folder, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
         patch(hf)
-        side = _transformers(hf, folder)
+        side = transformers_side(hf, folder)
         if patch is not _none:
             side.name += "+bug"
         return side

@@ -33,41 +33,21 @@ from llamaspec import taps as tapnames
 
 from .conventions import explain_attention
 from .environment import environment
-from .metrics import logits_agreement, nonfinite, pair_metrics, rel_l2, unit_roundoff
+from .metrics import logits_agreement, nonfinite, pair_metrics, rel_l2
 from .structure import analyse
 from .structure import hint as structure_hint
+from .vocabulary import (
+    F32_STEPS_FLOOR,
+    FLOOR_ULPS,
+    FP64_FLOOR,
+    KINDS,
+    QUARTER_POSITIONS,
+    STRUCT_F32_FLOOR,
+    M,
+    drift_factor,
+    precision_floor,
+)
 
-KINDS = ("exact", "drift", "precision", "semantic")
-M = 3.0                 # the drift factor at 16-bit and fp64 working dtypes (see M_BY_DTYPE)
-# At fp32 the working dtype's own roundings are small, so how an implementation computes
-# exp, rsqrt and its reductions shows: measured on SmolLM2 (1x64 tokens), clean jaxmodel
-# vs torchref at fp32 reaches 4.4x the reference's error over a whole tap (layers.10.out,
-# 3.1e-6 vs 7.1e-7) and ~7x over a quarter of positions (layers.11.attn_norm). At bf16 and
-# fp16 the policy's own roundings dominate and the two agree to ~1.1x (worst 0.61 of the
-# M = 3 bound, quarters included). So fp32 gets 10, the rest 3.
-M_BY_DTYPE = {"float32": 10.0}
-# Floor of the precision check, in unit roundoffs of compute_dtype (and never below
-# FP64_FLOOR). Was 8: at bf16 that is a rel L2 of 1.6e-2, more than a bf16 tap's whole
-# error (~5e-3), so no bf16 precision deviation could ever show. Measured with 1
-# (bench/controls.py, the largest err(cand) / (M err(ref) + floor) over every tap and
-# quarter of positions): clean jaxmodel vs torchref <= 0.31 on the tiny checkpoint at
-# fp32/bf16/fp16 (2x128 tokens); on SmolLM2 (1x64) see M_BY_DTYPE. Planted precision
-# bugs: RoPE tables in bf16 2.0 (tiny, head_dim 32, 2x128) and 2.0 (SmolLM2, 1x64, in
-# the last quarter of positions; 1.14 over the whole tap), softmax in bf16 inside an
-# fp32 model ~1e3.
-FLOOR_ULPS = 1
-FP64_FLOOR = 1e-12      # measured fp64 noise between our two models: <= 7.4e-15 on SmolLM2
-F32_STEPS_FLOOR = 300 * 2.0 ** -24   # a side that keeps f32 steps in its fp64 run
-# A side that keeps f32 steps in its fp64 run (transformers: RMSNorm, RoPE tables and
-# softmax in f32) is still judged by structure below F32_STEPS_FLOOR: a scale, offset or
-# permutation larger than STRUCT_F32_FLOOR is math, not f32 rounding. Measured, clean
-# transformers fp64 vs torchref fp64 on SmolLM2 (1x64 tokens), every tap: the largest
-# such finding is 9.1e-8 (per-feature scale; per-row 3.8e-8, global 5.1e-8; 1.5 f32 ulps);
-# on the tiny checkpoint none. RoPE angles and the softmax rounded in f32 give position
-# trends and head/half confinement whose size grows with the sequence length: those
-# keep F32_STEPS_FLOOR.
-STRUCT_F32_FLOOR = 16 * 2.0 ** -24
-QUARTER_POSITIONS = 16   # the precision check also looks at each quarter of positions
 _F32_STEP_KINDS = ("position_trend", "head_confinement", "half_confinement", "sign_bias")
 # Where a precision deviation first shows, the step that most likely lost it.
 _PRECISION_STEP = {
@@ -138,7 +118,7 @@ def _ours(name: str, checkpoint, policy: Policy) -> Side:
     return Side(name, at_p, at_64, False, tuple(tapnames.all_taps(at_p.cfg.num_hidden_layers)))
 
 
-def _transformers(model, checkpoint=None) -> Side:
+def transformers_side(model, checkpoint=None) -> Side:
     import torch
 
     from .hf_adapter import HFAdapter, copy_at
@@ -183,7 +163,7 @@ def resolve_side(spec, checkpoint, policy: Policy) -> Side:
                              "transformers LlamaForCausalLM instance)")
         return _ours(spec, checkpoint, policy)
     if type(spec).__name__ == "LlamaForCausalLM":
-        return _transformers(spec, checkpoint)
+        return transformers_side(spec, checkpoint)
     raise TypeError(f"cannot compare a {type(spec).__name__}: pass 'torchref', 'jaxmodel' or a "
                     "transformers LlamaForCausalLM")
 
@@ -203,23 +183,6 @@ def _findings(tap, cand64, oracle, mask, keeps_f32, context) -> list:
         found = [f for f in found
                  if f.size > (F32_STEPS_FLOOR if f.kind in _F32_STEP_KINDS else STRUCT_F32_FLOOR)]
     return found
-
-
-def precision_floor(policy: Policy, hidden: int | None = None) -> float:
-    """FLOOR_ULPS unit roundoffs of compute_dtype (at least FP64_FLOOR). At fp32, given the
-    model's hidden size, at least sqrt(hidden) unit roundoffs: the typical relative error
-    of one f32 sum over the hidden size, by which two correct implementations that sum in
-    different orders (one fma chain against blocked or pairwise sums, as another CPU's
-    kernels choose) can differ. Below it a difference in accuracy is not a lower-precision
-    step (docs/method.md)."""
-    floor = max(FLOOR_ULPS * unit_roundoff(policy.compute_dtype), FP64_FLOOR)
-    if hidden and policy.compute_dtype == "float32":
-        floor = max(floor, math.sqrt(hidden) * unit_roundoff("float32"))
-    return floor
-
-
-def drift_factor(policy: Policy) -> float:
-    return M_BY_DTYPE.get(policy.compute_dtype, M)
 
 
 class _RowErrors:

@@ -8,47 +8,25 @@ plots are matplotlib (Agg) PNGs embedded as base64 data URIs, every string is es
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import math
 from pathlib import Path
 
-KIND_COLOURS = {"exact": "#8a8a8a", "drift": "#2e9d3a", "precision": "#e07b00",
-                "semantic": "#d0312d"}
-KIND_ORDER = ("exact", "drift", "precision", "semantic")
+from .page import CSS, environment_section, escape, figure, kv_table, number, png, pyplot
+from .vocabulary import KIND_HEX, KINDS, drift_factor, kind_hex, precision_floor
+
 LOG_CLIP = 1e-18            # zero errors are drawn at this value on the log axes
 COLLAPSE_AFTER = 40         # tap tables longer than this fold the quiet rows away
 
 
-def _e(x) -> str:
-    return html.escape("" if x is None else str(x), quote=True)
-
-
-def _num(x) -> float:
-    """A float from a JSON value; 'nan'/'inf' strings, None and junk become floats/NaN."""
-    if x is None:
-        return math.nan
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _fmt(x) -> str:
-    v = _num(x)
+    v = number(x)
     return "nan" if math.isnan(v) else f"{v:.2e}"
-
-
-def _colour(kind) -> str:
-    return KIND_COLOURS.get(str(kind), "#555555")
 
 
 def _envelope(policy: dict) -> tuple[float, float]:
     """The engine's drift bound for this policy: err(cand) <= m * err(ref) + floor."""
     from llamaspec import Policy
 
-    from .engine import drift_factor, precision_floor
     for make in (lambda: Policy(**policy),   # a hand-made dict: its compute dtype, else fp32's
                  lambda: Policy.get("fp32", compute_dtype=policy["compute_dtype"]),
                  lambda: Policy.get("fp32")):
@@ -61,26 +39,12 @@ def _envelope(policy: dict) -> tuple[float, float]:
 
 # ---------------------------------------------------------------- plots
 
-def _png(fig) -> str:
-    import matplotlib.pyplot as plt
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    return plt
-
 
 def _clip(vals):
     """Zeros/negatives -> LOG_CLIP (counted); NaN stays NaN (a gap in the line)."""
     out, clipped = [], 0
     for v in vals:
-        v = _num(v)
+        v = number(v)
         if math.isinf(v):
             v = math.nan
         if not math.isnan(v) and v <= LOG_CLIP:
@@ -94,21 +58,11 @@ def _depth_taps(taps: list[dict]) -> list[dict]:
             or t.get("tap") in ("final_norm", "logits")]
 
 
-def _figure(alt: str, plot, *args) -> str:
-    """A plot (`plot(*args)` -> (data URI or None, caption)) and its caption as HTML; a
-    failing plot becomes its caption: a plot must never cost the page."""
-    try:
-        img, cap = plot(*args)
-    except Exception as exc:  # noqa: BLE001
-        img, cap = None, f"plot failed: {type(exc).__name__}: {exc}"
-    return (f"<img alt='{_e(alt)}' src='{img}'>" if img else "") + f"<p class='cap'>{_e(cap)}</p>"
-
-
 def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
     rows = _depth_taps(taps)
     if not rows:
         return None, "no layer output taps in this report"
-    plt = _plt()
+    plt = pyplot()
     x = list(range(len(rows)))
     labels = [str(r["layer"]) if r.get("layer") is not None else
               ("norm" if r["tap"] == "final_norm" else str(r["tap"])) for r in rows]
@@ -132,7 +86,7 @@ def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
         idx = [i for i, r in enumerate(rows) if r.get("kind") == kind]
         if idx:
             ax.scatter([x[i] for i in idx], [cand[i] for i in idx], s=90, zorder=5,
-                       facecolors="none", edgecolors=_colour(kind), linewidths=2.2,
+                       facecolors="none", edgecolors=kind_hex(kind), linewidths=2.2,
                        label=f"{kind} tap")
     # findings at taps inside a block (q_rope, act, ...) have no point of their own on this
     # axis: a vertical line at that block's output marks them
@@ -143,7 +97,7 @@ def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
         if (kind in ("precision", "semantic") and layer in pos
                 and not str(t.get("tap")).endswith(".out") and (layer, kind) not in marked):
             marked.add((layer, kind))
-            ax.axvline(pos[layer], color=_colour(kind), lw=1.5, ls=":", alpha=0.8,
+            ax.axvline(pos[layer], color=kind_hex(kind), lw=1.5, ls=":", alpha=0.8,
                        label=None if kind in labelled else f"{kind} inside block")
             labelled.add(kind)
     ax.set_yscale("log")
@@ -165,7 +119,7 @@ def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
     nans = sum(math.isnan(v) for v in ref + cand + f64)
     if nans:
         caption += f" {nans} non-finite value(s) are left out (gaps in the lines)."
-    return _png(fig), caption
+    return png(fig), caption
 
 
 def _label_axes(ax, xlabel: str, grid_axis: str) -> None:
@@ -180,10 +134,10 @@ def _plot_local(taps: list[dict], local: list[dict]) -> tuple[str | None, str]:
     if not local:
         return None, ("No teacher-forced (local) errors in this report, so local and inherited "
                       "error cannot be separated.")
-    plt = _plt()
+    plt = pyplot()
     full = {t.get("layer"): t for t in taps if str(t.get("tap", "")).endswith(".out")
             and t.get("layer") is not None}
-    rows = sorted(local, key=lambda r: _num(r.get("layer")))
+    rows = sorted(local, key=lambda r: number(r.get("layer")))
     layers = [r.get("layer") for r in rows]
     series = [
         ("ref local (oracle input forced)", [r.get("ref_local") for r in rows], "#8fb3e8"),
@@ -213,14 +167,14 @@ def _plot_local(taps: list[dict], local: list[dict]) -> tuple[str | None, str]:
                "was inherited.")
     if clipped:
         caption += f" {clipped} zero value(s) were clipped to {LOG_CLIP:.0e} to fit the log scale."
-    return _png(fig), caption
+    return png(fig), caption
 
 
 def _local_table(local: list[dict]) -> str:
     cols = (("ref_local", "ref local"), ("cand_local", "cand local"),
             ("ref_amplification", "ref amplification"), ("cand_amplification", "cand amplification"))
-    head = "".join(f"<th>{_e(label)}</th>" for _, label in cols)
-    rows = "".join(f"<tr><td>{_e(row.get('layer'))}</td>"
+    head = "".join(f"<th>{escape(label)}</th>" for _, label in cols)
+    rows = "".join(f"<tr><td>{escape(row.get('layer'))}</td>"
                    + "".join(f"<td class='n'>{_fmt(row.get(k)) if row.get(k) is not None else ''}"
                              "</td>" for k, _ in cols) + "</tr>" for row in local)
     return ("<details><summary>Per layer: local error and amplification (full-run error of "
@@ -235,12 +189,12 @@ LOGIT_COLUMNS = (("rel_l2", "rel L2"), ("max_abs", "max abs"), ("kl_mean", "KL m
 
 
 def _logits_table(pairs: dict) -> str:
-    head = "".join(f"<th>{_e(label)}</th>" for _, label in LOGIT_COLUMNS)
+    head = "".join(f"<th>{escape(label)}</th>" for _, label in LOGIT_COLUMNS)
     rows = []
     for name, m in pairs.items():
-        cells = "".join(f"<td class='n'>{_e(m.get(k)) if k == 'top1_disagree' else _fmt(m.get(k))}"
+        cells = "".join(f"<td class='n'>{escape(m.get(k)) if k == 'top1_disagree' else _fmt(m.get(k))}"
                         "</td>" for k, _ in LOGIT_COLUMNS)
-        rows.append(f"<tr><th>{_e(name)}</th>{cells}</tr>")
+        rows.append(f"<tr><th>{escape(name)}</th>{cells}</tr>")
     return f"<table><tr><th>pair</th>{head}</tr>{''.join(rows)}</table>"
 
 
@@ -248,7 +202,7 @@ def _plot_logits(positions: dict) -> tuple[str | None, str]:
     kl = positions.get("kl_cand_ref") or []
     if not kl:
         return None, "no per-position logits in this report"
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 3.4))
     x = list(range(len(kl)))
     ys, clipped = _clip(kl)
@@ -259,14 +213,14 @@ def _plot_logits(positions: dict) -> tuple[str | None, str]:
         ax.plot(x, own, color="#1f5fbf", lw=1, alpha=0.7, label="KL(oracle || reference)")
     flips = [i for i, ok in enumerate(positions.get("top1_agree") or []) if not ok]
     for i in flips:
-        ax.axvline(i, color=KIND_COLOURS["precision"], lw=1, ls=":")
+        ax.axvline(i, color=KIND_HEX["precision"], lw=1, ls=":")
     ax.set_yscale("log")
     ax.set_xlabel("position (real tokens, row by row)")
     ax.set_ylabel("KL divergence (nats)")
     margin = positions.get("ref_margin") or []
     if margin:
         ax2 = ax.twinx()
-        ax2.plot(x, [_num(v) for v in margin], color="#9a9a9a", lw=0.8, alpha=0.8,
+        ax2.plot(x, [number(v) for v in margin], color="#9a9a9a", lw=0.8, alpha=0.8,
                  label="reference top-1 - top-2 logit margin")
         ax2.set_ylabel("logit margin")
         ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.07, 0.55), borderaxespad=0)
@@ -279,30 +233,10 @@ def _plot_logits(positions: dict) -> tuple[str | None, str]:
                "margin is near zero is a near tie, one where it is large is not rounding.")
     if clipped:
         caption += f" {clipped} zero value(s) were clipped to {LOG_CLIP:.0e} to fit the log scale."
-    return _png(fig), caption
+    return png(fig), caption
 
 
 # ---------------------------------------------------------------- page
-
-CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px auto;
-max-width:1100px;color:#222;line-height:1.4;padding:0 16px}
-h1{font-size:22px;margin:0 0 6px} h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd}
-.badge{display:inline-block;color:#fff;font-size:30px;font-weight:700;padding:8px 22px;
-border-radius:10px;letter-spacing:1px;text-transform:uppercase}
-.head{display:flex;gap:20px;align-items:center}
-.sub{font-size:16px;color:#444}
-.div{margin:14px 0;padding:10px 14px;border-left:5px solid;background:#fafafa}
-.ok{margin:14px 0;padding:10px 14px;border-left:5px solid #2e9d3a;background:#f3faf3}
-table{border-collapse:collapse;font-size:12.5px;margin:6px 0}
-th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
-th{background:#f0f0f0} td.n{font-family:ui-monospace,Menlo,Consolas,monospace;text-align:right;
-white-space:nowrap} td.k{color:#fff;font-weight:600} td.t{font-family:ui-monospace,Menlo,Consolas,
-monospace;white-space:nowrap}
-img{max-width:100%} .cap{font-size:13px;color:#555;margin:2px 0 10px}
-details summary{cursor:pointer;margin:8px 0;font-weight:600}
-code{font-family:ui-monospace,Menlo,Consolas,monospace}
-"""
 
 
 def _tap_row(t: dict) -> str:
@@ -310,22 +244,22 @@ def _tap_row(t: dict) -> str:
     m = t.get("metrics") or {}
     layer = t.get("layer")
     return ("<tr>"
-            f"<td class='t'>{_e(t.get('tap'))}</td>"
-            f"<td>{_e('' if layer is None else layer)}</td>"
-            f"<td>{_e(t.get('component'))}</td>"
-            f"<td class='k' style='background:{_colour(kind)}'>{_e(kind)}</td>"
-            f"<td class='n'>{_e(_fmt(t.get('err_ref')))}</td>"
-            f"<td class='n'>{_e(_fmt(t.get('err_cand')))}</td>"
-            f"<td class='n'>{_e(_fmt(t.get('err_fp64')))}</td>"
+            f"<td class='t'>{escape(t.get('tap'))}</td>"
+            f"<td>{escape('' if layer is None else layer)}</td>"
+            f"<td>{escape(t.get('component'))}</td>"
+            f"<td class='k' style='background:{kind_hex(kind)}'>{escape(kind)}</td>"
+            f"<td class='n'>{escape(_fmt(t.get('err_ref')))}</td>"
+            f"<td class='n'>{escape(_fmt(t.get('err_cand')))}</td>"
+            f"<td class='n'>{escape(_fmt(t.get('err_fp64')))}</td>"
             + "".join(f"<td class='n'>{_metric(m.get(k), k)}</td>" for k in _METRIC_KEYS)
-            + f"<td>{_e(t.get('hint'))}</td></tr>")
+            + f"<td>{escape(t.get('hint'))}</td></tr>")
 
 
 _METRIC_KEYS = ("max_abs", "max_ulp", "cosine", "frac_beyond")
 
 
 def _metric(x, key) -> str:
-    v = _num(x)
+    v = number(x)
     if math.isnan(v):
         return "" if x is None else "nan"
     if key == "max_ulp":
@@ -357,34 +291,10 @@ def _tap_table(taps: list[dict]) -> str:
     return "".join(out)
 
 
-def _kv_table(d: dict) -> str:
-    if not d:
-        return "<p>(none)</p>"
-    rows = "".join(f"<tr><th>{_e(k)}</th><td><code>{_e(v)}</code></td></tr>" for k, v in d.items())
-    return f"<table>{rows}</table>"
-
-
-def _environment(report: dict) -> tuple[str, dict]:
-    env = report.get("environment")
-    if env:
-        if isinstance(env, dict):
-            return "from the report", env
-        return "from the report", {"environment": env}
-    import platform
-    from importlib.metadata import version
-    found = {"python": platform.python_version()}
-    for pkg in ("numpy", "torch", "jax", "jaxlib", "ml_dtypes", "transformers", "matplotlib"):
-        try:
-            found[pkg] = version(pkg)
-        except Exception:
-            found[pkg] = "not installed"
-    return "not recorded in the report; versions installed where this page was rendered", found
-
-
 def _counts(taps: list[dict]) -> str:
-    n = {k: sum(t.get("kind") == k for t in taps) for k in KIND_ORDER}
-    return ", ".join(f"<span style='color:{_colour(k)};font-weight:600'>{n[k]} {k}</span>"
-                     for k in KIND_ORDER)
+    n = {k: sum(t.get("kind") == k for t in taps) for k in KINDS}
+    return ", ".join(f"<span style='color:{kind_hex(k)};font-weight:600'>{n[k]} {k}</span>"
+                     for k in KINDS)
 
 
 def render_html(report_dict: dict) -> str:
@@ -397,33 +307,33 @@ def render_html(report_dict: dict) -> str:
     title = f"{r.get('candidate', '?')} vs {r.get('reference', '?')} at {pname}: {verdict}"
 
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-             f"<title>{_e(title)}</title><style>{CSS}</style></head><body>"]
+             f"<title>{escape(title)}</title><style>{CSS}</style></head><body>"]
     parts.append(
         "<div class='head'>"
-        f"<span class='badge' style='background:{_colour(verdict)}'>{_e(verdict)}</span>"
-        f"<div><h1>{_e(r.get('candidate', '?'))} vs {_e(r.get('reference', '?'))} at "
-        f"{_e(pname)}</h1><div class='sub'>candidate <code>{_e(r.get('candidate'))}</code>, "
-        f"reference <code>{_e(r.get('reference'))}</code>, policy <code>{_e(pname)}</code>; "
+        f"<span class='badge' style='background:{kind_hex(verdict)}'>{escape(verdict)}</span>"
+        f"<div><h1>{escape(r.get('candidate', '?'))} vs {escape(r.get('reference', '?'))} at "
+        f"{escape(pname)}</h1><div class='sub'>candidate <code>{escape(r.get('candidate'))}</code>, "
+        f"reference <code>{escape(r.get('reference'))}</code>, policy <code>{escape(pname)}</code>; "
         f"{len(taps)} taps: {_counts(taps)}</div></div></div>")
     d = r.get("first_divergence")
     if d:
         parts.append(
-            f"<div class='div' style='border-color:{_colour(d.get('kind'))}'>"
-            f"<b>First divergence:</b> <b style='color:{_colour(d.get('kind'))}'>{_e(d.get('kind'))}"
-            f"</b> at tap <code>{_e(d.get('tap'))}</code> (layer {_e(d.get('layer'))}, component "
-            f"{_e(d.get('component'))})<br>{_e(d.get('hint'))}"
-            + (f"<br><i>{_e(d.get('evidence'))}</i>" if d.get("evidence") else "") + "</div>")
+            f"<div class='div' style='border-color:{kind_hex(d.get('kind'))}'>"
+            f"<b>First divergence:</b> <b style='color:{kind_hex(d.get('kind'))}'>{escape(d.get('kind'))}"
+            f"</b> at tap <code>{escape(d.get('tap'))}</code> (layer {escape(d.get('layer'))}, component "
+            f"{escape(d.get('component'))})<br>{escape(d.get('hint'))}"
+            + (f"<br><i>{escape(d.get('evidence'))}</i>" if d.get("evidence") else "") + "</div>")
     elif verdict in ("exact", "drift"):
-        parts.append(f"<div class='ok'><b>{_e(verdict)}:</b> no precision or semantic difference "
+        parts.append(f"<div class='ok'><b>{escape(verdict)}:</b> no precision or semantic difference "
                      "found. The candidate's error against the fp64 oracle stays within what the "
                      "reference itself shows at this policy.</div>")
     else:
-        parts.append(f"<div class='div' style='border-color:{_colour(verdict)}'>Verdict "
-                     f"{_e(verdict)} but no first divergence was recorded.</div>")
+        parts.append(f"<div class='div' style='border-color:{kind_hex(verdict)}'>Verdict "
+                     f"{escape(verdict)} but no first divergence was recorded.</div>")
 
-    parts.append("<h2>Error vs depth</h2>" + _figure("error vs depth", _plot_depth, taps, policy))
+    parts.append("<h2>Error vs depth</h2>" + figure("error vs depth", _plot_depth, taps, policy))
     parts.append("<h2>Local vs inherited error per layer</h2>"
-                 + _figure("local vs inherited error", _plot_local, taps, local))
+                 + figure("local vs inherited error", _plot_local, taps, local))
     if local:
         parts.append(_local_table(local))
 
@@ -434,7 +344,7 @@ def render_html(report_dict: dict) -> str:
                      "margin flipped\" is the second's top-1/top-2 logit margin at the worst "
                      "position where the top-1 tokens differ (0 when none do).</p>")
         parts.append(_logits_table(logits.get("pairs") or {}))
-        parts.append(_figure("logits agreement per position", _plot_logits,
+        parts.append(figure("logits agreement per position", _plot_logits,
                              logits.get("positions") or {}))
 
     parts.append("<h2>Every tap</h2><p class='cap'>err_* are relative L2 errors against the "
@@ -446,10 +356,10 @@ def render_html(report_dict: dict) -> str:
     parts.append(_tap_table(taps))
 
     parts.append("<h2>Policy</h2>")
-    parts.append(_kv_table(policy))
-    how, env = _environment(r)
-    parts.append(f"<h2>Environment</h2><p class='cap'>{_e(how)}</p>")
-    parts.append(_kv_table(env))
+    parts.append(kv_table(policy))
+    how, env = environment_section(r)
+    parts.append(f"<h2>Environment</h2><p class='cap'>{escape(how)}</p>")
+    parts.append(kv_table(env))
     parts.append("</body></html>")
     return "\n".join(parts)
 

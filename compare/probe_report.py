@@ -17,9 +17,9 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from .html import CSS, KIND_ORDER, _colour, _e, _environment, _figure, _kv_table, _num, _plt, _png
+from .page import CSS, environment_section, escape, figure, kv_table, number, png, pyplot
+from .vocabulary import KIND_ANSI, KINDS, kind_hex
 
-COLOUR = {"exact": "90", "drift": "32", "precision": "33", "semantic": "31"}
 MODE_STYLE = {"default": ("-", "o"), "invariant": ("--", "s")}
 
 
@@ -29,7 +29,7 @@ def _as_dict(r) -> dict:
 
 def worst_verdict(results) -> str:
     kinds = [_as_dict(r).get("verdict", "exact") for r in results]
-    return max(kinds, key=lambda k: KIND_ORDER.index(k) if k in KIND_ORDER else -1, default="exact")
+    return max(kinds, key=lambda k: KINDS.index(k) if k in KINDS else -1, default="exact")
 
 
 def _extra(d: dict) -> str:
@@ -44,7 +44,7 @@ def _extra(d: dict) -> str:
 
 
 def _f(x, spec=".1e") -> str:
-    v = _num(x)
+    v = number(x)
     return "nan" if math.isnan(v) else format(v, spec)
 
 
@@ -56,9 +56,9 @@ def format_table(results, colour: bool = False, hints: bool = True) -> str:
     lines = [head, "-" * len(head)]
     for d in rows:
         kind = str(d.get("verdict"))
-        shown = f"\033[{COLOUR.get(kind, '0')}m{kind:<9}\033[0m" if colour else f"{kind:<9}"
+        shown = f"\033[{KIND_ANSI.get(kind, '0')}m{kind:<9}\033[0m" if colour else f"{kind:<9}"
         lines.append(f"{d.get('probe', ''):<12} {str(d.get('model', ''))[:34]:<34} {shown} "
-                     f"{_num(d.get('bitwise_equal_frac')):>7.0%} {_f(d.get('max_ulp'), '.3g'):>9} "
+                     f"{number(d.get('bitwise_equal_frac')):>7.0%} {_f(d.get('max_ulp'), '.3g'):>9} "
                      f"{_f(d.get('max_abs')):>8} {_f(d.get('rounding_error')):>8} {_extra(d):<16}")
         if hints:
             lines.append(f"{'':<12} {d.get('hint', '')}")
@@ -99,7 +99,7 @@ def _plot_bitwise_vs_batch(rows) -> tuple[str | None, str]:
                     int(c["batch_size"])].append(bool(c.get("bitwise_equal")))
     if not pts:
         return None, "no batch probe in these results"
-    plt = _plt()
+    plt = pyplot()
     policies = sorted({k[0] for k in pts})
     colours = _series_colours(k[1] for k in pts)
     fig, axes = plt.subplots(1, len(policies), figsize=(11, 3.8), squeeze=False, sharey=True)
@@ -134,7 +134,7 @@ def _plot_bitwise_vs_batch(rows) -> tuple[str | None, str]:
             handles.setdefault(label, h)
     axes[0][-1].legend(handles.values(), handles.keys(), fontsize=8, loc="upper left",
                        bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    return _png(fig), ("Per batch size: the fraction of target copies whose logits are bitwise "
+    return png(fig), ("Per batch size: the fraction of target copies whose logits are bitwise "
                        "equal to the target run alone (random companions; the target at rows 0, "
                        "B/2 and B-1). Colour: implementation; solid: default mode, dashed: "
                        "batch-invariant mode; circles: companions of equal length, triangles: "
@@ -150,7 +150,7 @@ def _plot_distinct(rows) -> tuple[str | None, str]:
             data[(_label(d), d.get("mode"))] = (det.get("distinct_completions"), det.get("completions"))
     if not data:
         return None, "no divergence probe in these results"
-    plt = _plt()
+    plt = pyplot()
     labels = sorted({k[0] for k in data})
     modes = [m for m in ("default", "invariant") if any(k[1] == m for k in data)]
     fig, ax = plt.subplots(figsize=(11, 3.6))
@@ -172,7 +172,7 @@ def _plot_distinct(rows) -> tuple[str | None, str]:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    return _png(fig), ("Greedy completions of one prompt under different batchings (batch size, "
+    return png(fig), ("Greedy completions of one prompt under different batchings (batch size, "
                        "row, padding): how many distinct ones each model produced. 1 means every "
                        "batching gave the same text.")
 
@@ -184,15 +184,15 @@ def _plot_margin(rows) -> tuple[str | None, str]:
         if d.get("probe") not in ("divergence", "cross_greedy"):
             continue
         key = f"{d.get('model')}" if d.get("probe") == "cross_greedy" else f"{_label(d)} {d.get('mode')}"
-        thresholds[key] = 2 * _num(d.get("threshold"))
+        thresholds[key] = 2 * number(d.get("threshold"))
         for c in d.get("cases") or []:
             if c.get("first_diff_step") is not None:
-                pts[key].append((int(c["first_diff_step"]), max(_num(c.get("margin")), 1e-9)))
+                pts[key].append((int(c["first_diff_step"]), max(number(c.get("margin")), 1e-9)))
     if not thresholds:
         return None, "no greedy probe in these results"
     if not pts:
         return None, "no greedy completion diverged from its reference: nothing to plot"
-    plt = _plt()
+    plt = pyplot()
     colours = _series_colours(thresholds)
     fig, ax = plt.subplots(figsize=(11, 4.0))
     for key, p in sorted(pts.items()):
@@ -206,7 +206,7 @@ def _plot_margin(rows) -> tuple[str | None, str]:
     ax.set_ylabel("reference top-1 minus top-2 logit there")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    return _png(fig), ("Each point is a completion that left the reference: where, and how close "
+    return png(fig), ("Each point is a completion that left the reference: where, and how close "
                        "the reference's top two tokens were there. Dotted lines: twice each "
                        "model's drift threshold, the most two runs' logits can move apart by "
                        "rounding; points below are near-tie flips (drift), points far above are not.")
@@ -218,12 +218,12 @@ def _summary_table(rows) -> str:
     head = ("<tr><th>probe</th><th>model</th><th>verdict</th><th>bitwise equal</th><th>max ULP</th>"
             "<th>max abs</th><th>own rounding error</th><th></th><th>hint</th></tr>")
     body = "".join(
-        f"<tr><td>{_e(d.get('probe'))}</td><td>{_e(d.get('model'))}</td>"
-        f"<td class='k' style='background:{_colour(d.get('verdict'))}'>{_e(d.get('verdict'))}</td>"
-        f"<td class='n'>{_num(d.get('bitwise_equal_frac')):.0%}</td>"
-        f"<td class='n'>{_e(_f(d.get('max_ulp'), '.3g'))}</td><td class='n'>{_e(_f(d.get('max_abs')))}</td>"
-        f"<td class='n'>{_e(_f(d.get('rounding_error')))}</td><td>{_e(_extra(d))}</td>"
-        f"<td>{_e(d.get('hint'))}</td></tr>" for d in rows)
+        f"<tr><td>{escape(d.get('probe'))}</td><td>{escape(d.get('model'))}</td>"
+        f"<td class='k' style='background:{kind_hex(d.get('verdict'))}'>{escape(d.get('verdict'))}</td>"
+        f"<td class='n'>{number(d.get('bitwise_equal_frac')):.0%}</td>"
+        f"<td class='n'>{escape(_f(d.get('max_ulp'), '.3g'))}</td><td class='n'>{escape(_f(d.get('max_abs')))}</td>"
+        f"<td class='n'>{escape(_f(d.get('rounding_error')))}</td><td>{escape(_extra(d))}</td>"
+        f"<td>{escape(d.get('hint'))}</td></tr>" for d in rows)
     return f"<table>{head}{body}</table>"
 
 
@@ -235,14 +235,15 @@ def _cases_table(d: dict) -> str:
             + "<th>note</th></tr>")
     rows = []
     for c in cases:
-        g = (f"<td class='n'>{_e('' if c.get('first_diff_step') is None else c['first_diff_step'])}</td>"
-             f"<td class='n'>{_e('' if c.get('margin') is None else _f(c['margin'], '.2e'))}</td>") if greedy else ""
-        rows.append(f"<tr><td>{_e(c.get('name'))}</td><td>{_e(c.get('group'))}</td>"
-                    f"<td class='n'>{_e(c.get('batch_size'))}</td>"
-                    f"<td class='k' style='background:{_colour(c.get('kind'))}'>{_e(c.get('kind'))}</td>"
+        step = '' if c.get('first_diff_step') is None else c['first_diff_step']
+        margin = '' if c.get('margin') is None else _f(c['margin'], '.2e')
+        g = f"<td class='n'>{escape(step)}</td><td class='n'>{escape(margin)}</td>" if greedy else ""
+        rows.append(f"<tr><td>{escape(c.get('name'))}</td><td>{escape(c.get('group'))}</td>"
+                    f"<td class='n'>{escape(c.get('batch_size'))}</td>"
+                    f"<td class='k' style='background:{kind_hex(c.get('kind'))}'>{escape(c.get('kind'))}</td>"
                     f"<td>{'yes' if c.get('bitwise_equal') else 'no'}</td>"
-                    f"<td class='n'>{_e(_f(c.get('max_abs')))}</td><td class='n'>{_e(_f(c.get('rel_l2')))}</td>"
-                    f"<td class='n'>{_e(_f(c.get('max_ulp'), '.3g'))}</td>{g}<td>{_e(c.get('note'))}</td></tr>")
+                    f"<td class='n'>{escape(_f(c.get('max_abs')))}</td><td class='n'>{escape(_f(c.get('rel_l2')))}</td>"
+                    f"<td class='n'>{escape(_f(c.get('max_ulp'), '.3g'))}</td>{g}<td>{escape(c.get('note'))}</td></tr>")
     return f"<table>{head}{''.join(rows)}</table>"
 
 
@@ -251,17 +252,17 @@ def render_html(doc: dict) -> str:
     rows = list(doc.get("results") or [])
     meta = dict(doc.get("meta") or {})
     verdict = doc.get("verdict") or worst_verdict(rows)
-    counts = {k: sum(d.get("verdict") == k for d in rows) for k in KIND_ORDER}
+    counts = {k: sum(d.get("verdict") == k for d in rows) for k in KINDS}
     title = f"Invariance probes: {verdict}"
-    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title>"
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{escape(title)}</title>"
              f"<style>{CSS}</style></head><body>"]
     parts.append(
         "<div class='head'>"
-        f"<span class='badge' style='background:{_colour(verdict)}'>{_e(verdict)}</span>"
+        f"<span class='badge' style='background:{kind_hex(verdict)}'>{escape(verdict)}</span>"
         f"<div><h1>Invariance probes</h1><div class='sub'>{len(rows)} probe results: "
-        + ", ".join(f"<span style='color:{_colour(k)};font-weight:600'>{counts[k]} {k}</span>"
-                    for k in KIND_ORDER if k != "precision")
-        + (f"; checkpoint <code>{_e(meta.get('checkpoint'))}</code>" if meta.get("checkpoint") else "")
+        + ", ".join(f"<span style='color:{kind_hex(k)};font-weight:600'>{counts[k]} {k}</span>"
+                    for k in KINDS if k != "precision")
+        + (f"; checkpoint <code>{escape(meta.get('checkpoint'))}</code>" if meta.get("checkpoint") else "")
         + "</div></div></div>")
     parts.append("<p class='cap'>Each probe runs one target sequence in different circumstances "
                  "(batch companions, padding, repeats, other processes, greedy batchings) and "
@@ -273,18 +274,18 @@ def render_html(doc: dict) -> str:
     for title, fn in (("Bitwise-equal fraction vs batch size", _plot_bitwise_vs_batch),
                       ("Distinct greedy completions per mode", _plot_distinct),
                       ("Divergence step vs margin", _plot_margin)):
-        parts.append(f"<h2>{_e(title)}</h2>" + _figure(title, fn, rows))
+        parts.append(f"<h2>{escape(title)}</h2>" + figure(title, fn, rows))
     parts.append("<h2>Every case</h2>")
     for d in rows:
-        parts.append(f"<details><summary><span style='color:{_colour(d.get('verdict'))}'>"
-                     f"{_e(d.get('verdict'))}</span> {_e(d.get('probe'))}: {_e(d.get('model'))} "
-                     f"({len(d.get('cases') or [])} cases)</summary><p class='cap'>{_e(d.get('hint'))}</p>"
-                     f"{_cases_table(d)}<p class='cap'>details: <code>{_e(json.dumps(d.get('details')))}"
+        parts.append(f"<details><summary><span style='color:{kind_hex(d.get('verdict'))}'>"
+                     f"{escape(d.get('verdict'))}</span> {escape(d.get('probe'))}: {escape(d.get('model'))} "
+                     f"({len(d.get('cases') or [])} cases)</summary><p class='cap'>{escape(d.get('hint'))}</p>"
+                     f"{_cases_table(d)}<p class='cap'>details: <code>{escape(json.dumps(d.get('details')))}"
                      "</code></p></details>")
     if meta:
-        parts.append("<h2>Run</h2>" + _kv_table({k: v for k, v in meta.items() if k != "environment"}))
-    how, env = _environment(meta)
-    parts.append(f"<h2>Environment</h2><p class='cap'>{_e(how)}</p>{_kv_table(env)}")
+        parts.append("<h2>Run</h2>" + kv_table({k: v for k, v in meta.items() if k != "environment"}))
+    how, env = environment_section(meta)
+    parts.append(f"<h2>Environment</h2><p class='cap'>{escape(how)}</p>{kv_table(env)}")
     parts.append("</body></html>")
     return "\n".join(parts)
 

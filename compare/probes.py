@@ -40,9 +40,10 @@ import numpy as np
 
 from llamaspec.inputs import left_align
 
-from .engine import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, JsonResult, M
+from .engine import JsonResult
 from .metrics import max_ulp, nonfinite, rel_l2, unit_roundoff
 from .probe_models import ProbeModel, as_probe_model
+from .vocabulary import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M
 
 PROBES = ("batch", "padding", "determinism", "divergence", "cross_greedy")
 DEFAULT_LENGTH = 24

@@ -56,7 +56,7 @@ def rms_norm(x, weight, eps: float, policy: Policy):
     compute, norm = of(policy.compute_dtype), of(policy.norm_dtype)
     h = x.astype(norm)
     wide = norm if norm.itemsize >= 4 else jnp.dtype(jnp.float32)
-    var = ops._add_scalar((kernels.row_sums(h.astype(wide), squares=True) / x.shape[-1]).astype(norm)[..., None],
+    var = ops.add_scalar((kernels.row_sums(h.astype(wide), squares=True) / x.shape[-1]).astype(norm)[..., None],
                           eps)
     h = h * (1 / jnp.sqrt(var))
     if policy.norm_cast_before_weight:
@@ -103,7 +103,7 @@ def attention(q, k, v, allowed, policy: Policy):
     qg = q.astype(compute).reshape(B, T, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B * Hkv, 1, M, D)
     kb = k.astype(compute).transpose(0, 2, 1, 3).reshape(B * Hkv, nk, Kb, D)
     scores = kernels.gemm_batched(qg.astype(acc), kb.astype(acc), w_kn=False)   # [B*Hkv, nk, M, Kb]
-    scores = ops._mul_scalar(scores.astype(compute), D ** -0.5)
+    scores = ops.mul_scalar(scores.astype(compute), D ** -0.5)
     scores = scores.reshape(B, Hkv, nk, G, T, Kb).astype(soft)
     keep = allowed.reshape(B, T, nk, Kb).transpose(0, 2, 1, 3)[:, None, :, None]
     scores = jnp.where(keep, scores, jnp.finfo(soft).min)

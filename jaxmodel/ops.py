@@ -27,7 +27,7 @@ def rms_norm(x, weight, eps: float, policy: Policy):
     norm, compute = of(policy.norm_dtype), of(policy.compute_dtype)
     xn = x.astype(norm)
     var = jnp.mean(xn * xn, axis=-1, keepdims=True)
-    y = xn * lax.rsqrt(_add_scalar(var, eps))
+    y = xn * lax.rsqrt(add_scalar(var, eps))
     if policy.norm_cast_before_weight:
         return weight.astype(compute) * y.astype(x.dtype).astype(compute)
     return (weight.astype(norm) * y).astype(compute)
@@ -121,7 +121,7 @@ def attention(q, k, v, allowed, policy: Policy):
     qg = q.astype(compute).reshape(B, T, Hkv, Hq // Hkv, D)
     # [B, T, K, G, D] x [B, S, K, D] -> [B, K, T, G, S]
     s = _dot(qg, k, (((4,), (3,)), ((0, 2), (0, 2))), policy).astype(compute)
-    s = _mul_scalar(s, D ** -0.5)  # HF order: matmul, round, then scale
+    s = mul_scalar(s, D ** -0.5)  # HF order: matmul, round, then scale
     s = s.astype(smx)
     # A finite fill (not -inf) keeps fully masked rows (padding queries) free of NaN.
     s = jnp.where(allowed[:, None, :, None, :], s, jnp.finfo(smx).min)
@@ -154,10 +154,10 @@ def softmax(s):
     return e / jnp.sum(e, axis=-1, keepdims=True)
 
 
-def _mul_scalar(x, c: float):
+def mul_scalar(x, c: float):
     """x * c as PyTorch computes a tensor-scalar op: in opmath, rounded once."""
     return (x.astype(opmath(x.dtype)) * c).astype(x.dtype)
 
 
-def _add_scalar(x, c: float):
+def add_scalar(x, c: float):
     return (x.astype(opmath(x.dtype)) + c).astype(x.dtype)

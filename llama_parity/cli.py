@@ -116,7 +116,6 @@ def print_layer_table(summaries) -> None:
             f"(ratio {ratio:.2f}); a ratio near 1 means both lose the same precision (drift)")
 
 
-KIND_COLOUR = {"exact": "90", "drift": "32", "precision": "33", "semantic": "31"}
 
 
 def _peer(name: str, folder: str, policy):
@@ -178,7 +177,7 @@ def _report_paths(args):
 
 def print_verdict_table(report, colour: bool) -> None:
     """One row per (layer, component): the worst kind among its taps and the largest errors."""
-    from compare.engine import KINDS
+    from compare.vocabulary import KINDS, ansi
     rows: dict = {}
     for v in report.taps:
         key = (v.layer, v.component)
@@ -192,7 +191,7 @@ def print_verdict_table(report, colour: bool) -> None:
         f"{'fp64 diff':>9} {'cand local':>10}")
     for (layer, comp), r in rows.items():
         kind = r["kind"]
-        shown = f"\033[{KIND_COLOUR[kind]}m{kind:<10}\033[0m" if colour else f"{kind:<10}"
+        shown = ansi(kind, f"{kind:<10}") if colour else f"{kind:<10}"
         loc = local.get(layer, {}).get("cand_local") if comp == "mlp" else None
         say(f"{'' if layer is None else layer:>5} {comp:<11} {shown} {r['err_ref']:>9.1e} "
             f"{r['err_cand']:>9.1e} {r['err_fp64']:>9.1e} "
