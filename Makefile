@@ -54,7 +54,7 @@ test-all: model
 	$(BIN)/python -m pytest -ra -m "slow or not slow"
 
 bench: model
-	$(BIN)/python bench/bench_models.py
+	$(BIN)/python -m bench.bench_models
 
 clean-venv:
 	rm -rf $(VENV)

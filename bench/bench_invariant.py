@@ -1,6 +1,6 @@
 """Batch-invariant mode: its cost against the default mode, and whether it holds.
 
-    .venv/bin/python bench/bench_invariant.py [--checkpoint DIR] [--policy fp32 bf16]
+    .venv/bin/python -m bench.bench_invariant [--checkpoint DIR] [--policy fp32 bf16]
         [--impl torchref jaxmodel] [--prompt-len 128] [--batch 1 8] [--decode 16]
         [--repeats 2] [--check] [--probe] [--out FILE]
 
@@ -28,8 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_models import decode_seconds_per_token, environment  # noqa: E402
+from bench.bench_models import decode_seconds_per_token, environment
 
 
 def time_modes(models, ids, n_decode, repeats):

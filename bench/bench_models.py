@@ -1,6 +1,6 @@
 """Prefill and decode speed of torchref, jaxmodel and transformers, side by side, one run.
 
-    .venv/bin/python bench/bench_models.py [--checkpoint DIR] [--policy fp32 bf16]
+    .venv/bin/python -m bench.bench_models [--checkpoint DIR] [--policy fp32 bf16]
                                            [--prompt-len 256] [--decode 32] [--repeats 3]
 
 Prefill: one forward over a [1, prompt_len] prompt (last-position logits), median of
@@ -118,7 +118,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/models-<time>.json)")
     args = ap.parse_args(argv)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import jaxmodel
     import torchref
     from llama_parity.cli import resolve_checkpoint

@@ -1,8 +1,8 @@
 """The classifier's controls on one checkpoint: every planted bug and clean runs, one table.
 
-    .venv/bin/python bench/controls.py                 # tiny random checkpoint (seconds)
-    .venv/bin/python bench/controls.py --smollm2       # the real SmolLM2-135M (minutes)
-    .venv/bin/python bench/controls.py --only rope_layout clean --tokens 64
+    .venv/bin/python -m bench.controls                 # tiny random checkpoint (seconds)
+    .venv/bin/python -m bench.controls --smollm2       # the real SmolLM2-135M (minutes)
+    .venv/bin/python -m bench.controls --only rope_layout clean --tokens 64
 
 Positive controls (compare/controls.py): one bug planted at layer 1 of torchref, of a
 transformers LlamaForCausalLM, or of a doctored checkpoint copy read by jaxmodel;
@@ -26,10 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from compare.controls import CONTROLS, check, clean, run_control  # noqa: E402
-from compare.engine import FLOOR_ULPS, M  # noqa: E402
+from compare.controls import CONTROLS, check, clean, run_control
+from compare.engine import FLOOR_ULPS, M
 
 TINY_HEAD_DIM = 32   # RoPE tables in bf16 need angles > ~30 rad to show: wide heads, 128 tokens
 CLEAN = [("jaxmodel", p) for p in ("fp64", "fp32", "bf16", "fp16")] + \

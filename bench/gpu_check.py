@@ -1,7 +1,7 @@
 """Agreement of torchref and jaxmodel at fp64 / fp32 / tf32 / bf16 on whatever device
 the frameworks see (a CUDA GPU when there is one), then the speed benchmark.
 
-    python3 bench/gpu_check.py [--checkpoint DIR] [--out DIR]
+    python3 -m bench.gpu_check [--checkpoint DIR] [--out DIR]
 
 Without --checkpoint it writes a random checkpoint with SmolLM2-135M's exact shapes
 (the real weights are 540 MB and cannot travel to a lent GPU machine; the numerics
@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64,

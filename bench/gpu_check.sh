@@ -19,9 +19,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # JAX must not grab 75% of GPU memory up front: torch runs in the same process.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/log.txt"
-"$PY" bench/gpu_check.py --out "$OUT" 2>&1 | tee -a "$OUT/log.txt"
+"$PY" -m bench.gpu_check --out "$OUT" 2>&1 | tee -a "$OUT/log.txt"
 status=${PIPESTATUS[0]}
 ckpt=$(grep '^checkpoint for the benchmark:' "$OUT/log.txt" | tail -1 | cut -d' ' -f5-)
-timeout 240 "$PY" bench/bench_models.py --checkpoint "$ckpt" --policy fp32 tf32 bf16 \
+timeout 240 "$PY" -m bench.bench_models --checkpoint "$ckpt" --policy fp32 tf32 bf16 \
     --repeats 5 --decode 32 --out "$OUT/bench.json" 2>&1 | tee -a "$OUT/log.txt"
 exit $status

@@ -1,9 +1,9 @@
 """The invariance lab: is batched inference batch-, padding- and run-invariant, and what
 does batch-invariant mode buy? One run, one table (on demand, not a test).
 
-    .venv/bin/python bench/invariance_lab.py                       # the acceptance table
-    .venv/bin/python bench/invariance_lab.py --quick               # minutes: small settings
-    .venv/bin/python bench/invariance_lab.py --impl torchref --policy bf16 --completions 20
+    .venv/bin/python -m bench.invariance_lab                       # the acceptance table
+    .venv/bin/python -m bench.invariance_lab --quick               # minutes: small settings
+    .venv/bin/python -m bench.invariance_lab --impl torchref --policy bf16 --completions 20
 
 For each implementation (torchref, jaxmodel; transformers as a peer, default mode only)
 at each policy (fp32, bf16) and mode (default, batch-invariant), on SmolLM2:
@@ -31,12 +31,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from compare import probes
+from compare.probe_models import load_model
+from compare.probe_report import environment, write_html, write_json
 
-from compare import probes  # noqa: E402
-from compare.probe_models import load_model  # noqa: E402
-from compare.probe_report import environment, write_html, write_json  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT = "What is the capital of France?"
 

@@ -80,3 +80,18 @@ def make_checkpoint(folder, dtype="float32", seed=0, shards=1, scale=0.5,
         (folder / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     return folder
+
+
+# Tiny configs that cover the architecture space the acceptance criteria name.
+TINY_CONFIGS = {
+    "gqa": {},
+    "mha": dict(num_key_value_heads=4),
+    "mqa": dict(num_key_value_heads=1),
+    "head_dim": dict(head_dim=16),
+    "tied": dict(tie_word_embeddings=True),
+    "bias": dict(attention_bias=True, mlp_bias=True),
+    "llama3": dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_max_position_embeddings=32)),
+    "linear": dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0)),
+    "dynamic": dict(rope_scaling=dict(type="dynamic", factor=2.0)),
+}

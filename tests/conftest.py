@@ -4,22 +4,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from compare.metrics import rel_l2  # noqa: F401  (NaN on either side gives NaN: every bound fails)
+from llamaspec.testing import TINY_CONFIGS as CONFIGS
 from llamaspec.testing import make_checkpoint
-
-# Tiny configs that cover the architecture space the acceptance criteria name.
-CONFIGS = {
-    "gqa": {},
-    "mha": dict(num_key_value_heads=4),
-    "mqa": dict(num_key_value_heads=1),
-    "head_dim": dict(head_dim=16),
-    "tied": dict(tie_word_embeddings=True),
-    "bias": dict(attention_bias=True, mlp_bias=True),
-    "llama3": dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                     high_freq_factor=4.0, original_max_position_embeddings=32)),
-    "linear": dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0)),
-    "dynamic": dict(rope_scaling=dict(type="dynamic", factor=2.0)),
-}
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +54,7 @@ class _TorchAllF64(types.ModuleType):
         return getattr(self._torch, name)
 
 
-def hf_logits(folder, ids, mask=None, true_f64=False):
+def _hf_logits(folder, ids, mask=None, true_f64=False):
     """transformers LlamaForCausalLM (eager attention, float64) logits as numpy.
 
     true_f64=True also moves transformers' internal f32 steps to f64 (and the default
@@ -92,3 +78,9 @@ def hf_logits(folder, ids, mask=None, true_f64=False):
     finally:
         modeling_llama.torch, modeling_rope_utils.torch = saved[:2]
         torch.set_default_dtype(saved[2])
+
+
+@pytest.fixture
+def hf_logits():
+    """transformers' logits for a folder (see _hf_logits); skips without transformers."""
+    return _hf_logits

@@ -6,8 +6,8 @@ import importlib
 
 import numpy as np
 import pytest
-from conftest import rel_l2
 
+from compare.metrics import rel_l2
 from llamaspec import InputError
 
 FRAMEWORKS = ["torchref", "jaxmodel"]

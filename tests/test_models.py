@@ -6,9 +6,10 @@ import importlib
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import CONFIGS, hf_logits, rel_l2
 
+from compare.metrics import rel_l2
 from llamaspec import PRESETS, InputError, LlamaConfig, Policy, expected_shapes, taps
+from llamaspec.testing import TINY_CONFIGS as CONFIGS
 
 FRAMEWORKS = ["torchref", "jaxmodel"]
 
@@ -28,7 +29,7 @@ def seq_len(config):
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_fp64_matches_transformers_in_true_float64(framework, config, tiny_dir):
+def test_fp64_matches_transformers_in_true_float64(framework, config, tiny_dir, hf_logits):
     """The semantic check: the same math as transformers, to float64 rounding."""
     folder = tiny_dir(config)
     ids = tokens(T=seq_len(config))
@@ -38,7 +39,7 @@ def test_fp64_matches_transformers_in_true_float64(framework, config, tiny_dir):
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_fp64_hf_policy_matches_stock_transformers(framework, config, tiny_dir):
+def test_fp64_hf_policy_matches_stock_transformers(framework, config, tiny_dir, hf_logits):
     """fp64-hf keeps transformers' f32 norm/RoPE/softmax inside an f64 run.
 
     torchref runs those f32 steps with torch's own kernels, so it must match to 1e-10

@@ -3,10 +3,11 @@ acceptance): what is left at fp64 is rounding, ~1e-15, never a difference in the
 
 import numpy as np
 import pytest
-from conftest import CONFIGS, rel_l2
 
 import jaxmodel
 import torchref
+from compare.metrics import rel_l2
+from llamaspec.testing import TINY_CONFIGS as CONFIGS
 from llamaspec.testing import make_checkpoint
 
 

@@ -7,10 +7,10 @@ fetches them first. Each test prints its measured numbers (run with -s to see th
 import numpy as np
 import pytest
 import torch
-from conftest import rel_l2
 
 import jaxmodel
 import torchref
+from compare.metrics import rel_l2
 from llamaspec.generate import until_eos
 
 pytestmark = pytest.mark.smollm2
