@@ -44,9 +44,11 @@ def cmd_fetch(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    from pathlib import Path
+
     import jaxmodel
     import torchref
-    from compare import layer_summary
+    from compare import compare_models
     from llamaspec.tokenizer import Tokenizer
 
     folder = resolve_checkpoint(args.checkpoint)
@@ -55,27 +57,30 @@ def cmd_demo(args) -> int:
     prompts = args.prompt or DEFAULT_PROMPTS
     ids, mask = tok.batch_encode(prompts, chat=True, padding_side="left")
     say(f"{len(prompts)} prompts, batch {ids.shape[0]} x {ids.shape[1]} tokens (left padded)\n")
-
-    say("loading the fp64 oracle (torchref, float64 everywhere)...")
-    oracle = torchref.from_pretrained(folder, policy="fp64", device="cpu")
-    summaries = {}
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    verdicts = {}
     for policy in args.policy:
         say(f"=== policy {policy} ===")
-        models = {}
+        outs = {}
         for name, module in (("torchref", torchref), ("jaxmodel", jaxmodel)):
             t0 = time.perf_counter()
-            models[name] = module.from_pretrained(folder, policy=policy)
-            say(f"  loaded {name} in {time.perf_counter() - t0:.1f} s")
-        outs = {}
-        for name, m in models.items():
-            t0 = time.perf_counter()
+            m = module.from_pretrained(folder, policy=policy)
             outs[name] = m.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens)
-            say(f"  {name}: {args.max_new_tokens} greedy tokens x {len(prompts)} prompts "
+            say(f"  {name}: loaded, {args.max_new_tokens} greedy tokens x {len(prompts)} prompts "
                 f"in {time.perf_counter() - t0:.1f} s")
+            del m
         print_answers(tok, prompts, outs)
-        summaries[policy] = layer_summary(oracle, models["torchref"], models["jaxmodel"], ids, mask)
+        t0 = time.perf_counter()
+        say("  drift or bug? jaxmodel against torchref on these prompts, fp64 oracle and teacher forcing:")
+        report = compare_models("torchref", "jaxmodel", folder, inputs=(ids, mask), policy=policy,
+                                progress=lambda m: say(f"  [{time.perf_counter() - t0:5.1f}s] {m}"))
+        print_verdict_table(report, colour=sys.stdout.isatty())
+        say(report.summary())
+        verdicts[policy] = (report.verdict, report.to_html(out_dir / f"demo-jaxmodel-vs-torchref-{policy}.html"))
         say("")
-    print_layer_table(summaries)
+    for policy, (verdict, html) in verdicts.items():
+        say(f"{policy}: {verdict}; report {html}")
     return 0
 
 
@@ -91,29 +96,6 @@ def print_answers(tok, prompts, outs) -> None:
             step = next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
             say(f"    {na}: {tok.decode(ta)!r}")
             say(f"    {nb}: {tok.decode(tb)!r}   (differs from step {step})")
-
-
-def print_layer_table(summaries) -> None:
-    """One row per layer: each model's relative L2 error vs the fp64 oracle, and vs each other."""
-    policies = list(summaries)
-    say("per-layer relative L2 error (layer output, real tokens only); oracle = torchref fp64")
-    head = f"{'tap':<16}" + "".join(f" | {p + ': torchref':>15} {'jaxmodel':>10} {'jax-vs-torch':>12}"
-                                     for p in policies)
-    say(head)
-    say("-" * len(head))
-    for k in range(len(summaries[policies[0]])):
-        tap = summaries[policies[0]][k].tap
-        cells = []
-        for p in policies:
-            r = summaries[p][k]
-            flag = " !" if r.nonfinite else ""
-            cells.append(f" | {r.ref_err:>15.2e} {r.cand_err:>10.2e} {r.cand_vs_ref:>12.2e}{flag}")
-        say(f"{tap:<16}" + "".join(cells))
-    for p in policies:
-        last = summaries[p][-1]
-        ratio = last.cand_err / last.ref_err if last.ref_err else float("inf")
-        say(f"{p}: logits error torchref {last.ref_err:.2e}, jaxmodel {last.cand_err:.2e} "
-            f"(ratio {ratio:.2f}); a ratio near 1 means both lose the same precision (drift)")
 
 
 
@@ -207,11 +189,12 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(func=cmd_fetch)
 
-    p = sub.add_parser("demo", help="greedy answers and per-layer differences, torchref vs jaxmodel")
+    p = sub.add_parser("demo", help="greedy answers and the drift-vs-bug verdicts, torchref vs jaxmodel")
     p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
     p.add_argument("--policy", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: four built-ins")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--out-dir", default="parity-report", help="where the HTML reports go")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("compare", help="drift vs bug: per-tap verdicts of a candidate against a reference")
