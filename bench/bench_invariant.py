@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from llama_parity.cli import resolve_checkpoint
+    from llama_parity.fetch import resolve_checkpoint
     folder = resolve_checkpoint(args.checkpoint)
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
     kind = "probe" if args.probe else "check" if args.check else "timing"

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
 
     import jaxmodel
     import torchref
-    from llama_parity.cli import resolve_checkpoint
+    from llama_parity.fetch import resolve_checkpoint
 
     folder = resolve_checkpoint(args.checkpoint)
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]

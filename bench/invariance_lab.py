@@ -75,10 +75,11 @@ def main(argv=None) -> int:
     def say(msg):
         print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    from llama_parity.probe_cli import _target, resolve_checkpoint
+    from llama_parity.fetch import resolve_checkpoint
+    from llama_parity.probe_cli import target_tokens
     folder = resolve_checkpoint(args.checkpoint, say)
     has_tok = (Path(folder) / "tokenizer.json").is_file()
-    target, how = _target(folder, args.prompt if has_tok else None, 24, 0)
+    target, how = target_tokens(folder, args.prompt if has_tok else None, 24, 0)
     impls, policies, modes = (args.impl.split(","), args.policy.split(","), args.mode.split(","))
     say(f"checkpoint {folder}; target {how}")
 

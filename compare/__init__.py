@@ -1,9 +1,10 @@
 """compare: run two Llama implementations on the same inputs and measure where they differ.
 
-This package grows into the full drift-vs-bug engine (DESIGN.md). Today it holds the
-per-tap metrics, the structure detectors that tell a systematic (semantic) difference
-from rounding noise, the transformers capture adapter, and the per-layer summary used
-by `llama-parity demo`.
+The drift-vs-bug ladder (engine.py: compare_models, assert_parity, Report), its shared
+vocabulary (vocabulary.py), per-tap metrics, the structure detectors that tell a
+systematic (semantic) difference from rounding noise, the capture adapters (ours,
+transformers), planted-bug controls, the invariance probes and the reports (terminal,
+JSON, HTML). docs/method.md describes the method.
 """
 
 from .engine import KINDS, Report, assert_parity, compare_models

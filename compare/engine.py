@@ -1,4 +1,4 @@
-"""The oracle ladder (DESIGN.md, "Telling drift from bugs"): one verdict per tap.
+"""The oracle ladder (docs/method.md): one verdict per tap.
 
 Four captures of the same inputs, all numpy:
     ref  = reference at the working policy P      cand   = candidate at P
@@ -522,7 +522,7 @@ def _inputs(inputs, checkpoint):
 
 def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, inputs=None,
                    policy="fp32", teacher_forcing=True, progress=lambda msg: None) -> Report:
-    """Runs the ladder for `candidate` against `reference` on one checkpoint (DESIGN.md API)."""
+    """Runs the ladder for `candidate` against `reference` on one checkpoint (the public API)."""
     if checkpoint is None:
         raise ValueError("checkpoint is required (a Hugging Face Llama folder; "
                          "`llama-parity fetch-smollm2` prints the default one)")

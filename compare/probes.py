@@ -1,5 +1,5 @@
 """Invariance probes: does a row's result depend on what else is in the batch, on
-padding, on the run, on the framework? (DESIGN.md, "The problems this grew out of".)
+padding, on the run, on the framework? (README, "Invariance lab".)
 
     from compare.probes import probe_batch, probe_padding, probe_determinism, \
         probe_divergence, probe_cross_greedy
@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llamaspec.generate import until_eos
 from llamaspec.inputs import left_align
 
 from .engine import JsonResult
@@ -525,8 +526,7 @@ def greedy_trace(pm: ProbeModel, ids, mask, steps: int) -> Trace:
 
 def _until_eos(tokens, eos) -> int:
     """Number of meaningful steps: up to and including the first EOS."""
-    hits = np.flatnonzero(np.isin(tokens, list(eos)))
-    return int(hits[0]) + 1 if hits.size else len(tokens)
+    return len(until_eos(tokens, eos))
 
 
 def compare_completion(name, group, batch_size, cand, ref, eos, threshold, dtype=np.float32) -> Case:

@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from .fetch import resolve_checkpoint
+
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -24,18 +26,6 @@ DEFAULT_PROMPTS = [
 
 def say(msg: str) -> None:
     print(msg, flush=True)
-
-
-def resolve_checkpoint(path: str | None) -> str:
-    """The given folder, or the cached SmolLM2 (fetched on first use, with progress)."""
-    if path:
-        return path
-    from .fetch import default_model_dir, fetch_smollm2, is_complete
-    folder = default_model_dir()
-    if not is_complete(folder):
-        say("SmolLM2-135M-Instruct is not cached yet; fetching it (about a minute, once).")
-        folder = fetch_smollm2(progress=lambda m: say("  " + m))
-    return str(folder)
 
 
 def cmd_fetch(args) -> int:

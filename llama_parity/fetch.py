@@ -368,3 +368,16 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def resolve_checkpoint(path: str | None, say=None) -> str:
+    """The given folder, or the cached SmolLM2 (fetched on first use, progress through say,
+    by default printed)."""
+    say = say or (lambda msg: print(msg, flush=True))
+    if path:
+        return str(path)
+    folder = default_model_dir()
+    if not is_complete(folder):
+        say("SmolLM2-135M-Instruct is not cached yet; fetching it (about a minute, once).")
+        folder = fetch_smollm2(progress=lambda m: say("  " + m))
+    return str(folder)

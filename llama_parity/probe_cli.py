@@ -10,6 +10,7 @@ error or when nothing could run, 0 otherwise (exact or drift).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import sys
 import time
@@ -36,7 +37,7 @@ def _list(values, default, allowed=None, what="value") -> list[str]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("probe", help="invariance probes: batch, padding, run-to-run, greedy divergence",
-                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=PROBE_KINDS)
     p.add_argument("checkpoint_pos", nargs="?", default=None, metavar="CHECKPOINT",
                    help="HF folder (or --checkpoint); default: cached SmolLM2, fetched if missing")
@@ -69,18 +70,7 @@ def _log(t0):
     return say
 
 
-def resolve_checkpoint(path, say) -> str:
-    if path:
-        return str(path)
-    from .fetch import default_model_dir, fetch_smollm2, is_complete
-    folder = default_model_dir()
-    if not is_complete(folder):
-        say("SmolLM2-135M-Instruct is not cached yet; fetching it (about a minute, once).")
-        folder = fetch_smollm2(progress=lambda m: say("  " + m))
-    return str(folder)
-
-
-def _target(folder, prompt, length, seed):
+def target_tokens(folder, prompt, length, seed):
     """Token ids of the target and how they were made."""
     from pathlib import Path
     if (Path(folder) / "tokenizer.json").is_file():
@@ -139,8 +129,9 @@ def cmd_probe(args) -> int:
     if args.batch_invariant and "invariant" not in modes:
         modes.append("invariant")
     kinds = list(PROBE_KINDS[:-1]) if args.kind == "all" else [args.kind]
+    from .fetch import resolve_checkpoint
     folder = resolve_checkpoint(args.checkpoint or args.checkpoint_pos, say)
-    target, how = _target(folder, args.prompt, args.length, args.seed)
+    target, how = target_tokens(folder, args.prompt, args.length, args.seed)
     say(f"checkpoint {folder}; target: {how}")
 
     results, skipped = [], []

@@ -164,7 +164,7 @@ class Backbone(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Llama for causal LM. Call it on [B, T] token ids; see DESIGN.md for the API."""
+    """Llama for causal LM. Call it on [B, T] token ids; see the README for the API."""
 
     def __init__(self, cfg: LlamaConfig, policy: Policy, device: str | torch.device = "cpu",
                  batch_invariant: bool = False):
