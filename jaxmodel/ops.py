@@ -52,11 +52,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
     if rope.type == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.type == "llama3":
-        inv_freq = _llama3_smoothing(inv_freq, rope)
+        inv_freq = _llama3_scale(inv_freq, rope)
     return inv_freq
 
 
-def _llama3_smoothing(inv_freq, rope: RopeConfig):
+def _llama3_scale(inv_freq, rope: RopeConfig):
     """Llama 3.1 frequency scaling, term for term as transformers' _compute_llama3_parameters."""
     factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
     old_context_len = rope.original_max_position_embeddings
