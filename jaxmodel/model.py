@@ -38,7 +38,7 @@ from jax import lax
 
 from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, generate, load_weights, positions_from_mask
 from llamaspec import taps as tapnames
-from llamaspec.inputs import check_inject, check_next_ids, check_prefill, invariant_layout
+from llamaspec.inputs import check_inject, check_next_ids, check_prefill, from_canonical, invariant_layout, to_canonical
 
 from . import invariant, ops
 from .dtypes import compiler_options, numpy_dtype, of
@@ -379,14 +379,6 @@ def _programs(graphdef, batch_invariant: bool):
             jit(functools.partial(decode, graphdef), donate_argnums=1))
 
 
-def _restore(x: np.ndarray, back: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Batch-invariant mode: canonical [B, W, ...] -> the caller's slots [B, T, ...]
-    (llamaspec.inputs.invariant_layout); padding slots hold zeros."""
-    tail = (1,) * (x.ndim - 2)
-    out = np.take_along_axis(x, back.reshape(*back.shape, *tail), axis=1)
-    return np.where(mask.astype(bool).reshape(*mask.shape, *tail), out, np.zeros((), x.dtype))
-
-
 def _pick(acts: dict, tap: str) -> np.ndarray:
     layer = tapnames.layer_of(tap)
     if layer is None:
@@ -415,7 +407,7 @@ class LlamaModel:
             ids_c, mask_c, back = invariant_layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE)
             logits, _ = self._forward(self.state, ids_c, mask_c, positions_from_mask(mask_c), {},
                                       taps=())
-            return jnp.asarray(_restore(np.asarray(logits), back, mask))
+            return jnp.asarray(from_canonical(np.asarray(logits), back, mask))
         logits, _ = self._forward(self.state, ids, mask, positions_from_mask(mask), {}, taps=())
         return logits
 
@@ -437,16 +429,12 @@ class LlamaModel:
             acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
             return np.asarray(logits), {n: _pick(acts, n) for n in names}
         ids_c, mask_c, back = invariant_layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE)
-        rows, slots = np.nonzero(mask)
-        for i, x in forced.items():
-            h = np.zeros((*ids_c.shape, x.shape[-1]), x.dtype)
-            h[rows, back[rows, slots]] = np.asarray(x)[rows, slots]
-            forced[i] = jnp.asarray(h)
+        forced = {i: jnp.asarray(to_canonical(x, back, mask, ids_c.shape[1])) for i, x in forced.items()}
         logits, acts = self._forward(self.state, ids_c, mask_c, positions_from_mask(mask_c),
                                      forced, taps=program_taps)
         acts = {k: np.asarray(a) for k, a in acts.items()}
-        return (_restore(np.asarray(logits), back, mask),
-                {n: _restore(_pick(acts, n), back, mask) for n in names})
+        return (from_canonical(np.asarray(logits), back, mask),
+                {n: from_canonical(_pick(acts, n), back, mask) for n in names})
 
     def prefill(self, ids, mask, total_len: int):
         """Runs the left-aligned prompt, fills cache slots [0, T); returns (last logits [B, V]

@@ -163,3 +163,21 @@ def invariant_layout(cfg: LlamaConfig, ids: np.ndarray, mask: np.ndarray, multip
     out_mask[:, :n] = np.take_along_axis(mask, slot, 1)[:, :n]
     back = np.minimum(np.argsort(slot, axis=1, kind="stable"), width - 1)
     return out_ids, out_mask, back
+
+
+def to_canonical(x: np.ndarray, back: np.ndarray, mask: np.ndarray, width: int) -> np.ndarray:
+    """Per-slot values [B, T, ...] in the caller's slots -> the canonical layout [B, width, ...]
+    of invariant_layout (back from it); slots that hold no real token get zeros."""
+    x = np.asarray(x)
+    rows, slots = np.nonzero(np.asarray(mask))
+    out = np.zeros((x.shape[0], width, *x.shape[2:]), x.dtype)
+    out[rows, back[rows, slots]] = x[rows, slots]
+    return out
+
+
+def from_canonical(x: np.ndarray, back: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Canonical [B, W, ...] -> the caller's slots [B, T, ...]; padding slots hold zeros."""
+    x = np.asarray(x)
+    tail = (1,) * (x.ndim - 2)
+    out = np.take_along_axis(x, back.reshape(*back.shape, *tail), axis=1)
+    return np.where(np.asarray(mask).astype(bool).reshape(*mask.shape, *tail), out, np.zeros((), x.dtype))

@@ -26,7 +26,7 @@ from torch import nn
 from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, load_weights, positions_from_mask
 from llamaspec import generate as run_generation
 from llamaspec import taps as tapnames
-from llamaspec.inputs import check_inject, check_next_ids, check_prefill, invariant_layout
+from llamaspec.inputs import check_inject, check_next_ids, check_prefill, from_canonical, invariant_layout, to_canonical
 
 from . import invariant, ops
 from .dtypes import dt, from_numpy, matmul_settings, to_numpy
@@ -263,20 +263,16 @@ class LlamaModel(nn.Module):
         return mask.bool()[:, None, :] & (torch.arange(S, device=mask.device)[None, :] <= q_slot[:, None])
 
     def _canonical(self, ids: torch.Tensor, mask: torch.Tensor):
-        """Batch-invariant mode: (ids, mask, positions, back) in the canonical layout
-        (llamaspec.inputs.invariant_layout) for checked inputs."""
-        ids_c, mask_c, back = invariant_layout(self.cfg, ids.cpu().numpy(), mask.cpu().numpy(),
-                                               invariant.LAYOUT_MULTIPLE)
+        """Batch-invariant mode: (ids, mask, positions) in the canonical layout
+        (llamaspec.inputs.invariant_layout) for checked inputs, and a function that puts a
+        canonical result [B, W, ...] back into the caller's slots (zeros on padding)."""
+        mask_np = mask.cpu().numpy()
+        ids_c, mask_c, back = invariant_layout(self.cfg, ids.cpu().numpy(), mask_np, invariant.LAYOUT_MULTIPLE)
         to = functools.partial(torch.as_tensor, device=self.device)
-        return to(ids_c), to(mask_c), to(positions_from_mask(mask_c)).long(), to(back).long()
 
-    @staticmethod
-    def _restore(x: torch.Tensor, back: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Canonical [B, W, ...] -> the caller's slots [B, T, ...]; padding slots hold 0."""
-        B, T = back.shape
-        tail = (1,) * (x.ndim - 2)
-        out = x.gather(1, back.view(B, T, *tail).expand(B, T, *x.shape[2:]))
-        return torch.where(mask.bool().view(B, T, *tail), out, torch.zeros((), dtype=x.dtype))
+        def restore(x: torch.Tensor) -> torch.Tensor:
+            return from_numpy(from_canonical(to_numpy(x), back, mask_np)).to(self.device)
+        return to(ids_c), to(mask_c), to(positions_from_mask(mask_c)).long(), back, restore
 
     @torch.inference_mode()
     def forward(self, tokens, attention_mask=None) -> torch.Tensor:
@@ -284,9 +280,9 @@ class LlamaModel(nn.Module):
         ids, mask, pos = self._inputs(tokens, attention_mask)
         with matmul_settings(self.policy):
             if self.batch_invariant:
-                ids_c, mask_c, pos_c, back = self._canonical(ids, mask)
+                ids_c, mask_c, pos_c, _, restore = self._canonical(ids, mask)
                 logits = self._run(ids_c, pos_c, self._causal(mask_c, ids_c.shape[1]), Recorder())
-                return self._restore(logits, back, mask)
+                return restore(logits)
             return self._run(ids, pos, self._causal(mask, ids.shape[1]), Recorder())
 
     @torch.inference_mode()
@@ -303,15 +299,12 @@ class LlamaModel(nn.Module):
         rec = Recorder(wanted)
         with matmul_settings(self.policy):
             if self.batch_invariant:
-                ids_c, mask_c, pos_c, back = self._canonical(ids, mask)
-                rows, slots = mask.nonzero(as_tuple=True)
-                for i, x in forced.items():
-                    h = x.new_zeros((*ids_c.shape, x.shape[-1]))
-                    h[rows, back[rows, slots]] = x[rows, slots]
-                    forced[i] = h
+                ids_c, mask_c, pos_c, back, restore = self._canonical(ids, mask)
+                forced = {i: from_numpy(to_canonical(to_numpy(x), back, mask.cpu().numpy(), ids_c.shape[1]))
+                          .to(self.device) for i, x in forced.items()}
                 logits = self._run(ids_c, pos_c, self._causal(mask_c, ids_c.shape[1]), rec, inject=forced)
-                logits = self._restore(logits, back, mask)
-                rec.acts = {k: self._restore(a, back, mask) for k, a in rec.acts.items()}
+                logits = restore(logits)
+                rec.acts = {k: restore(a) for k, a in rec.acts.items()}
             else:
                 logits = self._run(ids, pos, self._causal(mask, ids.shape[1]), rec, inject=forced)
         return to_numpy(logits), {k: to_numpy(rec.acts[k]) for k in wanted}
