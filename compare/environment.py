@@ -88,7 +88,9 @@ def _jax_settings() -> dict:
 
 
 def environment(policy, uses_jax: bool = True) -> dict:
-    """Flat {name: value} for the report (JSON-safe)."""
+    """Flat {name: value} for the report (JSON-safe); policy: a llamaspec.Policy or a preset name."""
+    from llamaspec import Policy
+    policy = Policy.get(policy)
     env = {"python": platform.python_version(), "platform": platform.platform(),
            "cpu count": os.cpu_count(), **cpu()}
     env.update({pkg: _version(pkg) for pkg in PACKAGES})

@@ -37,6 +37,7 @@ def test_report_carries_per_tap_metrics_logits_agreement_and_environment(tiny_di
     assert pairs["candidate vs reference"]["top1_agreement"] > 0.9
     assert len(report.logits["positions"]["kl_cand_ref"]) == IDS.size
     assert report.environment["torch"].startswith("2.") and "jax backend" in report.environment
+    assert report.environment["cpu"] and report.environment["cpu isa"]
     assert report.local[1]["cand_amplification"] > 0
     page = report.to_html(tmp_path / "r.html").read_text()
     assert "Logits agreement" in page and "max ULP" in page and "jax backend" in page
@@ -87,3 +88,11 @@ def test_assert_parity_passes_clean_and_fails_with_the_summary(tiny_dir):
     with pytest.raises(AssertionError, match=r"semantic at layers\.0\.mlp_norm"):
         compare.assert_parity("torchref", planted, folder, policy="fp32", inputs=IDS,
                               teacher_forcing=False)
+
+
+def test_probe_and_bench_records_name_the_cpu():
+    """The invariance lab and the probes record the run environment by policy name; the
+    record must be the full one (CPU, its ISA, the caps), not the fallback."""
+    from compare.probe_report import environment
+    env = environment("bf16")
+    assert env["cpu"] and "isa caps" in env and "fixed-order kernels" in env
