@@ -123,8 +123,8 @@ def self_check(module) -> None:
     """Verifies on this machine, once per process, configuration and policy, that the ops
     the invariant model runs give a row the same bits alone and inside batches of several
     sizes (llamaspec.selfcheck.check_rows): the linears on the model's own weights, one
-    token per row (decode) and LAYOUT_MULTIPLE tokens per row (prefill), RMSNorm, silu and
-    attention on random rows; raises InvarianceError naming the op otherwise. Each op is
+    token per row (decode) and LAYOUT_MULTIPLE tokens per row (prefill), RMSNorm, silu,
+    attention and RoPE's tables on random rows; raises InvarianceError naming the op otherwise. Each op is
     compiled with the batch-invariant compiler options, as the model's programs are."""
     import functools
 
@@ -137,7 +137,7 @@ def self_check(module) -> None:
     key = (cfg, policy)
     if key in _CHECKED:
         return
-    compute = of(policy.compute_dtype)
+    compute, rope = of(policy.compute_dtype), of(policy.rope_dtype)
     rng = np.random.default_rng(0)
     pool = 24
     jit = functools.partial(jax.jit, compiler_options=compiler_options(True))
@@ -171,6 +171,11 @@ def self_check(module) -> None:
                             layer.input_layernorm.weight[...]),
         "silu": rows_of(silu, rand(pool, T, f)),
         "attention": _attention_rows(cfg, policy, rng, jit, pool),
+        # RoPE's cos and sin stay in XLA (elementwise): checked, at random positions
+        "rope tables": rows_of(lambda p, f: jnp.concatenate(rope_cos_sin(f, p, rope), -1),
+                               jnp.asarray(rng.integers(0, cfg.max_position_embeddings, (pool, T))),
+                               rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
+                                             cfg.max_position_embeddings, rope)),
     }
     check_rows(checks, pool, sizes=SELF_CHECK_SIZES)
     _CHECKED.add(key)
