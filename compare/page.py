@@ -9,8 +9,6 @@ import html
 import io
 import math
 
-from .vocabulary import kind_hex  # noqa: F401 (part of the toolkit: verdict colours)
-
 
 def escape(x) -> str:
     """x as HTML text (None as empty)."""

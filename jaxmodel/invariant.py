@@ -142,8 +142,8 @@ def self_check(module) -> None:
     pool = 24
     jit = functools.partial(jax.jit, compiler_options=compiler_options(True))
 
-    def rand(*shape):
-        return jnp.asarray(rng.standard_normal(shape), compute)
+    def rand(*shape):  # spread over 2^-8..2^8, as torchref's check: the summation order shows
+        return jnp.asarray(rng.standard_normal(shape) * 2.0 ** rng.integers(-8, 9, shape), compute)
 
     def rows_of(fn, x, *params):  # params go in as arguments: constants would slow the compile
         f = jit(fn)

@@ -39,11 +39,7 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for name, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(PREFIX + name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    want, best = fo.requested_isa(), lib.fo_max_isa()
-    level = best if want == "auto" else fo.ISAS[want]
-    if lib.fo_set_isa(level) < 0:
-        names = {v: k for k, v in fo.ISAS.items()}
-        raise InvarianceError(f"LLAMA_PARITY_KERNEL_ISA={want}: this CPU runs at most {names[best]}")
+    fo.select_isa(lib)
     return lib
 
 
@@ -51,7 +47,7 @@ def state() -> str:
     """What jaxmodel's invariant mode uses in this process, for run records; never builds."""
     if library.cache_info().currsize == 0:
         return "not loaded in this process"
-    return f"fixed_order FFI ({ {v: k for k, v in fo.ISAS.items()}[library().fo_isa()]} path)"
+    return f"fixed_order FFI ({fo.ISA_NAMES[library().fo_isa()]} path)"
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data"],

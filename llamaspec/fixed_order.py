@@ -40,6 +40,7 @@ SOURCE = HERE / "fixed_order.cc"
 HEADER = HERE / "fixed_order.h"
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-shared", "-fPIC", "-pthread")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
+ISA_NAMES = {level: name for name, level in ISAS.items()}
 WTYPES = {"float32": 0, "bfloat16": 1, "float16": 2, "float64": 3}
 BF16_PAIRS = 4  # bf16 weights packed for the pair program (x bf16 too): vdpbf16ps's order
 PANEL = 16
@@ -114,13 +115,16 @@ def library() -> ctypes.CDLL:
     lib.fo_packed_elements.argtypes = [i64, i64, c_int]
     lib.fo_packed_elements.restype = i64
     lib.fo_use_openmp.argtypes = [ptr]
-    best = lib.fo_max_isa()
-    want = requested_isa()
-    level = best if want == "auto" else ISAS[want]
-    if lib.fo_set_isa(level) < 0:
-        names = {v: k for k, v in ISAS.items()}
-        raise InvarianceError(f"LLAMA_PARITY_KERNEL_ISA={want}: this CPU runs at most {names[best]}")
+    select_isa(lib)
     return lib
+
+
+def select_isa(lib: ctypes.CDLL) -> None:
+    """Sets a loaded kernel library (this one, or jaxmodel's FFI build of the same header)
+    to the code path $LLAMA_PARITY_KERNEL_ISA asks for; a path the CPU lacks is an error."""
+    best, want = lib.fo_max_isa(), requested_isa()
+    if lib.fo_set_isa(best if want == "auto" else ISAS[want]) < 0:
+        raise InvarianceError(f"LLAMA_PARITY_KERNEL_ISA={want}: this CPU runs at most {ISA_NAMES[best]}")
 
 
 def use_openmp(runtime: str | None) -> bool:
@@ -141,8 +145,8 @@ def use_openmp(runtime: str | None) -> bool:
 
 
 def isa() -> str:
-    """The code path in use ('scalar', 'avx2', 'avx512')."""
-    return {v: k for k, v in ISAS.items()}[library().fo_isa()]
+    """The code path in use (a key of ISAS)."""
+    return ISA_NAMES[library().fo_isa()]
 
 
 def state() -> str:

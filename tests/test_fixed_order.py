@@ -44,17 +44,28 @@ def _round_f32(q: Fraction) -> np.float32:
     return best[1]
 
 
-def _fma_chain_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The documented program, in exact arithmetic with one f32 rounding per fma."""
-    M, K = x.shape
-    y = np.zeros((M, w.shape[0]), np.float32)
-    for m in range(M):
+def _fma32(a, b, acc) -> np.float32:
+    """fma in float32: a * b + acc in exact arithmetic, rounded once."""
+    return _round_f32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(acc)))
+
+
+def _reference(x: np.ndarray, w: np.ndarray, order, flush=lambda v: v) -> np.ndarray:
+    """A documented program in exact arithmetic: for each output, acc = flush(fma(flush(x),
+    flush(w), acc)) over k in `order(K)`, starting from 0."""
+    xs, ws = x.astype(np.float32), w.astype(np.float32)
+    y = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    for m in range(x.shape[0]):
         for n in range(w.shape[0]):
             acc = np.float32(0)
-            for k in range(K):
-                acc = _round_f32(Fraction(float(x[m, k])) * Fraction(float(w[n, k])) + Fraction(float(acc)))
+            for k in order(x.shape[1]):
+                acc = flush(_fma32(flush(xs[m, k]), flush(ws[n, k]), acc))
             y[m, n] = acc
     return y
+
+
+def _fma_chain_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The f32 program: one chain over k ascending."""
+    return _reference(x, w, range)
 
 
 def test_scalar_path_is_the_documented_fma_chain():
@@ -86,41 +97,42 @@ def _ftz(v: np.float32) -> np.float32:
     return np.float32(np.copysign(0, v)) if abs(v) < np.finfo(np.float32).tiny else v
 
 
+def _pair_order(K: int) -> list[int]:
+    """k in pairs (2i, 2i+1), the odd one first."""
+    return [k for i in range(0, K, 2) for k in (i + 1, i) if k < K]
+
+
 def _pair_program(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The bf16 pair program, exactly: pairs (2i, 2i+1), odd first, one rounding per step,
-    denormal inputs read as zero and denormal results flushed."""
-    M, K = x.shape
-    xs, ws = x.astype(np.float32), w.astype(np.float32)
-    y = np.zeros((M, w.shape[0]), np.float32)
-    for m in range(M):
-        for n in range(w.shape[0]):
-            acc = np.float32(0)
-            for i in range(0, K, 2):
-                for k in (i + 1, i):
-                    if k < K:
-                        a, b = _ftz(xs[m, k]), _ftz(ws[n, k])
-                        acc = _ftz(_round_f32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(acc))))
-            y[m, n] = acc
-    return y
+    """The bf16 pair program: pairs odd first, one rounding per step, denormal inputs read
+    as zero and denormal results flushed."""
+    return _reference(x, w, _pair_order, _ftz)
 
 
 def test_bf16_pairs_scalar_path_is_the_documented_pair_program():
+    # Products of bf16 numbers have 16 significant bits: sums of similar magnitudes are
+    # exact in f32 in any order. A wide spread of exponents makes the order show.
     rng = np.random.default_rng(6)
-    x = rng.standard_normal((3, 15)).astype(ml_dtypes.bfloat16)
-    w = rng.standard_normal((5, 15)).astype(ml_dtypes.bfloat16)
+    spread = lambda shape: rng.standard_normal(shape) * 2.0 ** rng.integers(-14, 15, shape)  # noqa: E731
+    x = spread((3, 31)).astype(ml_dtypes.bfloat16)
+    w = spread((5, 31)).astype(ml_dtypes.bfloat16)
     w[1, 3] = np.float32(3e-39)  # a bf16 denormal: read as zero
     with code_path("scalar"):
         got = fo.gemm_pairs(x, fo.pack_pairs(w), 5)
-    assert np.array_equal(got.view(np.uint32), _pair_program(x, w).view(np.uint32))
+    want = _pair_program(x, w)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # the data tells the documented order from its neighbours (so the check above can fail)
+    even_first = _reference(x, w, lambda K: [k for i in range(0, K, 2) for k in (i, i + 1) if k < K], _ftz)
+    assert not np.array_equal(want, even_first) and not np.array_equal(want, _reference(x, w, range, _ftz))
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_every_code_path_gives_the_bf16_pair_programs_bits(path):
     """Where the CPU has AVX-512-BF16, this checks vdpbf16ps against the program too."""
     rng = np.random.default_rng(7)
+    spread = lambda shape: rng.standard_normal(shape) * 2.0 ** rng.integers(-14, 15, shape)  # noqa: E731
     for M, N, K in [(1, 1, 1), (1, 37, 19), (9, 16, 64), (70, 33, 7), (5, 100, 301), (17, 48, 576)]:
-        x = rng.standard_normal((M, K)).astype(ml_dtypes.bfloat16)
-        w = (rng.standard_normal((N, K)) * 3).astype(ml_dtypes.bfloat16)
+        x = spread((M, K)).astype(ml_dtypes.bfloat16)   # a wide spread: the order shows in the sums
+        w = spread((N, K)).astype(ml_dtypes.bfloat16)
         x[0, 0], w[0, -1] = np.float32(1e-39), np.float32(-2e-39)     # denormals
         if M > 1:
             x[1] *= np.float32(1e-30).astype(ml_dtypes.bfloat16)      # tiny sums flush
@@ -164,7 +176,7 @@ def test_row_sums_are_one_fma_chain_per_row():
         for m in range(4):
             acc = np.float32(0)
             for v in x[m]:
-                acc = _round_f32(Fraction(float(v)) * Fraction(float(v if squares else 1)) + Fraction(float(acc)))
+                acc = _fma32(v, v if squares else 1, acc)
             assert got[m] == acc
         # a row's sum does not depend on how many rows are summed at once
         assert np.array_equal(fo.row_sums(x[1:2], squares), got[1:2])

@@ -212,18 +212,25 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     entry's cos and sin never depend on which positions the batch holds)."""
     chunks = int(positions.max()) // ROPE_CHUNK + 1 if positions.numel() else 1
     key = (inv_freq.to(torch.float64).cpu().numpy().tobytes(), dtype)
-    cos = torch.cat([_rope_table(key, c, inv_freq, dtype)[0] for c in range(chunks)])
-    sin = torch.cat([_rope_table(key, c, inv_freq, dtype)[1] for c in range(chunks)])
+    tables = [_rope_table(key, c, inv_freq) for c in range(chunks)]
+    cos, sin = torch.cat([t[0] for t in tables]), torch.cat([t[1] for t in tables])
     flat = positions.reshape(-1).cpu()
     shape = (*positions.shape, cos.shape[-1])
     return cos[flat].reshape(shape).to(positions.device), sin[flat].reshape(shape).to(positions.device)
 
 
-@functools.lru_cache(maxsize=64)
-def _rope_table(key, chunk: int, inv_freq: torch.Tensor, dtype: torch.dtype):
-    positions = torch.arange(chunk * ROPE_CHUNK, (chunk + 1) * ROPE_CHUNK)[None]
-    cos, sin = ops.rope_cos_sin(inv_freq.cpu(), positions, dtype)
-    return cos[0], sin[0]
+def _rope_table(key, chunk: int, inv_freq: torch.Tensor):
+    """cos, sin for positions [chunk * ROPE_CHUNK, (chunk + 1) * ROPE_CHUNK), computed once per
+    key (the inverse frequencies' values and the dtype: a new tensor of the same values, as
+    every call makes, finds the table)."""
+    if (key, chunk) not in _ROPE_TABLES:
+        positions = torch.arange(chunk * ROPE_CHUNK, (chunk + 1) * ROPE_CHUNK)[None]
+        cos, sin = ops.rope_cos_sin(inv_freq.cpu(), positions, key[1])
+        _ROPE_TABLES[(key, chunk)] = cos[0], sin[0]
+    return _ROPE_TABLES[(key, chunk)]
+
+
+_ROPE_TABLES: dict = {}  # ((inv_freq bytes, dtype), chunk) -> (cos, sin)
 
 
 def _in_order(parts: torch.Tensor, dim: int) -> torch.Tensor:
@@ -288,7 +295,11 @@ def self_check(model) -> None:
     cfg, policy = model.cfg, model.policy
     compute = dt(policy.compute_dtype)
     gen = torch.Generator().manual_seed(0)
-    rand = lambda *shape: torch.randn(*shape, generator=gen).to(compute)  # noqa: E731
+    # Values spread over 2^-8..2^8: with bf16 operands of similar size every order sums
+    # exactly, and an order that changed with the batch would go unseen.
+    def rand(*shape):
+        scale = torch.exp2(torch.randint(-8, 9, shape, generator=gen).float())
+        return (torch.randn(*shape, generator=gen) * scale).to(compute)
     pool = 24
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
