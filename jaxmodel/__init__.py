@@ -11,6 +11,6 @@ import jax
 jax.config.update("jax_enable_x64", True)
 
 from . import dtypes, ops  # noqa: E402
-from .model import Llama, LlamaModel, from_pretrained  # noqa: E402
+from .model import Llama, LlamaModel, from_pretrained, from_weights  # noqa: E402
 
-__all__ = ["from_pretrained", "LlamaModel", "Llama", "ops", "dtypes"]
+__all__ = ["from_pretrained", "from_weights", "LlamaModel", "Llama", "ops", "dtypes"]

@@ -400,6 +400,15 @@ class LlamaModel:
     def module(self) -> Llama:
         return nnx.merge(self.graphdef, self.state)
 
+    def weights(self) -> dict[str, np.ndarray]:
+        """The parameters under their checkpoint keys, as numpy in param_dtype (no lm_head
+        when tied): the values the model computes with, ready for from_weights."""
+        out = {}
+        for path, var in nnx.to_flat_state(nnx.filter_state(self.state, nnx.Param)):
+            key = ".".join(map(str, path))
+            out[key if path[0] == "lm_head" else "model." + key] = np.asarray(var[...])
+        return out
+
     def __call__(self, tokens, attention_mask=None):
         """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
@@ -470,15 +479,21 @@ class LlamaModel:
                         pad_token_id=pad_token_id, sampling=sampling)
 
 
-def from_pretrained(path, policy="fp32", batch_invariant: bool = False,
-                    check_finite: bool = True) -> LlamaModel:
-    """Loads a Hugging Face Llama folder (config.json + safetensors) at a precision policy
-    (preset name or llamaspec.Policy). Weights are rounded to the policy's param_dtype.
+def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str | Policy = "fp32",
+                 batch_invariant: bool = False) -> LlamaModel:
+    """A model from checkpoint-keyed numpy weights (as load_weights or weights() give them),
+    each rounded to the policy's param_dtype.
+
     batch_invariant=True: a sequence's logits and greedy completions are bitwise the same
     whatever the rest of the batch, its row and its padding (see invariant.py)."""
-    policy = Policy.get(policy)
-    cfg, weights = load_weights(path, check_finite=check_finite)
-    module = Llama(cfg, policy, weights, batch_invariant)
+    module = Llama(cfg, Policy.get(policy), weights, batch_invariant)
     if batch_invariant:
         invariant.self_check(module)
     return LlamaModel(module)
+
+
+def from_pretrained(path, policy: str | Policy = "fp32", batch_invariant: bool = False,
+                    check_finite: bool = True) -> LlamaModel:
+    """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy."""
+    cfg, weights = load_weights(path, check_finite=check_finite)
+    return from_weights(cfg, weights, policy, batch_invariant)

@@ -5,6 +5,6 @@
     new_ids = m.generate(tokens, attention_mask=mask, max_new_tokens=32)
 """
 
-from .model import LlamaModel, from_pretrained
+from .model import LlamaModel, from_pretrained, from_weights
 
-__all__ = ["LlamaModel", "from_pretrained"]
+__all__ = ["LlamaModel", "from_pretrained", "from_weights"]

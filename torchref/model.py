@@ -200,6 +200,12 @@ class LlamaModel(nn.Module):
         self.head_weight = self._lm_head_weight().detach()  # a plain tensor: not a second parameter
         return self
 
+    def weights(self) -> dict[str, np.ndarray]:
+        """The parameters under their checkpoint keys, as numpy in param_dtype (no lm_head
+        when tied): the values the model computes with, ready for from_weights."""
+        store = dt(self.policy.param_dtype)
+        return {key: to_numpy(p.to(store)) for key, p in self.named_parameters()}
+
     # ----- forward -------------------------------------------------------------------
 
     def _lm_head_weight(self) -> torch.Tensor:
@@ -391,16 +397,22 @@ class LlamaModel(nn.Module):
                               max_new_tokens, eos_token_ids, pad_token_id, sampling)
 
 
-def from_pretrained(path: str | Path, policy: str | Policy = "fp32", batch_invariant: bool = False,
-                    device: str | None = None, check_finite: bool = True) -> LlamaModel:
-    """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy.
+def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str | Policy = "fp32",
+                 batch_invariant: bool = False, device: str | None = None) -> LlamaModel:
+    """A model from checkpoint-keyed numpy weights (as load_weights or weights() give them),
+    each rounded to the policy's param_dtype.
 
     batch_invariant=True: a sequence's logits and greedy completions are bitwise the same
     whatever the rest of the batch, its row and its padding (see invariant.py)."""
-    policy = Policy.get(policy)
-    cfg, weights = load_weights(path, check_finite=check_finite)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = LlamaModel(cfg, policy, device, batch_invariant).load_numpy(weights).eval()
+    model = LlamaModel(cfg, Policy.get(policy), device, batch_invariant).load_numpy(weights).eval()
     if batch_invariant:
         invariant.self_check(model)
     return model
+
+
+def from_pretrained(path: str | Path, policy: str | Policy = "fp32", batch_invariant: bool = False,
+                    device: str | None = None, check_finite: bool = True) -> LlamaModel:
+    """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy."""
+    cfg, weights = load_weights(path, check_finite=check_finite)
+    return from_weights(cfg, weights, policy, batch_invariant, device)
