@@ -3,32 +3,29 @@
 Modules hold weights as nnx.Param in Hugging Face shapes ([out, in], never
 transposed) under Hugging Face names, so a checkpoint key maps to one attribute path
 (model.layers.3.self_attn.q_proj.weight -> layers[3].self_attn.q_proj.weight).
+torchref/model.py is the same file in PyTorch: same classes, arguments and tap names.
 
 `LlamaModel` is the user-facing object. It splits the module once into a static
-graphdef and a state of arrays and jit-compiles pure functions of (state, inputs)
-with jax.jit, rather than calling nnx.jit on every step: nnx.jit walks the module
-graph on each call, which a token-by-token decode loop would pay every step, and
-passing the state as an argument guarantees the weights are inputs of the compiled
-program, never constants baked into it.
+graphdef and a state of arrays and jit-compiles pure functions of (state, inputs):
+nnx.jit would walk the module graph on every decode step, and passing the state as an
+argument keeps the weights inputs of the compiled program, never constants in it.
 
-The KV cache is a plain dict passed in and returned (no hidden module state):
-k, v [L, B, S, Hkv, D] in compute_dtype, mask [B, S] (slots holding a real token),
-pos [B] (next position per row) and index (the slot the next token is written to, the
-same for every row). With dynamic NTK RoPE past max_position_embeddings, cached keys
-keep the rotation they were written with, as in transformers.
+The KV cache is a plain dict passed in and returned: k, v [L, B, S, Hkv, D] in
+compute_dtype, mask [B, S] (slots holding a real token), pos [B] (next position per row)
+and index (the slot the next token is written to). With dynamic NTK RoPE past
+max_position_embeddings, cached keys keep the rotation they were written with, as in
+transformers.
 
-batch_invariant=True: every module calls invariant.py instead of ops.py (same names; the
-measurements behind each change are written there), and calls run in the canonical
-layout of llamaspec.inputs.invariant_layout (each row's real tokens at slots [0, n),
-width a multiple of invariant.LAYOUT_MULTIPLE); results go back to the caller's slots, with
-zeros on padding. Its cache has no shared write slot: lens [B] replaces mask/pos/index,
-row b's tokens fill slots [0, lens[b]) and a decode step writes each row at its own
-lens[b], so a row's keys sit in the same key blocks whatever the other rows hold.
+batch_invariant=True hands every module invariant.py instead of ops.py (ops_for; same
+function names, docs/invariance.md says why) and runs every call in the canonical layout
+of llamaspec.inputs.layout. Its cache has lens [B] in place of mask/pos/index: row b's
+tokens fill slots [0, lens[b]) and a decode step writes each row at its own lens[b].
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +33,10 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, generate, load_weights, positions_from_mask
+from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, generate, load_weights
 from llamaspec import taps as tapnames
-from llamaspec.inputs import check_inject, check_next_ids, check_prefill, from_canonical, invariant_layout, to_canonical
+from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill, layout
+from llamaspec.recorder import Recorder
 
 from . import invariant, ops
 from .dtypes import compiler_options, numpy_dtype, of
@@ -46,22 +44,25 @@ from .dtypes import compiler_options, numpy_dtype, of
 CACHE_BLOCK = 64  # cache length is rounded up to this, so prompts of similar length share a compile
 
 
-class _Recorder:
-    """Keeps the activations whose tap names were requested; the rest are never returned
-    (and XLA drops what nothing reads). `taps` is static, so a plain call records nothing."""
+def ops_for(batch_invariant: bool):
+    """The op functions every module calls: ops.py, or invariant.py (same names)."""
+    return invariant if batch_invariant else ops
 
-    def __init__(self, taps, prefix=""):
-        self.taps, self.prefix, self.acts = taps, prefix, {}
 
-    def __call__(self, name, x):
-        if self.prefix + name in self.taps:
-            self.acts[self.prefix + name] = x
-        return x
+class Context(NamedTuple):
+    """What every layer of one forward call reads."""
+    cos: jax.Array      # RoPE tables [B, T, head_dim]
+    sin: jax.Array
+    allowed: jax.Array  # [B, T, S]: query slot t may attend to key slot s
+    policy: Policy
 
-    def layer(self, i):
-        sub = _Recorder(self.taps, f"layers.{i}.")
-        sub.acts = self.acts
-        return sub
+
+class KV(NamedTuple):
+    """The KV cache a call writes to: k, v [L, B, S, Hkv, D] (all layers stacked, updated
+    functionally), index [B] the slot of each row's first new token."""
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
 
 
 def _param(weights, key, dtype):
@@ -69,11 +70,6 @@ def _param(weights, key, dtype):
     nearest even, the same on every platform)."""
     w = weights[key]
     return nnx.Param(jnp.asarray(w if w.dtype == dtype else w.astype(dtype)))
-
-
-def _ops(batch_invariant: bool):
-    """The op functions a module calls (a static flag, so it is part of the graphdef)."""
-    return invariant if batch_invariant else ops
 
 
 class Packed(nnx.Variable):
@@ -87,21 +83,19 @@ def _pack(w, policy: Policy) -> tuple[Packed, tuple]:
 
 
 class Linear(nnx.Module):
-    def __init__(self, weights, key, dtype, bias: bool, batch_invariant=False, policy=None):
+    def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy):
         self.weight = _param(weights, key + ".weight", dtype)
         self.bias = _param(weights, key + ".bias", dtype) if bias else None
-        self.batch_invariant = batch_invariant
-        if batch_invariant:  # packed once here, from the weight as rounded to param_dtype
+        self.ops = ops
+        if ops is invariant:  # packed once here, from the weight as rounded to param_dtype
             self.packed, self.packed_meta = _pack(self.weight[...], policy)
 
     def packed_weight(self):
         return invariant.PackedWeight(self.packed[...], *self.packed_meta)
 
-    def __call__(self, x, policy, out_dtype=None):
-        b = None if self.bias is None else self.bias[...]
-        if self.batch_invariant:
-            return invariant.linear(x, self.packed_weight(), b, policy, out_dtype)
-        return ops.linear(x, self.weight[...], b, policy, out_dtype)
+    def __call__(self, x, policy: Policy, out_dtype=None):
+        w = self.packed_weight() if self.ops is invariant else self.weight[...]
+        return self.ops.linear(x, w, None if self.bias is None else self.bias[...], policy, out_dtype)
 
 
 class Embedding(nnx.Module):
@@ -113,84 +107,72 @@ class Embedding(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, weights, key, dtype, eps, batch_invariant=False):
+    def __init__(self, weights, key, dtype, eps: float, ops):
         self.weight = _param(weights, key + ".weight", dtype)
         self.eps = eps
-        self.batch_invariant = batch_invariant
+        self.ops = ops
 
-    def __call__(self, x, policy):
-        return _ops(self.batch_invariant).rms_norm(x, self.weight[...], self.eps, policy)
+    def __call__(self, x, policy: Policy):
+        return self.ops.rms_norm(x, self.weight[...], self.eps, policy)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, batch_invariant=False, policy=None):
+    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, ops, policy: Policy):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            Linear(weights, prefix + name, dtype, cfg.attention_bias, batch_invariant, policy)
+            Linear(weights, prefix + name, dtype, cfg.attention_bias, ops, policy)
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
-                                                     cfg.num_key_value_heads, cfg.head_dim)
-        self.batch_invariant = batch_invariant
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.ops = ops
 
-    def __call__(self, x, cos, sin, allowed, policy, rec, cache=None, layer=0):
-        """cache: None (keys are this call's tokens) or (k_all, v_all, index): the stacked
-        [L, B, S, Hkv, D] cache; this call's keys go to [layer, :, index:index + T], or
-        with index [B] (batch-invariant decode, T = 1) row b's key goes to slot index[b]."""
+    def __call__(self, x, ctx: Context, rec: Recorder, cache: KV | None = None, layer=0):
+        """cache: None (keys are this call's tokens), or this call's keys and values go to
+        slots index[b] + t of row b in layer `layer`, and attention reads the cache."""
         B, T, _ = x.shape
-        ops = _ops(self.batch_invariant)
-        q = rec("q", self.q_proj(x, policy).reshape(B, T, self.heads, self.head_dim))
-        k = rec("k", self.k_proj(x, policy).reshape(B, T, self.kv_heads, self.head_dim))
-        v = rec("v", self.v_proj(x, policy).reshape(B, T, self.kv_heads, self.head_dim))
-        q = rec("q_rope", ops.apply_rope(q, cos, sin))
-        k = rec("k_rope", ops.apply_rope(k, cos, sin))
+        q = rec("q", self.q_proj(x, ctx.policy).reshape(B, T, self.heads, self.head_dim))
+        k = rec("k", self.k_proj(x, ctx.policy).reshape(B, T, self.kv_heads, self.head_dim))
+        v = rec("v", self.v_proj(x, ctx.policy).reshape(B, T, self.kv_heads, self.head_dim))
+        q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
+        k = rec("k_rope", self.ops.apply_rope(k, ctx.cos, ctx.sin))
         if cache is not None:
-            k_all, v_all, index = cache
-            if jnp.ndim(index) == 1:
-                rows = jnp.arange(B)
-                k_all = k_all.at[layer, rows, index].set(k[:, 0].astype(k_all.dtype))
-                v_all = v_all.at[layer, rows, index].set(v[:, 0].astype(v_all.dtype))
-            else:
-                zero = jnp.zeros((), jnp.int32)  # start indices must share one integer type
-                at = (jnp.int32(layer), zero, jnp.asarray(index, jnp.int32), zero, zero)
-                k_all = lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
-                v_all = lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
-            cache = (k_all, v_all, index)
-            k, v = k_all[layer], v_all[layer]
-        ctx = ops.attention(q, k, v, allowed, policy).reshape(B, T, self.heads * self.head_dim)
-        rec("attn_ctx", ctx)
-        return rec("attn_out", self.o_proj(ctx, policy)), cache
+            rows = jnp.arange(B)[:, None]
+            slots = cache.index[:, None] + jnp.arange(T)
+            cache = cache._replace(k=cache.k.at[layer, rows, slots].set(k.astype(cache.k.dtype)),
+                                   v=cache.v.at[layer, rows, slots].set(v.astype(cache.v.dtype)))
+            k, v = cache.k[layer], cache.v[layer]
+        out = rec("attn_ctx", self.ops.attention(q, k, v, ctx.allowed, ctx.policy).reshape(B, T, -1))
+        return self.o_proj(out, ctx.policy), cache
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, batch_invariant=False, policy=None):
+    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, ops, policy: Policy):
         self.gate_proj, self.up_proj, self.down_proj = (
-            Linear(weights, prefix + name, dtype, cfg.mlp_bias, batch_invariant, policy)
+            Linear(weights, prefix + name, dtype, cfg.mlp_bias, ops, policy)
             for name in ("gate_proj", "up_proj", "down_proj"))
-        self.batch_invariant = batch_invariant
+        self.ops = ops
 
-    def __call__(self, x, policy, rec):
+    def __call__(self, x, policy: Policy, rec: Recorder):
         gate = rec("gate", self.gate_proj(x, policy))
         up = rec("up", self.up_proj(x, policy))
-        act = rec("act", _ops(self.batch_invariant).silu(gate) * up)
-        return rec("mlp_out", self.down_proj(act, policy))
+        act = rec("act", self.ops.silu(gate) * up)
+        return self.down_proj(act, policy)
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, i, dtype, batch_invariant=False, policy=None):
+    def __init__(self, cfg: LlamaConfig, weights, i, dtype, ops, policy: Policy):
         p = f"model.layers.{i}."
-        self.input_layernorm = RMSNorm(weights, p + "input_layernorm", dtype, cfg.rms_norm_eps,
-                                       batch_invariant)
-        self.self_attn = Attention(cfg, weights, p + "self_attn.", dtype, batch_invariant, policy)
-        self.post_attention_layernorm = RMSNorm(weights, p + "post_attention_layernorm", dtype,
-                                                cfg.rms_norm_eps, batch_invariant)
-        self.mlp = MLP(cfg, weights, p + "mlp.", dtype, batch_invariant, policy)
+        self.input_layernorm = RMSNorm(weights, p + "input_layernorm", dtype, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, weights, p + "self_attn.", dtype, ops, policy)
+        self.post_attention_layernorm = RMSNorm(weights, p + "post_attention_layernorm", dtype, cfg.rms_norm_eps,
+                                                ops)
+        self.mlp = MLP(cfg, weights, p + "mlp.", dtype, ops, policy)
 
-    def __call__(self, h, cos, sin, allowed, policy, rec, cache=None, layer=0):
-        resid = of(policy.residual_dtype)
-        x = rec("attn_norm", self.input_layernorm(h, policy))
-        a, cache = self.self_attn(x, cos, sin, allowed, policy, rec, cache, layer)
-        h = rec("resid_mid", h + a.astype(resid))
-        x = rec("mlp_norm", self.post_attention_layernorm(h, policy))
-        h = rec("out", h + self.mlp(x, policy, rec).astype(resid))
+    def __call__(self, h, ctx: Context, rec: Recorder, cache: KV | None = None, layer=0):
+        residual = of(ctx.policy.residual_dtype)
+        x = rec("attn_norm", self.input_layernorm(h, ctx.policy))
+        a, cache = self.self_attn(x, ctx, rec, cache, layer)
+        h = rec("resid_mid", h + rec("attn_out", a).astype(residual))
+        x = rec("mlp_norm", self.post_attention_layernorm(h, ctx.policy))
+        h = rec("out", h + rec("mlp_out", self.mlp(x, ctx.policy, rec)).astype(residual))
         return h, cache
 
 
@@ -201,12 +183,13 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, policy: Policy, weights: dict[str, np.ndarray],
                  batch_invariant: bool = False):
         self.cfg, self.policy, self.batch_invariant = cfg, policy, batch_invariant
-        dt, bi = numpy_dtype(policy.param_dtype), batch_invariant
+        self.ops = ops_for(batch_invariant)
+        dt = numpy_dtype(policy.param_dtype)
         self.embed_tokens = Embedding(weights, "model.embed_tokens", dt)
-        self.layers = nnx.List([Block(cfg, weights, i, dt, bi, policy) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, bi)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, bi, policy)
-        if bi:  # the lm_head packed once (the embedding table when tied)
+        self.layers = nnx.List([Block(cfg, weights, i, dt, self.ops, policy) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, self.ops)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, self.ops, policy)
+        if batch_invariant:  # the lm_head packed once (the embedding table when tied)
             head = self.embed_tokens if self.lm_head is None else self.lm_head
             self.head_packed, self.head_meta = _pack(head.weight[...], policy)
 
@@ -216,41 +199,37 @@ class Llama(nnx.Module):
             return invariant.PackedWeight(self.head_packed[...], *self.head_meta)
         return (self.embed_tokens if self.lm_head is None else self.lm_head).weight[...]
 
-    def __call__(self, ids, positions, allowed, taps=(), cache=None, last_only=False, inject=None,
-                 scan=False, last=None):
-        """ids, positions [B, T]; allowed [B, T, S]. cache: None or (k_all, v_all, index).
-        inject {i: h}: teacher forcing, layer i's input is replaced by h.
-        scan: run the blocks under one lax.scan (no cache; see _scan_layers).
+    def __call__(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None,
+                 scan=False):
+        """Embedding -> blocks -> final norm -> lm_head; returns (logits, {tap: activation}, cache).
 
-        Returns (logits, acts, cache); last_only computes logits for slot T-1 only, last
-        [B] for slot last[b] of each row.
+        ids, positions [B, T]; allowed [B, T, S]. last [B]: logits for slot last[b] of each
+        row only. inject {i: h}: teacher forcing, layer i's input is replaced by h.
+        scan: run the blocks under one lax.scan (no cache; see _scan_layers).
         """
         cfg, policy = self.cfg, self.policy
-        rec = _Recorder(taps)
-        h = rec("embed", self.embed_tokens(ids).astype(of(policy.residual_dtype)))
+        residual = of(policy.residual_dtype)
+        rec = Recorder(taps)
+        h = rec("embed", self.embed_tokens(ids).astype(residual))
         rope = of(policy.rope_dtype)
-        inv_freq = ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
-                                     jnp.max(positions) + 1, rope)
-        cos, sin = ops.rope_cos_sin(inv_freq, positions, rope)
+        inv_freq = self.ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
+                                          jnp.max(positions) + 1, rope)
+        ctx = Context(*self.ops.rope_cos_sin(inv_freq, positions, rope), allowed, policy)
         if scan:
-            h, acts = self._scan_layers(h, cos, sin, allowed, taps, inject)
+            h, acts = self._scan_layers(h, ctx, taps, inject)
             rec.acts.update(acts)
         else:
             for i, block in enumerate(self.layers):
                 if inject and i in inject:
-                    h = inject[i].astype(of(policy.residual_dtype))
-                h, cache = block(h, cos, sin, allowed, policy, rec.layer(i), cache, i)
+                    h = inject[i].astype(residual)
+                h, cache = block(h, ctx, rec.layer(i), cache, i)
         if last is not None:
             h = h[jnp.arange(h.shape[0]), last][:, None]
-        elif last_only:
-            h = h[:, -1:]
         x = rec("final_norm", self.norm(h, policy))
-        logits = rec("logits", _ops(self.batch_invariant).linear(x, self.head_weight(), None, policy,
-                                                                 of(policy.logits_dtype)))
+        logits = rec("logits", self.ops.linear(x, self.head_weight(), None, policy, of(policy.logits_dtype)))
         return logits, rec.acts, cache
 
-
-    def _scan_layers(self, h, cos, sin, allowed, taps, inject):
+    def _scan_layers(self, h, ctx: Context, taps, inject):
         """The blocks as one lax.scan over their weights stacked on a layer axis.
 
         XLA then compiles one block instead of num_hidden_layers copies: on SmolLM2 (30
@@ -280,8 +259,8 @@ class Llama(nnx.Module):
             i, weights, on, h_in = xs
             if h_in is not None:
                 h = jnp.where(on, h_in, h)
-            rec = _Recorder(names)
-            h, _ = nnx.merge(graphdef, weights)(h, cos, sin, allowed, self.policy, rec, None, i)
+            rec = Recorder(names)
+            h, _ = nnx.merge(graphdef, weights)(h, ctx, rec, None, i)
             return h, rec.acts
 
         h, acts = lax.scan(step, h, (jnp.arange(n_layers), stacked, jnp.asarray(forced_on), forced))
@@ -290,39 +269,34 @@ class Llama(nnx.Module):
 
 # ---- pure functions of (graphdef, state, inputs), jit-compiled per model ----
 
-def _causal(T, S):
-    """[T, S]: query slot t may see key slot s <= t."""
-    return jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]
+def causal_allowed(mask, n_queries: int, first_query_slot=0):
+    """allowed[b, t, s]: slot s holds a real token and is not after query slot first + t."""
+    S = mask.shape[1]
+    q_slot = first_query_slot + jnp.arange(n_queries)
+    return mask.astype(bool)[:, None, :] & (jnp.arange(S)[None, :] <= q_slot[:, None])[None]
 
 
 def _forward(graphdef, state, ids, mask, positions, inject, *, taps):
     model = nnx.merge(graphdef, state)
-    T = ids.shape[1]
-    allowed = mask.astype(bool)[:, None, :] & _causal(T, T)[None]
-    logits, acts, _ = model(ids, positions, allowed, taps=taps, inject=inject, scan=True)
+    logits, acts, _ = model(ids, positions, causal_allowed(mask, ids.shape[1]), taps=taps, inject=inject,
+                            scan=True)
     return logits, acts
 
 
-def _empty_cache(model, mask, cache_len):
-    """Zero k, v [L, B, cache_len, Hkv, D], the slots holding the prompt's real tokens, and
-    the prompt's attention pattern allowed [B, T, cache_len]."""
+def _empty_cache(model, B: int, S: int) -> KV:
     cfg = model.cfg
-    B, T = mask.shape
-    shape = (cfg.num_hidden_layers, B, cache_len, cfg.num_key_value_heads, cfg.head_dim)
-    k_all = jnp.zeros(shape, of(model.policy.compute_dtype))
-    v_all = jnp.zeros(shape, of(model.policy.compute_dtype))
-    slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
-    return k_all, v_all, slots, slots[:, None, :] & _causal(T, cache_len)[None]
+    shape = (cfg.num_hidden_layers, B, S, cfg.num_key_value_heads, cfg.head_dim)
+    zeros = jnp.zeros(shape, of(model.policy.compute_dtype))
+    return KV(zeros, zeros, jnp.zeros(B, jnp.int32))
 
 
 def _prefill(graphdef, state, ids, mask, positions, *, cache_len):
     model = nnx.merge(graphdef, state)
-    k_all, v_all, slots, allowed = _empty_cache(model, mask, cache_len)
-    T = ids.shape[1]
-    logits, _, (k_all, v_all, _) = model(ids, positions, allowed, cache=(k_all, v_all, 0),
-                                         last_only=True)
-    cache = {"k": k_all, "v": v_all, "mask": slots,
-             "pos": mask.sum(1).astype(jnp.int32), "index": jnp.int32(T)}
+    B, T = ids.shape
+    slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
+    logits, _, kv = model(ids, positions, causal_allowed(slots, T), cache=_empty_cache(model, B, cache_len),
+                          last=jnp.full(B, T - 1))
+    cache = {"k": kv.k, "v": kv.v, "mask": slots, "pos": mask.sum(1).astype(jnp.int32), "index": jnp.int32(T)}
     return logits[:, 0], cache
 
 
@@ -330,13 +304,10 @@ def _decode(graphdef, state, cache, next_ids):
     model = nnx.merge(graphdef, state)
     index = cache["index"]
     slots = cache["mask"].at[:, index].set(True)
-    S = slots.shape[1]
-    allowed = (slots & (jnp.arange(S) <= index)[None])[:, None, :]
-    positions = cache["pos"][:, None]
-    logits, _, (k_all, v_all, _) = model(next_ids[:, None], positions, allowed,
-                                         cache=(cache["k"], cache["v"], index), last_only=True)
-    cache = {"k": k_all, "v": v_all, "mask": slots, "pos": cache["pos"] + 1,
-             "index": index + 1}
+    B = slots.shape[0]
+    kv = KV(cache["k"], cache["v"], jnp.full(B, index))
+    logits, _, kv = model(next_ids[:, None], cache["pos"][:, None], causal_allowed(slots, 1, index), cache=kv)
+    cache = {"k": kv.k, "v": kv.v, "mask": slots, "pos": cache["pos"] + 1, "index": index + 1}
     return logits[:, 0], cache
 
 
@@ -344,11 +315,12 @@ def _prefill_invariant(graphdef, state, ids, mask, positions, *, cache_len):
     """_prefill in the canonical layout: row b fills slots [0, lens[b]); logits of each
     row's last real slot."""
     model = nnx.merge(graphdef, state)
-    k_all, v_all, _, allowed = _empty_cache(model, mask, cache_len)
+    B, T = ids.shape
+    slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
     lens = mask.sum(1).astype(jnp.int32)
-    logits, _, (k_all, v_all, _) = model(ids, positions, allowed, cache=(k_all, v_all, 0),
-                                         last=lens - 1)
-    return logits[:, 0], {"k": k_all, "v": v_all, "lens": lens}
+    logits, _, kv = model(ids, positions, causal_allowed(slots, T), cache=_empty_cache(model, B, cache_len),
+                          last=lens - 1)
+    return logits[:, 0], {"k": kv.k, "v": kv.v, "lens": lens}
 
 
 def _decode_invariant(graphdef, state, cache, next_ids):
@@ -357,9 +329,8 @@ def _decode_invariant(graphdef, state, cache, next_ids):
     lens = cache["lens"]
     S = cache["k"].shape[2]
     allowed = (jnp.arange(S)[None, :] <= lens[:, None])[:, None, :]
-    logits, _, (k_all, v_all, _) = model(next_ids[:, None], lens[:, None], allowed,
-                                         cache=(cache["k"], cache["v"], lens), last_only=True)
-    return logits[:, 0], {"k": k_all, "v": v_all, "lens": lens + 1}
+    logits, _, kv = model(next_ids[:, None], lens[:, None], allowed, cache=KV(cache["k"], cache["v"], lens))
+    return logits[:, 0], {"k": kv.k, "v": kv.v, "lens": lens + 1}
 
 
 @functools.lru_cache(maxsize=16)
@@ -409,16 +380,17 @@ class LlamaModel:
             out[key if path[0] == "lm_head" else "model." + key] = np.asarray(var[...])
         return out
 
+    def _layout(self, ids, mask, extra_length=0) -> Layout:
+        """The batch as the programs run it: canonical in batch-invariant mode."""
+        return layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE if self.batch_invariant else None,
+                      extra_length)
+
     def __call__(self, tokens, attention_mask=None):
         """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
-        if self.batch_invariant:
-            ids_c, mask_c, back = invariant_layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE)
-            logits, _ = self._forward(self.state, ids_c, mask_c, positions_from_mask(mask_c), {},
-                                      taps=())
-            return jnp.asarray(from_canonical(np.asarray(logits), back, mask))
-        logits, _ = self._forward(self.state, ids, mask, positions_from_mask(mask), {}, taps=())
-        return logits
+        run = self._layout(ids, mask)
+        logits, _ = self._forward(self.state, run.ids, run.mask, run.positions, {}, taps=())
+        return jnp.asarray(run.restore(logits)) if self.batch_invariant else logits
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
         """(logits as numpy, {tap: numpy activation}) for the requested tap names/patterns.
@@ -428,34 +400,22 @@ class LlamaModel:
         The set of injected layers is part of the compiled program's structure."""
         names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
-        forced = {i: jnp.asarray(x) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
+        run = self._layout(ids, mask)
+        forced = {i: jnp.asarray(run.place(x)) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
         # the program depends on which tap names are asked for, not at which layers
         program_taps = tuple(sorted({n if tapnames.layer_of(n) is None
                                      else "layers.*." + tapnames.parse(n)[1] for n in names}))
-        if not self.batch_invariant:
-            logits, acts = self._forward(self.state, ids, mask, positions_from_mask(mask), forced,
-                                         taps=program_taps)
-            acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
-            return np.asarray(logits), {n: _pick(acts, n) for n in names}
-        ids_c, mask_c, back = invariant_layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE)
-        forced = {i: jnp.asarray(to_canonical(x, back, mask, ids_c.shape[1])) for i, x in forced.items()}
-        logits, acts = self._forward(self.state, ids_c, mask_c, positions_from_mask(mask_c),
-                                     forced, taps=program_taps)
-        acts = {k: np.asarray(a) for k, a in acts.items()}
-        return (from_canonical(np.asarray(logits), back, mask),
-                {n: from_canonical(_pick(acts, n), back, mask) for n in names})
+        logits, acts = self._forward(self.state, run.ids, run.mask, run.positions, forced, taps=program_taps)
+        acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
+        return run.restore(logits), {n: run.restore(_pick(acts, n)) for n in names}
 
     def prefill(self, ids, mask, total_len: int):
         """Runs the left-aligned prompt, fills cache slots [0, T); returns (last logits [B, V]
         as numpy, cache). The cache holds total_len tokens, rounded up to CACHE_BLOCK."""
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
-        if self.batch_invariant:
-            ids, mask, _ = invariant_layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE,
-                                            extra_length=total_len - ids.shape[1])
-            total_len = max(total_len, ids.shape[1])
-        cache_len = -(-total_len // CACHE_BLOCK) * CACHE_BLOCK
-        logits, cache = self._prefill(self.state, ids, mask, positions_from_mask(mask),
-                                      cache_len=cache_len)
+        run = self._layout(ids, mask, extra_length=total_len - ids.shape[1])
+        cache_len = -(-max(total_len, run.ids.shape[1]) // CACHE_BLOCK) * CACHE_BLOCK
+        logits, cache = self._prefill(self.state, run.ids, run.mask, run.positions, cache_len=cache_len)
         return np.asarray(logits), cache
 
     def decode(self, cache, next_ids):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .config import LlamaConfig
@@ -163,6 +165,35 @@ def invariant_layout(cfg: LlamaConfig, ids: np.ndarray, mask: np.ndarray, multip
     out_mask[:, :n] = np.take_along_axis(mask, slot, 1)[:, :n]
     back = np.minimum(np.argsort(slot, axis=1, kind="stable"), width - 1)
     return out_ids, out_mask, back
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A checked batch as a model runs it, and the way back to the caller's slots: the
+    canonical layout of batch-invariant mode (invariant_layout), or the batch as given."""
+    ids: np.ndarray        # [B, W]
+    mask: np.ndarray       # [B, W]
+    positions: np.ndarray  # [B, W]
+    back: np.ndarray | None  # [B, T]: the canonical slot of each caller's slot; None: as given
+    caller_mask: np.ndarray  # [B, T]
+
+    def restore(self, x) -> np.ndarray:
+        """A per-slot result [B, W, ...] -> the caller's slots [B, T, ...], zeros on padding."""
+        return np.asarray(x) if self.back is None else from_canonical(x, self.back, self.caller_mask)
+
+    def place(self, x) -> np.ndarray:
+        """Per-slot inputs [B, T, ...] in the caller's slots -> [B, W, ...]."""
+        return np.asarray(x) if self.back is None else to_canonical(x, self.back, self.caller_mask,
+                                                                    self.ids.shape[1])
+
+
+def layout(cfg: LlamaConfig, ids: np.ndarray, mask: np.ndarray, multiple: int | None = None,
+           extra_length: int = 0) -> Layout:
+    """Checked ids and mask in invariant_layout(..., multiple) or, when multiple is None, as given."""
+    if multiple is None:
+        return Layout(ids, mask, positions_from_mask(mask), None, mask)
+    ids_c, mask_c, back = invariant_layout(cfg, ids, mask, multiple, extra_length)
+    return Layout(ids_c, mask_c, positions_from_mask(mask_c), back, np.asarray(mask))
 
 
 def to_canonical(x: np.ndarray, back: np.ndarray, mask: np.ndarray, width: int) -> np.ndarray:

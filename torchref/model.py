@@ -3,21 +3,19 @@
 Module and parameter names mirror Hugging Face's, so `state_dict()` keys are the
 checkpoint keys and loading is one-to-one. The math lives in ops.py; modules only
 hold weights and wire ops together. Every step follows the precision policy.
+jaxmodel/model.py is the same file in JAX: same classes, arguments and tap names.
 
-batch_invariant=True swaps ops.py for invariant.py (same function names; why each
-change is needed is measured and written there) and runs every call in the canonical
-layout of llamaspec.inputs.invariant_layout: each row's real tokens at slots [0, n),
-positions 0..n-1, width a multiple of LAYOUT_MULTIPLE. Results go back to the caller's slots
-(padding slots hold zeros). The KV cache keeps that layout: row b's tokens fill slots
-[0, lens[b]) and each decode step writes at its own row's slot lens[b], so a row's keys
-sit in the same blocks whatever the other rows' lengths; decode attends to the blocks up
-to the longest row only (the blocks after are all masked and would add exact zeros).
+batch_invariant=True hands every module invariant.py instead of ops.py (ops_for; same
+function names, docs/invariance.md says why) and runs every call in the canonical layout
+of llamaspec.inputs.layout. The KV cache keeps that layout: row b's tokens fill slots
+[0, lens[b]) and a decode step writes each row at its own slot lens[b], so a row's keys
+sit in the same blocks whatever the other rows' lengths.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,22 +24,32 @@ from torch import nn
 from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, load_weights, positions_from_mask
 from llamaspec import generate as run_generation
 from llamaspec import taps as tapnames
-from llamaspec.inputs import check_inject, check_next_ids, check_prefill, from_canonical, invariant_layout, to_canonical
+from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill, layout
+from llamaspec.recorder import Recorder
 
 from . import invariant, ops
 from .dtypes import dt, from_numpy, matmul_settings, to_numpy
 
 
-class Recorder:
-    """Collects the requested taps; asking for none costs one set lookup per tap."""
+def ops_for(batch_invariant: bool):
+    """The op functions every module calls: ops.py, or invariant.py (same names)."""
+    return invariant if batch_invariant else ops
 
-    def __init__(self, wanted=()):
-        self.wanted = set(wanted)
-        self.acts: dict[str, torch.Tensor] = {}
 
-    def __call__(self, name: str, x: torch.Tensor) -> None:
-        if name in self.wanted:
-            self.acts[name] = x
+class Context(NamedTuple):
+    """What every layer of one forward call reads."""
+    cos: torch.Tensor      # RoPE tables [B, T, head_dim]
+    sin: torch.Tensor
+    allowed: torch.Tensor  # [B, T, S]: query slot t may attend to key slot s
+    policy: Policy
+
+
+class KV(NamedTuple):
+    """The KV cache a call writes to: k, v one [B, Hkv, S, D] tensor per layer (attention
+    reads them without copies), index [B] the slot of each row's first new token."""
+    k: list
+    v: list
+    index: torch.Tensor
 
 
 def _weight(*shape) -> nn.Parameter:
@@ -50,103 +58,14 @@ def _weight(*shape) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    def __init__(self, n_in: int, n_out: int, bias: bool, kernels=ops):
+    def __init__(self, n_in: int, n_out: int, bias: bool, ops):
         super().__init__()
         self.weight = _weight(n_out, n_in)
         self.bias = _weight(n_out) if bias else None
-        self.ops = kernels
+        self.ops = ops
 
     def forward(self, x, policy: Policy, out_dtype: str | None = None):
         return self.ops.linear(x, self.weight, self.bias, policy, out_dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, kernels=ops):
-        super().__init__()
-        self.weight = _weight(dim)
-        self.eps = eps
-        self.ops = kernels
-
-    def forward(self, x, policy: Policy):
-        return self.ops.rms_norm(x, self.weight, self.eps, policy)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels=ops):
-        super().__init__()
-        d, hd, b = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = Linear(d, self.n_heads * hd, b, kernels)
-        self.k_proj = Linear(d, self.n_kv * hd, b, kernels)
-        self.v_proj = Linear(d, self.n_kv * hd, b, kernels)
-        self.o_proj = Linear(self.n_heads * hd, d, b, kernels)
-        self.ops = kernels
-
-    def forward(self, x, cos, sin, allowed, policy, rec, p, kv=None, index=0):
-        B, T, _ = x.shape
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], policy)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k, v = k.view(B, T, self.n_kv, self.head_dim), v.view(B, T, self.n_kv, self.head_dim)
-        rec(p + "q", q), rec(p + "k", k), rec(p + "v", v)
-        q, k = self.ops.apply_rope(q, cos, sin), self.ops.apply_rope(k, cos, sin)
-        rec(p + "q_rope", q), rec(p + "k_rope", k)
-        if kv is not None:  # write this call's keys/values into their cache slots
-            # The cache is stored [B, Hkv, S, D] so attention reads it without copies;
-            # it is handed on as a [B, S, Hkv, D] view, the layout ops.attention takes.
-            # index: one slot for every row, or (batch-invariant decode) a slot per row.
-            if isinstance(index, torch.Tensor):
-                rows = torch.arange(B, device=index.device)
-                kv[0][rows, :, index], kv[1][rows, :, index] = k[:, 0], v[:, 0]
-            else:
-                kv[0][:, :, index:index + T] = k.transpose(1, 2)
-                kv[1][:, :, index:index + T] = v.transpose(1, 2)
-            S = allowed.shape[-1]  # the slots this call may see (all of them by default)
-            k, v = kv[0][:, :, :S].transpose(1, 2), kv[1][:, :, :S].transpose(1, 2)
-        ctx = self.ops.attention(q, k, v, allowed, policy).reshape(B, T, -1)
-        rec(p + "attn_ctx", ctx)
-        return self.o_proj(ctx, policy)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels=ops):
-        super().__init__()
-        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj, self.up_proj, self.down_proj = (Linear(d, f, b, kernels), Linear(d, f, b, kernels),
-                                                        Linear(f, d, b, kernels))
-        self.ops = kernels
-
-    def forward(self, x, policy, rec, p):
-        projs = (self.gate_proj, self.up_proj)
-        gate, up = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], policy)
-        act = self.ops.silu(gate) * up
-        rec(p + "gate", gate), rec(p + "up", up), rec(p + "act", act)
-        return self.down_proj(act, policy)
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels=ops):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.self_attn = Attention(cfg, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MLP(cfg, kernels)
-
-    def forward(self, h, cos, sin, allowed, policy, rec, p, kv=None, index=0):
-        residual = dt(policy.residual_dtype)
-        x = self.input_layernorm(h, policy)
-        rec(p + "attn_norm", x)
-        a = self.self_attn(x, cos, sin, allowed, policy, rec, p, kv, index)
-        rec(p + "attn_out", a)
-        h = h + a.to(residual)
-        rec(p + "resid_mid", h)
-        x = self.post_attention_layernorm(h, policy)
-        rec(p + "mlp_norm", x)
-        m = self.mlp(x, policy, rec, p)
-        rec(p + "mlp_out", m)
-        h = h + m.to(residual)
-        rec(p + "out", h)
-        return h
 
 
 class Embedding(nn.Module):
@@ -154,13 +73,93 @@ class Embedding(nn.Module):
         super().__init__()
         self.weight = _weight(vocab, dim)
 
+    def forward(self, ids):
+        return self.weight[ids]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops):
+        super().__init__()
+        self.weight = _weight(dim)
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x, policy: Policy):
+        return self.ops.rms_norm(x, self.weight, self.eps, policy)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, ops):
+        super().__init__()
+        d, hd, b = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = Linear(d, self.heads * hd, b, ops)
+        self.k_proj = Linear(d, self.kv_heads * hd, b, ops)
+        self.v_proj = Linear(d, self.kv_heads * hd, b, ops)
+        self.o_proj = Linear(self.heads * hd, d, b, ops)
+        self.ops = ops
+
+    def forward(self, x, ctx: Context, rec: Recorder, cache: KV | None = None, layer: int = 0):
+        """cache: None (keys are this call's tokens), or this call's keys and values go to
+        slots index[b] + t of row b in layer `layer`, and attention reads the cache."""
+        B, T, _ = x.shape
+        projs = (self.q_proj, self.k_proj, self.v_proj)  # one product for the three (ops.linears)
+        q, k, v = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], ctx.policy)
+        q = rec("q", q.view(B, T, self.heads, self.head_dim))
+        k = rec("k", k.view(B, T, self.kv_heads, self.head_dim))
+        v = rec("v", v.view(B, T, self.kv_heads, self.head_dim))
+        q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
+        k = rec("k_rope", self.ops.apply_rope(k, ctx.cos, ctx.sin))
+        if cache is not None:
+            k_all, v_all = cache.k[layer], cache.v[layer]
+            rows = torch.arange(B, device=x.device)[:, None]
+            slots = cache.index[:, None] + torch.arange(T, device=x.device)
+            k_all[rows, :, slots], v_all[rows, :, slots] = k, v
+            S = ctx.allowed.shape[-1]  # the slots this call may see (all of them by default)
+            k, v = k_all[:, :, :S].transpose(1, 2), v_all[:, :, :S].transpose(1, 2)
+        out = rec("attn_ctx", self.ops.attention(q, k, v, ctx.allowed, ctx.policy).reshape(B, T, -1))
+        return self.o_proj(out, ctx.policy), cache
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, ops):
+        super().__init__()
+        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj, self.up_proj, self.down_proj = Linear(d, f, b, ops), Linear(d, f, b, ops), Linear(f, d, b, ops)
+        self.ops = ops
+
+    def forward(self, x, policy: Policy, rec: Recorder):
+        projs = (self.gate_proj, self.up_proj)
+        gate, up = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], policy)
+        rec("gate", gate), rec("up", up)
+        act = rec("act", self.ops.silu(gate) * up)
+        return self.down_proj(act, policy)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig, ops):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
+
+    def forward(self, h, ctx: Context, rec: Recorder, cache: KV | None = None, layer: int = 0):
+        residual = dt(ctx.policy.residual_dtype)
+        x = rec("attn_norm", self.input_layernorm(h, ctx.policy))
+        a, cache = self.self_attn(x, ctx, rec, cache, layer)
+        h = rec("resid_mid", h + rec("attn_out", a).to(residual))
+        x = rec("mlp_norm", self.post_attention_layernorm(h, ctx.policy))
+        h = rec("out", h + rec("mlp_out", self.mlp(x, ctx.policy, rec)).to(residual))
+        return h, cache
+
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels=ops):
+    def __init__(self, cfg: LlamaConfig, ops):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, kernels) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.layers = nn.ModuleList(Block(cfg, ops) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class LlamaModel(nn.Module):
@@ -171,10 +170,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg, self.policy, self.device = cfg, policy, torch.device(device)
         self.batch_invariant = batch_invariant
-        self.ops = invariant if batch_invariant else ops
+        self.ops = ops_for(batch_invariant)
         self.model = Backbone(cfg, self.ops)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False,
-                                                                   self.ops)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, self.ops)
 
     # ----- loading -------------------------------------------------------------------
 
@@ -228,68 +226,44 @@ class LlamaModel(nn.Module):
                                           seq_len, rope_dtype).to(self.device)
         return self.ops.rope_cos_sin(inv_freq, positions, rope_dtype)
 
-    def _run(self, ids, positions, allowed, rec, cache=None, index=0, last_only=False, inject=None):
-        """Embedding -> blocks -> final norm -> lm_head, recording taps on the way.
+    def _run(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None):
+        """Embedding -> blocks -> final norm -> lm_head; returns (logits, {tap: activation}).
 
-        inject {i: h}: teacher forcing, the residual stream entering layer i is replaced
-        by h (cast to residual_dtype), whatever the layers before it produced.
-        last_only: logits for slot T-1 only; or a [B] tensor of one slot per row.
+        ids, positions [B, T]; allowed [B, T, S]. last [B]: logits for slot last[b] of each
+        row only. inject {i: h}: teacher forcing, layer i's input is replaced by h.
         """
         policy = self.policy
         residual = dt(policy.residual_dtype)
-        h = self.model.embed_tokens.weight[ids].to(residual)
-        rec("embed", h)
-        cos, sin = self._rope(positions)
+        rec = Recorder(taps)
+        h = rec("embed", self.model.embed_tokens(ids).to(residual))
+        ctx = Context(*self._rope(positions), allowed, policy)
         for i, block in enumerate(self.model.layers):
             if inject and i in inject:
                 h = inject[i].to(residual)
-            kv = None if cache is None else (cache["k"][i], cache["v"][i])
-            h = block(h, cos, sin, allowed, policy, rec, f"layers.{i}.", kv, index)
-        x = self.model.norm(h, policy)
-        rec("final_norm", x)
-        if isinstance(last_only, torch.Tensor):
-            x = x[torch.arange(x.shape[0], device=x.device), last_only][:, None]
-        elif last_only:
-            x = x[:, -1:]
-        logits = self.ops.linear(x, self.head_weight, None, policy, policy.logits_dtype)
-        rec("logits", logits)
-        return logits
+            h, cache = block(h, ctx, rec.layer(i), cache, i)
+        x = rec("final_norm", self.model.norm(h, policy))
+        if last is not None:
+            x = _take_slots(x, last)
+        logits = rec("logits", self.ops.linear(x, self.head_weight, None, policy, policy.logits_dtype))
+        return logits, rec.acts
 
-    def _inputs(self, tokens, attention_mask, extra_length=0):
-        ids, mask = check_tokens(self.cfg, tokens, attention_mask, extra_length)
-        pos = positions_from_mask(mask)
-        return (torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device),
-                torch.from_numpy(pos).long().to(self.device))
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return from_numpy(np.asarray(a)).to(self.device)
 
-    @staticmethod
-    def _causal(mask: torch.Tensor, n_queries: int, first_query_slot: int = 0) -> torch.Tensor:
-        """allowed[b, t, s]: slot s holds a real token and is not after query slot t."""
-        S = mask.shape[1]
-        q_slot = torch.arange(first_query_slot, first_query_slot + n_queries, device=mask.device)
-        return mask.bool()[:, None, :] & (torch.arange(S, device=mask.device)[None, :] <= q_slot[:, None])
-
-    def _canonical(self, ids: torch.Tensor, mask: torch.Tensor):
-        """Batch-invariant mode: (ids, mask, positions) in the canonical layout
-        (llamaspec.inputs.invariant_layout) for checked inputs, and a function that puts a
-        canonical result [B, W, ...] back into the caller's slots (zeros on padding)."""
-        mask_np = mask.cpu().numpy()
-        ids_c, mask_c, back = invariant_layout(self.cfg, ids.cpu().numpy(), mask_np, invariant.LAYOUT_MULTIPLE)
-        to = functools.partial(torch.as_tensor, device=self.device)
-
-        def restore(x: torch.Tensor) -> torch.Tensor:
-            return from_numpy(from_canonical(to_numpy(x), back, mask_np)).to(self.device)
-        return to(ids_c), to(mask_c), to(positions_from_mask(mask_c)).long(), back, restore
+    def _layout(self, ids, mask, extra_length=0) -> Layout:
+        """The batch as _run runs it: canonical in batch-invariant mode."""
+        return layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE if self.batch_invariant else None,
+                      extra_length)
 
     @torch.inference_mode()
     def forward(self, tokens, attention_mask=None) -> torch.Tensor:
         """Logits [B, T, V] in the policy's logits dtype."""
-        ids, mask, pos = self._inputs(tokens, attention_mask)
+        ids, mask = check_tokens(self.cfg, tokens, attention_mask)
+        run = self._layout(ids, mask)
         with matmul_settings(self.policy):
-            if self.batch_invariant:
-                ids_c, mask_c, pos_c, _, restore = self._canonical(ids, mask)
-                logits = self._run(ids_c, pos_c, self._causal(mask_c, ids_c.shape[1]), Recorder())
-                return restore(logits)
-            return self._run(ids, pos, self._causal(mask, ids.shape[1]), Recorder())
+            logits, _ = self._run(self._tensor(run.ids), self._tensor(run.positions).long(),
+                                  causal_allowed(self._tensor(run.mask), run.ids.shape[1]))
+        return self._tensor(run.restore(to_numpy(logits))) if self.batch_invariant else logits
 
     @torch.inference_mode()
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
@@ -298,24 +272,23 @@ class LlamaModel(nn.Module):
         inject: {layer index: array [B, T, hidden]} replaces the input of those layers
         (teacher forcing: feed every layer the oracle's input to measure its local error).
         """
-        wanted = tapnames.resolve(taps, self.cfg.num_hidden_layers)
-        ids, mask, pos = self._inputs(tokens, attention_mask)
-        forced = {i: from_numpy(np.asarray(x)).to(self.device)
-                  for i, x in check_inject(self.cfg, inject, ids.shape).items()}
-        rec = Recorder(wanted)
+        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
+        ids, mask = check_tokens(self.cfg, tokens, attention_mask)
+        run = self._layout(ids, mask)
+        forced = {i: self._tensor(run.place(x)) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
         with matmul_settings(self.policy):
-            if self.batch_invariant:
-                ids_c, mask_c, pos_c, back, restore = self._canonical(ids, mask)
-                forced = {i: from_numpy(to_canonical(to_numpy(x), back, mask.cpu().numpy(), ids_c.shape[1]))
-                          .to(self.device) for i, x in forced.items()}
-                logits = self._run(ids_c, pos_c, self._causal(mask_c, ids_c.shape[1]), rec, inject=forced)
-                logits = restore(logits)
-                rec.acts = {k: restore(a) for k, a in rec.acts.items()}
-            else:
-                logits = self._run(ids, pos, self._causal(mask, ids.shape[1]), rec, inject=forced)
-        return to_numpy(logits), {k: to_numpy(rec.acts[k]) for k in wanted}
+            logits, acts = self._run(self._tensor(run.ids), self._tensor(run.positions).long(),
+                                     causal_allowed(self._tensor(run.mask), run.ids.shape[1]), names, inject=forced)
+        return run.restore(to_numpy(logits)), {n: run.restore(to_numpy(acts[n])) for n in names}
 
     # ----- generation ----------------------------------------------------------------
+
+    def _empty_cache(self, B: int, S: int) -> KV:
+        cfg, compute = self.cfg, dt(self.policy.compute_dtype)
+        shape = (B, cfg.num_key_value_heads, S, cfg.head_dim)
+        zeros = [[torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)]
+                 for _ in "kv"]
+        return KV(*zeros, torch.zeros(B, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def prefill(self, ids: np.ndarray, mask: np.ndarray, total_len: int):
@@ -324,18 +297,14 @@ class LlamaModel(nn.Module):
         if self.batch_invariant:
             return self._prefill_invariant(ids, mask, total_len)
         B, T = ids.shape
-        cfg, compute = self.cfg, dt(self.policy.compute_dtype)
-        shape = (B, cfg.num_key_value_heads, total_len, cfg.head_dim)
-        cache = {"k": [torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)],
-                 "v": [torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)],
-                 "mask": torch.zeros((B, total_len), dtype=torch.int32, device=self.device),
-                 "next_pos": torch.from_numpy(mask.sum(1).astype(np.int64)).to(self.device),
-                 "index": T}
-        cache["mask"][:, :T] = torch.from_numpy(mask).to(self.device)
-        pos = torch.from_numpy(positions_from_mask(mask)).long().to(self.device)
+        kv = self._empty_cache(B, total_len)
+        cache = {"k": kv.k, "v": kv.v, "mask": torch.zeros((B, total_len), dtype=torch.int32, device=self.device),
+                 "next_pos": self._tensor(mask.sum(1).astype(np.int64)), "index": T}
+        cache["mask"][:, :T] = self._tensor(mask)
+        last = torch.full((B,), T - 1, device=self.device)
         with matmul_settings(self.policy):
-            logits = self._run(torch.from_numpy(ids).to(self.device), pos,
-                               self._causal(cache["mask"], T), Recorder(), cache, 0, last_only=True)
+            logits, _ = self._run(self._tensor(ids), self._tensor(positions_from_mask(mask)).long(),
+                                  causal_allowed(cache["mask"], T), cache=kv, last=last)
         return to_numpy(logits[:, -1]), cache
 
     @torch.inference_mode()
@@ -347,32 +316,26 @@ class LlamaModel(nn.Module):
         B, S = cache["mask"].shape
         next_ids = check_next_ids(self.cfg, next_ids, B, i, S)
         cache["mask"][:, i] = 1
-        ids = torch.from_numpy(next_ids).to(self.device)[:, None]
-        pos = cache["next_pos"][:, None]
+        kv = KV(cache["k"], cache["v"], torch.full((B,), i, device=self.device))
         with matmul_settings(self.policy):
-            logits = self._run(ids, pos, self._causal(cache["mask"], 1, i), Recorder(), cache, i)
+            logits, _ = self._run(self._tensor(next_ids)[:, None], cache["next_pos"][:, None],
+                                  causal_allowed(cache["mask"], 1, i), cache=kv)
         cache["index"] = i + 1
         cache["next_pos"] = cache["next_pos"] + 1
         return to_numpy(logits[:, -1]), cache
 
     def _prefill_invariant(self, ids: np.ndarray, mask: np.ndarray, total_len: int):
         """prefill in the canonical layout; the cache keeps per-row lengths ("lens")."""
-        cfg, Kb = self.cfg, invariant.KEY_BLOCK
-        ids_c, mask_c, _ = invariant_layout(cfg, ids, mask, invariant.LAYOUT_MULTIPLE,
-                                            extra_length=total_len - ids.shape[1])
-        B, W = ids_c.shape
-        S = -(-max(total_len, W) // Kb) * Kb
-        compute = dt(self.policy.compute_dtype)
-        shape = (B, cfg.num_key_value_heads, S, cfg.head_dim)
-        cache = {"k": [torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)],
-                 "v": [torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)],
-                 "lens": torch.from_numpy(mask_c.sum(1).astype(np.int64)).to(self.device)}
+        Kb = invariant.KEY_BLOCK
+        run = self._layout(ids, mask, extra_length=total_len - ids.shape[1])
+        B, W = run.ids.shape
+        kv = self._empty_cache(B, -(-max(total_len, W) // Kb) * Kb)
+        cache = {"k": kv.k, "v": kv.v, "lens": self._tensor(run.mask.sum(1).astype(np.int64))}
         visible = torch.zeros((B, -(-W // Kb) * Kb), dtype=torch.int32, device=self.device)
-        visible[:, :W] = torch.from_numpy(mask_c).to(self.device)
-        pos = torch.from_numpy(positions_from_mask(mask_c)).long().to(self.device)
+        visible[:, :W] = self._tensor(run.mask)
         with matmul_settings(self.policy):
-            logits = self._run(torch.from_numpy(ids_c).to(self.device), pos, self._causal(visible, W),
-                               Recorder(), cache, 0, last_only=cache["lens"] - 1)
+            logits, _ = self._run(self._tensor(run.ids), self._tensor(run.positions).long(),
+                                  causal_allowed(visible, W), cache=kv, last=cache["lens"] - 1)
         return to_numpy(logits[:, -1]), cache
 
     def _decode_invariant(self, cache, next_ids: np.ndarray):
@@ -382,9 +345,9 @@ class LlamaModel(nn.Module):
         next_ids = check_next_ids(self.cfg, next_ids, B, longest, S)
         width = min(S, -(-(longest + 1) // Kb) * Kb)
         allowed = (torch.arange(width, device=self.device)[None, :] <= lens[:, None])[:, None, :]
-        ids = torch.from_numpy(next_ids).to(self.device)[:, None]
         with matmul_settings(self.policy):
-            logits = self._run(ids, lens[:, None], allowed, Recorder(), cache, lens)
+            logits, _ = self._run(self._tensor(next_ids)[:, None], lens[:, None], allowed,
+                                  cache=KV(cache["k"], cache["v"], lens))
         cache["lens"] = lens + 1
         return to_numpy(logits[:, -1]), cache
 
@@ -395,6 +358,22 @@ class LlamaModel(nn.Module):
         sampling = Sampling(do_sample, temperature, top_k, top_p, seed)
         return run_generation(self.cfg, self.prefill, self.decode, tokens, attention_mask,
                               max_new_tokens, eos_token_ids, pad_token_id, sampling)
+
+
+def _take_slots(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """x[b, last[b]] as [B, 1, ...]. When every row takes slot T-1 (a left-aligned prefill)
+    this is the slice x[:, -1:], as it always was there: torch's matmul sums a strided view
+    in another order than a gathered copy, so a gather would change those logits' bits."""
+    if bool((last == x.shape[1] - 1).all()):
+        return x[:, -1:]
+    return x[torch.arange(x.shape[0], device=x.device), last][:, None]
+
+
+def causal_allowed(mask: torch.Tensor, n_queries: int, first_query_slot: int = 0) -> torch.Tensor:
+    """allowed[b, t, s]: slot s holds a real token and is not after query slot first + t."""
+    S = mask.shape[1]
+    q_slot = torch.arange(first_query_slot, first_query_slot + n_queries, device=mask.device)
+    return mask.bool()[:, None, :] & (torch.arange(S, device=mask.device)[None, :] <= q_slot[:, None])
 
 
 def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str | Policy = "fp32",
