@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import ml_dtypes
 import numpy as np
@@ -57,9 +58,11 @@ class _SafetensorsFile:
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read ({e})") from None
         try:
-            header = json.loads(header_bytes)
+            header = json.loads(header_bytes, object_pairs_hook=_no_duplicate_keys)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header, not JSON ({e})") from None
+        except _DuplicateKey as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header, tensor '{e}' appears twice") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
         self.metadata = header.pop("__metadata__", None) or {}
@@ -69,6 +72,8 @@ class _SafetensorsFile:
         for key, info in header.items():
             try:
                 dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+                if not all(_is_count(v) for v in (*shape, begin, end)) or not isinstance(dtype_name, str):
+                    raise TypeError
             except (KeyError, TypeError, ValueError):
                 raise CheckpointError(f"{path}: tensor '{key}' has a malformed header entry "
                                       f"{info!r}") from None
@@ -83,16 +88,59 @@ class _SafetensorsFile:
                 raise CheckpointError(f"{path}: truncated: tensor '{key}' ends at byte {end} but the "
                                       f"payload has only {payload} bytes")
             self.entries[key] = (dtype, tuple(int(s) for s in shape), begin, end)
+        self._check_coverage(payload)
+        self.size = size
         self._mmap: mmap.mmap | None = None
+
+    def _check_coverage(self, payload: int) -> None:
+        """The tensors must tile the payload exactly, as the safetensors format requires:
+        no two share a byte (a tensor would silently alias another), no byte is left over
+        between or after them (a file that was appended to, or written by a broken tool)."""
+        spans = sorted((begin, end, key) for key, (_, _, begin, end) in self.entries.items() if end > begin)
+        cursor, last = 0, None
+        for begin, end, key in spans:
+            if begin < cursor:
+                raise CheckpointError(f"{self.path}: tensors '{last}' and '{key}' overlap (byte ranges "
+                                      f"[{self.entries[last][2]}, {cursor}) and [{begin}, {end}) of the payload)")
+            if begin > cursor:
+                raise CheckpointError(f"{self.path}: file not fully covered: payload bytes [{cursor}, {begin}) "
+                                      f"before tensor '{key}' belong to no tensor")
+            cursor, last = end, key
+        if cursor != payload:
+            raise CheckpointError(f"{self.path}: file not fully covered: {payload - cursor} trailing bytes after "
+                                  f"the last tensor (payload {payload} bytes, tensors end at {cursor})")
 
     def read(self, key: str) -> np.ndarray:
         """Returns a read-only view into the memory map (no copy)."""
         dtype, shape, begin, end = self.entries[key]
         if self._mmap is None:
-            with open(self.path, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                with open(self.path, "rb") as f:
+                    if os.fstat(f.fileno()).st_size != self.size:
+                        raise CheckpointError(f"{self.path}: file changed size since its header was read "
+                                              f"({self.size} bytes then, {os.fstat(f.fileno()).st_size} now)")
+                    self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except OSError as e:
+                raise CheckpointError(f"{self.path}: cannot read ({e})") from None
         buf = memoryview(self._mmap)[self.data_start + begin:self.data_start + end]
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class Checkpoint:
@@ -125,30 +173,49 @@ class Checkpoint:
                                               f"{self._where[key]} and {name}")
                     self._where[key] = name
 
-    def _open(self, name: str) -> _SafetensorsFile:
+    def _open(self, name: str, index: Path | None = None, key: str | None = None) -> _SafetensorsFile:
         if name not in self._files:
             path = self.folder / name
             if not path.is_file():
-                raise CheckpointError(f"{path}: safetensors shard not found")
+                named = "" if index is None else f" (named by {index.name} for tensor '{key}')"
+                raise CheckpointError(f"{path}: safetensors shard not found{named}")
             self._files[name] = _SafetensorsFile(path)
         return self._files[name]
 
     def _open_sharded(self, index: Path) -> None:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: malformed index, needs a 'weight_map' ({e})") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object mapping tensor names "
+                                  f"to shard files, got {type(weight_map).__name__}")
         for key, name in weight_map.items():
-            f = self._open(name)
+            self._check_shard_name(index, key, name)
+            f = self._open(name, index, key)
             if key not in f.entries:
                 raise CheckpointError(f"{index}: tensor '{key}' is mapped to {name}, which does "
                                       "not contain it")
             self._where[key] = name
+        # A tensor in a shard but not in the index is refused, not ignored: index and shards
+        # disagree, so which file holds the model's tensors is ambiguous (a half-rewritten
+        # checkpoint), and transformers, which loads whole shards, may see a different set.
         for name, f in self._files.items():
             stray = sorted(set(f.entries) - set(weight_map))
             if stray:
                 raise CheckpointError(f"{self.folder / name}: tensors {stray} are not listed in "
                                       f"{index.name}")
+
+    def _check_shard_name(self, index: Path, key: str, name) -> None:
+        """Shard names are file names inside the checkpoint folder: an absolute path or a
+        '..' would read another model's weights. (A shard that is a symlink is followed:
+        the Hugging Face hub cache links every file of a snapshot to a blob outside it.)"""
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"{index}: tensor '{key}' is mapped to {name!r}, not a shard file name")
+        parts = PurePosixPath(name.replace("\\", "/")).parts
+        if PurePosixPath(name).is_absolute() or Path(name).is_absolute() or ".." in parts:
+            raise CheckpointError(f"{index}: tensor '{key}' is mapped to '{name}', outside the checkpoint "
+                                  f"folder {self.folder}; shard names must be files inside it")
 
     def keys(self) -> list[str]:
         return list(self._where)

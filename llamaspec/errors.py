@@ -25,3 +25,13 @@ class InvarianceError(LlamaParityError, RuntimeError):
     """The batch-invariant mode cannot promise invariance on this machine (its self-check
     found an operation whose result for a row depends on the rest of the batch, or the
     fixed-order kernels cannot be built)."""
+
+
+class TokenizerError(LlamaParityError, ValueError):
+    """tokenizer.json (or its metadata files) is missing fields, corrupt, or belongs to
+    another model."""
+
+
+class CacheError(LlamaParityError, RuntimeError):
+    """The llama-parity cache folder cannot be created or written, or a cached file no
+    longer matches what was recorded when it was made."""

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, TokenizerError
 
 SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
 
@@ -56,12 +56,13 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer in {folder}: {path} does not exist")
-        backend = Backend.from_file(str(path))
+        backend = _load_backend(Backend, path)
 
         tok_config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
         model_config = _read_json(folder / "config.json")
         generation_config = _read_json(folder / "generation_config.json")
+        _check_vocab_fits(backend, path, model_config, folder / "config.json")
 
         special: dict[str, str | None] = {}
         config_eos: list[int] = []
@@ -215,6 +216,39 @@ def _reject_empty(text: str) -> None:
         raise TypeError(f"a prompt must be a str, got {type(text).__name__}")
     if text == "":
         raise InputError("empty prompt: the prompt text is an empty string")
+
+
+def _load_backend(backend_cls, path: Path):
+    """tokenizers.Tokenizer.from_file, with its bare errors ("EOF while parsing ...")
+    turned into one naming the file and saying what is wrong with it."""
+    try:
+        return backend_cls.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    size = path.stat().st_size
+    try:
+        json.loads(path.read_bytes())
+    except UnicodeDecodeError:
+        raise TokenizerError(f"{path}: not a tokenizer.json, not even text ({size} bytes; {reason})") from None
+    except json.JSONDecodeError as exc:
+        at_end = not exc.doc[exc.pos:].strip() or exc.msg.startswith("Unterminated string")
+        cut = " (cut short: the text ends mid-document)" if at_end else ""
+        raise TokenizerError(f"{path}: not valid JSON{cut}: {exc} ({size} bytes)") from None
+    raise TokenizerError(f"{path}: valid JSON, but the tokenizers library cannot load it: {reason}")
+
+
+def _check_vocab_fits(backend, path: Path, model_config: dict, config_path: Path) -> None:
+    """Every id the tokenizer can produce must have an embedding row: a tokenizer with more
+    ids than config.json's vocab_size belongs to another model (and its extra ids would
+    index past the embedding)."""
+    vocab_size = model_config.get("vocab_size")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        return
+    ids = backend.get_vocab(with_added_tokens=True).values()
+    n = max(ids) + 1 if ids else 0
+    if n > vocab_size:
+        raise TokenizerError(f"{path}: the tokenizer has ids up to {n - 1} ({n} ids) but {config_path} has "
+                             f"vocab_size {vocab_size}: a tokenizer of another model?")
 
 
 def _read_json(path: Path) -> dict:

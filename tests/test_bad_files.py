@@ -1,0 +1,315 @@
+"""Issue 12, the file and cache parts: every damaged or foreign file gives one clear error
+(or, where a user expects it to go on, one warning) that starts with the file's path and
+names the tensor key or field; nothing is accepted silently and nothing crashes.
+
+One table (CASES): each row plants one fault in a temporary copy, makes the call that must
+refuse or warn, and gives a regex the message must match. `before` records how the code
+behaved before issue 12's fixes: good (clear error already), poor (an error, but raw or
+misleading), bad (silently accepted, or a crash).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from llamaspec.errors import CheckpointError, ConfigError, LlamaParityError, TokenizerError
+from llamaspec.testing import make_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    before: str          # good | poor | bad, before the fix
+    plant: Callable      # (tmp_path, monkeypatch) -> (call, path the message starts with)
+    expect: type         # the exception (or Warning) class the call must raise (or warn)
+    match: str           # regex the message must match (search)
+
+
+# ----------------------------------------------------------------------- safetensors helpers
+
+L0, L1 = "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"
+
+
+def _tiny(tmp: Path) -> Path:
+    return make_checkpoint(tmp / "ckpt", seed=0)
+
+
+def _read(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def _write(path: Path, header: dict, payload: bytes) -> None:
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + payload)
+
+
+def _edit_header(edit, start="file"):
+    """A plant function: make a tiny checkpoint, then edit(header, payload) -> payload.
+    The message starts with the file, or (start="folder") with the checkpoint folder when it
+    lists tensors that may live in several files."""
+    def plant(tmp, mp):
+        folder = _tiny(tmp)
+        st = folder / "model.safetensors"
+        header, payload = _read(st)
+        payload = edit(header, payload)
+        _write(st, header, payload)
+        return _load(folder), (folder if start == "folder" else st)
+    return plant
+
+
+def _edit_bytes(edit):
+    def plant(tmp, mp):
+        folder = _tiny(tmp)
+        st = folder / "model.safetensors"
+        st.write_bytes(edit(st.read_bytes()))
+        return _load(folder), st
+    return plant
+
+
+def _load(folder):
+    from llamaspec import load_weights
+    return lambda: load_weights(folder)
+
+
+def _overlap(h, payload):
+    h[L1]["data_offsets"] = h[L0]["data_offsets"]
+    return payload
+
+
+def _gap(h, payload):
+    # Move the last tensor 16 bytes further in, leaving 16 bytes that belong to no tensor.
+    last = max((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][0])
+    b, e = h[last]["data_offsets"]
+    h[last]["data_offsets"] = [b + 16, e + 16]
+    return payload[:b] + bytes(16) + payload[b:]
+
+
+def _retype(key, dtype, shape=None):
+    def edit(h, payload):
+        h[key]["dtype"] = dtype
+        b, e = h[key]["data_offsets"]
+        h[key]["shape"] = shape or [e - b]
+        return payload
+    return edit
+
+
+def _reshape(key):
+    def edit(h, payload):
+        h[key]["shape"] = h[key]["shape"][::-1]
+        return payload
+    return edit
+
+
+def _bad_json_header(raw):
+    (n,) = struct.unpack("<Q", raw[:8])
+    return raw[:8] + b"{not json" + b" " * (n - 9) + raw[8 + n:]
+
+
+def _sharded(edit_map, extra=None):
+    """A one-shard checkpoint with an index; edit_map(weight_map, folder) plants the fault."""
+    def plant(tmp, mp):
+        folder = _tiny(tmp)
+        shard = folder / "model-00001-of-00001.safetensors"
+        (folder / "model.safetensors").rename(shard)
+        header, _ = _read(shard)
+        wm = {k: shard.name for k in header if k != "__metadata__"}
+        index = folder / "model.safetensors.index.json"
+        wm = edit_map(wm, folder)
+        index.write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+        start = {"shard": shard, "missing": folder / "model-00002-of-00002.safetensors"}.get(extra, index)
+        return _load(folder), start
+    return plant
+
+
+def _outside(tmp_folder: Path) -> Path:
+    other = tmp_folder.parent / "other"
+    other.mkdir(exist_ok=True)
+    shutil.copy(tmp_folder / "model-00001-of-00001.safetensors", other / "model.safetensors")
+    return other / "model.safetensors"
+
+
+def _map_dotdot(wm, folder):
+    _outside(folder)
+    return {**wm, "model.norm.weight": "../other/model.safetensors"}
+
+
+def _map_absolute(wm, folder):
+    return {**wm, "model.norm.weight": str(_outside(folder))}
+
+
+def _map_missing_shard(wm, folder):
+    return {**wm, "model.norm.weight": "model-00002-of-00002.safetensors"}
+
+
+def _map_not_a_dict(wm, folder):
+    return sorted(wm)
+
+
+def _map_extra_key(wm, folder):
+    return {**wm, "model.layers.7.mlp.up_proj.weight": "model-00001-of-00001.safetensors"}
+
+
+def _map_stray(wm, folder):
+    return {k: v for k, v in wm.items() if k != "model.norm.weight"}
+
+
+def _config(**fields):
+    def plant(tmp, mp):
+        folder = _tiny(tmp)
+        cfg = json.loads((folder / "config.json").read_text())
+        for k, v in fields.items():
+            if v is None:
+                cfg.pop(k, None)
+            else:
+                cfg[k] = v
+        (folder / "config.json").write_text(json.dumps(cfg))
+        return _load(folder), folder / "config.json"
+    return plant
+
+
+# ----------------------------------------------------------------------- tokenizer helpers
+
+
+def _tokenizer_json(n_tokens: int) -> str:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(n_tokens - 1)}}
+    backend = Backend(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return backend.to_str()
+
+
+def _tokenizer(content: Callable[[], bytes | str]):
+    def plant(tmp, mp):
+        from llamaspec.tokenizer import Tokenizer
+        folder = _tiny(tmp)  # config.json: vocab_size 96
+        data = content()
+        path = folder / "tokenizer.json"
+        path.write_bytes(data if isinstance(data, bytes) else data.encode())
+        return (lambda: Tokenizer.from_pretrained(folder)), path
+    return plant
+
+
+def _half_tokenizer():
+    text = _tokenizer_json(90)
+    return text[:len(text) // 2]
+
+
+# ----------------------------------------------------------------------- the table
+
+CASES = [
+    # 1. overlapping byte ranges
+    Case("st-overlap", "bad", _edit_header(_overlap), CheckpointError,
+         rf"model\.safetensors: tensors '{L0}' and '{L1}' overlap"),
+    # 2. coverage: trailing bytes, a gap, truncation
+    Case("st-trailing-bytes", "bad", _edit_bytes(lambda raw: raw + bytes(100)), CheckpointError,
+         r"model\.safetensors: file not fully covered: 100 trailing bytes"),
+    Case("st-gap", "bad", _edit_header(_gap), CheckpointError,
+         r"model\.safetensors: file not fully covered: payload bytes \[\d+, \d+\) before tensor '.*' belong "
+         r"to no tensor"),
+    Case("st-truncated", "good", _edit_bytes(lambda raw: raw[:-100]), CheckpointError,
+         rf"model\.safetensors: truncated: tensor '{L1}' ends at byte \d+ but the payload has only \d+ bytes"),
+    # 8. header faults
+    Case("st-empty-file", "good", _edit_bytes(lambda raw: b""), CheckpointError,
+         r"model\.safetensors: truncated safetensors file \(0 bytes, no header\)"),
+    Case("st-header-longer-than-file", "good",
+         _edit_bytes(lambda raw: struct.pack("<Q", 2 * len(raw)) + raw[8:]), CheckpointError,
+         r"model\.safetensors: corrupt or truncated safetensors header \(header length \d+, file size \d+\)"),
+    Case("st-header-not-json", "good", _edit_bytes(_bad_json_header), CheckpointError,
+         r"model\.safetensors: corrupt safetensors header, not JSON"),
+    Case("st-unknown-dtype", "good", _edit_header(_retype("model.norm.weight", "F8_E9M9", [32])),
+         CheckpointError, r"model\.safetensors: tensor 'model\.norm\.weight' has unsupported dtype F8_E9M9"),
+    Case("st-malformed-entry", "poor",
+         _edit_header(lambda h, p: h["model.norm.weight"].update(shape=["32"]) or p), CheckpointError,
+         r"model\.safetensors: tensor 'model\.norm\.weight' has a malformed header entry"),
+    Case("st-int8-tensor", "good", _edit_header(_retype("model.norm.weight", "I8"), "folder"), CheckpointError,
+         r"ckpt: checkpoint does not match config\.json .*model\.norm\.weight: expected \[32\], found \[128\] in "
+         r"model\.safetensors .*model\.norm\.weight: storage dtype int8 is not a float type"),
+    Case("st-wrong-shape", "good", _edit_header(_reshape(L0), "folder"), CheckpointError,
+         rf"ckpt: checkpoint does not match config\.json .*{L0}: expected \[32, 64\], found \[64, 32\]"),
+    # 3. sharded index
+    Case("index-dotdot-shard", "bad", _sharded(_map_dotdot), CheckpointError,
+         r"model\.safetensors\.index\.json: tensor 'model\.norm\.weight' is mapped to '\.\./other/model\."
+         r"safetensors', outside the checkpoint folder"),
+    Case("index-absolute-shard", "bad", _sharded(_map_absolute), CheckpointError,
+         r"model\.safetensors\.index\.json: tensor 'model\.norm\.weight' is mapped to '/.*other/model\."
+         r"safetensors', outside the checkpoint folder"),
+    Case("index-missing-shard", "good", _sharded(_map_missing_shard, extra="missing"), CheckpointError,
+         r"model-00002-of-00002\.safetensors: safetensors shard not found \(named by model\.safetensors\.index"
+         r"\.json for tensor 'model\.norm\.weight'\)"),
+    Case("index-weight-map-not-a-dict", "poor", _sharded(_map_not_a_dict), CheckpointError,
+         r"model\.safetensors\.index\.json: 'weight_map' must be a non-empty object .* got list"),
+    Case("index-tensor-missing-from-shard", "good", _sharded(_map_extra_key), CheckpointError,
+         r"model\.safetensors\.index\.json: tensor 'model\.layers\.7\.mlp\.up_proj\.weight' is mapped to "
+         r"model-00001-of-00001\.safetensors, which does not contain it"),
+    Case("index-tensor-not-in-index", "good", _sharded(_map_stray, extra="shard"), CheckpointError,
+         r"model-00001-of-00001\.safetensors: tensors \['model\.norm\.weight'\] are not listed in "
+         r"model\.safetensors\.index\.json"),
+    # 4. tokenizer.json
+    Case("tokenizer-truncated", "poor", _tokenizer(_half_tokenizer), TokenizerError,
+         r"tokenizer\.json: not valid JSON \(cut short: the text ends mid-document\)"),
+    Case("tokenizer-not-json", "poor", _tokenizer(lambda: b"\x89PNG\r\n\x1a\n\x00\xff"), TokenizerError,
+         r"tokenizer\.json: not a tokenizer\.json, not even text"),
+    Case("tokenizer-json-not-a-tokenizer", "poor", _tokenizer(lambda: '{"model": 3}'), TokenizerError,
+         r"tokenizer\.json: valid JSON, but the tokenizers library cannot load it"),
+    Case("tokenizer-of-another-model", "bad", _tokenizer(lambda: _tokenizer_json(200)), TokenizerError,
+         r"tokenizer\.json: the tokenizer has ids up to 199 \(200 ids\) but .*config\.json has vocab_size 96"),
+    # 8. another architecture (llamaspec.config refuses these already)
+    Case("config-gpt2", "good", _config(model_type="gpt2"), ConfigError,
+         r"config\.json: model_type 'gpt2' is not a Llama model"),
+    Case("config-mistral-sliding-window", "good",
+         _config(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096), ConfigError,
+         r"config\.json: model_type 'mistral' is not a Llama model"),
+    Case("config-llama-with-sliding-window", "good", _config(sliding_window=4096), ConfigError,
+         r"config\.json: .*sliding_window"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_file(case: Case, tmp_path, monkeypatch):
+    call, path = case.plant(tmp_path, monkeypatch)
+    if issubclass(case.expect, Warning):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        messages = [str(w.message) for w in caught if issubclass(w.category, case.expect)]
+        assert len(messages) == 1, f"expected one {case.expect.__name__}, got {messages}"
+        message = messages[0]
+    else:
+        with pytest.raises(case.expect) as info:
+            call()
+        assert isinstance(info.value, LlamaParityError), f"{type(info.value).__name__} is not a llamaspec error"
+        message = str(info.value)
+    assert message.startswith(str(path)), f"message does not start with {path}: {message}"
+    assert len(message) < 600, message
+    assert re.search(case.match, message), message
+
+
+def test_index_shard_symlinked_outside_is_followed(tmp_path):
+    """A shard that is a symlink is read (the Hugging Face hub cache links every snapshot
+    file to a blob outside the snapshot folder); only the index's names must stay inside."""
+    from llamaspec import load_weights
+    folder = _tiny(tmp_path)
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    (folder / "model.safetensors").rename(blob)
+    os.symlink(blob, folder / "model.safetensors")
+    cfg, weights = load_weights(folder)
+    assert np.array_equal(weights[L0], load_weights(make_checkpoint(tmp_path / "again", seed=0))[1][L0])
