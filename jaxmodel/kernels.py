@@ -3,9 +3,9 @@ batch-invariant mode's products, row sums and exp, one fixed order per result wh
 the row count, the thread count or the instruction set, the same programs torchref runs.
 
 fixed_order_ffi.cc is compiled on first use (g++ or $CXX, with jaxlib's FFI headers) into
-the llama-parity cache by llamaspec.fixed_order.build, which checks the file before
-loading it, and registered once per process. $LLAMA_PARITY_KERNEL_ISA caps its code path
-as for torchref.
+the llama-parity cache by llamaspec.fixed_order.load, which checks the file before
+loading it (a damaged one is rebuilt), and registered once per process.
+$LLAMA_PARITY_KERNEL_ISA caps its code path as for torchref.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ def library() -> ctypes.CDLL:
     if jax.default_backend() != "cpu":
         raise InvarianceError(f"batch_invariant=True runs on the CPU only (its fixed-order kernels are CPU "
                               f"code); JAX's backend is {jax.default_backend()}")
-    path = fo.build("fixed_order_ffi", [SOURCE], ("-I", jax.ffi.include_dir()),
-                    (jax.__version__, jax.ffi.include_dir()))
-    lib = ctypes.CDLL(str(path))
+    lib = fo.load("fixed_order_ffi", [SOURCE], ("-I", jax.ffi.include_dir()),
+                  (jax.__version__, jax.ffi.include_dir()))
     for name, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(PREFIX + name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     fo.select_isa(lib)

@@ -26,13 +26,15 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
 
-from .cache import cache_root
+from .cache import cache_hint, cache_root
 from .errors import InvarianceError
 
 HERE = Path(__file__).parent
@@ -54,12 +56,14 @@ def compiler() -> str:
     return cxx
 
 
-def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key_parts: tuple[str, ...] = ()
-          ) -> Path:
+def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key_parts: tuple[str, ...] = (),
+          rebuild: bool = False) -> Path:
     """Compiles `sources` (plus fixed_order.h) into cache_root()/kernels/<name>-<key>.so
     once; the key covers the sources, compiler, flags and key_parts. The file's sha256 is
-    kept beside it and checked before every load: a damaged or truncated library (which
-    would crash the process in dlopen) is rebuilt instead. Writes are atomic."""
+    kept beside it, and the file is checked before every load, against that sha256 and for
+    an ELF layout whose segments all lie inside the file: a damaged or truncated library
+    (which dlopen would map and then die on with SIGBUS) is rebuilt, with one warning.
+    Writes are atomic (a temporary name in the same folder, then os.replace)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise InvarianceError(f"the fixed-order kernels are written for x86-64; this machine is "
                               f"{platform.machine()}")
@@ -68,25 +72,86 @@ def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key
     key = hashlib.sha256("\n".join([*texts, cxx, *FLAGS, *extra_flags, *key_parts]).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{name}-{key}.so"
     digest = target.with_name(target.name + ".sha256")
-    if target.is_file() and digest.is_file() and digest.read_text().strip() == _sha256(target):
-        return target
+    if not rebuild:
+        problem = _cached_problem(target, digest)
+        if problem is None:
+            return target
+        if problem:
+            warnings.warn(f"{target}: {problem}; rebuilding it", RuntimeWarning, stacklevel=2)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             subprocess.run([cxx, *FLAGS, *extra_flags, "-I", str(HERE), *map(str, sources), "-o", str(built)],
                            check=True, capture_output=True, text=True)
             (Path(tmp) / "sha").write_text(_sha256(built) + "\n")
-            os.replace(built, target)  # atomic: a concurrent build never loads half a file
+            # The sidecar first: a reader that finds the new sidecar next to no file (or
+            # the old, damaged one) rebuilds; the library itself appears in one rename.
             os.replace(Path(tmp) / "sha", digest)
+            os.replace(built, target)
     except subprocess.CalledProcessError as e:
         errors = [line for line in e.stderr.splitlines() if "error" in line] or e.stderr.splitlines()[-20:]
         raise InvarianceError(f"compiling {', '.join(p.name for p in sources)} with {cxx} failed:\n"
                               + "\n".join(errors[:20])) from None
     except OSError as e:
-        raise InvarianceError(f"cannot write the compiled kernel into {target.parent} ({e}); set "
-                              "LLAMA_PARITY_CACHE to a writable folder") from None
+        raise InvarianceError(f"{target.parent}: cannot write the compiled kernel there ({e}); "
+                              + cache_hint()) from None
     return target
+
+
+def load(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key_parts: tuple[str, ...] = ()
+         ) -> ctypes.CDLL:
+    """build(), then dlopen. A checked file that still fails to load is rebuilt once (one
+    warning); a fresh build that fails to load is an InvarianceError, never a crash."""
+    path = build(name, sources, extra_flags, key_parts)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        warnings.warn(f"{path}: cannot be loaded ({e}); rebuilding it", RuntimeWarning, stacklevel=2)
+    path = build(name, sources, extra_flags, key_parts, rebuild=True)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise InvarianceError(f"{path}: freshly built, but cannot be loaded ({e})") from None
+
+
+def _cached_problem(target: Path, digest: Path) -> str | None:
+    """None when the cached library can be loaded; "" when it must be built (absent, or
+    from before sha256 sidecars); else what is wrong with it."""
+    try:
+        if not target.is_file() or not digest.is_file():
+            return ""
+        size = target.stat().st_size
+        if digest.read_text().strip() != _sha256(target):
+            return f"sha256 differs from the one in {digest.name} (damaged or truncated: {size} bytes)"
+        return _elf_problem(target, size)
+    except OSError as e:
+        return f"cannot be read ({e})"
+
+
+def _elf_problem(path: Path, size: int) -> str | None:
+    """A 64-bit little-endian ELF whose program headers, loaded segments and section
+    headers all lie inside the file; else why not. dlopen maps segments without checking
+    the file's length, and touching a page past the end kills the process (SIGBUS)."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            return f"not a 64-bit ELF shared library ({size} bytes)"
+        phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+        if phentsize < 56 or phoff + phnum * phentsize > size:
+            return f"truncated: its program headers end past the file's {size} bytes"
+        f.seek(phoff)
+        table = f.read(phnum * phentsize)
+    for i in range(phnum):
+        p_type, = struct.unpack_from("<I", table, i * phentsize)
+        p_offset, = struct.unpack_from("<Q", table, i * phentsize + 8)
+        p_filesz, = struct.unpack_from("<Q", table, i * phentsize + 32)
+        if p_type == 1 and p_offset + p_filesz > size:  # PT_LOAD
+            return f"truncated: a loaded segment ends at byte {p_offset + p_filesz}, the file has {size}"
+    if shoff + shnum * shentsize > size:
+        return f"truncated: its section headers end at byte {shoff + shnum * shentsize}, the file has {size}"
+    return None
 
 
 def _sha256(path: Path) -> str:
@@ -104,7 +169,7 @@ def requested_isa() -> str:
 @functools.cache
 def library() -> ctypes.CDLL:
     """The loaded kernels, on the code path $LLAMA_PARITY_KERNEL_ISA asks for."""
-    lib = ctypes.CDLL(str(build("fixed_order", [SOURCE])))
+    lib = load("fixed_order", [SOURCE])
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.fo_pack.argtypes = [ptr, c_int, i64, i64, i64, i64, ptr]
     lib.fo_gemm.argtypes = [i64, i64, i64, ptr, i64, ptr, c_int, ptr, i64, c_int]

@@ -10,11 +10,14 @@ misleading), bad (silently accepted, or a crash).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import struct
+import subprocess
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class Case:
     id: str
     before: str          # good | poor | bad, before the fix
-    plant: Callable      # (tmp_path, monkeypatch) -> (call, path the message starts with)
+    plant: Callable      # (tmp_path, request) -> (call, path the message starts with)
     expect: type         # the exception (or Warning) class the call must raise (or warn)
     match: str           # regex the message must match (search)
 
@@ -63,7 +66,7 @@ def _edit_header(edit, start="file"):
     """A plant function: make a tiny checkpoint, then edit(header, payload) -> payload.
     The message starts with the file, or (start="folder") with the checkpoint folder when it
     lists tensors that may live in several files."""
-    def plant(tmp, mp):
+    def plant(tmp, request):
         folder = _tiny(tmp)
         st = folder / "model.safetensors"
         header, payload = _read(st)
@@ -74,7 +77,7 @@ def _edit_header(edit, start="file"):
 
 
 def _edit_bytes(edit):
-    def plant(tmp, mp):
+    def plant(tmp, request):
         folder = _tiny(tmp)
         st = folder / "model.safetensors"
         st.write_bytes(edit(st.read_bytes()))
@@ -123,7 +126,7 @@ def _bad_json_header(raw):
 
 def _sharded(edit_map, extra=None):
     """A one-shard checkpoint with an index; edit_map(weight_map, folder) plants the fault."""
-    def plant(tmp, mp):
+    def plant(tmp, request):
         folder = _tiny(tmp)
         shard = folder / "model-00001-of-00001.safetensors"
         (folder / "model.safetensors").rename(shard)
@@ -170,7 +173,7 @@ def _map_stray(wm, folder):
 
 
 def _config(**fields):
-    def plant(tmp, mp):
+    def plant(tmp, request):
         folder = _tiny(tmp)
         cfg = json.loads((folder / "config.json").read_text())
         for k, v in fields.items():
@@ -197,7 +200,7 @@ def _tokenizer_json(n_tokens: int) -> str:
 
 
 def _tokenizer(content: Callable[[], bytes | str]):
-    def plant(tmp, mp):
+    def plant(tmp, request):
         from llamaspec.tokenizer import Tokenizer
         folder = _tiny(tmp)  # config.json: vocab_size 96
         data = content()
@@ -210,6 +213,73 @@ def _tokenizer(content: Callable[[], bytes | str]):
 def _half_tokenizer():
     text = _tokenizer_json(90)
     return text[:len(text) // 2]
+
+
+# ----------------------------------------------------------------------- kernel cache helpers
+
+_CHILD = """
+import json, sys, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    if sys.argv[1] == "fixed_order":
+        import numpy as np
+        from llamaspec import fixed_order as fo
+        assert fo.row_sums(np.ones((2, 3), np.float32)).tolist() == [3.0, 3.0]
+    else:
+        from jaxmodel import kernels
+        kernels.library()
+print(json.dumps([str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]))
+"""
+
+
+def _child(lib: str, cache: Path) -> list[str]:
+    """Loads a kernel library in a fresh process (a damaged one could kill this one) with
+    the cache at `cache`; returns the RuntimeWarnings it gave."""
+    env = {**os.environ, "LLAMA_PARITY_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _CHILD, lib], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        raise AssertionError(f"loading {lib} exited with {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def built_kernels(tmp_path_factory):
+    """A cache folder with both kernel libraries built once (so each row only rebuilds)."""
+    cache = tmp_path_factory.mktemp("kernel-cache")
+    pytest.importorskip("jax")
+    if shutil.which(os.environ.get("CXX") or "g++") is None:
+        pytest.skip("no C++ compiler")
+    for lib in ("fixed_order", "fixed_order_ffi"):
+        assert _child(lib, cache) == []
+    return cache
+
+
+def _kernel(lib: str, damage, forge_sidecar: bool = False):
+    """Copies the built cache, damages `lib`'s .so (damage(bytes) -> bytes); with
+    forge_sidecar the sha256 sidecar is rewritten to match the damaged file, so only the
+    structural check stands between it and dlopen."""
+    def plant(tmp, request):
+        cache = tmp / "cache"
+        shutil.copytree(request.getfixturevalue("built_kernels"), cache)
+        (so,) = (cache / "kernels").glob(f"{lib}-*.so")
+        good = so.read_bytes()
+        so.write_bytes(damage(good))
+        if forge_sidecar:
+            so.with_name(so.name + ".sha256").write_text(hashlib.sha256(so.read_bytes()).hexdigest() + "\n")
+
+        def call():
+            for message in _child(lib, cache):
+                warnings.warn(message, RuntimeWarning)
+            assert len(so.read_bytes()) == len(good), f"{so} was not rebuilt"
+            if lib == "fixed_order":  # (the FFI's child imports jax: seconds)
+                assert _child(lib, cache) == [], "the rebuilt library warns again"
+        return call, so
+    return plant
+
+
+def _wrong_machine(raw: bytes) -> bytes:
+    return raw[:0x12] + struct.pack("<H", 0xB7) + raw[0x14:]  # e_machine: aarch64
 
 
 # ----------------------------------------------------------------------- the table
@@ -279,12 +349,28 @@ CASES = [
          r"config\.json: model_type 'mistral' is not a Llama model"),
     Case("config-llama-with-sliding-window", "good", _config(sliding_window=4096), ConfigError,
          r"config\.json: .*sliding_window"),
+    # 7. the kernel cache: a damaged library is rebuilt with one warning, never loaded
+    Case("kernel-truncated-4000", "good", _kernel("fixed_order", lambda raw: raw[:4000]), RuntimeWarning,
+         r"fixed_order-\w+\.so: sha256 differs from the one in .*\.sha256 \(damaged or truncated: 4000 bytes\); "
+         r"rebuilding it"),
+    Case("kernel-zero-bytes", "good", _kernel("fixed_order", lambda raw: b""), RuntimeWarning,
+         r"fixed_order-\w+\.so: sha256 differs .*0 bytes\); rebuilding it"),
+    Case("kernel-truncated-sidecar-agrees", "bad", _kernel("fixed_order", lambda raw: raw[:4000], True),
+         RuntimeWarning, r"fixed_order-\w+\.so: truncated: a loaded segment ends at byte \d+, the file has 4000; "
+         r"rebuilding it"),
+    Case("kernel-zero-bytes-sidecar-agrees", "poor", _kernel("fixed_order", lambda raw: b"", True), RuntimeWarning,
+         r"fixed_order-\w+\.so: not a 64-bit ELF shared library \(0 bytes\); rebuilding it"),
+    Case("kernel-wrong-machine-sidecar-agrees", "poor", _kernel("fixed_order", _wrong_machine, True),
+         RuntimeWarning, r"fixed_order-\w+\.so: cannot be loaded \(.*\); rebuilding it"),
+    Case("ffi-kernel-truncated-sidecar-agrees", "bad",
+         _kernel("fixed_order_ffi", lambda raw: raw[:len(raw) // 2], True), RuntimeWarning,
+         r"fixed_order_ffi-\w+\.so: truncated: .*; rebuilding it"),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_file(case: Case, tmp_path, monkeypatch):
-    call, path = case.plant(tmp_path, monkeypatch)
+def test_bad_file(case: Case, tmp_path, request):
+    call, path = case.plant(tmp_path, request)
     if issubclass(case.expect, Warning):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
