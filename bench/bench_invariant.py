@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.bench_models import decode_seconds_per_token, environment
+from bench.bench_models import decode_seconds_per_token
+from compare.environment import environment
 
 
 def time_modes(models, ids, n_decode, repeats):
@@ -71,7 +72,7 @@ def run_timing(args, folder, vocab):
                              "prefill_ms": {"default": p0 * 1e3, "invariant": p1 * 1e3, "ratio": p1 / p0},
                              "decode_ms_per_token": {"default": d0 * 1e3, "invariant": d1 * 1e3,
                                                      "ratio": d1 / d0}})
-    cpu = environment()
+    cpu = environment("fp32")
     print(f"\nprefill [B, {args.prompt_len}] and decode ms/token ({args.decode} steps), median of "
           f"{args.repeats}; ratio = invariant / default; CPU: {cpu['cpu']} ({cpu['cpu isa']}; caps: "
           f"{cpu['isa caps']}); GPU: {cpu.get('gpu', 'none')}")
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
         f"invariant-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"checkpoint": str(folder), "kind": kind, "args": vars(args),
-                               "environment": environment(), "results": results}, indent=1))
+                               "environment": environment("fp32"), "results": results}, indent=1))
     print(f"\nwrote {out}")
     return 0
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from compare.environment import environment
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -94,18 +94,6 @@ def bench_transformers(folder, policy, ids, n_decode, repeats):
     return prefill, decode
 
 
-def environment() -> dict:
-    import jax
-    import torch
-
-    from compare.environment import cpu
-    return {**cpu(), "python": platform.python_version(), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "jax": jax.__version__, "jax_devices": [str(d) for d in jax.devices()],
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
@@ -141,7 +129,7 @@ def main(argv=None) -> int:
             rows.append({"policy": policy, "impl": name, "prefill_ms": prefill * 1e3,
                          "decode_ms_per_token": decode * 1e3})
 
-    env = environment()
+    env = environment("fp32")
     print(f"\nprefill {args.prompt_len} tokens (batch 1) and decode ms/token ({args.decode} steps), "
           f"median of {args.repeats}; CPU: {env['cpu']} ({env['cpu isa']}; caps: {env['isa caps']}); "
           f"GPU: {env.get('gpu', 'none')}")

@@ -38,11 +38,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=256)
     args = ap.parse_args(argv)
 
-    import jax
     import torch
 
     import jaxmodel
     import torchref
+    from compare.environment import environment
     from compare.metrics import rel_l2
     from llamaspec.testing import make_checkpoint
 
@@ -50,9 +50,7 @@ def main(argv=None) -> int:
     if folder is None:
         folder = make_checkpoint(Path(tempfile.mkdtemp()) / "smollm2-shaped", seed=0, **SMOLLM2_SHAPES)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    env = {"torch": torch.__version__, "jax": jax.__version__, "torch_device": device,
-           "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-           "jax_devices": [str(d) for d in jax.devices()]}
+    env = {**environment("fp32"), "torch_device": device}
     print(json.dumps(env), flush=True)
 
     ids = np.random.default_rng(1).integers(3, 49152, (2, args.tokens))

@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 
 from compare import probes
-from compare.probe_models import load_model
-from compare.probe_report import environment, write_html, write_json
+from compare.environment import environment
+from compare.probes import load_model
+from compare.report.probes import write_html, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 

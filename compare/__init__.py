@@ -1,32 +1,37 @@
 """compare: run two Llama implementations on the same inputs and measure where they differ.
 
-The drift-vs-bug ladder (engine.py: compare_models, assert_parity, Report), its shared
-vocabulary (vocabulary.py), per-tap metrics, the structure detectors that tell a
-systematic (semantic) difference from rounding noise, the capture adapters (ours,
-transformers), planted-bug controls, the invariance probes and the reports (terminal,
-JSON, HTML). docs/method.md describes the method.
+Rooms (the README's "What is here" has the map):
+    vocabulary.py, metrics.py,     shared by both products: verdict kinds and thresholds,
+    environment.py, results.py     error metrics, the run's environment record, JSON results
+    adapters/                      what can be compared: the Implementation protocol, ours,
+                                   transformers
+    ladder/                        drift vs bug: per-tap verdicts, teacher forcing, planted controls
+    probes/                        invariance: batch, padding, determinism, greedy divergence
+    report/                        HTML for both products on one page toolkit
 """
 
-from .engine import KINDS, Report, assert_parity, compare_models
-from .layers import Row, layer_summary
+from .adapters import Implementation, as_implementation
+from .ladder.engine import Report, assert_parity, compare_models
+from .ladder.layers import Row, layer_summary
+from .ladder.structure import Finding, analyse, hint
 from .metrics import (
-                      cosine,
-                      frac_beyond,
-                      kl_per_position,
-                      max_abs,
-                      max_ulp,
-                      nonfinite,
-                      nonfinite_report,
-                      rel_l2,
-                      tap_metrics,
-                      top1_agreement,
-                      top_margin,
-                      topk_overlap,
-                      unit_roundoff,
+    cosine,
+    frac_beyond,
+    kl_per_position,
+    max_abs,
+    max_ulp,
+    nonfinite,
+    nonfinite_report,
+    rel_l2,
+    tap_metrics,
+    top1_agreement,
+    top_margin,
+    topk_overlap,
+    unit_roundoff,
 )
-from .structure import Finding, analyse, hint
+from .vocabulary import KINDS
 
-__all__ = ["KINDS", "Report", "assert_parity", "compare_models", "Row", "layer_summary", "cosine", "frac_beyond",
-           "kl_per_position", "max_abs", "max_ulp", "nonfinite", "nonfinite_report", "rel_l2", "tap_metrics",
-           "top1_agreement", "top_margin", "topk_overlap", "unit_roundoff", "Finding",
-           "analyse", "hint"]
+__all__ = ["KINDS", "Implementation", "Report", "assert_parity", "as_implementation", "compare_models", "Row",
+           "layer_summary", "cosine", "frac_beyond", "kl_per_position", "max_abs", "max_ulp", "nonfinite",
+           "nonfinite_report", "rel_l2", "tap_metrics", "top1_agreement", "top_margin", "topk_overlap",
+           "unit_roundoff", "Finding", "analyse", "hint"]

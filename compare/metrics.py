@@ -161,9 +161,10 @@ def nonfinite_report(cand, ref, mask=None) -> dict:
     return out
 
 
-def select(x, mask=None) -> np.ndarray:
-    """Rows [N, ...] of the real positions: x[mask] for a [B, T] mask, else all B*T rows."""
-    x = as64(x)
+def select(x, mask=None, keep_dtype: bool = False) -> np.ndarray:
+    """Rows [N, ...] of the real positions: x[mask] for a [B, T] mask, else all B*T rows;
+    in float64 unless keep_dtype."""
+    x = np.asarray(x) if keep_dtype else as64(x)
     if mask is None:
         return x.reshape((-1,) + x.shape[2:]) if x.ndim >= 2 else x.reshape(1, -1)
     _mask_like(mask, x.shape)  # validates the shape
@@ -244,31 +245,30 @@ def tap_metrics(cand, ref, dtype, mask=None, logits: bool = False,
     cand, ref: [B, T, ...]; dtype: the working dtype for ULPs and unit roundoff; mask:
     [B, T] bool, True = real token (padding is excluded from the metrics, but NaN/Inf
     there is still counted in `padding_nonfinite`); logits=True adds the per-position
-    distribution metrics (KL is KL(softmax(ref) || softmax(cand))).
+    distribution metrics (KL is KL(softmax(ref) || softmax(cand))). frac_beyond is
+    pair_metrics' (BEYOND_UNITS unit roundoffs of each element or the tap's RMS) unless
+    atol or rtol is given: then |cand - ref| > atol + rtol |ref| (frac_beyond).
     """
-    c_full, r_full = as64(cand), as64(ref)
+    c_full, r_full = np.asarray(cand), np.asarray(ref)
     if c_full.shape != r_full.shape:
         raise ValueError(f"shape mismatch: cand {c_full.shape} vs ref {r_full.shape}")
-    c, r = select(c_full, mask), select(r_full, mask)
-    u = unit_roundoff(dtype)
-    rtol = BEYOND_UNITS * u if rtol is None else rtol
-    if atol is None:
-        rms = np.sqrt(np.mean(r * r)) if r.size and np.isfinite(r).all() else 0.0
-        atol = float(rtol * rms)
-    out = {
-        "n": int(c.size), "dtype": str(resolve_dtype(dtype)), "unit_roundoff": u,
-        "rel_l2": rel_l2(c, r) if c.size else 0.0,
-        "max_abs": max_abs(c, r) if c.size else 0.0,
-        "cosine": cosine(c, r),
-        "max_ulp": max_ulp(c, r, dtype),
-        "frac_beyond": frac_beyond(c, r, atol, rtol), "beyond_atol": atol, "beyond_rtol": rtol,
-    }
+    c, r = select(c_full, mask, keep_dtype=True), select(r_full, mask, keep_dtype=True)
+    dt = resolve_dtype(dtype)
+    out = {"n": int(c.size), "dtype": str(dt), "unit_roundoff": unit_roundoff(dt),
+           "rel_l2": rel_l2(c, r) if c.size else 0.0,
+           **({"max_abs": 0.0, "max_ulp": 0.0, "cosine": 1.0, "frac_beyond": 0.0} if not c.size
+              else _pair(c, r, dt))}
+    if atol is not None or rtol is not None:
+        out["frac_beyond"] = frac_beyond(c, r, atol or 0.0, rtol or 0.0)
+        out["beyond"] = f"|cand - ref| > {atol or 0.0:g} + {rtol or 0.0:g} |ref|"
+    else:
+        out["beyond"] = f"|cand - ref| > {BEYOND_UNITS} u max(|ref|, rms(ref))"
     out.update(nonfinite_report(c_full, r_full, mask))
     if mask is not None:
         pad = ~np.asarray(mask, bool)
         out["padding_nonfinite"] = nonfinite(c_full[pad]) + nonfinite(r_full[pad])
     if logits:
-        out.update(_logits_metrics(c, r))
+        out.update(_logits_metrics(as64(c), as64(r)))
     return out
 
 
@@ -337,30 +337,33 @@ _PAIRS = {"candidate vs reference": ("c", "r"), "reference vs oracle": ("r", "o"
 
 def pair_metrics(cand, ref, dtype) -> dict:
     """The report's per-tap numbers besides relative L2 (rows already selected): max abs,
-    max ULP in the tap's own dtype (the arrays' dtype when both sides hold the same one,
-    else `dtype`, what the policy says the tap holds: llamaspec.taps.dtype_of), cosine,
-    fraction beyond BEYOND_UNITS unit roundoffs of that dtype (relative to each element
-    or to the tap's RMS). Counting ULPs in a narrower dtype than the tap's would call a
-    real difference 0 ULP.
-
-    The same quantities as max_ulp / cosine / frac_beyond, on fast paths for a report's
-    ~450 taps: ULPs straight from the bit patterns when the arrays already hold `dtype`,
-    the cosine from float64 dot products (activations cannot overflow them)."""
+    max ULP, cosine and the fraction beyond BEYOND_UNITS unit roundoffs (_pair), counted
+    in the tap's own dtype: the arrays' dtype when both sides hold the same one, else
+    `dtype`, what the policy says the tap holds (llamaspec.taps.dtype_of). Counting ULPs
+    in a narrower dtype than the tap's would call a real difference 0 ULP."""
     c, r = np.asarray(cand), np.asarray(ref)
     if c.size == 0:
         return {}
+    dt = c.dtype if c.dtype == r.dtype and c.dtype in _SUPPORTED else resolve_dtype(dtype)
+    return _pair(c, r, dt)
+
+
+def _pair(c: np.ndarray, r: np.ndarray, dt: np.dtype) -> dict:
+    """max abs, max ULP in dt, cosine, fraction beyond BEYOND_UNITS u(dt) x max(|ref|, the
+    tap's RMS); NaN for all four when either side holds NaN/Inf. The same quantities as
+    max_ulp / cosine, on fast paths for a report's ~450 taps: ULPs straight from the bit
+    patterns when the arrays already hold dt, the cosine from float64 dot products
+    (activations cannot overflow them)."""
     if not (np.isfinite(c).all() and np.isfinite(r).all()):
         nan = float("nan")
         return {"max_abs": nan, "max_ulp": nan, "cosine": nan, "frac_beyond": nan}
-    dt = c.dtype if c.dtype == r.dtype and c.dtype in _SUPPORTED else resolve_dtype(dtype)
     ulp = _max_ulp_same_dtype(c, r) if c.dtype == r.dtype == dt else max_ulp(c, r, dt)
     c64, r64 = c.astype(np.float64).ravel(), r.astype(np.float64).ravel()
     diff = np.abs(c64 - r64)
     nc, nr = math.sqrt(c64 @ c64), math.sqrt(r64 @ r64)
     cos = (1.0 if nc == nr else 0.0) if nc == 0 or nr == 0 else float(c64 @ r64) / (nc * nr)
-    u = unit_roundoff(dt)
     rms = nr / math.sqrt(r64.size)
-    tol = BEYOND_UNITS * u * np.maximum(np.abs(r64), rms)
+    tol = BEYOND_UNITS * unit_roundoff(dt) * np.maximum(np.abs(r64), rms)
     return {"max_abs": float(diff.max()), "max_ulp": ulp, "cosine": min(cos, 1.0),
             "frac_beyond": float((diff > tol).mean())}
 

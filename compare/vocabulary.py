@@ -25,36 +25,17 @@ def ansi(kind, text: str) -> str:
     return f"\033[{KIND_ANSI.get(str(kind), '0')}m{text}\033[0m"
 
 
-M = 3.0                 # the drift factor at 16-bit and fp64 working dtypes (see M_BY_DTYPE)
-# At fp32 the working dtype's own roundings are small, so how an implementation computes
-# exp, rsqrt and its reductions shows: measured on SmolLM2 (1x64 tokens), clean jaxmodel
-# vs torchref at fp32 reaches 4.4x the reference's error over a whole tap (layers.10.out,
-# 3.1e-6 vs 7.1e-7) and ~7x over a quarter of positions (layers.11.attn_norm). At bf16 and
-# fp16 the policy's own roundings dominate and the two agree to ~1.1x (worst 0.61 of the
-# M = 3 bound, quarters included). So fp32 gets 10, the rest 3.
-M_BY_DTYPE = {"float32": 10.0}
-# Floor of the precision check, in unit roundoffs of compute_dtype (and never below
-# FP64_FLOOR). Was 8: at bf16 that is a rel L2 of 1.6e-2, more than a bf16 tap's whole
-# error (~5e-3), so no bf16 precision deviation could ever show. Measured with 1
-# (bench/controls.py, the largest err(cand) / (M err(ref) + floor) over every tap and
-# quarter of positions): clean jaxmodel vs torchref <= 0.31 on the tiny checkpoint at
-# fp32/bf16/fp16 (2x128 tokens); on SmolLM2 (1x64) see M_BY_DTYPE. Planted precision
-# bugs: RoPE tables in bf16 2.0 (tiny, head_dim 32, 2x128) and 2.0 (SmolLM2, 1x64, in
-# the last quarter of positions; 1.14 over the whole tap), softmax in bf16 inside an
-# fp32 model ~1e3.
-FLOOR_ULPS = 1
-FP64_FLOOR = 1e-12      # measured fp64 noise between our two models: <= 7.4e-15 on SmolLM2
-F32_STEPS_FLOOR = 300 * 2.0 ** -24   # a side that keeps f32 steps in its fp64 run
-# A side that keeps f32 steps in its fp64 run (transformers: RMSNorm, RoPE tables and
-# softmax in f32) is still judged by structure below F32_STEPS_FLOOR: a scale, offset or
-# permutation larger than STRUCT_F32_FLOOR is math, not f32 rounding. Measured, clean
-# transformers fp64 vs torchref fp64 on SmolLM2 (1x64 tokens), every tap: the largest
-# such finding is 9.1e-8 (per-feature scale; per-row 3.8e-8, global 5.1e-8; 1.5 f32 ulps);
-# on the tiny checkpoint none. RoPE angles and the softmax rounded in f32 give position
-# trends and head/half confinement whose size grows with the sequence length: those
-# keep F32_STEPS_FLOOR.
-STRUCT_F32_FLOOR = 16 * 2.0 ** -24
+# The thresholds of the ladder. Each is a measured margin over clean runs and under the
+# planted bugs: docs/method.md, "Where the thresholds come from", has the numbers and the
+# commands (python -m bench.controls) that reproduce them.
+M = 3.0                  # drift factor at 16-bit and fp64 working dtypes: err(cand) <= M err(ref) + floor
+M_BY_DTYPE = {"float32": 10.0}   # at fp32 each implementation's own exp, rsqrt and sums show
+FLOOR_ULPS = 1           # the precision check's floor, in unit roundoffs of compute_dtype
+FP64_FLOOR = 1e-12       # fp64 rounding between two implementations (ours: <= 7.4e-15 on SmolLM2)
+F32_STEPS_FLOOR = 300 * 2.0 ** -24   # ... when one side keeps f32 steps in its fp64 run (transformers)
+STRUCT_F32_FLOOR = 16 * 2.0 ** -24   # below F32_STEPS_FLOOR, a structured difference above this is math
 QUARTER_POSITIONS = 16   # the precision check also looks at each quarter of positions
+
 
 def precision_floor(policy: Policy, hidden: int | None = None) -> float:
     """FLOOR_ULPS unit roundoffs of compute_dtype (at least FP64_FLOOR). At fp32, given the

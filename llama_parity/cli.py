@@ -103,7 +103,8 @@ def _peer(name: str, folder: str, policy):
 
 
 def cmd_compare(args) -> int:
-    from compare.engine import KINDS, compare_models
+    from compare import compare_models
+    from compare.vocabulary import KINDS
     from llamaspec import Policy
 
     folder = resolve_checkpoint(args.checkpoint)

@@ -116,8 +116,9 @@ def run_probes(kinds, models, target, args, say) -> list:
 
 
 def cmd_probe(args) -> int:
-    from compare.probe_models import load_model
-    from compare.probe_report import environment, format_table, write_html, write_json
+    from compare.probes import load_model
+    from compare.environment import environment
+    from compare.report.probes import format_table, write_html, write_json
     from llamaspec import Policy
 
     t0 = time.perf_counter()

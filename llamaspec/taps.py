@@ -8,7 +8,9 @@ k_rope) are [B, T, heads, head_dim]; attn_ctx is [B, T, heads * head_dim].
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
+from typing import NamedTuple
 
 LAYER_TAPS = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "attn_ctx", "attn_out",
               "resid_mid", "mlp_norm", "gate", "up", "act", "mlp_out", "out")
@@ -39,6 +41,20 @@ def parse(tap: str) -> tuple[int | None, str]:
     if m:
         return int(m.group(1)), m.group(2)
     return None, tap
+
+
+class Tap(NamedTuple):
+    """A tap name parsed once: 'layers.3.q' -> Tap('layers.3.q', 3, 'q', 'attn')."""
+    name: str
+    layer: int | None   # None outside the layers (embed, final_norm, logits)
+    kind: str           # the name within its layer: 'q', 'out', ... or 'embed', 'logits'
+    component: str      # one of COMPONENTS
+
+
+@functools.lru_cache(maxsize=None)
+def tap(name: str) -> Tap:
+    layer, kind = parse(name)
+    return Tap(name, layer, kind, component_of(name))
 
 
 def layer_of(tap: str) -> int | None:

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import torchref
-from compare.engine import Side, compare_models, run_ladder
+from compare import compare_models
+from compare.adapters import Side
+from compare.ladder.engine import run_ladder
 from llamaspec import Policy
 from llamaspec import taps as tapnames
 
@@ -93,6 +95,6 @@ def test_assert_parity_passes_clean_and_fails_with_the_summary(tiny_dir):
 def test_probe_and_bench_records_name_the_cpu():
     """The invariance lab and the probes record the run environment by policy name; the
     record must be the full one (CPU, its ISA, the caps), not the fallback."""
-    from compare.probe_report import environment
+    from compare.environment import environment
     env = environment("bf16")
     assert env["cpu"] and "isa caps" in env and "fixed-order kernels" in env

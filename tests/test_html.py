@@ -1,4 +1,4 @@
-"""compare.html: a self-contained page from hand-made reports (no model runs)."""
+"""compare.report.ladder: a self-contained page from hand-made reports (no model runs)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from compare.engine import Divergence, Report, TapVerdict
-from compare.html import render_html, write_html
+from compare.ladder.engine import Report
+from compare.ladder.verdicts import Divergence, TapVerdict
+from compare.report.ladder import render_html, write_html
 from llamaspec import taps as tapnames
 
 POLICY = {"name": "bf16", "param_dtype": "bfloat16", "compute_dtype": "bfloat16", "matmul": "ieee",

@@ -10,6 +10,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LEVEL = {"llamaspec": 0, "jaxmodel": 1, "torchref": 1, "compare": 2, "llama_parity": 3}
+# compare's rooms: the shared vocabulary at the bottom, what can be compared and the page
+# toolkit above it, the two products on top (and neither imports the other).
+ROOMS = {"compare.vocabulary": 0, "compare.metrics": 0, "compare.environment": 0, "compare.results": 0,
+         "compare.adapters": 1, "compare.report": 1, "compare.ladder": 2, "compare.probes": 2}
 
 
 def _module_name(path: Path) -> str:
@@ -54,6 +58,18 @@ def _imports(name: str, path: Path, known: set[str]):
     return found
 
 
+def _room(module: str) -> str | None:
+    """The compare room a module lives in (None outside compare/ and for compare/__init__)."""
+    return next((r for r in ROOMS if module == r or module.startswith(r + ".")), None)
+
+
+def _against_rooms(mine: str | None, theirs: str | None) -> bool:
+    """A room may import rooms below it; the shared bottom rooms may also import each other."""
+    if not mine or not theirs or mine == theirs:
+        return False
+    return ROOMS[theirs] > ROOMS[mine] or ROOMS[theirs] == ROOMS[mine] > 0
+
+
 def _graph():
     mods = _modules()
     known = set(mods)
@@ -72,6 +88,9 @@ def _graph():
                 problems.append(f"{where}: {name} takes private {', '.join(private)} from {target}")
             if target in known and target != name:
                 edges[name].add(target)
+            mine, theirs = _room(name), _room(target)
+            if _against_rooms(mine, theirs):
+                problems.append(f"{where}: {name} imports {target} ({theirs} is not below {mine})")
     return edges, problems
 
 
@@ -127,5 +146,10 @@ def test_the_checker_sees_what_it_checks():
     """The graph is not empty and knows the edges every reader can see."""
     edges, _ = _graph()
     assert "llamaspec.policy" in edges["torchref.ops"] or "llamaspec" in edges["torchref.ops"]
-    assert "compare.metrics" in edges["compare.engine"]
+    assert "compare.metrics" in edges["compare.ladder.engine"]
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert _room("compare.ladder.engine") == "compare.ladder" and _room("compare") is None
+    assert _against_rooms("compare.ladder", "compare.probes") and _against_rooms("compare.adapters", "compare.ladder")
+    assert not _against_rooms("compare.ladder", "compare.adapters") and not _against_rooms(
+        "compare.vocabulary", "compare.metrics")
+    assert {"compare.adapters", "compare.metrics"} <= edges["compare.ladder.engine"]

@@ -1,4 +1,4 @@
-"""compare.metrics (exact cases) and compare.structure (noise never fires; each planted
+"""compare.metrics (exact cases) and compare.ladder.structure (noise never fires; each planted
 pattern fires its own detector first). Pure numpy, fast."""
 
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from compare import metrics as M
-from compare import structure as S
+from compare.ladder import structure as S
 
 DTYPES = [np.float64, np.float32, ml_dtypes.bfloat16, np.float16]
 UINT = {8: np.uint64, 4: np.uint32, 2: np.uint16}

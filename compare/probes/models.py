@@ -11,17 +11,18 @@ computing in float64. Weight rounding is shared by every run of the model, so on
 compute rounding can make two runs differ, and that is what the twin isolates.
 
 A ModelSpec (impl, checkpoint, policy, mode) can be rebuilt in another process: the
-determinism probe's fresh-process runs use it (compare.probe_worker).
+determinism probe's fresh-process runs use it (compare.probes.worker).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import numpy as np
 
 from llamaspec import Policy
+
+from ..adapters import OurModel, as_implementation, is_transformers_llama, package_of
 
 IMPLS = ("torchref", "jaxmodel", "transformers")
 
@@ -44,16 +45,14 @@ class ModelSpec:
         return "invariant" if self.batch_invariant else "default"
 
     def load(self):
-        """The raw model object (torchref/jaxmodel LlamaModel, or an HFRunner)."""
+        """The model: a torchref/jaxmodel LlamaModel, or a TransformersModel."""
         if self.impl == "transformers":
             if self.batch_invariant:
                 raise NotImplementedError("transformers has no batch-invariant mode")
-            from .hf_runner import HFRunner
-            return HFRunner.from_pretrained(self.checkpoint, self.policy, self.attn_implementation,
-                                            self.positions)
-        mod = importlib.import_module(self.impl)
-        kw = {"batch_invariant": True} if self.batch_invariant else {}
-        return mod.from_pretrained(self.checkpoint, policy=self.policy, **kw)
+            from ..adapters.transformers import TransformersModel
+            return TransformersModel.from_pretrained(self.checkpoint, self.policy, self.attn_implementation,
+                                                     self.positions)
+        return OurModel.load(self.impl, self.checkpoint, self.policy, self.batch_invariant).model
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -68,10 +67,9 @@ class ProbeModel:
         self.spec = spec
         self.impl = spec.impl if spec else _impl_of(model)
         pol = getattr(model, "policy", None)
-        self.policy = policy or (spec.policy if spec else getattr(pol, "name", None) or _hf_policy(model))
-        self.compute_dtype = (pol.compute_dtype if pol is not None else
-                              _hf_dtype(model) if self.impl == "transformers" else
-                              Policy.get(self.policy).compute_dtype)
+        pol = Policy.get(pol) if isinstance(pol, str) else pol   # TransformersModel names a preset
+        self.policy = policy or (spec.policy if spec else getattr(pol, "name", None))
+        self.compute_dtype = (pol or Policy.get(self.policy)).compute_dtype
         self.mode = mode or (spec.mode if spec else
                              "invariant" if getattr(model, "batch_invariant", False) else "default")
         self.name = name or f"{self.impl} {self.policy} {self.mode}"
@@ -100,63 +98,24 @@ class ProbeModel:
     def oracle(self):
         """The fp64 twin (built on first use), or None when none can be made."""
         if self._oracle is None:
-            self._oracle = fp64_twin(self.model, self.spec)
+            self._oracle = fp64_twin(self.model)
         return self._oracle
 
 
 def _impl_of(model) -> str:
-    mod = type(model).__module__.split(".")[0]
-    if mod in ("torchref", "jaxmodel"):
-        return mod
-    if type(model).__name__ in ("HFRunner", "LlamaForCausalLM"):
-        return "transformers"
-    return type(model).__name__
+    return getattr(model, "package", None) or package_of(model) or type(model).__name__
 
 
-def _hf_dtype(model) -> str:
-    return str(getattr(model, "dtype", "float32")).removeprefix("torch.")
-
-
-def _hf_policy(model) -> str:
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}.get(
-        _hf_dtype(model), _hf_dtype(model))
-
-
-def fp64_policy(policy: Policy) -> Policy:
-    """float64 compute over weights rounded as `policy` rounds them."""
-    return Policy.get("fp64", param_dtype=policy.param_dtype, name=f"fp64 over {policy.param_dtype} weights")
-
-
-def fp64_twin(model, spec: ModelSpec | None = None):
-    """The same implementation with the same rounded weights, computing in float64.
-
-    torchref and jaxmodel twins are built from the model's own weights (no path
-    needed); a transformers model is deep-copied to float64 (it keeps its f32 islands).
-    Returns None for an object we do not know how to copy.
-    """
-    impl = spec.impl if spec else _impl_of(model)
-    if impl == "transformers":
-        import torch
-
-        from .hf_adapter import copy_at
-        from .hf_runner import HFRunner
-        runner = model if isinstance(model, HFRunner) else HFRunner(model)
-        return HFRunner(copy_at(runner.model, torch.float64), runner.positions)
-    if impl == "torchref":
-        import torchref.model as tm
-        from torchref.dtypes import to_numpy
-        weights = {k: to_numpy(v.detach().cpu()) for k, v in model.state_dict().items()}
-        return tm.LlamaModel(model.cfg, fp64_policy(model.policy), "cpu").load_numpy(weights).eval()
-    if impl == "jaxmodel":
-        from flax import nnx
-
-        import jaxmodel.model as jm
-        weights = {}
-        for path, var in nnx.to_flat_state(model.state):
-            key = ".".join(str(p) for p in path)
-            weights[key if key.startswith("lm_head") else "model." + key] = np.asarray(var[...])
-        return jm.LlamaModel(jm.Llama(model.cfg, fp64_policy(model.policy), weights))
-    return None
+def fp64_twin(model):
+    """The same implementation with the same rounded weights, computing in float64
+    (adapters: OurModel.float64, TransformersModel.float64), or None for an object whose
+    twin cannot be made (a user's wrapper: pass its twin as `oracle`)."""
+    try:
+        impl = as_implementation(model)
+    except TypeError:
+        return None
+    make = getattr(impl, "float64", None)
+    return make(rounded_weights=True) if make is not None else None
 
 
 def load_model(impl: str, checkpoint, policy: str = "fp32", batch_invariant: bool = False,
@@ -168,13 +127,13 @@ def load_model(impl: str, checkpoint, policy: str = "fp32", batch_invariant: boo
 
 
 def as_probe_model(model, oracle=None, name: str | None = None) -> ProbeModel:
-    """Wraps any model object (torchref, jaxmodel, transformers LlamaForCausalLM or
-    HFRunner, or a patched model with the same call API) for the probes."""
+    """Wraps any model object (torchref, jaxmodel, a transformers LlamaForCausalLM or
+    TransformersModel, or a patched model with the same call API) for the probes."""
     if isinstance(model, ProbeModel):
         if oracle is not None:
             model._oracle = oracle
         return model
-    if type(model).__name__ == "LlamaForCausalLM":
-        from .hf_runner import HFRunner
-        model = HFRunner(model)
+    if is_transformers_llama(model):
+        from ..adapters.transformers import TransformersModel
+        model = TransformersModel(model)
     return ProbeModel(model, name=name, oracle=oracle)

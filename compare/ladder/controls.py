@@ -25,7 +25,8 @@ import numpy as np
 from llamaspec import Policy
 from llamaspec import taps as tapnames
 
-from .engine import Report, Side, resolve_side, run_ladder, transformers_side
+from ..adapters import OurModel, Side, resolve_side
+from .engine import Report, run_ladder
 
 LAYER = 1
 
@@ -66,29 +67,24 @@ def _torch_side(patch, knobs=None):
         for m in (at_p, at_64):
             patch(m)
         name = "torchref+" + (",".join(f"{k}={v}" for k, v in knobs.items()) if knobs else "bug")
-        return Side(name, at_p, at_64, False, tuple(tapnames.all_taps(at_p.cfg.num_hidden_layers)))
+        return Side(name, OurModel(at_p), OurModel(at_64), False, tuple(tapnames.all_taps(at_p.cfg.num_hidden_layers)))
     return build
 
 
 def _attn_forward(rope=None, attention=None, allowed_fn=None):
     """torchref Attention.forward (no KV cache) with one step replaced."""
-    def forward(self, x, cos, sin, allowed, policy, rec, p, kv=None, index=0):
-        from torchref import ops
-        if kv is not None:
+    def forward(self, x, ctx, rec, cache=None, layer=0):
+        if cache is not None:
             raise NotImplementedError("planted attention bugs are for capture, not generation")
         B, T, _ = x.shape
-        q = self.q_proj(x, policy).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x, policy).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x, policy).view(B, T, self.n_kv, self.head_dim)
-        rec(p + "q", q), rec(p + "k", k), rec(p + "v", v)
-        apply = rope or ops.apply_rope
-        q, k = apply(q, cos, sin), apply(k, cos, sin)
-        rec(p + "q_rope", q), rec(p + "k_rope", k)
-        if allowed_fn is not None:
-            allowed = allowed_fn(allowed)
-        ctx = (attention or ops.attention)(q, k, v, allowed, policy).reshape(B, T, -1)
-        rec(p + "attn_ctx", ctx)
-        return self.o_proj(ctx, policy)
+        q = rec("q", self.q_proj(x, ctx.policy).view(B, T, self.heads, self.head_dim))
+        k = rec("k", self.k_proj(x, ctx.policy).view(B, T, self.kv_heads, self.head_dim))
+        v = rec("v", self.v_proj(x, ctx.policy).view(B, T, self.kv_heads, self.head_dim))
+        apply = rope or self.ops.apply_rope
+        q, k = rec("q_rope", apply(q, ctx.cos, ctx.sin)), rec("k_rope", apply(k, ctx.cos, ctx.sin))
+        allowed = allowed_fn(ctx.allowed) if allowed_fn is not None else ctx.allowed
+        out = (attention or self.ops.attention)(q, k, v, allowed, ctx.policy).reshape(B, T, -1)
+        return self.o_proj(rec("attn_ctx", out), ctx.policy), cache
     return forward
 
 
@@ -123,13 +119,13 @@ def _rope_theta(theta):
         block = m.model.layers[LAYER]
         forward = block.forward
 
-        def block_forward(h, cos, sin, *a, **kw):
+        def block_forward(h, ctx, *a, **kw):
             pos = m._planted_positions
             dtype = dt(m.policy.rope_dtype)
             inv = ops.rope_inv_freq(dataclasses.replace(m.cfg.rope, theta=theta), m.cfg.head_dim,
                                     m.cfg.max_position_embeddings, int(pos.max()) + 1, dtype)
-            cos2, sin2 = ops.rope_cos_sin(inv.to(cos.device), pos, dtype)
-            return forward(h, cos2, sin2, *a, **kw)
+            cos, sin = ops.rope_cos_sin(inv.to(ctx.cos.device), pos, dtype)
+            return forward(h, ctx._replace(cos=cos, sin=sin), *a, **kw)
         block.forward = block_forward
     return patch
 
@@ -166,15 +162,14 @@ def _misses_self(allowed):
 
 
 def _mlp_with(act_fn_name, swap=False):
-    def forward(self, x, policy, rec, p):
+    def forward(self, x, policy, rec):
         import torch
         act_fn = getattr(torch.nn.functional, act_fn_name)
         gate, up = self.gate_proj(x, policy), self.up_proj(x, policy)
         if swap:
             gate, up = up, gate
-        act = act_fn(gate) * up
-        rec(p + "gate", gate), rec(p + "up", up), rec(p + "act", act)
-        return self.down_proj(act, policy)
+        rec("gate", gate), rec("up", up)
+        return self.down_proj(rec("act", act_fn(gate) * up), policy)
 
     def patch(m):
         mlp = m.model.layers[LAYER].mlp
@@ -182,9 +177,11 @@ def _mlp_with(act_fn_name, swap=False):
     return patch
 
 
-def _set_eps(eps):
+def _set_eps(eps, attr="eps"):
+    """The input RMSNorm's epsilon at LAYER (torchref names it eps, transformers
+    variance_epsilon)."""
     def patch(m):
-        m.model.layers[LAYER].input_layernorm.eps = eps
+        setattr(m.model.layers[LAYER].input_layernorm, attr, eps)
     return patch
 
 
@@ -237,17 +234,12 @@ def _hf_side(patch, dtype="float32"):
         hf = transformers.LlamaForCausalLM.from_pretrained(
             folder, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
         patch(hf)
-        side = transformers_side(hf, folder)
+        from ..adapters.transformers import TransformersModel
+        side = Side.of(TransformersModel(hf, checkpoint=folder))
         if patch is not _none:
             side.name += "+bug"
         return side
     return build
-
-
-def _hf_eps(eps):
-    def patch(hf):
-        hf.model.layers[LAYER].input_layernorm.variance_epsilon = eps
-    return patch
 
 
 def _hf_scaling(how):
@@ -299,7 +291,8 @@ def _jax_side(doctor):
         (out / "config.json").write_text((Path(folder) / "config.json").read_text())
         write_safetensors(out / "model.safetensors", weights, {"format": "pt"})
         at_p, at_64 = (jaxmodel.from_pretrained(out, policy=p) for p in (policy, "fp64"))
-        return Side("jaxmodel+bug", at_p, at_64, False, tuple(tapnames.all_taps(cfg.num_hidden_layers)))
+        return Side("jaxmodel+bug", OurModel(at_p), OurModel(at_64), False,
+                    tuple(tapnames.all_taps(cfg.num_hidden_layers)))
     return build
 
 
@@ -371,7 +364,7 @@ CONTROLS: dict[str, Control] = {c.name: c for c in [
        _torch_side(_none, dict(softmax_dtype="bfloat16")), "softmax in bf16 (bf16 policy)"),
     # transformers LlamaForCausalLM (eager), patched, against torchref
     _c("hf_rmsnorm_eps", "transformers", "fp32", "semantic", A + "attn_norm", "attn_norm",
-       ["per-row scale"], _hf_side(_hf_eps(1e-6)), "input_layernorm.variance_epsilon 1e-6"),
+       ["per-row scale"], _hf_side(_set_eps(1e-6, "variance_epsilon")), "input_layernorm.variance_epsilon 1e-6"),
     _c("hf_attn_scale_missing", "transformers", "fp32", "semantic", A + "attn_ctx", "attn",
        ["no attention scale"], _hf_side(_hf_scaling("missing")), "self_attn.scaling = 1"),
     _c("hf_qk_permutation", "transformers", "fp32", "semantic", A + "q", "attn", ["permuted"],

@@ -5,7 +5,7 @@
     write_html(results, "probes.html", meta={...})
 
 `results` is a list of ProbeResult (or their to_dict()). The page reuses the comparison
-report's look (compare.html: CSS, verdict colours, embedded matplotlib PNGs) and adds
+report's look (report/page.py: CSS, verdict colours, embedded matplotlib PNGs) and adds
 three plots: bitwise-equal fraction vs batch size, distinct greedy completions per mode,
 and the step at which a completion diverged against the top-1/top-2 margin there.
 """
@@ -17,8 +17,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from .page import CSS, environment_section, escape, figure, kv_table, number, png, pyplot
-from .vocabulary import KIND_ANSI, KINDS, kind_hex
+from ..vocabulary import KIND_ANSI, KINDS, kind_hex
+from .page import environment_section, escape, figure, head, kv_table, number, png, pyplot
 
 MODE_STYLE = {"default": ("-", "o"), "invariant": ("--", "s")}
 
@@ -254,8 +254,7 @@ def render_html(doc: dict) -> str:
     verdict = doc.get("verdict") or worst_verdict(rows)
     counts = {k: sum(d.get("verdict") == k for d in rows) for k in KINDS}
     title = f"Invariance probes: {verdict}"
-    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{escape(title)}</title>"
-             f"<style>{CSS}</style></head><body>"]
+    parts = [head(title)]
     parts.append(
         "<div class='head'>"
         f"<span class='badge' style='background:{kind_hex(verdict)}'>{escape(verdict)}</span>"
@@ -295,29 +294,3 @@ def write_html(results, path, meta: dict | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_html(to_document(results, meta)), encoding="utf-8")
     return path
-
-
-def environment(policy="fp32") -> dict:
-    """Versions and settings that decide the arithmetic, for the report's meta
-    (compare.environment's record when it is there, else the essentials)."""
-    try:
-        from .environment import environment as recorded
-        return recorded(policy)
-    except Exception:  # noqa: BLE001 (an environment line must never cost the report)
-        pass
-    import os
-    import platform
-    from importlib.metadata import version
-    env = {"python": platform.python_version(), "machine": platform.machine(),
-           "cpu_count": os.cpu_count(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
-    for pkg in ("numpy", "torch", "jax", "jaxlib", "transformers"):
-        try:
-            env[pkg] = version(pkg)
-        except Exception:
-            env[pkg] = "not installed"
-    try:
-        import torch
-        env["torch_threads"] = torch.get_num_threads()
-    except Exception:
-        pass
-    return env

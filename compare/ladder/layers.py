@@ -1,9 +1,6 @@
-"""Per-layer error summary: two implementations at a working policy vs an fp64 oracle.
-
-This is the first, small piece of the comparison engine: for each layer output it
-reports each side's relative L2 error against the oracle and their distance to each
-other. The full drift/precision/semantic verdicts build on it.
-"""
+"""A per-layer error table without verdicts: each side's relative L2 error against an fp64
+oracle and the two sides' distance, for users who want the raw numbers (compare_models
+gives the verdicts)."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from .metrics import nonfinite, rel_l2
+from ..metrics import nonfinite, rel_l2
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""Fresh-process runner for the determinism probe: python -m compare.probe_worker JOB.json
+"""Fresh-process runner for the determinism probe: python -m compare.probes.worker JOB.json
 
 JOB.json: {"spec": ModelSpec fields, "ids": path.npy, "mask": path.npy, "out": path.npy}.
 Loads the model from its spec, runs one forward pass and saves the logits (16-bit
@@ -16,9 +16,9 @@ import numpy as np
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m compare.probe_worker JOB.json", file=sys.stderr)
+        print("usage: python -m compare.probes.worker JOB.json", file=sys.stderr)
         return 2
-    from .probe_models import ModelSpec, ProbeModel
+    from .models import ModelSpec, ProbeModel
     job = json.loads(open(argv[0]).read())
     spec = ModelSpec(**job["spec"])
     pm = ProbeModel(spec.load(), spec=spec)

@@ -1,15 +1,16 @@
-"""Capture adapter for a transformers LlamaForCausalLM instance.
+"""A transformers LlamaForCausalLM under the Implementation protocol.
 
-Exposes a user's transformers model under the shared tap names (llamaspec.taps), with
-the same shapes and meaning as torchref's and jaxmodel's `capture`, so the comparison
-engine can put it on either side of a comparison:
+One wrapper for everything the package does with a user's transformers model:
 
-    a = HFAdapter(model)               # used as given: its dtype, device, attention backend
-    logits, acts = a.capture(tokens, mask, taps=("layers.*.out",), inject={1: h})
+    m = TransformersModel(model)            # used as given: its dtype, device, attention backend
+    logits, acts = m.capture(tokens, mask, taps=("layers.*.out",), inject={1: h})   # the ladder
+    logits = m(tokens, attention_mask=mask)                                           # the probes
+    logits, cache = m.prefill(ids, mask, total_len); logits, cache = m.decode(cache, next_ids)
+    twin = m.float64()                      # a float64 deep copy; `model` is left as is
 
-Taps come from forward hooks and forward pre-hooks on module boundaries. They are
-registered for one call and removed in a `finally`, so the model is left as given
-(transformers' own lazily installed output-capturing hooks are not touched).
+Taps come from forward hooks and forward pre-hooks on module boundaries, registered for
+one call and removed in a `finally` (transformers' own lazily installed hooks are not
+touched):
 
     tap         hook                                           tap        hook
     embed       embed_tokens output                            mlp_norm   post_attention_layernorm output
@@ -22,24 +23,34 @@ registered for one call and removed in a `finally`, so the model is left as give
 
 q_rope / k_rope are not available: see UNAVAILABLE.
 
+Positions. Every call passes position_ids = cumsum(mask) - 1, as torchref and jaxmodel
+compute them. Called without them, transformers' LlamaModel.forward gives every row
+arange(past, past + T) whatever the mask (only `generate()` derives them from the mask),
+so a left-padded row's first real token sits at position k. positions="default" runs
+that default, what a user who calls the model directly gets: harmless for contiguous
+left padding in a RoPE model (scores depend on position differences; outputs move at
+rounding level), not where absolute positions enter the math (dynamic NTK scaling) or
+when the two conventions are mixed (a mask-positioned prefill, default-positioned decode).
+
 Attention backend: the model runs with whatever `config._attn_implementation` it has
-(transformers 5 defaults to "sdpa"). Our peer checks (tests, fp64-hf parity against
-torchref) load transformers with attn_implementation="eager", whose arithmetic
-(matmul, f32 softmax, matmul) is the one torchref reproduces.
+(transformers 5 defaults to "sdpa"). Eager attention (matmul, f32 softmax, matmul) is
+the arithmetic torchref's fp64-hf policy reproduces bit for bit.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import types
 import warnings
 
 import numpy as np
 import torch
 
-from llamaspec import positions_from_mask
+from llamaspec import ConfigError, LlamaConfig, Policy, Sampling, check_tokens, load_weights, positions_from_mask
+from llamaspec import generate as run_generation
 from llamaspec import taps as tapnames
-from llamaspec.inputs import check_inject, check_token_array
+from llamaspec.inputs import check_inject, check_next_ids, check_prefill, check_token_array
 from torchref.dtypes import TORCH, from_numpy, to_numpy
 
 
@@ -129,8 +140,69 @@ def forcing_hook(h: torch.Tensor):
     return pre
 
 
-class WrapsModel:
-    """dtype and device of the wrapped transformers model (self.model)."""
+POSITIONS = ("mask", "default")
+
+
+def _config(model) -> LlamaConfig | types.SimpleNamespace:
+    """Our config for the generation loop's checks (length limit, EOS, pad id)."""
+    try:
+        return LlamaConfig.from_dict(model.config.to_dict(), source="transformers config")
+    except ConfigError:  # a field we do not implement: the loop needs only these
+        c = model.config
+        eos = c.eos_token_id if isinstance(c.eos_token_id, (list, tuple)) else (
+            [] if c.eos_token_id is None else [c.eos_token_id])
+        return types.SimpleNamespace(vocab_size=c.vocab_size, eos_token_ids=tuple(eos),
+                                     pad_token_id=c.pad_token_id,
+                                     max_position_embeddings=c.max_position_embeddings,
+                                     rope=types.SimpleNamespace(type="default", factor=1.0))
+
+
+class TransformersModel:
+    """Taps, logits, prefill/decode and greedy generation on a transformers LlamaForCausalLM,
+    numpy in and out, under llamaspec's tap names and position convention."""
+
+    package = "transformers"
+    unavailable_taps = dict(UNAVAILABLE)
+    keeps_f32 = True   # its float64 run keeps f32 steps (norm, RoPE, softmax)
+
+    def __init__(self, model, positions: str = "mask", checkpoint=None):
+        backbone = getattr(model, "model", None)
+        layers = getattr(backbone, "layers", None)
+        needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        if layers is None or getattr(model, "lm_head", None) is None or not all(
+                hasattr(layer, n) for layer in layers for n in needed):
+            raise TypeError(f"TransformersModel needs a transformers LlamaForCausalLM (model.model.layers[i]."
+                            f"{{{','.join(needed)}}}, model.lm_head), got {type(model).__name__}")
+        if positions not in POSITIONS:
+            raise ValueError(f"positions={positions!r}: use one of {POSITIONS}")
+        if model.training and getattr(model.config, "attention_dropout", 0.0):
+            raise ValueError("the transformers model is in training mode with attention_dropout="
+                             f"{model.config.attention_dropout}: its outputs are random; call model.eval()")
+        self.model = model
+        self.positions = positions
+        self.checkpoint = checkpoint
+        self.config = model.config
+        self.cfg = _config(model)
+        self.num_layers = len(layers)
+        self.attn_implementation = getattr(model.config, "_attn_implementation", None)
+        self.taps = tuple(t for t in tapnames.all_taps(self.num_layers)
+                          if tapnames.parse(t)[1] not in self.unavailable_taps)
+        self._available = set(self.taps)
+        params = inspect.signature(model.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def from_pretrained(cls, folder, policy="fp32", attn_implementation: str = "eager",
+                        positions: str = "mask") -> "TransformersModel":
+        """Loads the folder at the policy's param dtype (transformers then runs its own
+        dtype handling: f32 norm, RoPE and softmax inside a bf16 model)."""
+        from transformers import LlamaForCausalLM
+
+        from torchref.dtypes import dt
+        policy = Policy.get(policy)
+        model = LlamaForCausalLM.from_pretrained(str(folder), dtype=dt(policy.param_dtype),
+                                                 attn_implementation=attn_implementation).eval()
+        return cls(model, positions, checkpoint=folder)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -140,36 +212,26 @@ class WrapsModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-
-class HFAdapter(WrapsModel):
-    """Taps on a transformers LlamaForCausalLM, as numpy arrays under llamaspec tap names."""
-
-    unavailable_taps = dict(UNAVAILABLE)
-
-    def __init__(self, model):
-        backbone = getattr(model, "model", None)
-        layers = getattr(backbone, "layers", None)
-        needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-        if layers is None or getattr(model, "lm_head", None) is None or not all(
-                hasattr(layer, n) for layer in layers for n in needed):
-            raise TypeError(f"HFAdapter needs a transformers LlamaForCausalLM (model.model.layers[i]."
-                            f"{{{','.join(needed)}}}, model.lm_head), got {type(model).__name__}")
-        self.model = model
-        self.config = model.config
-        self.num_layers = len(layers)
-        self.attn_implementation = getattr(model.config, "_attn_implementation", None)
-        self.available_taps = tuple(t for t in tapnames.all_taps(self.num_layers)
-                                    if tapnames.parse(t)[1] not in self.unavailable_taps)
-        self._available = set(self.available_taps)
-
-    @classmethod
-    def at_dtype(cls, model, dtype) -> "HFAdapter":
-        """An adapter on a deep copy of `model` cast to `dtype`; `model` is left as is."""
-        return cls(copy_at(model, dtype))
+    @property
+    def policy(self) -> str:
+        """The preset that names the model's dtype (fp32, bf16, fp16, fp64)."""
+        name = str(self.dtype).removeprefix("torch.")
+        return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}.get(name, name)
 
     @property
     def name(self) -> str:
-        return f"transformers[{self.attn_implementation}, {str(self.dtype).removeprefix('torch.')}]"
+        pos = "" if self.positions == "mask" else ", default positions"
+        return f"transformers[{self.attn_implementation}, {str(self.dtype).removeprefix('torch.')}{pos}]"
+
+    def float64(self, rounded_weights: bool = False) -> "TransformersModel":
+        """The same model at float64, on a deep copy. Its weights are the model's own, except
+        that a bf16/fp16 model loaded from a wider checkpoint gets the checkpoint's values
+        back (unless rounded_weights): see _full_precision_weights."""
+        twin = copy_at(self.model, torch.float64)
+        if (not rounded_weights and self.checkpoint is not None
+                and self.dtype in (torch.bfloat16, torch.float16)):
+            _full_precision_weights(twin, self.model, self.checkpoint)
+        return TransformersModel(twin, self.positions, self.checkpoint)
 
     # ----- tap names -------------------------------------------------------------------
 
@@ -193,8 +255,9 @@ class HFAdapter(WrapsModel):
                 raise KeyError(f"tap '{pattern}' is not available from a transformers model: "
                                f"{kind}: {self.unavailable_taps[kind]}")
             out += [h for h in kept if h not in out]
-        order = {n: i for i, n in enumerate(self.available_taps)}
+        order = {n: i for i, n in enumerate(self.taps)}
         return tuple(sorted(out, key=order.__getitem__))
+
 
     # ----- inputs ----------------------------------------------------------------------
 
@@ -214,6 +277,7 @@ class HFAdapter(WrapsModel):
         if (left_padded and self.attn_implementation == "eager" and self.dtype == torch.float64
                 and bool(torch.isnan(logits).any())):
             warnings.warn(EAGER_F64_LEFT_PADDING, RuntimeWarning, stacklevel=3)
+
 
     # ----- capture ---------------------------------------------------------------------
 
@@ -294,3 +358,78 @@ class HFAdapter(WrapsModel):
             raise RuntimeError(f"taps {missing} were not produced: the model did not call the hooked "
                                "modules (is it a LlamaForCausalLM with its standard forward?)")
         return _to_numpy(out.logits), {t: acts[t] for t in wanted}
+
+    # ----- logits, prefill/decode, generate (the probes) --------------------------------
+
+    def _t(self, a) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+    def _position_ids(self, mask: np.ndarray) -> torch.Tensor | None:
+        if self.positions == "default":
+            return None
+        return self._t(positions_from_mask(mask).astype(np.int64))
+
+    def _cache_kw(self, kv) -> dict:
+        """transformers 5 names the KV cache argument `cache` (past_key_values before)."""
+        return {self._cache_arg: kv}
+
+    @torch.inference_mode()
+    def __call__(self, tokens, attention_mask=None) -> np.ndarray:
+        ids, mask = check_tokens(self.cfg, tokens, attention_mask)
+        out = self.model(input_ids=self._t(ids), attention_mask=self._t(mask.astype(np.int64)),
+                         position_ids=self._position_ids(mask), use_cache=False)
+        return to_numpy(out.logits)
+
+    logits = __call__
+
+    @torch.inference_mode()
+    def prefill(self, ids, mask, total_len: int):
+        """Left-aligned prompt -> (last logits [B, V], cache). The cache is transformers'
+        own (DynamicCache) plus the slot mask and each row's next position."""
+        from transformers import DynamicCache
+        ids, mask = check_prefill(self.cfg, ids, mask, total_len)
+        kv = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=self._t(ids), attention_mask=self._t(mask.astype(np.int64)),
+                         position_ids=self._position_ids(mask), use_cache=True, **self._cache_kw(kv))
+        cache = {"kv": kv, "mask": mask.astype(np.int64),
+                 "next_pos": mask.sum(1).astype(np.int64), "index": ids.shape[1],
+                 "slots": int(total_len)}
+        return to_numpy(out.logits[:, -1]), cache
+
+    @torch.inference_mode()
+    def decode(self, cache, next_ids):
+        B = cache["mask"].shape[0]
+        next_ids = check_next_ids(self.cfg, next_ids, B, cache["index"], cache["slots"])
+        mask = np.concatenate([cache["mask"], np.ones((B, 1), np.int64)], axis=1)
+        pos = None if self.positions == "default" else self._t(cache["next_pos"][:, None])
+        out = self.model(input_ids=self._t(next_ids[:, None]), attention_mask=self._t(mask),
+                         position_ids=pos, use_cache=True, **self._cache_kw(cache["kv"]))
+        cache = {**cache, "mask": mask,
+                 "next_pos": cache["next_pos"] + 1, "index": cache["index"] + 1}
+        return to_numpy(out.logits[:, -1]), cache
+
+    def generate(self, tokens, attention_mask=None, max_new_tokens: int = 32, eos_token_ids=None,
+                 pad_token_id=None) -> np.ndarray:
+        """Greedy new ids [B, N] through llamaspec's loop (the same token choice as ours)."""
+        return run_generation(self.cfg, self.prefill, self.decode, tokens, attention_mask,
+                              max_new_tokens, eos_token_ids, pad_token_id, Sampling())
+
+
+def _full_precision_weights(twin, model, checkpoint) -> bool:
+    """A bf16/fp16 transformers model loaded from an f32 checkpoint has lost the weights'
+    low bits; its fp64 copy would then run other weights than the oracle (torchref at
+    fp64 reads the checkpoint) and every tap would look semantic. When every parameter is
+    the checkpoint's tensor rounded to the model's dtype, the copy gets the checkpoint's
+    values instead; a model whose weights were changed keeps its own (returns False)."""
+    _, weights = load_weights(checkpoint, check_finite=False)
+    params = dict(model.named_parameters())
+    if not set(params) <= set(weights):
+        return False
+    for name, p in params.items():
+        if not torch.equal(torch.from_numpy(np.array(weights[name], np.float32)).to(p.dtype),
+                           p.detach().cpu()):
+            return False
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            p.copy_(torch.from_numpy(np.array(weights[name], np.float64)))
+    return True

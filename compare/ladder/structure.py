@@ -25,7 +25,7 @@ import numpy as np
 
 from llamaspec.inputs import positions_from_mask
 
-from .metrics import as64
+from ..metrics import as64
 
 # --- thresholds ------------------------------------------------------------------------
 
@@ -105,12 +105,18 @@ SIGN_EFFECT = 0.1
 # Frequencies are read from the rows at position 1 (angle = omega, no wrap: omega <= 1).
 ROPE_NORM_TOL = 1e-4
 ROPE_FREQ_TOL = 1e-6    # relative difference of frequencies that counts (f32 tables: ~1e-7)
+# A frequency difference explains the angles when the angle error is position x that
+# difference to 1e-3 of its typical size, and is one "linear scaling" when every pair's
+# frequency ratio is the same to 1e-3 (rounded tables move ratios by ~1e-7).
+ROPE_LINEAR_TOL = 1e-3
+ROPE_CONST_RATIO = 1e-3
 # Causal edge: the last real position of every sequence is (nearly) untouched, every
 # other position is not: a query that sees one token ahead changes all but the last.
 # "Nearly": 1e-3 of the median relative error of the other positions (rounding noise
 # gives every position the same order of error; a ratio of 1e-3 is out of its reach).
 EDGE_RATIO = 1e-3
 EDGE_MIN_POSITIONS = 4
+EDGE_OTHERS = 0.9   # share of the other positions that must differ (a few may agree by chance)
 # RMSNorm epsilon (norm taps, with the norm's input given): per-row factors k = cand/ref
 # that an epsilon difference explains satisfy ms * (1/k^2 - 1) = eps_c - eps_r, one number
 # for every row (ms = mean square of the row's input). It must fit 99% of the error and
@@ -119,6 +125,9 @@ EDGE_MIN_POSITIONS = 4
 # an fp64 run scatter a 1e-5 epsilon difference by ~1e-2 of itself.)
 EPS_EXPLAINED = 0.99
 EPS_SPREAD = 0.1
+# The fitted norm-weight offset a is named "(1 + w) instead of w" (a = 1) or the reverse
+# (a = -1) within this distance; a fit in an fp64 run lands ~1e-6 from the true value.
+OFFSET_NAMED = 1e-2
 
 # Tie-break when scores are equal (to 1e-3): the more specific description first.
 PRIORITY = ("nonfinite", "rope_layout", "rope_frequency", "attention_convention",
@@ -648,9 +657,10 @@ def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     dphi = _pair_angles(c, cp, lay) - _pair_angles(r, rp, lay)
     pred = pos[:, None, None] * (fc - fr)
     wrap = lambda x: (x + np.pi) % (2 * np.pi) - np.pi  # noqa: E731
-    linear = float(np.median(np.abs(wrap(dphi - pred)))) <= 1e-3 * max(float(np.median(np.abs(wrap(pred)))), 1e-300)
+    typical = max(float(np.median(np.abs(wrap(pred)))), 1e-300)
+    linear = float(np.median(np.abs(wrap(dphi - pred)))) <= ROPE_LINEAR_TOL * typical
     tc, tr = _implied_theta(fc), _implied_theta(fr)
-    const = np.allclose(ratio, ratio[0], rtol=1e-3)
+    const = np.allclose(ratio, ratio[0], rtol=ROPE_CONST_RATIO)
     what = (f"all frequencies scaled by {ratio[0]:.6g} (linear position scaling)" if const else
             f"implied theta {tc:.6g} (candidate) vs {tr:.6g} (reference)")
     return Finding("rope_frequency", 1.0,
@@ -712,8 +722,8 @@ def norm_weight_offset(cand, ref, norm_input, mask=None) -> Finding | None:
     explained = 1 - float(((d - a * xhat) ** 2).sum()) / dd
     if explained < EPS_EXPLAINED:
         return None
-    what = ("(1 + w) instead of w" if abs(a - 1) < 1e-2 else "w instead of (1 + w)"
-            if abs(a + 1) < 1e-2 else f"w + {a:.4g} instead of w")
+    what = ("(1 + w) instead of w" if abs(a - 1) < OFFSET_NAMED else "w instead of (1 + w)"
+            if abs(a + 1) < OFFSET_NAMED else f"w + {a:.4g} instead of w")
     return Finding("norm_weight_offset", explained,
                    f"cand - ref = {a:.4g} x the normalised input, in every row and feature (fit "
                    f"explains {explained:.1%})",
@@ -744,7 +754,8 @@ def causal_edge(cand, ref, mask=None) -> Finding | None:
         return None
     others = np.concatenate(others)
     typical = float(np.median(others))
-    if not typical > 0 or max(last) > EDGE_RATIO * typical or float((others > EDGE_RATIO * typical).mean()) < 0.9:
+    differ = float((others > EDGE_RATIO * typical).mean())
+    if not typical > 0 or max(last) > EDGE_RATIO * typical or differ < EDGE_OTHERS:
         return None
     return Finding("causal_edge", 1.0,
                    f"the last real position of each sequence agrees (rel error <= {max(last):.1e}) "

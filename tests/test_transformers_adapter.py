@@ -1,4 +1,4 @@
-"""compare.hf_adapter: taps on a transformers LlamaForCausalLM mean what torchref's mean.
+"""compare.adapters.transformers: taps on a transformers LlamaForCausalLM mean what torchref's mean.
 
 The peer is torchref at policy fp64-hf (transformers' f32 norm/RoPE/softmax islands
 inside an f64 run) against transformers at float64 with eager attention, the pair that
@@ -13,7 +13,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import torchref  # noqa: E402
-from compare.hf_adapter import EAGER_F64_LEFT_PADDING, HFAdapter, copy_at, forcing_hook  # noqa: E402
+from compare.adapters.transformers import (  # noqa: E402
+    EAGER_F64_LEFT_PADDING,
+    TransformersModel,  # noqa: E402
+    copy_at,
+    forcing_hook,
+)
 from compare.metrics import rel_l2  # noqa: E402
 from llamaspec import InputError, Policy  # noqa: E402
 from llamaspec import taps as tapnames  # noqa: E402
@@ -63,12 +68,12 @@ def test_taps_match_torchref(config, attn, padding, tiny_dir):
     """
     folder = (tiny_dir("gqa") if config == "gqa"
               else tiny_dir("bias", head_dim=16))
-    adapter = HFAdapter(hf_model(folder, attn=attn))
+    adapter = TransformersModel(hf_model(folder, attn=attn))
     policy = Policy.get("fp64-hf") if attn == "eager" else Policy.get("fp64-hf", softmax_dtype="float64")
     ids, mask = batch(padding)
     logits, acts = adapter.capture(ids, mask, taps="*")
     ref_logits, ref = torchref.from_pretrained(folder, policy=policy).capture(ids, mask, taps=list(acts))
-    assert tuple(acts) == adapter.available_taps
+    assert tuple(acts) == adapter.taps
     assert {k: v.shape for k, v in acts.items()} == {k: v.shape for k, v in ref.items()}
     errs = worst({**acts, "returned logits": logits}, {**ref, "returned logits": ref_logits}, mask)
     print(f"\nMEASURED {config}/{attn}/{padding}-padded: max rel L2 over {len(errs)} taps = "
@@ -83,7 +88,7 @@ def test_eager_float64_left_padding_nan_is_reported(tiny_dir):
     model = hf_model(tiny_dir("gqa"))
     ids, mask = batch("left")
     with pytest.warns(RuntimeWarning) as record:
-        logits, _ = HFAdapter(model).capture(ids, mask, taps="logits")
+        logits, _ = TransformersModel(model).capture(ids, mask, taps="logits")
     if not np.isnan(logits).any():  # fixed upstream: then no warning either
         assert not [w for w in record if str(w.message) == EAGER_F64_LEFT_PADDING]
         pytest.skip("this transformers version no longer produces NaN here")
@@ -91,14 +96,14 @@ def test_eager_float64_left_padding_nan_is_reported(tiny_dir):
     assert np.isnan(logits[1]).all() and not np.isnan(logits[0]).any()
     sdpa = copy_at(model, torch.float64, attn_implementation="sdpa")
     assert model.config._attn_implementation == "eager"
-    assert not np.isnan(HFAdapter(sdpa).capture(ids, mask, taps=())[0]).any()
+    assert not np.isnan(TransformersModel(sdpa).capture(ids, mask, taps=())[0]).any()
 
 
 # ----- 2. teacher forcing -----------------------------------------------------------------
 
 def test_inject_replaces_every_layer_input(tiny_dir):
     folder = tiny_dir("gqa", num_hidden_layers=3)
-    adapter = HFAdapter(hf_model(folder))
+    adapter = TransformersModel(hf_model(folder))
     ids, mask = batch("right")
     _, ref = torchref.from_pretrained(folder, policy="fp64-hf").capture(ids, mask, taps=["embed", "layers.*.out"])
     inject = {0: ref["embed"], **{i: ref[f"layers.{i - 1}.out"] for i in range(1, 3)}}
@@ -154,7 +159,7 @@ def test_hooks_removed_and_model_untouched(tiny_dir):
         model(torch.from_numpy(ids), output_hidden_states=True)
     before = all_hooks(model)
     assert any(any(h) for h in before.values())
-    adapter = HFAdapter(model)
+    adapter = TransformersModel(model)
     adapter.capture(ids, mask, taps="*", inject={1: np.zeros((3, 12, 32))})
     assert all_hooks(model) == before
     # ...also when the forward raises midway.
@@ -165,20 +170,20 @@ def test_hooks_removed_and_model_untouched(tiny_dir):
     assert all_hooks(model) == before
     # A fresh model has no hooks at all before or after.
     fresh = hf_model(tiny_dir("gqa"))
-    HFAdapter(fresh).capture(ids, mask, taps="*")
+    TransformersModel(fresh).capture(ids, mask, taps="*")
     assert not any(any(h) for h in all_hooks(fresh).values())
 
 
 def test_copy_at_leaves_the_user_model(tiny_dir):
     folder = tiny_dir("gqa", dtype="bfloat16")
     model = hf_model(folder, dtype=torch.bfloat16)
-    twin = HFAdapter.at_dtype(model, "float64")
+    twin = TransformersModel(model).float64()
     assert twin.model is not model and twin.dtype == torch.float64
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.config.dtype == torch.bfloat16 and model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     # Widening bf16 weights is exact: the copy computes what a float64 load computes.
     ids, mask = batch("right")
-    loaded = HFAdapter(hf_model(folder, dtype=torch.float64)).capture(ids, mask)
+    loaded = TransformersModel(hf_model(folder, dtype=torch.float64)).capture(ids, mask)
     copied = twin.capture(ids, mask)
     assert np.array_equal(loaded[0], copied[0])
     assert all(np.array_equal(loaded[1][k], copied[1][k]) for k in loaded[1])
@@ -186,16 +191,16 @@ def test_copy_at_leaves_the_user_model(tiny_dir):
 
 def test_bf16_taps_stay_bf16(tiny_dir):
     model = hf_model(tiny_dir("gqa", dtype="bfloat16"), dtype=torch.bfloat16)
-    logits, acts = HFAdapter(model).capture(*batch("left"), taps="*")
+    logits, acts = TransformersModel(model).capture(*batch("left"), taps="*")
     assert logits.dtype == ml_dtypes.bfloat16
     assert {a.dtype for a in acts.values()} == {np.dtype(ml_dtypes.bfloat16)}
 
 
 def test_tap_names_and_unavailable_taps(tiny_dir):
-    adapter = HFAdapter(hf_model(tiny_dir("gqa")))
+    adapter = TransformersModel(hf_model(tiny_dir("gqa")))
     assert adapter.num_layers == 2 and adapter.name == "transformers[eager, float64]"
     assert set(adapter.unavailable_taps) == {"q_rope", "k_rope"}
-    assert set(tapnames.all_taps(2)) - set(adapter.available_taps) == {
+    assert set(tapnames.all_taps(2)) - set(adapter.taps) == {
         "layers.0.q_rope", "layers.0.k_rope", "layers.1.q_rope", "layers.1.k_rope"}
     ids, mask = batch("right")
     for name in ("layers.0.q_rope", "layers.*.k_rope", ["layers.0.q", "layers.1.q_rope"]):
@@ -208,4 +213,4 @@ def test_tap_names_and_unavailable_taps(tiny_dir):
         f"layers.1.{t}" for t in tapnames.LAYER_TAPS if t not in ("q_rope", "k_rope"))
     assert adapter.resolve(["logits", "embed", "layers.0.q"]) == ("embed", "layers.0.q", "logits")
     with pytest.raises(TypeError, match="LlamaForCausalLM"):
-        HFAdapter(torch.nn.Linear(2, 2))
+        TransformersModel(torch.nn.Linear(2, 2))

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from .metrics import as64, rel_l2
+from ..metrics import as64, rel_l2
 from .structure import Finding
 
 ATOL_MATCH = 1e-4      # rel L2 to the alternative; an f32 softmax/RoPE in fp64 gives ~1e-7
@@ -58,16 +58,25 @@ def _alternatives(D: int, Hq: int, Hkv: int):
     yield "no causal mask: every query sees the whole sequence", dict(shift=10 ** 9)
 
 
+# The scale search: a grid over e^-4..e^4 times 1/sqrt(D) (wide enough for 1/D, sqrt(D),
+# a forgotten or doubled scale at any head size), then golden-section refinement of the
+# best bracket to 1e-8 of its width (0.618^40).
+SCALE_SPAN = 4.0
+SCALE_GRID = 33
+SCALE_REFINE_STEPS = 40
+
+
 def _fit_scale(cand, q, k, v, mask, D) -> tuple[float, float]:
     """The softmax scale that brings the candidate closest (log-grid, then refined)."""
     def err(log_s):
         return rel_l2(cand, attention64(q, k, v, mask, scale=math.exp(log_s)))
-    grid = np.linspace(math.log(D ** -0.5) - 4, math.log(D ** -0.5) + 4, 33)
+    centre = math.log(D ** -0.5)
+    grid = np.linspace(centre - SCALE_SPAN, centre + SCALE_SPAN, SCALE_GRID)
     errs = [err(g) for g in grid]
     i = int(np.argmin(errs))
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
     g = 0.5 * (math.sqrt(5) - 1)
-    for _ in range(40):   # golden section on the bracket
+    for _ in range(SCALE_REFINE_STEPS):   # golden section on the bracket
         a, b = hi - g * (hi - lo), lo + g * (hi - lo)
         if err(a) < err(b):
             hi = b

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .page import CSS, environment_section, escape, figure, kv_table, number, png, pyplot
-from .vocabulary import KIND_HEX, KINDS, drift_factor, kind_hex, precision_floor
+from ..vocabulary import KIND_HEX, KINDS, drift_factor, kind_hex, precision_floor
+from .page import environment_section, escape, figure, head, kv_table, number, png, pyplot
 
 LOG_CLIP = 1e-18            # zero errors are drawn at this value on the log axes
 COLLAPSE_AFTER = 40         # tap tables longer than this fold the quiet rows away
@@ -306,8 +306,7 @@ def render_html(report_dict: dict) -> str:
     pname = policy.get("name", "?")
     title = f"{r.get('candidate', '?')} vs {r.get('reference', '?')} at {pname}: {verdict}"
 
-    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-             f"<title>{escape(title)}</title><style>{CSS}</style></head><body>"]
+    parts = [head(title)]
     parts.append(
         "<div class='head'>"
         f"<span class='badge' style='background:{kind_hex(verdict)}'>{escape(verdict)}</span>"

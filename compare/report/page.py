@@ -1,5 +1,5 @@
-"""The HTML page toolkit both reports use (the ladder's, compare/html.py, and the probes',
-compare/probe_report.py): escaping, numbers from JSON, matplotlib figures embedded as
+"""The HTML page toolkit both reports use (the ladder's, report/ladder.py, and the probes',
+report/probes.py): escaping, numbers from JSON, matplotlib figures embedded as
 PNG data URIs, key-value tables, the environment section and the shared CSS."""
 
 from __future__ import annotations
@@ -77,6 +77,16 @@ def environment_section(report: dict) -> tuple[str, dict]:
         except Exception:
             found[pkg] = "not installed"
     return "not recorded in the report; versions installed where this page was rendered", found
+
+
+GENERATOR = "llama-parity"   # <meta name='generator'>: how the CLI knows a page it may overwrite
+
+
+def head(title: str) -> str:
+    """The page's opening up to <body>: charset, title, generator, the shared CSS."""
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+            f"<meta name='generator' content='{GENERATOR}'><title>{escape(title)}</title>"
+            f"<style>{CSS}</style></head><body>")
 
 
 CSS = """

@@ -12,11 +12,11 @@ against the same model's output for the target alone, and reports per case: bitw
 equality, max ULP (in the output's dtype), max abs difference, NaN/Inf. A case is
     exact     bitwise equal;
     drift     different, but within M x the model's own rounding error + a floor
-              (compare.engine.M, FLOOR_ULPS): what another summation order gives;
+              (compare.vocabulary.M, FLOOR_ULPS): what another summation order gives;
     semantic  beyond that, or NaN/Inf: a difference in the math (mask, positions, cache).
 The model's own rounding error is max |model(x) - twin(x)| on the target alone, twin =
 the same implementation with the same rounded weights computing in float64
-(probe_models.fp64_twin): only compute rounding can make two runs of one model differ.
+(models.fp64_twin): only compute rounding can make two runs of one model differ.
 The probe's verdict is its worst case; its hint says which case and why.
 
 Greedy probes compare token sequences: a completion that leaves the reference at a
@@ -41,15 +41,15 @@ import numpy as np
 from llamaspec.generate import until_eos
 from llamaspec.inputs import left_align
 
-from .engine import JsonResult
-from .metrics import max_ulp, nonfinite, rel_l2, unit_roundoff
-from .probe_models import ProbeModel, as_probe_model
-from .vocabulary import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M
+from ..metrics import max_ulp, nonfinite, rel_l2, unit_roundoff
+from ..results import JsonResult
+from ..vocabulary import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M
+from .models import ProbeModel, as_probe_model
 
 PROBES = ("batch", "padding", "determinism", "divergence", "cross_greedy")
 DEFAULT_LENGTH = 24
 # A model's relative error against its own fp64 twin above this many unit roundoffs of
-# its compute dtype is suspicious (measured: ~7 for SmolLM2 at bf16, ~2 for a tiny model at fp32).
+# its compute dtype is suspicious: the twin is likely not the same math (docs/method.md).
 TWIN_SUSPECT_UNITS = 256
 
 
@@ -429,7 +429,7 @@ def probe_determinism(model, ids=None, *, repeats=3, processes=2, batch=4, lengt
                       seed=0, oracle=None, spec=None, timeout=600, progress=None) -> ProbeResult:
     """The same batch (target + random companions of mixed lengths) run `repeats` more
     times in this process and once in each of `processes` fresh Python processes
-    (python -m compare.probe_worker, which loads the model from its ModelSpec and writes
+    (python -m compare.probes.worker, which loads the model from its ModelSpec and writes
     the logits to an .npy). Fresh runs need a spec: from load_model(...) or spec=."""
     pm = as_probe_model(model, oracle)
     spec = spec or pm.spec
@@ -483,7 +483,7 @@ def run_fresh(spec, ids, mask, processes=1, timeout=600, progress=None) -> list[
             job = {"spec": spec.to_dict(), "ids": str(tmp / "ids.npy"), "mask": str(tmp / "mask.npy"),
                    "out": str(tmp / f"logits{i}.npy")}
             (tmp / "job.json").write_text(json.dumps(job))
-            proc = subprocess.run([sys.executable, "-m", "compare.probe_worker", str(tmp / "job.json")],
+            proc = subprocess.run([sys.executable, "-m", "compare.probes.worker", str(tmp / "job.json")],
                                   env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
             if proc.returncode != 0:
                 raise RuntimeError(f"fresh process {i + 1} failed (exit {proc.returncode}):\n"

@@ -1,0 +1,94 @@
+"""torchref and jaxmodel under the Implementation protocol.
+
+Their models already capture taps (`capture`) and run the probes' API (call, prefill,
+decode, generate); this adds a name, the tap list and the float64 twin.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import numpy as np
+
+from llamaspec import Policy
+from llamaspec import taps as tapnames
+
+PACKAGES = ("torchref", "jaxmodel")
+
+
+def package_of(model) -> str | None:
+    """"torchref" or "jaxmodel" for one of their LlamaModel instances, else None (checked
+    without importing either: an instance of one means its package is imported already)."""
+    for pkg in PACKAGES:
+        mod = sys.modules.get(f"{pkg}.model")
+        if mod is not None and isinstance(model, mod.LlamaModel):
+            return pkg
+    return None
+
+
+def fp64_policy(policy: Policy) -> Policy:
+    """float64 compute over weights rounded as `policy` rounds them."""
+    return Policy.get("fp64", param_dtype=policy.param_dtype,
+                      name=f"fp64 over {policy.param_dtype} weights")
+
+
+class OurModel:
+    """A torchref or jaxmodel LlamaModel; `checkpoint` (the folder it came from) lets the
+    float64 twin read the checkpoint's own values rather than the model's rounded ones."""
+
+    keeps_f32 = False
+
+    def __init__(self, model, checkpoint=None):
+        self.package = package_of(model)
+        if self.package is None:
+            raise TypeError(f"OurModel wraps a torchref or jaxmodel LlamaModel, got {type(model).__name__}")
+        self.model = model
+        self.checkpoint = checkpoint
+        self.name = self.package
+        self.taps = tuple(tapnames.all_taps(model.cfg.num_hidden_layers))
+
+    @classmethod
+    def load(cls, package: str, checkpoint, policy, batch_invariant: bool = False) -> "OurModel":
+        if package not in PACKAGES:
+            raise ValueError(f"unknown implementation '{package}' (one of {', '.join(PACKAGES)})")
+        mod = importlib.import_module(package)
+        kw = {"batch_invariant": True} if batch_invariant else {}
+        return cls(mod.from_pretrained(checkpoint, policy=policy, **kw), checkpoint)
+
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+    @property
+    def policy(self) -> Policy:
+        return self.model.policy
+
+    @property
+    def batch_invariant(self) -> bool:
+        return bool(getattr(self.model, "batch_invariant", False))
+
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
+        return self.model.capture(tokens, attention_mask, taps, inject=inject)
+
+    def __call__(self, tokens, attention_mask=None) -> np.ndarray:
+        return np.asarray(self.model(tokens, attention_mask=attention_mask))
+
+    def prefill(self, ids, mask, total_len: int):
+        return self.model.prefill(ids, mask, total_len)
+
+    def decode(self, cache, next_ids):
+        return self.model.decode(cache, next_ids)
+
+    def generate(self, tokens, attention_mask=None, max_new_tokens: int = 32, **kw) -> np.ndarray:
+        return self.model.generate(tokens, attention_mask=attention_mask, max_new_tokens=max_new_tokens, **kw)
+
+    def float64(self, rounded_weights: bool = False) -> "OurModel":
+        """The same implementation computing in float64: over the checkpoint's values when
+        the folder is known (the ladder's oracle reads the same), else, or with
+        rounded_weights, over the model's own weights as it rounded them."""
+        mod = importlib.import_module(self.package)
+        if self.checkpoint is not None and not rounded_weights:
+            return OurModel(mod.from_pretrained(self.checkpoint, policy="fp64"), self.checkpoint)
+        twin = mod.from_weights(self.model.cfg, self.model.weights(), policy=fp64_policy(self.model.policy))
+        return OurModel(twin, self.checkpoint)

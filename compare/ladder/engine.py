@@ -1,0 +1,172 @@
+"""The ladder end to end: four captures, a verdict per tap, teacher forcing, a Report.
+
+compare_models / assert_parity are the public API; run_ladder takes two prepared Sides
+(compare.adapters). verdicts.py judges one tap, teacher.py localises, controls.py holds
+the planted bugs and clean runs that calibrate both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from llamaspec import InputError, Policy
+from llamaspec import taps as tapnames
+
+from ..adapters import Side, config_differences, resolve_side
+from ..environment import environment
+from ..metrics import logits_agreement, pair_metrics
+from ..results import JsonResult
+from .teacher import amplification, local_errors
+from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence
+
+
+@dataclasses.dataclass
+class Report(JsonResult):
+    reference: str
+    candidate: str
+    policy: dict
+    verdict: str
+    first_divergence: Divergence | None
+    taps: list[TapVerdict]
+    local: list[dict]       # per layer: local error of each side with oracle inputs forced
+    logits: dict = dataclasses.field(default_factory=dict)        # metrics.logits_agreement
+    environment: dict = dataclasses.field(default_factory=dict)   # compare.environment
+    config_differences: list = dataclasses.field(default_factory=list)  # adapters.config_differences
+
+    def to_html(self, path) -> Path:
+        from ..report.ladder import write_html
+        return write_html(self, path)
+
+    def summary(self) -> str:
+        lines = [f"{self.candidate} vs {self.reference} at {self.policy['name']}: {self.verdict}"]
+        if self.first_divergence:
+            d = self.first_divergence
+            lines.append(f"first {d.kind} at {d.tap} (layer {d.layer}, {d.component}): {d.hint}")
+            if d.evidence:
+                lines.append(d.evidence)
+        if self.config_differences:
+            lines.append("the configs differ: " + "; ".join(self.config_differences))
+        return "\n".join(lines)
+
+
+def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing=True,
+               progress=lambda msg: None) -> Report:
+    differences = config_differences(ref.at_policy, cand.at_policy)
+    taps = tuple(t for t in ref.taps if t in set(cand.taps))
+    real = np.asarray(mask, bool)
+    progress(f"reference {ref.name} at {policy.name}")
+    _, r = ref.at_policy.capture(ids, mask, taps)
+    progress(f"candidate {cand.name} at {policy.name}")
+    _, c = cand.at_policy.capture(ids, mask, taps)
+    progress("oracle: reference at fp64")
+    _, o = ref.at_fp64.capture(ids, mask, ref.taps)   # all of them: context for the hints
+    progress("candidate at fp64 (semantic rung)")
+    _, c64 = cand.at_fp64.capture(ids, mask, taps)
+    keeps_f32 = ref.keeps_f32 or cand.keeps_f32
+    hidden = np.shape(o["embed"])[-1] if "embed" in o else None
+    verdicts = [classify(t, r[t], c[t], o[t], c64[t], real, policy, keeps_f32,
+                         context_for(t, c64, o), hidden) for t in taps]
+    for v in verdicts:
+        v.metrics = pair_metrics(c[v.tap][real], r[v.tap][real], tapnames.dtype_of(v.tap, policy))
+    logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
+              if "logits" in taps else {})
+    worst, divergence = first_divergence(verdicts)
+    local = []
+    if teacher_forcing:
+        progress("teacher forcing: every layer fed the oracle's input")
+        local = local_errors(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32)
+        amplification(local, verdicts)
+    uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
+    return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
+                  logits, environment(policy, uses_jax), differences)
+
+
+# The default input: one chat prompt of 258 tokens with SmolLM2's tokenizer (the issue's
+# "256-token prompt"), long enough for position-dependent bugs (RoPE, masks) to show a
+# trend and for softmaxes over many keys, short enough for the fp64 rung to stay cheap.
+BUILTIN_PROMPTS = [
+    "Read the following notes and answer the question at the end.\n\n"
+    "Floating-point addition is not associative: (a + b) + c can differ from a + (b + c) in the "
+    "last bits, because every operation rounds its exact result to the nearest number the format "
+    "can hold. A float32 number keeps 24 bits of significand, a bfloat16 number only 8, so the "
+    "same sum computed in a different order lands on a neighbouring value. Inside a language "
+    "model these tiny differences pass through dozens of layers of matrix products. Most of the "
+    "time they stay at the level of the rounding itself. A real bug looks different: a rotary "
+    "embedding applied to the wrong pairs of dimensions, a normalisation with the wrong epsilon, "
+    "or a mask that lets a token see its future changes the numbers even when every step is "
+    "computed in double precision, and it changes them in a pattern that follows positions, "
+    "heads or rows rather than looking like noise.\n\n"
+    "Question: why can two correct implementations of the same model give different answers, "
+    "and how would you tell that apart from a bug?",
+]
+
+
+def _inputs(inputs, checkpoint):
+    """None -> built-in prompts; a str or list[str] -> chat-encoded prompts; an int array
+    [B, T], or (ids, mask). Checked here so that a bad argument is named as `inputs`.
+
+    Text batches are right-padded: transformers' eager float64 attention turns a
+    left-padded row into NaN (adapters.transformers.EAGER_F64_LEFT_PADDING), and positions
+    come from the mask in every implementation, so the padding side does not change the math.
+    """
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if inputs is None or (isinstance(inputs, (list, tuple)) and inputs and all(isinstance(x, str) for x in inputs)):
+        from llamaspec.tokenizer import Tokenizer
+        tok = Tokenizer.from_pretrained(checkpoint)
+        return tok.batch_encode(list(inputs or BUILTIN_PROMPTS), chat=True, padding_side="right")
+    if isinstance(inputs, tuple) and len(inputs) == 2:
+        ids, mask = _int_array(inputs[0], "inputs[0] (token ids)"), _int_array(inputs[1], "inputs[1] (mask)")
+    else:
+        ids = _int_array(inputs, "inputs")
+        mask = np.ones(ids.shape, np.int64)
+    if ids.ndim != 2 or 0 in ids.shape:
+        raise InputError(f"inputs: token ids must be a non-empty [batch, tokens] array, got shape {ids.shape}")
+    if mask.shape != ids.shape:
+        raise InputError(f"inputs: the mask's shape {mask.shape} is not the ids' {ids.shape}")
+    empty = np.flatnonzero(~np.asarray(mask, bool).any(1))
+    if len(empty):
+        raise InputError(f"inputs: row(s) {empty.tolist()} have no real token (their mask is all 0)")
+    return ids, mask
+
+
+def _int_array(x, what: str) -> np.ndarray:
+    if isinstance(x, (list, tuple)) and x and isinstance(x[0], (list, tuple)) and len({len(r) for r in x}) > 1:
+        raise InputError(f"{what}: rows of different lengths ({', '.join(str(len(r)) for r in x)}); pad them to "
+                         "one length and pass (ids, mask)")
+    a = np.asarray(x)
+    if not np.issubdtype(a.dtype, np.integer):
+        raise InputError(f"{what}: expected integer token ids (or prompts as strings), got {a.dtype} "
+                         f"of shape {a.shape}")
+    return a
+
+
+def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, inputs=None,
+                   policy="fp32", teacher_forcing=True, progress=lambda msg: None) -> Report:
+    """Runs the ladder for `candidate` against `reference` on one checkpoint (the public API)."""
+    if checkpoint is None:
+        raise ValueError("checkpoint is required (a Hugging Face Llama folder; "
+                         "`llama-parity fetch-smollm2` prints the default one)")
+    policy = Policy.get(policy)
+    ids, mask = _inputs(inputs, checkpoint)
+    progress(f"loading {reference if isinstance(reference, str) else type(reference).__name__} "
+             f"and {candidate if isinstance(candidate, str) else type(candidate).__name__}")
+    ref = resolve_side(reference, checkpoint, policy)
+    cand = resolve_side(candidate, checkpoint, policy)
+    return run_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress)
+
+
+def assert_parity(reference, candidate, checkpoint, policy="fp32", inputs=None, allow=("exact", "drift"),
+                  **kw) -> Report:
+    """For users' own pytest suites: fails with the report's summary unless the verdict is
+    in `allow` (by default: exact or drift, i.e. no precision or semantic difference)."""
+    report = compare_models(reference, candidate, checkpoint, inputs=inputs, policy=policy, **kw)
+    if report.verdict not in allow:
+        worst = [v for v in report.taps if v.kind == report.verdict][:5]
+        lines = [report.summary()] + [f"  {v.tap}: {v.kind}, cand {v.err_cand:.2e} vs ref "
+                                      f"{v.err_ref:.2e}, fp64 {v.err_fp64:.2e}" for v in worst]
+        raise AssertionError("\n".join(lines))
+    return report

@@ -1,0 +1,109 @@
+"""Teacher forcing: every layer fed the oracle's input, so each layer's own error shows.
+
+One extra capture per side gives each layer's local error (against the oracle, with the
+oracle's input forced) next to the inherited one of the full run; with a divergence, the
+same runs say which layer is the first to add it on its own, which confirms (or not) the
+layer the ladder names.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llamaspec import Policy, positions_from_mask
+from llamaspec import taps as tapnames
+
+from ..adapters import Side
+from ..metrics import rel_l2
+from ..vocabulary import FLOOR_ULPS, FP64_FLOOR, STRUCT_F32_FLOOR, drift_factor, precision_floor
+from .verdicts import Divergence, TapVerdict, precision_ratio
+
+
+def amplification(rows: list[dict], verdicts: list[TapVerdict]) -> None:
+    """Per layer and side: full-run error of the layer's output over that of its input (the
+    previous layer's output; the embedding for layer 0, where it is None when the embedding
+    is exact). > 1: the layer magnifies what it inherits (local error included)."""
+    full = {v.tap: v for v in verdicts}
+    for row in rows:
+        i = row["layer"]
+        out, inp = full.get(f"layers.{i}.out"), full.get("embed" if i == 0 else f"layers.{i - 1}.out")
+        for key, attr in (("ref", "err_ref"), ("cand", "err_cand")):
+            e_in = getattr(inp, attr) if inp else 0.0
+            row[f"{key}_amplification"] = (getattr(out, attr) / e_in if out and e_in else None)
+
+
+def local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None,
+                  policy: Policy | None = None, keeps_f32=False) -> list[dict]:
+    """Feed every layer the oracle's input (one call per side) and measure what each layer
+    adds on its own; inherited = full-run error, local = forced-run error.
+
+    With a divergence, the same forced runs also measure the divergence's tap in every
+    layer (at fp64 for a semantic one, at P for a precision one) and say whether the
+    first layer that adds the difference on its own is the divergence's layer."""
+    n = sum(1 for t in oracle if t.endswith(".out"))
+    if n == 0 or "embed" not in oracle:
+        return []
+    inject = {0: oracle["embed"], **{i: oracle[f"layers.{i - 1}.out"] for i in range(1, n)}}
+    outs = [f"layers.{i}.out" for i in range(n)]
+    kind = tapnames.tap(divergence.tap).kind if divergence else None
+    at = [f"layers.{i}.{kind}" for i in range(n)] if divergence and divergence.layer is not None \
+        else outs
+    at = [t for t in at if t in oracle]
+    rows = [{"layer": i} for i in range(n)]
+    forced = {}
+    for side, key in ((ref, "ref"), (cand, "cand")):
+        _, forced[key] = side.at_policy.capture(ids, mask, list(dict.fromkeys(outs + at)),
+                                                inject=inject)
+        for i, t in enumerate(outs):
+            rows[i][f"{key}_local"] = rel_l2(forced[key][t][real], oracle[t][real])
+    if divergence and divergence.kind == "precision":
+        pos = positions_from_mask(np.asarray(mask))[real]
+        for t in at:
+            row = rows[tapnames.tap(t).layer]
+            fr, fc, o = forced["ref"][t][real], forced["cand"][t][real], oracle[t][real]
+            row["ref_tap_local"], row["cand_tap_local"] = rel_l2(fr, o), rel_l2(fc, o)
+            row["tap_local_ratio"] = precision_ratio(fr, fc, o, pos, precision_floor(policy, oracle["embed"].shape[-1]),
+                                                     drift_factor(policy))[0]
+    if divergence and divergence.kind == "semantic":
+        _, forced = cand.at_fp64.capture(ids, mask, list(dict.fromkeys(outs + at)), inject=inject)
+        for t in at:
+            rows[tapnames.tap(t).layer]["cand64_tap_local"] = rel_l2(forced[t][real], oracle[t][real])
+    if divergence:
+        _confirm(divergence, rows, at, policy, keeps_f32)
+    return rows
+
+
+def _confirm(d: Divergence, rows, at, policy, keeps_f32) -> None:
+    """Teacher forcing's confirmation of the divergence's layer (docs/method.md, "Localisation")."""
+    what = tapnames.tap(d.tap).kind if d.layer is not None else "out"
+    if d.kind == "semantic":
+        gate = STRUCT_F32_FLOOR if keeps_f32 else FP64_FLOOR
+        local = {r["layer"]: r.get("cand64_tap_local") for r in rows}
+        adds = [i for i, e in local.items() if e is not None and not e <= gate]
+        rule = f"fp64 local error of layers.i.{what} > {gate:.0e}"
+    else:
+        local = {r["layer"]: (r.get("ref_tap_local"), r.get("cand_tap_local")) for r in rows}
+        adds = [r["layer"] for r in rows if r.get("tap_local_ratio", 0) > 1]
+        rule = (f"local error of layers.i.{what} > {drift_factor(policy):g}x the reference's "
+                f"+ {FLOOR_ULPS} ulp")
+    first = adds[0] if adds else None
+    if d.layer is None:
+        d.confirmed = first is None
+        d.evidence = (f"teacher forcing: no layer adds the difference on its own ({rule}), so it "
+                      f"starts outside the layers, in {d.component}" if first is None else
+                      f"teacher forcing: layer {first} adds a difference on its own ({rule})")
+        return
+    d.confirmed = first == d.layer
+    if d.kind == "semantic":
+        e = rows[d.layer].get("cand64_tap_local")
+        nums = f"{e:.1e} there" + (f", {rows[d.layer - 1]['cand64_tap_local']:.1e} in layer "
+                                   f"{d.layer - 1}" if d.layer > 0 and
+                                   rows[d.layer - 1].get("cand64_tap_local") is not None else "")
+    else:
+        e_r, e_c = local[d.layer]
+        nums = (f"{e_c:.1e} vs the reference's {e_r:.1e} there, "
+                f"{rows[d.layer].get('tap_local_ratio', float('nan')):.1f}x the bound")
+    d.evidence = (f"teacher forcing (oracle input forced into every layer): layer {first} is the "
+                  f"first to add it on its own ({rule}; {nums})" if first is not None else
+                  f"teacher forcing: no layer adds it on its own ({rule}); the difference is "
+                  "inherited or too small to isolate")

@@ -1,0 +1,245 @@
+"""The oracle ladder's verdict for one tap (docs/method.md).
+
+Four captures of the same inputs, all numpy:
+    ref  = reference at the working policy P      cand   = candidate at P
+    oracle = reference at fp64                    cand64 = candidate at fp64
+Per tap, in this order:
+    exact      cand is bitwise equal to ref;
+    semantic   cand64 differs from oracle beyond fp64 rounding (or the floor of a side
+               that keeps f32 steps inside its fp64 run), or the difference is
+               structured (structure.analyse, RoPE pairs, attention conventions): a
+               difference in the math, with a hint that names the structure;
+    precision  err(cand) > M * err(ref) + floor at P, errors measured against the
+               oracle, over the whole tap or any quarter of its positions: the
+               candidate loses more precision than the reference;
+    drift      anything else: rounding, as much as the reference's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from llamaspec import Policy, positions_from_mask
+from llamaspec import taps as tapnames
+
+from ..metrics import nonfinite
+from ..vocabulary import (
+    F32_STEPS_FLOOR,
+    FLOOR_ULPS,
+    FP64_FLOOR,
+    KINDS,
+    QUARTER_POSITIONS,
+    STRUCT_F32_FLOOR,
+    M,
+    drift_factor,
+    precision_floor,
+)
+from .conventions import explain_attention
+from .structure import analyse
+from .structure import hint as structure_hint
+
+_F32_STEP_KINDS = ("position_trend", "head_confinement", "half_confinement", "sign_bias")
+# Where a precision deviation first shows, the step that most likely lost it.
+_PRECISION_STEP = {
+    "q_rope": "RoPE tables (angles, cos/sin) computed in lower precision",
+    "k_rope": "RoPE tables (angles, cos/sin) computed in lower precision",
+    "attn_ctx": "attention (scores, softmax or P@V) computed in lower precision",
+    "attn_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
+    "mlp_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
+    "final_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
+    "logits": "lm_head output kept in lower precision",
+}
+# Where a semantic difference with no simple structure first shows: what sits there.
+_COMPONENT_HINT = {
+    "embed": "the embedding table or token ids",
+    "attn_norm": "the input RMSNorm (epsilon, weight convention, normalisation)",
+    "mlp_norm": "the post-attention RMSNorm (epsilon, weight convention, normalisation)",
+    "final_norm": "the final RMSNorm",
+    "lm_head": "the lm_head matrix: everything before the logits agrees (tied vs untied "
+               "embeddings, a transposed or another matrix)",
+}
+
+
+@dataclasses.dataclass
+class TapVerdict:
+    tap: str
+    layer: int | None
+    component: str
+    kind: str
+    err_ref: float      # ref at P vs oracle
+    err_cand: float     # cand at P vs oracle
+    err_fp64: float     # cand at fp64 vs oracle
+    nonfinite: int
+    hint: str
+    # err(cand) / (M * err(ref) + floor), the worse of the whole tap and its quarters of
+    # positions: > 1 is a precision deviation (when fp64 agrees)
+    precision_ratio: float = float("nan")
+    # candidate vs reference at the policy: max abs, max ULP (compute dtype), cosine,
+    # fraction of elements beyond 16 unit roundoffs (metrics.pair_metrics)
+    metrics: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Divergence:
+    tap: str
+    layer: int | None
+    component: str
+    kind: str
+    hint: str
+    # Teacher forcing's word on the layer: True when the layer that adds the error on its
+    # own (oracle input forced) is this one, False when it is another, None when not run.
+    confirmed: bool | None = None
+    evidence: str = ""
+
+
+def _findings(tap, cand64, oracle, mask, keeps_f32, context) -> list:
+    """Structure of the fp64-rung difference at one tap (structure.analyse, RoPE pairs with
+    the pre-RoPE inputs, attention conventions with the oracle's q/k/v)."""
+    kind = tapnames.tap(tap).kind
+    per_head = kind in ("q", "k", "v", "q_rope", "k_rope")
+    c64, o = np.asarray(cand64, np.float64), np.asarray(oracle, np.float64)
+    found = analyse(c64, o, mask, per_head=per_head, pre=context.get("pre"),
+                    norm_input=context.get("norm_input"))
+    if kind == "attn_ctx" and context.get("qkv") is not None:
+        conv = explain_attention(c64, *context["qkv"], mask)
+        found = ([conv] if conv else []) + found
+    if keeps_f32:
+        found = [f for f in found
+                 if f.size > (F32_STEPS_FLOOR if f.kind in _F32_STEP_KINDS else STRUCT_F32_FLOOR)]
+    return found
+
+
+class _RowErrors:
+    """Squared norms per row (position) against one yardstick, so that the relative L2
+    error of any set of rows is two sums: one pass over each array instead of one per
+    subset (a report asks for the whole tap and four quarters of it, for ~450 taps).
+    rel(x, rows) equals metrics.rel_l2(x[rows], yardstick[rows]), NaN/Inf included."""
+
+    def __init__(self, yardstick):
+        self.o = self._rows(yardstick)
+        self.norm = np.einsum("ij,ij->i", self.o, self.o)
+
+    @staticmethod
+    def _rows(x) -> np.ndarray:
+        x = np.asarray(x, np.float64)
+        return x.reshape(len(x), -1)
+
+    def sq(self, x) -> np.ndarray:
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = self._rows(x) - self.o
+            return np.einsum("ij,ij->i", d, d)
+
+    def rel(self, sq, rows=slice(None)) -> float:
+        e, n = float(np.sum(sq[rows])), float(np.sum(self.norm[rows]))
+        return math.sqrt(e / n) if n else math.sqrt(e)
+
+
+def precision_ratio(r, c, o, pos, floor, m=M, rows: _RowErrors | None = None
+                    ) -> tuple[float, str]:
+    """err(c) / (M err(r) + floor) over the whole tap and over each quarter of positions
+    (when there are >= QUARTER_POSITIONS): the worst, and where. A step whose rounding
+    grows with position (RoPE angles in low precision) hides in a whole-tap average.
+    r, c may be given as per-row squared errors with `rows` (the oracle's _RowErrors)."""
+    if rows is None:
+        rows = _RowErrors(o)
+        r, c = rows.sq(r), rows.sq(c)
+
+    def ratio(sel):
+        return rows.rel(c, sel) / (m * rows.rel(r, sel) + floor)
+    best, where = ratio(slice(None)), "whole tap"
+    distinct = np.unique(pos)
+    if len(distinct) >= QUARTER_POSITIONS:
+        edges = distinct[np.linspace(0, len(distinct), 5).astype(int)[1:-1]]
+        quarter = np.searchsorted(edges, pos, side="right")
+        for q in range(4):
+            x = ratio(quarter == q)
+            if x > best:
+                lo, hi = pos[quarter == q].min(), pos[quarter == q].max()
+                best, where = x, f"positions {lo}-{hi}"
+    return best, where
+
+
+def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bool,
+             context=None, hidden: int | None = None) -> TapVerdict:
+    """The ladder for one tap; arrays are [B, T, ...], mask [B, T] selects real positions.
+
+    context (optional): {"pre": (cand64_pre, oracle_pre)} at q_rope/k_rope taps (the q/k
+    before RoPE), {"qkv": (q_rope, k_rope, v)} of the oracle at attn_ctx: they let the
+    structure analysis name RoPE and attention-convention differences."""
+    t = tapnames.tap(tap)
+    layer, component = t.layer, t.component
+    r, c, o, c64 = (np.asarray(a)[mask] for a in (ref, cand, oracle, cand64))
+    bad = nonfinite(r) + nonfinite(c)
+    rows = _RowErrors(o)
+    sq_r, sq_c = rows.sq(r), rows.sq(c)
+    err_ref, err_cand, err64 = rows.rel(sq_r), rows.rel(sq_c), rows.rel(rows.sq(c64))
+    if bad or not all(math.isfinite(e) for e in (err_ref, err_cand, err64)):
+        kind = "semantic" if nonfinite(c64) else "precision"
+        return TapVerdict(tap, layer, component, kind, err_ref, err_cand, err64, bad,
+                          f"NaN/Inf: {nonfinite(r)} in the reference, {nonfinite(c)} in the "
+                          f"candidate ({nonfinite(c64)} at fp64)")
+    if np.array_equal(r, c):
+        return TapVerdict(tap, layer, component, "exact", err_ref, err_cand, err64, 0, "bitwise equal")
+    floor64 = F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR
+    gate = STRUCT_F32_FLOOR if keeps_f32 else FP64_FLOOR
+    if err64 > gate:
+        found = _findings(tap, cand64, oracle, mask, keeps_f32, context or {})
+        if err64 > floor64 or found:
+            why = structure_hint(found) if found else "no simple structure"
+            return TapVerdict(tap, layer, component, "semantic", err_ref, err_cand, err64, 0,
+                              f"differs at fp64 (rel L2 {err64:.1e}"
+                              + (f" > {floor64:.0e}" if err64 > floor64 else
+                                 f", structured above {gate:.0e}")
+                              + f"): a difference in the math, not rounding; {why}")
+    pos = positions_from_mask(np.asarray(mask))[np.asarray(mask, bool)]
+    m = drift_factor(policy)
+    ratio, where = precision_ratio(sq_r, sq_c, None, pos, precision_floor(policy, hidden), m, rows)
+    if ratio > 1:
+        step = _PRECISION_STEP.get(t.kind, "a step computed in lower precision "
+                                   "(matmul accumulation, norm, softmax, RoPE tables)")
+        times = f"{err_cand / err_ref:.1f}x" if err_ref else "more than"
+        return TapVerdict(tap, layer, component, "precision", err_ref, err_cand, err64, 0,
+                          f"the candidate loses {times} the reference's precision here "
+                          f"({err_cand:.1e} vs {err_ref:.1e}; {ratio:.1f}x the drift bound "
+                          f"{m:g}x + {FLOOR_ULPS} ulp over the {where}) while fp64 agrees: {step}",
+                          ratio)
+    return TapVerdict(tap, layer, component, "drift", err_ref, err_cand, err64, 0,
+                      f"rounding: {err_cand:.1e} vs the reference's own {err_ref:.1e} "
+                      f"(within {m:g}x + {FLOOR_ULPS} ulp)", ratio)
+
+
+def context_for(tap, c64, o) -> dict:
+    """What classify's structure analysis needs besides the tap itself (see classify)."""
+    t = tapnames.tap(tap)
+    layer, kind = t.layer, t.kind
+    p = f"layers.{layer}."
+    norm_in = {"attn_norm": "embed" if not layer else f"layers.{layer - 1}.out",
+               "mlp_norm": p + "resid_mid",
+               "final_norm": max((t for t in o if t.endswith(".out")), default=None,
+                                 key=lambda t: tapnames.tap(t).layer)}.get(kind)
+    if norm_in in o:
+        return {"norm_input": o[norm_in]}
+    if kind in ("q_rope", "k_rope") and p + kind[0] in c64 and p + kind[0] in o:
+        return {"pre": (c64[p + kind[0]], o[p + kind[0]])}
+    if kind == "attn_ctx" and all(p + t in o for t in ("q_rope", "k_rope", "v")):
+        return {"qkv": (o[p + "q_rope"], o[p + "k_rope"], o[p + "v"])}
+    return {}
+
+
+def first_divergence(verdicts: list[TapVerdict]) -> tuple[str, Divergence | None]:
+    """The overall verdict (the worst tap's kind) and, for precision or semantic, the
+    earliest tap of that kind as a Divergence."""
+    worst = max(verdicts, key=lambda v: KINDS.index(v.kind)).kind
+    if worst in ("exact", "drift"):
+        return worst, None
+    first = next(v for v in verdicts if v.kind == worst)
+    hint = first.hint
+    # Where a difference starts says what sits there; for the embedding and the lm_head
+    # (a table and one matrix) that is the best hint whatever pattern the values show.
+    if first.component in _COMPONENT_HINT and (
+            "no simple structure" in hint or first.component in ("embed", "lm_head")):
+        hint += f"; it starts in {_COMPONENT_HINT[first.component]}"
+    return worst, Divergence(first.tap, first.layer, first.component, first.kind, hint)
