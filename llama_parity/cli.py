@@ -3,7 +3,12 @@
     llama-parity fetch-smollm2         cache the real default model, print its folder
     llama-parity demo [CHECKPOINT]     both models side by side on the real model
     llama-parity compare [CHECKPOINT]  verdict per layer and component: exact / drift /
-                                       precision / semantic (exit 1 on precision/semantic)
+                                       precision / semantic
+    llama-parity probe KIND [CHECKPOINT]  invariance probes (batch, padding, determinism, ...)
+
+Exit codes: 0 exact or drift; 1 a precision or semantic finding; 2 a usage error or bad
+input (one line naming the argument, file or field; checked before any model loads);
+3 an internal error (one line; rerun with --debug for the traceback); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -11,10 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+from .checks import UsageError, checkpoint_folder, output_file, output_folder, positive_int, shape
 from .fetch import resolve_checkpoint
+
+EXIT_OK, EXIT_FINDING, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -34,21 +43,18 @@ def cmd_fetch(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from pathlib import Path
-
     import jaxmodel
     import torchref
     from compare import compare_models
     from llamaspec.tokenizer import Tokenizer
 
-    folder = resolve_checkpoint(args.checkpoint)
+    folder = checkpoint_folder(resolve_checkpoint(args.checkpoint), need_tokenizer="the demo's prompts need")
+    out_dir = output_folder(args.out_dir, "--out-dir")
     say(f"checkpoint: {folder}")
     tok = Tokenizer.from_pretrained(folder)
     prompts = args.prompt or DEFAULT_PROMPTS
     ids, mask = tok.batch_encode(prompts, chat=True, padding_side="left")
     say(f"{len(prompts)} prompts, batch {ids.shape[0]} x {ids.shape[1]} tokens (left padded)\n")
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     verdicts = {}
     for policy in args.policy:
         say(f"=== policy {policy} ===")
@@ -107,15 +113,18 @@ def cmd_compare(args) -> int:
     from compare.vocabulary import KINDS
     from llamaspec import Policy
 
-    folder = resolve_checkpoint(args.checkpoint)
+    if args.prompt and args.random_tokens:
+        raise UsageError("--prompt and --random-tokens exclude each other: give one")
+    folder = checkpoint_folder(resolve_checkpoint(args.checkpoint), need_tokenizer=None if args.random_tokens else
+                               "the prompts need (for a folder without one, pass --random-tokens BxT)")
     policy = Policy.get(args.policy)
+    json_path, html_path = _report_paths(args)
     t0 = time.perf_counter()
     inputs = args.prompt
     if args.random_tokens:
-        import json
-        from pathlib import Path
-        B, T = (int(x) for x in args.random_tokens.lower().split("x"))
-        vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+        from llamaspec import LlamaConfig
+        B, T = args.random_tokens
+        vocab = LlamaConfig.from_file(Path(folder) / "config.json").vocab_size
         inputs = np.random.default_rng(0).integers(0, vocab, (B, T))
     report = compare_models(_peer(args.reference, folder, policy), _peer(args.candidate, folder, policy),
                             folder, inputs=inputs, policy=policy,
@@ -126,26 +135,25 @@ def cmd_compare(args) -> int:
     env = report.environment
     say(f"measured on: {env.get('cpu')} ({env.get('cpu isa')}; caps: {env.get('isa caps')}); "
         f"GPU: {env.get('gpu', 'none')}")
-    json_path, html_path = _report_paths(args)
     if json_path:
         say(f"JSON report: {report.to_json(json_path)}")
     if html_path:
         say(f"HTML report: {report.to_html(html_path)}")
     say(f"done in {time.perf_counter() - t0:.1f} s")
-    return 0 if KINDS.index(report.verdict) <= KINDS.index("drift") else 1
+    return EXIT_OK if KINDS.index(report.verdict) <= KINDS.index("drift") else EXIT_FINDING
 
 
 def _report_paths(args):
     """--json/--html where given; otherwise both go to --out-dir (default ./parity-report/,
-    git-ignored), named after the comparison, unless --no-files."""
-    if args.no_files:
-        return args.json, args.html
-    from pathlib import Path
-    out = Path(args.out_dir)
-    stem = f"{args.candidate}-vs-{args.reference}-{args.policy}"
-    if not (args.json and args.html):
-        out.mkdir(parents=True, exist_ok=True)
-    return args.json or out / f"{stem}.json", args.html or out / f"{stem}.html"
+    git-ignored), named after the comparison, unless --no-files. Checked before the run."""
+    json_path, html_path = args.json, args.html
+    if not args.no_files:
+        stem = f"{args.candidate}-vs-{args.reference}-{args.policy}"
+        if not (json_path and html_path):
+            out = output_folder(args.out_dir, "--out-dir")
+            json_path, html_path = json_path or out / f"{stem}.json", html_path or out / f"{stem}.html"
+    return (output_file(json_path, "--json", args.force, say) if json_path else None,
+            output_file(html_path, "--html", args.force, say) if html_path else None)
 
 
 def print_verdict_table(report, colour: bool) -> None:
@@ -174,21 +182,28 @@ def print_verdict_table(report, colour: bool) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="llama-parity", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an internal error")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("fetch-smollm2", help="cache SmolLM2-135M-Instruct as an HF folder; prints it last")
+    p = sub.add_parser("fetch-smollm2", parents=[common],
+                       help="cache SmolLM2-135M-Instruct as an HF folder; prints it last")
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(func=cmd_fetch)
 
-    p = sub.add_parser("demo", help="greedy answers and the drift-vs-bug verdicts, torchref vs jaxmodel")
+    p = sub.add_parser("demo", parents=[common],
+                       help="greedy answers and the drift-vs-bug verdicts, torchref vs jaxmodel")
     p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
     p.add_argument("--policy", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: four built-ins")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--out-dir", default="parity-report", help="where the HTML reports go")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("compare", help="drift vs bug: per-tap verdicts of a candidate against a reference")
+    p = sub.add_parser("compare", parents=[common],
+                       help="drift vs bug: per-tap verdicts of a candidate against a reference")
     p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
     impls = ["torchref", "jaxmodel", "transformers"]
     p.add_argument("--reference", default="torchref", choices=impls)
@@ -196,27 +211,52 @@ def main(argv=None) -> int:
     p.add_argument("--policy", default="fp32", help="preset: fp64 fp32 tf32 bf16 fp16 bf16w-f32 fp64-hf")
     p.add_argument("--prompt", action="append",
                    help="a prompt (repeatable); default: one built-in 258-token prompt")
-    p.add_argument("--random-tokens", metavar="BxT", help="random token ids instead of prompts "
+    p.add_argument("--random-tokens", metavar="BxT", type=shape, help="random token ids instead of prompts "
                    "(for checkpoints without a tokenizer), e.g. 2x64")
     p.add_argument("--json", help="write the JSON report here (default: in --out-dir)")
     p.add_argument("--html", help="write the HTML report here (default: in --out-dir)")
     p.add_argument("--out-dir", default="parity-report",
                    help="folder for the JSON and HTML reports not given a path (default: %(default)s)")
     p.add_argument("--no-files", action="store_true", help="write only the reports given a path")
+    p.add_argument("--force", action="store_true", help="overwrite report paths that hold files llama-parity "
+                   "did not write")
     p.add_argument("--no-teacher-forcing", action="store_true")
     p.add_argument("--no-colour", action="store_true")
     p.set_defaults(func=cmd_compare)
 
     from .probe_cli import add_parser as add_probe_parser
-    add_probe_parser(sub)
+    add_probe_parser(sub, common)
 
     args = parser.parse_args(argv)
+    return run(args.func, args)
+
+
+def run(func, args) -> int:
+    """func(args) with the exit codes of the module docstring."""
     from llamaspec import LlamaParityError
     try:
-        return args.func(args)
-    except LlamaParityError as e:
+        return func(args)
+    except LlamaParityError as e:   # UsageError included: bad argument, file, field or input
         print(f"llama-parity: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        if args.debug:
+            raise
+        print(f"llama-parity: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("llama-parity: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 (the last line of defence: one line and a code)
+        if args.debug:
+            raise
+        where = e.__traceback__
+        while where.tb_next:
+            where = where.tb_next
+        at = f"{Path(where.tb_frame.f_code.co_filename).name}:{where.tb_lineno}"
+        print(f"llama-parity: internal error: {type(e).__name__}: {e} (at {at}); rerun with --debug "
+              "for the traceback", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

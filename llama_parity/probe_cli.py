@@ -5,7 +5,8 @@
 
 Progress goes to stderr, the table to stdout. Exit code 1 when a probe finds a
 semantic problem (a padding, mask, position or cache error, or NaN/Inf), 2 on a usage
-error or when nothing could run, 0 otherwise (exact or drift).
+error (checked before any model loads) or when nothing could run, 3 on an internal
+error, 0 otherwise (exact or drift).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import argparse
 import gc
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+from .checks import UsageError, checkpoint_folder, count, output_file, positive_int, positive_ints
 
 PROBE_KINDS = ("batch", "padding", "determinism", "divergence", "all")
 IMPLS = ("torchref", "jaxmodel", "transformers")
@@ -30,13 +34,14 @@ def _list(values, default, allowed=None, what="value") -> list[str]:
             x = x.strip()
             if x and x not in out:
                 if allowed and x not in allowed:
-                    raise SystemExit(f"llama-parity probe: unknown {what} '{x}' (one of {', '.join(allowed)})")
+                    raise UsageError(f"unknown {what} '{x}' (one of {', '.join(allowed)})")
                 out.append(x)
     return out
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("probe", help="invariance probes: batch, padding, run-to-run, greedy divergence",
+def add_parser(sub, common) -> None:
+    p = sub.add_parser("probe", parents=[common],
+                       help="invariance probes: batch, padding, run-to-run, greedy divergence",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=PROBE_KINDS)
     p.add_argument("checkpoint_pos", nargs="?", default=None, metavar="CHECKPOINT",
@@ -49,17 +54,18 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-invariant", action="store_true", help="same as --mode invariant")
     p.add_argument("--prompt", default=None, help=f"target prompt (default {DEFAULT_PROMPT!r}; random "
                    "tokens when the checkpoint has no tokenizer)")
-    p.add_argument("--length", type=int, default=24, help="random target length (no tokenizer)")
-    p.add_argument("--batch-sizes", default="2,3,4,8,16,32")
-    p.add_argument("--completions", type=int, default=24, help="greedy completions per model")
-    p.add_argument("--new-tokens", type=int, default=16, help="tokens per greedy completion")
-    p.add_argument("--divergence-batch-sizes", default="4,8,16")
-    p.add_argument("--repeats", type=int, default=2, help="in-process repeats (determinism)")
-    p.add_argument("--processes", type=int, default=1, help="fresh processes (determinism)")
+    p.add_argument("--length", type=positive_int, default=24, help="random target length (no tokenizer)")
+    p.add_argument("--batch-sizes", type=positive_ints, default="2,3,4,8,16,32")
+    p.add_argument("--completions", type=positive_int, default=24, help="greedy completions per model")
+    p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens per greedy completion")
+    p.add_argument("--divergence-batch-sizes", type=positive_ints, default="4,8,16")
+    p.add_argument("--repeats", type=positive_int, default=2, help="in-process repeats (determinism)")
+    p.add_argument("--processes", type=count, default=1, help="fresh processes (determinism)")
     p.add_argument("--no-cross", action="store_true", help="skip jaxmodel-vs-torchref greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write all results here")
     p.add_argument("--html", help="write the HTML report here")
+    p.add_argument("--force", action="store_true", help="overwrite --json/--html files llama-parity did not write")
     p.add_argument("--no-colour", action="store_true")
     p.set_defaults(func=cmd_probe)
 
@@ -72,7 +78,6 @@ def _log(t0):
 
 def target_tokens(folder, prompt, length, seed):
     """Token ids of the target and how they were made."""
-    from pathlib import Path
     if (Path(folder) / "tokenizer.json").is_file():
         from llamaspec.tokenizer import Tokenizer
         tok = Tokenizer.from_pretrained(folder)
@@ -80,10 +85,10 @@ def target_tokens(folder, prompt, length, seed):
         ids = tok.encode_chat(text) if tok.has_chat_template else tok.encode_prompt(text)
         return np.asarray(ids, np.int64), f"prompt {text!r} ({len(ids)} tokens)"
     if prompt:
-        raise SystemExit(f"llama-parity probe: {folder} has no tokenizer.json; drop --prompt")
-    import json
-    from pathlib import Path as P
-    vocab = json.loads((P(folder) / "config.json").read_text())["vocab_size"]
+        raise UsageError(f"checkpoint {folder}: no tokenizer.json, which --prompt needs; drop --prompt "
+                         "(random tokens are used)")
+    from llamaspec import LlamaConfig
+    vocab = LlamaConfig.from_file(Path(folder) / "config.json").vocab_size
     ids = np.random.default_rng(seed).integers(0, vocab, length)
     return ids.astype(np.int64), f"{length} random tokens (no tokenizer)"
 
@@ -91,8 +96,7 @@ def target_tokens(folder, prompt, length, seed):
 def run_probes(kinds, models, target, args, say) -> list:
     """Runs the probes on each loaded model; cross-framework greedy when both ours are there."""
     from compare import probes
-    sizes = [int(x) for x in args.batch_sizes.split(",") if x]
-    dsizes = [int(x) for x in args.divergence_batch_sizes.split(",") if x]
+    sizes, dsizes = args.batch_sizes, args.divergence_batch_sizes
     out = []
     for pm in models:
         for kind in kinds:
@@ -116,8 +120,8 @@ def run_probes(kinds, models, target, args, say) -> list:
 
 
 def cmd_probe(args) -> int:
-    from compare.probes import load_model
     from compare.environment import environment
+    from compare.probes import load_model
     from compare.report.probes import format_table, write_html, write_json
     from llamaspec import Policy
 
@@ -131,7 +135,9 @@ def cmd_probe(args) -> int:
         modes.append("invariant")
     kinds = list(PROBE_KINDS[:-1]) if args.kind == "all" else [args.kind]
     from .fetch import resolve_checkpoint
-    folder = resolve_checkpoint(args.checkpoint or args.checkpoint_pos, say)
+    json_path = output_file(args.json, "--json", args.force, say) if args.json else None
+    html_path = output_file(args.html, "--html", args.force, say) if args.html else None
+    folder = checkpoint_folder(resolve_checkpoint(args.checkpoint or args.checkpoint_pos, say))
     target, how = target_tokens(folder, args.prompt, args.length, args.seed)
     say(f"checkpoint {folder}; target: {how}")
 
@@ -155,10 +161,10 @@ def cmd_probe(args) -> int:
         print(f"skipped {s}")
     meta = {"checkpoint": folder, "target": how, "probes": kinds, "impls": impls, "policies": policies,
             "modes": modes, "skipped": skipped, "argv": sys.argv[1:], "environment": environment(policies[0])}
-    if args.json:
-        print(f"JSON: {write_json(results, args.json, meta)}")
-    if args.html:
-        print(f"HTML: {write_html(results, args.html, meta)}")
+    if json_path:
+        print(f"JSON: {write_json(results, json_path, meta)}")
+    if html_path:
+        print(f"HTML: {write_html(results, html_path, meta)}")
     say(f"done: {len(results)} results")
     if not results:
         print("llama-parity probe: nothing ran (every implementation/mode was skipped)", file=sys.stderr)

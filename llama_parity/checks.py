@@ -1,0 +1,134 @@
+"""What the command line checks before it loads a model: argument values, the checkpoint
+folder, and every output path, so that a typo costs a second and a finished run is never
+lost to a path that cannot be written."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from pathlib import Path
+
+from llamaspec import LlamaParityError
+
+
+class UsageError(LlamaParityError):
+    """A bad argument, path or input: exit code 2, one line, no traceback."""
+
+
+# ----- argparse types (argparse turns ArgumentTypeError into "error: argument X: ...", exit 2)
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def count(text: str) -> int:
+    """A non-negative integer (0 allowed: 'none of these')."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """'2,3,8' -> [2, 3, 8]: a comma list of positive integers, at least one."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of positive integers, e.g. 2,4,8")
+    return [positive_int(p) for p in parts]
+
+
+def shape(text: str) -> tuple[int, int]:
+    """'2x64' -> (2, 64): batch rows x tokens, both at least 1."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BxT (rows x tokens), e.g. 2x64")
+    b, t = int(m.group(1)), int(m.group(2))
+    if b < 1 or t < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: rows and tokens must both be at least 1")
+    return b, t
+
+
+# ----- the checkpoint folder ------------------------------------------------------------
+
+def checkpoint_folder(path, need_tokenizer: str | None = None) -> str:
+    """The folder, checked: it exists, is a folder and holds config.json (and tokenizer.json
+    when `need_tokenizer` says why one is needed)."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"checkpoint {p}: no such folder")
+    if not p.is_dir():
+        raise UsageError(f"checkpoint {p}: is a file, not a folder (give the folder that holds "
+                         "config.json and the .safetensors files)")
+    if not (p / "config.json").is_file():
+        raise UsageError(f"checkpoint {p}: no config.json in this folder (not a Hugging Face model folder)")
+    if need_tokenizer and not (p / "tokenizer.json").is_file():
+        raise UsageError(f"checkpoint {p}: no tokenizer.json, which {need_tokenizer}")
+    return str(p)
+
+
+# ----- output paths ---------------------------------------------------------------------
+
+def _ours(path: Path) -> bool:
+    """A file this tool wrote: a JSON report (ladder or probes) or one of its HTML pages."""
+    from compare.report.page import GENERATOR
+    try:
+        head = path.read_bytes()[:4096].decode("utf-8", "replace")
+    except OSError:
+        return False
+    if path.suffix.lower() in (".html", ".htm"):
+        return f"content='{GENERATOR}'" in head
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and "verdict" in doc and ({"reference", "candidate"} <= set(doc)
+                                                           or "results" in doc)
+
+
+def _writable_folder(folder: Path, what: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"{what}: {folder} exists and is not a folder") from None
+    except OSError as e:
+        raise UsageError(f"{what}: cannot create the folder {folder}: {e.strerror}") from None
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UsageError(f"{what}: cannot write in {folder}: {e.strerror}") from None
+
+
+def output_file(path, what: str, force: bool = False, say=print) -> Path:
+    """A file the run will write, checked before the run: not a folder, its folder created
+    and writable. An existing file is overwritten when this tool wrote it (said so), and
+    otherwise only with force."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{what} {p}: is a folder; give a file path, e.g. {p / ('report' + (p.suffix or '.json'))}")
+    _writable_folder(p.parent, f"{what} {p}")
+    if p.exists():
+        if not force and not _ours(p):
+            raise UsageError(f"{what} {p}: the file exists and was not written by llama-parity; pass "
+                             "--force to overwrite it, or choose another path")
+        say(f"{what}: {p} exists; it will be overwritten")
+    return p
+
+
+def output_folder(path, what: str) -> Path:
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{what} {p}: is a file, not a folder")
+    _writable_folder(p, f"{what} {p}")
+    return p
