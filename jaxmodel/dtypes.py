@@ -20,29 +20,18 @@ _DTYPES = {
     "float16": jnp.dtype(jnp.float16),
 }
 
-# Options for every program jaxmodel compiles (per executable: nothing else in the
-# process is affected).
-#
-# xla_allow_excess_precision=False: by default XLA may keep bf16/f16 intermediates in
-# f32 and drop the rounding between fused elementwise ops (and a bf16 -> f32 convert
-# after an f32 -> bf16 one). The policy promises that every cast rounds
-# ("probabilities are rounded to compute_dtype"), and PyTorch rounds after every op.
-#
-# xla_cpu_use_fusion_emitters=False: XLA:CPU contracts a*b + c into an FMA, and with
-# its newer fusion emitters whether it does so depends on how ops are fused, which
-# depends on which activations the program returns. Without this option a capture()
-# of layers.*.q_rope changed the f32 logits by an ulp against a plain call; with the
-# classic emitters the code for an op does not depend on its consumers, so observing
-# an activation never changes the numbers (tests/test_models.py checks this). It
-# also ran the SmolLM2 forward and decode 10-20% faster here, but compiles slower.
-# Other backends ignore it.
+# Options for every program jaxmodel compiles (per executable, nothing else in the process):
+# - xla_allow_excess_precision=False: every cast rounds, as the policy says and PyTorch
+#   does (by default XLA may keep bf16/f16 intermediates in f32 between fused ops);
+# - xla_cpu_use_fusion_emitters=False: the classic emitters compile an op the same way
+#   whatever its consumers, so capturing an activation never changes the logits (with the
+#   newer ones FMA contraction follows the fusion, docs/measurements.md). Other backends
+#   ignore it.
 _WANTED_OPTIONS = {"xla_allow_excess_precision": False, "xla_cpu_use_fusion_emitters": False}
 
-# Batch-invariant programs only: XLA:CPU hands some fusions to the YNNPACK library, and
-# whether it does depends on their size (a softmax's exp and elementwise neighbours of a
-# dot once went there, and YNNPACK's exp differs from XLA's in the last bit). The invariant
-# ops run their products, sums and exp on fixed-order FFI kernels; this keeps whatever
-# elementwise work remains in XLA's own code at every batch size (docs/invariance.md).
+# Batch-invariant programs only: XLA:CPU may hand a fusion to the YNNPACK library depending
+# on its size, and YNNPACK's elementwise code (exp) rounds differently from XLA's; this keeps
+# the elementwise work left in XLA on XLA's own code at every batch size (docs/invariance.md).
 _INVARIANT_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 

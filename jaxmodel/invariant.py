@@ -1,15 +1,12 @@
 """Batch-invariant versions of the ops whose result for one sequence could depend on the
-rest of the batch. Same names as ops.py (and as torchref/invariant.py, which this file
-mirrors function by function); the model picks the module.
+rest of the batch: same names as ops.py (model.ops_for picks the module); mirrors
+torchref/invariant.py function by function.
 
-Every reduction runs in an order this code fixes, on any CPU and XLA build: matrix
-products (linears on weights packed once, the lm_head, q.k^T and P@V per 64-key block),
-row sums (RMSNorm's mean, softmax denominators) and exp (softmax, silu) are
-llamaspec/fixed_order.h's programs through XLA's FFI (kernels.py), the same programs
-torchref runs through ctypes; 1/sqrt replaces rsqrt; block results are added in order.
-What stays in XLA is elementwise: +, -, *, /, sqrt, max, casts, gathers, masks, and
-RoPE's cos and sin (XLA emits one program for every element). docs/invariance.md says
-why; self_check() verifies the promise on this machine at load.
+Products (on weights packed once at load), row sums and exp run on llamaspec/fixed_order.h's
+programs through XLA's FFI (kernels.py), the ones torchref runs through ctypes; 1/sqrt
+replaces rsqrt; attention runs per KEY_BLOCK keys, block results added in order. What stays
+in XLA is elementwise, RoPE's cos and sin included. docs/invariance.md says why;
+self_check() verifies the promise on this machine at load.
 """
 
 from __future__ import annotations
@@ -53,15 +50,12 @@ def linear(x, w: PackedWeight, b, policy: Policy, out_dtype=None):
 def rms_norm(x, weight, eps: float, policy: Policy):
     """ops.rms_norm with mean(x^2) as a fixed-order sum of squares over the hidden size
     (in f32 for a 16-bit norm dtype, rounded once) and 1/sqrt(var) in place of rsqrt."""
-    compute, norm = of(policy.compute_dtype), of(policy.norm_dtype)
+    norm = of(policy.norm_dtype)
     h = x.astype(norm)
     wide = norm if norm.itemsize >= 4 else jnp.dtype(jnp.float32)
     var = ops.add_scalar((kernels.row_sums(h.astype(wide), squares=True) / x.shape[-1]).astype(norm)[..., None],
-                          eps)
-    h = h * (1 / jnp.sqrt(var))
-    if policy.norm_cast_before_weight:
-        return weight.astype(compute) * h.astype(x.dtype).astype(compute)
-    return (weight.astype(h.dtype) * h).astype(compute)
+                         eps)
+    return ops.norm_weight(h * (1 / jnp.sqrt(var)), x, weight, policy)
 
 
 def _exp(x):

@@ -25,7 +25,6 @@ tokens fill slots [0, lens[b]) and a decode step writes each row at its own lens
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +34,8 @@ from jax import lax
 
 from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, generate, load_weights
 from llamaspec import taps as tapnames
+from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill, layout
-from llamaspec.recorder import Recorder
 
 from . import invariant, ops
 from .dtypes import compiler_options, numpy_dtype, of
@@ -47,22 +46,6 @@ CACHE_BLOCK = 64  # cache length is rounded up to this, so prompts of similar le
 def ops_for(batch_invariant: bool):
     """The op functions every module calls: ops.py, or invariant.py (same names)."""
     return invariant if batch_invariant else ops
-
-
-class Context(NamedTuple):
-    """What every layer of one forward call reads."""
-    cos: jax.Array      # RoPE tables [B, T, head_dim]
-    sin: jax.Array
-    allowed: jax.Array  # [B, T, S]: query slot t may attend to key slot s
-    policy: Policy
-
-
-class KV(NamedTuple):
-    """The KV cache a call writes to: k, v [L, B, S, Hkv, D] (all layers stacked, updated
-    functionally), index [B] the slot of each row's first new token."""
-    k: jax.Array
-    v: jax.Array
-    index: jax.Array
 
 
 def _param(weights, key, dtype):
@@ -230,20 +213,15 @@ class Llama(nnx.Module):
         return logits, rec.acts, cache
 
     def _scan_layers(self, h, ctx: Context, taps, inject):
-        """The blocks as one lax.scan over their weights stacked on a layer axis.
+        """The blocks as one lax.scan over their weights stacked on a layer axis, so XLA
+        compiles one block instead of num_hidden_layers copies (docs/measurements.md).
 
-        XLA then compiles one block instead of num_hidden_layers copies: on SmolLM2 (30
-        layers) the first capture of every tap compiled in ~20 s unrolled; scanned it
-        compiles in ~2 s. The stacking is a copy of the layer weights made inside the
-        program on each call (540 MB at f32 for SmolLM2, ~0.1 s), cheap next to a
-        forward pass, which is why only forward/capture use it: the token-by-token
-        decode step stays unrolled over the stored weights.
-
-        Per-layer taps come out of the scan stacked: a tap asked for at any layer is
-        returned for every layer as "layers.*.<name>" [L, ...], and the caller picks the
-        layers (returning each layer's slice as its own output instead cost ~0.05 s of
-        compile time per output: 14 s for every tap of SmolLM2).
-        inject {i: h}: layer i's input is replaced by h (a select, so exact).
+        The stacking copies the layer weights on each call, cheap next to a forward pass
+        but not next to one decode step, which stays unrolled. Per-layer taps come out
+        stacked: a tap asked for at any layer is returned for every layer as
+        "layers.*.<name>" [L, ...], and the caller picks the layers (one output per layer
+        would cost compile time per output). inject {i: h}: layer i's input is replaced by
+        h (a select, so exact).
         """
         n_layers, resid = self.cfg.num_hidden_layers, of(self.policy.residual_dtype)
         graphdef = nnx.graphdef(self.layers[0])

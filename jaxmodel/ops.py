@@ -19,18 +19,18 @@ from .dtypes import matmul_precision, of, opmath
 
 
 def rms_norm(x, weight, eps: float, policy: Policy):
-    """mean(x^2) and rsqrt in norm_dtype; result in compute_dtype.
+    """mean(x^2) and rsqrt in norm_dtype; result in compute_dtype."""
+    h = x.astype(of(policy.norm_dtype))
+    return norm_weight(h * lax.rsqrt(add_scalar(jnp.mean(h * h, axis=-1, keepdims=True), eps)), x, weight, policy)
 
-    HF convention (norm_cast_before_weight): the normalised x is rounded back to the
-    input dtype before the weight multiplies it; the product is taken in compute_dtype.
-    """
-    norm, compute = of(policy.norm_dtype), of(policy.compute_dtype)
-    xn = x.astype(norm)
-    var = jnp.mean(xn * xn, axis=-1, keepdims=True)
-    y = xn * lax.rsqrt(add_scalar(var, eps))
+
+def norm_weight(h, x, weight, policy: Policy):
+    """The normalised h (in norm_dtype) times the weight, in compute_dtype. HF convention
+    (norm_cast_before_weight): h is rounded back to x's dtype first."""
+    compute = of(policy.compute_dtype)
     if policy.norm_cast_before_weight:
-        return weight.astype(compute) * y.astype(x.dtype).astype(compute)
-    return (weight.astype(norm) * y).astype(compute)
+        return weight.astype(compute) * h.astype(x.dtype).astype(compute)
+    return (weight.astype(h.dtype) * h).astype(compute)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int, seq_len,
@@ -95,7 +95,7 @@ def linear(x, w, b, policy: Policy, out_dtype=None):
     """x @ w.T with w in HF layout [out, in]: inputs in compute_dtype, products and sums
     in accum_dtype, bias added in accum_dtype, one rounding to out_dtype (or compute)."""
     compute, accum = of(policy.compute_dtype), of(policy.accum_dtype)
-    y = _dot(x, w, (((x.ndim - 1,), (1,)), ((), ())), policy)
+    y = _matmul(x, w, (((x.ndim - 1,), (1,)), ((), ())), policy)
     if b is not None:
         y = y + b.astype(accum)
     return y.astype(out_dtype or compute)
@@ -120,25 +120,24 @@ def attention(q, k, v, allowed, policy: Policy):
     Hkv = k.shape[2]
     qg = q.astype(compute).reshape(B, T, Hkv, Hq // Hkv, D)
     # [B, T, K, G, D] x [B, S, K, D] -> [B, K, T, G, S]
-    s = _dot(qg, k, (((4,), (3,)), ((0, 2), (0, 2))), policy).astype(compute)
+    s = _matmul(qg, k, (((4,), (3,)), ((0, 2), (0, 2))), policy).astype(compute)
     s = mul_scalar(s, D ** -0.5)  # HF order: matmul, round, then scale
     s = s.astype(smx)
     # A finite fill (not -inf) keeps fully masked rows (padding queries) free of NaN.
     s = jnp.where(allowed[:, None, :, None, :], s, jnp.finfo(smx).min)
     p = softmax(s).astype(compute)
     # [B, K, T, G, S] x [B, S, K, D] -> [B, K, T, G, D]
-    o = _dot(p, v, (((4,), (1,)), ((0, 1), (0, 2))), policy).astype(compute)
+    o = _matmul(p, v, (((4,), (1,)), ((0, 1), (0, 2))), policy).astype(compute)
     return o.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
 
 
-def _dot(a, b, dims, policy: Policy):
+def _matmul(a, b, dims, policy: Policy):
     """dot_general with inputs rounded to compute_dtype and sums in accum_dtype.
 
     When accum is wider than compute (bf16/f16 policies) the rounded inputs are widened
     to accum first on CPU: products of bf16/f16 numbers are exact in f32, so this is the
-    same arithmetic, and XLA:CPU's f32 kernels run it 2-3x faster than its mixed-precision
-    dot (measured: a [1, 576] x [576, 1536] bf16 product, 1.4 ms vs 0.56 ms). GPUs keep the
-    native low-precision dot, which is what their tensor cores are for.
+    same arithmetic on XLA:CPU's f32 kernels (chosen for speed: docs/measurements.md).
+    GPUs keep the native low-precision dot, which is what their tensor cores are for.
     """
     compute, accum = of(policy.compute_dtype), of(policy.accum_dtype)
     a, b = a.astype(compute), b.astype(compute)

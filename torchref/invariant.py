@@ -1,25 +1,13 @@
 """Batch-invariant versions of the ops whose result for one sequence could depend on the
-rest of the batch. Same names and signatures as ops.py; the model swaps the module.
+rest of the batch: same names and signatures as ops.py (model.ops_for picks the module);
+jaxmodel/invariant.py mirrors this file function by function.
 
-Every reduction runs in an order this code fixes, on any CPU and library build:
-
-- matrix products (linears, the lm_head, q.k^T and P@V) and row sums (RMSNorm's mean,
-  softmax denominators) on llamaspec.fixed_order: one fma chain per output, k ascending
-  (bf16 linears: k in pairs, vdpbf16ps's order), whatever the row count, thread count or
-  instruction set;
-- exp (softmax, silu) by fixed_order's one program per element; torch's own exp and
-  silu may take another code path for the tail of a vector loop;
-- RMSNorm's 1/sqrt(var) as a division and a square root, both correctly rounded (a
-  16-bit rsqrt kernel rounds differently in its vector body and its tail);
-- RoPE tables computed once per 4096 positions, a fixed shape, and gathered;
-- attention over fixed KEY_BLOCK-key blocks, block results added in order; the canonical
-  layout (llamaspec.inputs.invariant_layout) puts every key at the same block and column
-  whatever the padding, and blocks past a row's end add exact zeros.
-
-What remains in torch is order-free: +, -, *, /, sqrt (IEEE, correctly rounded), max,
-casts, gathers and masks. The CPU only: the kernels are CPU code. docs/invariance.md
-says why each step is needed and what the mode costs; self_check() verifies the promise
-on this machine at load.
+Every product, row sum and exp runs on llamaspec.fixed_order's kernels, whose order per
+result the code fixes whatever the row count, threads or instruction set; 1/sqrt replaces
+rsqrt; RoPE tables come from fixed-shape chunks; attention runs per KEY_BLOCK keys, block
+results added in order. What stays in torch is order-free (+, -, *, /, sqrt, max, casts,
+gathers, masks). CPU only. docs/invariance.md says why each step is needed; self_check()
+verifies the promise on this machine at load.
 """
 
 from __future__ import annotations
@@ -48,8 +36,8 @@ _WTYPE = {torch.float32: fo.WTYPES["float32"], torch.float64: fo.WTYPES["float64
 @functools.cache
 def _kernels():
     """fixed_order's library, its parallel work on torch's OpenMP threads where torch has
-    GNU OpenMP (its own threads would fight torch's spinning ones for the cores: measured
-    1.7x slower products on 2 cores)."""
+    GNU OpenMP: a pool of its own would compete with torch's spinning threads for the
+    cores (docs/measurements.md)."""
     lib = fo.library()
     fo.use_openmp(_torch_openmp())
     return lib
@@ -189,14 +177,11 @@ def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = Non
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, policy: Policy) -> torch.Tensor:
     """ops.rms_norm with mean(x^2) as a fixed-order sum of squares over the hidden size
     (in f32 for a 16-bit norm dtype, rounded once) and 1/sqrt(var) in place of rsqrt."""
-    compute, norm = dt(policy.compute_dtype), dt(policy.norm_dtype)
+    norm = dt(policy.norm_dtype)
     h = x.to(norm)
     wide = norm if norm in (torch.float32, torch.float64) else torch.float32
     var = (_row_sums(h.to(wide), squares=True) / x.shape[-1]).to(norm)[..., None] + eps
-    h = h * (1 / torch.sqrt(var))
-    if policy.norm_cast_before_weight:
-        return weight.to(compute) * h.to(x.dtype).to(compute)
-    return (weight.to(h.dtype) * h).to(compute)
+    return ops.norm_weight(h * (1 / torch.sqrt(var)), x, weight, policy)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ sit in the same blocks whatever the other rows' lengths.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,8 +23,8 @@ from torch import nn
 from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, load_weights, positions_from_mask
 from llamaspec import generate as run_generation
 from llamaspec import taps as tapnames
+from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill, layout
-from llamaspec.recorder import Recorder
 
 from . import invariant, ops
 from .dtypes import dt, from_numpy, matmul_settings, to_numpy
@@ -34,22 +33,6 @@ from .dtypes import dt, from_numpy, matmul_settings, to_numpy
 def ops_for(batch_invariant: bool):
     """The op functions every module calls: ops.py, or invariant.py (same names)."""
     return invariant if batch_invariant else ops
-
-
-class Context(NamedTuple):
-    """What every layer of one forward call reads."""
-    cos: torch.Tensor      # RoPE tables [B, T, head_dim]
-    sin: torch.Tensor
-    allowed: torch.Tensor  # [B, T, S]: query slot t may attend to key slot s
-    policy: Policy
-
-
-class KV(NamedTuple):
-    """The KV cache a call writes to: k, v one [B, Hkv, S, D] tensor per layer (attention
-    reads them without copies), index [B] the slot of each row's first new token."""
-    k: list
-    v: list
-    index: torch.Tensor
 
 
 def _weight(*shape) -> nn.Parameter:

@@ -17,11 +17,16 @@ from .dtypes import dt
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, policy: Policy) -> torch.Tensor:
-    compute = dt(policy.compute_dtype)
+    """mean(x^2) and rsqrt in norm_dtype; result in compute_dtype."""
     h = x.to(dt(policy.norm_dtype))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return norm_weight(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), x, weight, policy)
+
+
+def norm_weight(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, policy: Policy) -> torch.Tensor:
+    """The normalised h (in norm_dtype) times the weight, in compute_dtype. HF convention
+    (norm_cast_before_weight): h is rounded back to x's dtype first."""
+    compute = dt(policy.compute_dtype)
     if policy.norm_cast_before_weight:
-        # HF: round the normalised x back to the input dtype, then scale.
         return weight.to(compute) * h.to(x.dtype).to(compute)
     return (weight.to(h.dtype) * h).to(compute)
 
@@ -45,17 +50,18 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
 
 
 def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
-    # Low frequencies (long wavelengths) are divided by factor, high ones kept, and
-    # the band in between interpolated smoothly (Llama 3.1).
-    old_len = rope.original_max_position_embeddings
-    low_wavelen = old_len / rope.low_freq_factor
-    high_wavelen = old_len / rope.high_freq_factor
+    """Llama 3.1 frequency scaling, term for term as transformers' _compute_llama3_parameters."""
+    factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
+    old_context_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
     wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+    # long wavelengths are divided by factor, short ones kept, the band between blended
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype

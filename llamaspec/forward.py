@@ -1,6 +1,11 @@
-"""The tap recorder both models call at every named step of the forward pass."""
+"""What one forward call hands its layers, the same in both models: the tap recorder, the
+per-call context and the KV cache a call writes to. Arrays are the framework's own."""
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from .policy import Policy
 
 
 class Recorder:
@@ -22,3 +27,21 @@ class Recorder:
 
     def layer(self, i: int) -> "Recorder":
         return Recorder(self.wanted, f"layers.{i}.", self.acts)
+
+
+class Context(NamedTuple):
+    """What every layer of one forward call reads."""
+    cos: Any      # RoPE tables [B, T, head_dim]
+    sin: Any
+    allowed: Any  # [B, T, S]: query slot t may attend to key slot s
+    policy: Policy
+
+
+class KV(NamedTuple):
+    """The KV cache a call writes to: keys and values of every layer (each model's layout:
+    torchref a [B, Hkv, S, D] tensor per layer, written in place; jaxmodel one stacked
+    [L, B, S, Hkv, D] array, updated functionally); index [B] int, the slot of each row's
+    first new token."""
+    k: Any
+    v: Any
+    index: Any
