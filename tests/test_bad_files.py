@@ -371,7 +371,7 @@ CASES = [
          r"model\.safetensors: corrupt safetensors header, not JSON"),
     Case("st-unknown-dtype", "good", _edit_header(_retype("model.norm.weight", "F8_E9M9", [32])),
          CheckpointError, r"model\.safetensors: tensor 'model\.norm\.weight' has unsupported dtype F8_E9M9"),
-    Case("st-malformed-entry", "poor",
+    Case("st-malformed-entry", "bad",
          _edit_header(lambda h, p: h["model.norm.weight"].update(shape=["32"]) or p), CheckpointError,
          r"model\.safetensors: tensor 'model\.norm\.weight' has a malformed header entry"),
     Case("st-int8-tensor", "good", _edit_header(_retype("model.norm.weight", "I8"), "folder"), CheckpointError,
