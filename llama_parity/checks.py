@@ -19,25 +19,23 @@ class UsageError(LlamaParityError):
 
 # ----- argparse types (argparse turns ArgumentTypeError into "error: argument X: ...", exit 2)
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int, rule: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} must be {rule}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "at least 1")
 
 
 def count(text: str) -> int:
     """A non-negative integer (0 allowed: 'none of these')."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
+    return _int_at_least(text, 0, "0 or more")
 
 
 def positive_ints(text: str) -> list[int]:

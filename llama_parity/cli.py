@@ -39,7 +39,8 @@ def say(msg: str) -> None:
 
 def cmd_fetch(args) -> int:
     from .fetch import main as fetch_main
-    return fetch_main(["--cache-dir", args.cache_dir] if args.cache_dir else [])
+    argv = ["--cache-dir", args.cache_dir] if args.cache_dir else []
+    return fetch_main(argv + (["--verify"] if args.verify else []))
 
 
 def cmd_demo(args) -> int:
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("fetch-smollm2", parents=[common],
                        help="cache SmolLM2-135M-Instruct as an HF folder; prints it last")
     p.add_argument("--cache-dir", default=None)
+    p.add_argument("--verify", action="store_true", help="check the sha256 of every cached file (fetch again on "
+                   "a mismatch)")
     p.set_defaults(func=cmd_fetch)
 
     p = sub.add_parser("demo", parents=[common],
