@@ -54,6 +54,31 @@ def test_clean_transformers_vs_torchref_at_fp32(tiny_dir):
     assert report.verdict in ("exact", "drift"), report.summary()
 
 
+def padded(side: str):
+    """IDS with row 1 padded by 7 slots on `side` (two rows of different lengths)."""
+    mask = np.ones_like(IDS)
+    if side == "left":
+        mask[1, :7] = 0
+    else:
+        mask[1, -7:] = 0
+    return IDS, mask
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("dtype,policy", [("float32", "fp32"), ("bfloat16", "bf16")])
+def test_clean_transformers_on_padded_batches_is_never_a_finding(attn, side, dtype, policy, tiny_dir):
+    """The engine's float64 copy of an eager model once turned left padding into NaN and
+    blamed the model (semantic at layer 1): its captures now run row by row."""
+    transformers = pytest.importorskip("transformers")
+    folder = tiny_dir("gqa")
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype),
+                                                       attn_implementation=attn).eval()
+    report = compare_models("torchref", hf, folder, inputs=padded(side), policy=policy)
+    assert report.verdict in ("exact", "drift"), report.summary()
+    assert not any(v.nonfinite for v in report.taps)
+
+
 def torch_side(folder, policy, patch):
     """A torchref candidate with one planted bug, at the policy and at fp64."""
     models = [torchref.from_pretrained(folder, policy=p) for p in (policy, "fp64")]

@@ -165,7 +165,7 @@ class TransformersModel:
     unavailable_taps = dict(UNAVAILABLE)
     keeps_f32 = True   # its float64 run keeps f32 steps (norm, RoPE, softmax)
 
-    def __init__(self, model, positions: str = "mask", checkpoint=None):
+    def __init__(self, model, positions: str = "mask", checkpoint=None, unpadded_rows: bool = False):
         backbone = getattr(model, "model", None)
         layers = getattr(backbone, "layers", None)
         needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -181,6 +181,9 @@ class TransformersModel:
         self.model = model
         self.positions = positions
         self.checkpoint = checkpoint
+        # capture a padded batch one row at a time on its real tokens (the float64 copies:
+        # EAGER_F64_LEFT_PADDING); real positions see the same math, padding slots hold 0
+        self.unpadded_rows = unpadded_rows
         self.config = model.config
         self.cfg = _config(model)
         self.num_layers = len(layers)
@@ -226,12 +229,15 @@ class TransformersModel:
     def float64(self, rounded_weights: bool = False) -> "TransformersModel":
         """The same model at float64, on a deep copy. Its weights are the model's own, except
         that a bf16/fp16 model loaded from a wider checkpoint gets the checkpoint's values
-        back (unless rounded_weights): see _full_precision_weights."""
+        back (unless rounded_weights): see _full_precision_weights. Its captures of padded
+        batches run row by row on the real tokens, so that transformers' eager attention
+        cannot turn left padding into NaN (EAGER_F64_LEFT_PADDING): a copy made by this
+        package must never be the source of a finding."""
         twin = copy_at(self.model, torch.float64)
         if (not rounded_weights and self.checkpoint is not None
                 and self.dtype in (torch.bfloat16, torch.float16)):
             _full_precision_weights(twin, self.model, self.checkpoint)
-        return TransformersModel(twin, self.positions, self.checkpoint)
+        return TransformersModel(twin, self.positions, self.checkpoint, unpadded_rows=True)
 
     # ----- tap names -------------------------------------------------------------------
 
@@ -319,6 +325,8 @@ class TransformersModel:
         forcing, the hidden states entering that decoder layer are replaced (cast to
         their dtype), whatever earlier layers produced.
         """
+        if self.unpadded_rows and attention_mask is not None and not np.asarray(attention_mask).all():
+            return self._capture_rows(tokens, attention_mask, taps, inject)
         wanted = self.resolve(taps)
         ids, mask, pos, masked = self._inputs(tokens, attention_mask)
         shape_cfg = types.SimpleNamespace(num_hidden_layers=self.num_layers,
@@ -358,6 +366,24 @@ class TransformersModel:
             raise RuntimeError(f"taps {missing} were not produced: the model did not call the hooked "
                                "modules (is it a LlamaForCausalLM with its standard forward?)")
         return _to_numpy(out.logits), {t: acts[t] for t in wanted}
+
+    def _capture_rows(self, tokens, attention_mask, taps, inject):
+        """capture, one row at a time on its real tokens; padding slots are 0."""
+        ids, mask = check_token_array(tokens, attention_mask, self.config.vocab_size)
+        real = mask.astype(bool)
+        logits = acts = None
+        for b in range(len(ids)):
+            cols = np.flatnonzero(real[b])
+            forced = {i: np.asarray(h)[b:b + 1, cols] for i, h in (inject or {}).items()} or None
+            row_logits, row_acts = self.capture(ids[b:b + 1, cols], None, taps, forced)
+            if logits is None:
+                def full(x):
+                    return np.zeros(ids.shape + x.shape[2:], x.dtype)
+                logits, acts = full(row_logits), {t: full(x) for t, x in row_acts.items()}
+            logits[b, cols] = row_logits[0]
+            for t, x in row_acts.items():
+                acts[t][b, cols] = x[0]
+        return logits, acts
 
     # ----- logits, prefill/decode, generate (the probes) --------------------------------
 
