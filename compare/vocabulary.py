@@ -35,6 +35,15 @@ FP64_FLOOR = 1e-12       # fp64 rounding between two implementations (ours: <= 7
 F32_STEPS_FLOOR = 300 * 2.0 ** -24   # ... when one side keeps f32 steps in its fp64 run (transformers)
 STRUCT_F32_FLOOR = 16 * 2.0 ** -24   # below F32_STEPS_FLOOR, a structured difference above this is math
 QUARTER_POSITIONS = 16   # the precision check also looks at each quarter of positions
+# Dtype noise (a step that rounds to a narrower dtype even in the float64 run): one
+# round-to-nearest leaves a relative error uniform in [-u, u], RMS u/sqrt(3); an fp64-rung
+# difference is that dtype's noise when it is unbiased and uncorrelated with the values
+# (|mean| and the global-scale fit each under NOISE_SHAPE of its size) and its rel L2 is
+# within NOISE_BAND of one rounding's. docs/method.md, "Dtype noise".
+ONE_ROUNDING = 3 ** -0.5
+NOISE_BAND = (1 / 16, 4.0)
+NOISE_SHAPE = 0.25
+NOISE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def precision_floor(policy: Policy, hidden: int | None = None) -> float:

@@ -114,3 +114,29 @@ def test_smollm2_planted_bugs(name, smollm2, smol_ids):
     print(f"\nMEASURED smollm2 {name}: {report.summary()}")
     assert check(control, report) == [], report.summary()
     assert report.first_divergence.confirmed, report.first_divergence.evidence
+
+
+NOISE = [n for n, c in CONTROLS.items() if "even in the float64 run" in " ".join(c.hint)
+         or "computes at about" in " ".join(c.hint)]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name", NOISE)
+def test_dtype_noise_controls_on_padded_batches(name, side, folder):
+    """A step hard-coded to bf16/fp16 is precision at its layer with padded batches too
+    (the transformers copies run eager attention: the left-padding trap of the fp64 copy)."""
+    control = CONTROLS[name]
+    if control.where == "transformers":
+        pytest.importorskip("transformers")
+    mask = np.ones_like(SHORT)
+    if side == "left":
+        mask[1, :9] = 0
+    else:
+        mask[1, -9:] = 0
+    report = run_control(control, folder, SHORT, mask, teacher_forcing=False)
+    assert check(control, report) == [], report.summary()
+
+
+def test_noise_controls_are_listed():
+    assert len(NOISE) == 4

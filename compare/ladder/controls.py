@@ -142,6 +142,15 @@ def _scaled_attention(how):
     return attention
 
 
+def _softmax_in(dtype):
+    """Attention whose softmax is hard-coded to `dtype`, in the float64 run too (code like
+    softmax(scores.to(torch.bfloat16)))."""
+    def attention(q, k, v, allowed, policy):
+        from torchref import ops
+        return ops.attention(q, k, v, allowed, dataclasses.replace(policy, softmax_dtype=dtype))
+    return attention
+
+
 def _tiled_gqa(q, k, v, allowed, policy):
     """Query head h reads kv head h % n_kv (k/v tiled) instead of h // G (repeat_kv)."""
     from torchref import ops
@@ -246,6 +255,16 @@ def _hf_scaling(how):
     def patch(hf):
         attn = hf.model.layers[LAYER].self_attn
         attn.scaling = attn.head_dim ** -0.5 * _scale_factor(how, attn.head_dim)
+    return patch
+
+
+def _hf_output_in(module: str, dtype: str):
+    """A forward hook that rounds LAYER's `module` output (e.g. "self_attn.q_proj") to
+    `dtype` and back, in every copy of the model: a step hard-coded to low precision."""
+    def patch(hf):
+        import torch
+        target = hf.model.layers[LAYER].get_submodule(module)
+        target.register_forward_hook(lambda mod, args, out: out.to(getattr(torch, dtype)).to(out.dtype))
     return patch
 
 
@@ -357,6 +376,19 @@ CONTROLS: dict[str, Control] = {c.name: c for c in [
     _c("softmax_bf16_in_fp32", "torchref", "fp32", "precision", "layers.0.attn_ctx", "attn",
        ["attention"], _torch_side(_none, dict(softmax_dtype="bfloat16")),
        "softmax in bf16 inside an fp32 model"),
+    # precision in the float64 run too: a step hard-coded to a narrower dtype (dtype noise)
+    _c("softmax_bf16_hardcoded", "torchref", "fp32", "precision", A + "attn_ctx", "attn",
+       ["layer 1's attention computes at about bfloat16 precision even in the float64 run"],
+       _torch_side(_patch_attn(attention=_softmax_in("bfloat16"))), "softmax(scores.to(bfloat16)) in one layer"),
+    _c("softmax_fp16_hardcoded", "torchref", "fp32", "precision", A + "attn_ctx", "attn",
+       ["about float16 precision even in the float64 run"],
+       _torch_side(_patch_attn(attention=_softmax_in("float16"))), "softmax(scores.to(float16)) in one layer"),
+    _c("hf_q_proj_bf16", "transformers", "fp32", "precision", A + "q", "attn",
+       ["layer 1's attention computes at about bfloat16 precision even in the float64 run"],
+       _hf_side(_hf_output_in("self_attn.q_proj", "bfloat16")), "q_proj output rounded to bfloat16"),
+    _c("hf_mlp_out_fp16", "transformers", "fp32", "precision", A + "mlp_out", "mlp",
+       ["MLP computes at about float16 precision"],
+       _hf_side(_hf_output_in("mlp", "float16")), "MLP output rounded to float16"),
     # Reported, not asserted: under bf16 the policy itself rounds scores and probabilities
     # to bf16, so a bf16 softmax adds about one more rounding (measured 1.0-1.4x the
     # reference's error at attn_ctx, teacher-forced or not): drift by the ladder's rule.

@@ -67,8 +67,13 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     _, c64 = cand.at_fp64.capture(ids, mask, taps)
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
     hidden = np.shape(o["embed"])[-1] if "embed" in o else None
-    verdicts = [classify(t, r[t], c[t], o[t], c64[t], real, policy, keeps_f32,
-                         context_for(t, c64, o), hidden) for t in taps]
+    verdicts, noise_from = [], None
+    for t in taps:     # in execution order: dtype noise found at one tap is carried to the next
+        v = classify(t, r[t], c[t], o[t], c64[t], real, policy, keeps_f32, context_for(t, c64, o), hidden,
+                     noise_from)
+        if v.noise_dtype and noise_from is None:
+            noise_from = v
+        verdicts.append(v)
     for v in verdicts:
         v.metrics = pair_metrics(c[v.tap][real], r[v.tap][real], tapnames.dtype_of(v.tap, policy))
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)

@@ -25,12 +25,16 @@ import numpy as np
 from llamaspec import Policy, positions_from_mask
 from llamaspec import taps as tapnames
 
-from ..metrics import nonfinite
+from ..metrics import nonfinite, unit_roundoff
 from ..vocabulary import (
     F32_STEPS_FLOOR,
     FLOOR_ULPS,
     FP64_FLOOR,
     KINDS,
+    NOISE_BAND,
+    NOISE_DTYPES,
+    NOISE_SHAPE,
+    ONE_ROUNDING,
     QUARTER_POSITIONS,
     STRUCT_F32_FLOOR,
     M,
@@ -80,6 +84,8 @@ class TapVerdict:
     # candidate vs reference at the policy: max abs, max ULP (compute dtype), cosine,
     # fraction of elements beyond 16 unit roundoffs (metrics.pair_metrics)
     metrics: dict = dataclasses.field(default_factory=dict)
+    # the dtype whose rounding the fp64-rung difference looks like (dtype_noise), if any
+    noise_dtype: str | None = None
 
 
 @dataclasses.dataclass
@@ -162,13 +168,42 @@ def precision_ratio(r, c, o, pos, floor, m=M, rows: _RowErrors | None = None
     return best, where
 
 
+def dtype_noise(c64, o, err64: float, keeps_f32: bool) -> tuple[str, float] | None:
+    """(dtype, err64 in its unit roundoffs) when the fp64-rung difference c64 - o looks like
+    one dtype's rounding noise: unbiased, uncorrelated with the values, and sized like
+    one rounding (ONE_ROUNDING u) within NOISE_BAND; the dtype whose size fits best. f32
+    is not a candidate for a side that keeps f32 steps (that noise is its normal)."""
+    d = np.asarray(c64, np.float64) - np.asarray(o, np.float64)
+    o = np.asarray(o, np.float64).ravel()
+    d = d.ravel()
+    dd, oo = float(d @ d), float(o @ o)
+    if not dd or not oo:
+        return None
+    rms = math.sqrt(dd / d.size)
+    scale_share = float(d @ o) ** 2 / (oo * dd)     # the error energy a global scale explains
+    if abs(float(d.mean())) > NOISE_SHAPE * rms or scale_share > NOISE_SHAPE:
+        return None
+    fits = [(abs(math.log(err64 / unit_roundoff(dt) / ONE_ROUNDING)), dt, err64 / unit_roundoff(dt))
+            for dt in NOISE_DTYPES if not (keeps_f32 and dt == "float32")]
+    fits = [f for f in fits if NOISE_BAND[0] <= f[2] <= NOISE_BAND[1]]
+    return min(fits)[1:] if fits else None
+
+
+def _where(t) -> str:
+    part = {"attn": "attention", "mlp": "MLP", "attn_norm": "input RMSNorm", "mlp_norm": "post-attention RMSNorm",
+            "embed": "embedding", "final_norm": "final RMSNorm", "lm_head": "lm_head"}[t.component]
+    return f"layer {t.layer}'s {part}" if t.layer is not None else f"the {part}"
+
+
 def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bool,
-             context=None, hidden: int | None = None) -> TapVerdict:
+             context=None, hidden: int | None = None, noise_from: TapVerdict | None = None) -> TapVerdict:
     """The ladder for one tap; arrays are [B, T, ...], mask [B, T] selects real positions.
 
     context (optional): {"pre": (cand64_pre, oracle_pre)} at q_rope/k_rope taps (the q/k
     before RoPE), {"qkv": (q_rope, k_rope, v)} of the oracle at attn_ctx: they let the
-    structure analysis name RoPE and attention-convention differences."""
+    structure analysis name RoPE and attention-convention differences. noise_from: the
+    earlier tap where dtype noise entered the fp64 run (run_ladder passes it on): an
+    unstructured fp64 difference after it is that noise, carried along."""
     t = tapnames.tap(tap)
     layer, component = t.layer, t.component
     r, c, o, c64 = (np.asarray(a)[mask] for a in (ref, cand, oracle, cand64))
@@ -185,9 +220,26 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
         return TapVerdict(tap, layer, component, "exact", err_ref, err_cand, err64, 0, "bitwise equal")
     floor64 = F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR
     gate = STRUCT_F32_FLOOR if keeps_f32 else FP64_FLOOR
+    noise = None
     if err64 > gate:
         found = _findings(tap, cand64, oracle, mask, keeps_f32, context or {})
-        if err64 > floor64 or found:
+        if not found and err64 > floor64:
+            if noise_from is not None:
+                noise = (noise_from.noise_dtype, None)
+            else:
+                noise = dtype_noise(c64, o, err64, keeps_f32)
+        if noise is not None:
+            dtype, size = noise
+            if unit_roundoff(dtype) > unit_roundoff(policy.compute_dtype):
+                step = _PRECISION_STEP.get(t.kind, "a step rounded to a narrower dtype")
+                why = (f"it carries the {dtype} rounding that enters at {noise_from.tap}" if noise_from else
+                       f"{_where(t)} computes at about {dtype} precision even in the float64 run (rel error "
+                       f"{err64:.1e} = {size:.2f} {dtype} unit roundoffs; one rounding gives {ONE_ROUNDING:.2f}; "
+                       f"unbiased and uncorrelated with the values): {step}")
+                return TapVerdict(tap, layer, component, "precision", err_ref, err_cand, err64, 0, why,
+                                  noise_dtype=dtype)
+            # noise at or below the working precision: judged at the policy, below
+        elif err64 > floor64 or found:
             why = structure_hint(found) if found else "no simple structure"
             return TapVerdict(tap, layer, component, "semantic", err_ref, err_cand, err64, 0,
                               f"differs at fp64 (rel L2 {err64:.1e}"
@@ -197,6 +249,7 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
     pos = positions_from_mask(np.asarray(mask))[np.asarray(mask, bool)]
     m = drift_factor(policy)
     ratio, where = precision_ratio(sq_r, sq_c, None, pos, precision_floor(policy, hidden), m, rows)
+    noise_dtype = noise[0] if noise else None
     if ratio > 1:
         step = _PRECISION_STEP.get(t.kind, "a step computed in lower precision "
                                    "(matmul accumulation, norm, softmax, RoPE tables)")
@@ -205,10 +258,10 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
                           f"the candidate loses {times} the reference's precision here "
                           f"({err_cand:.1e} vs {err_ref:.1e}; {ratio:.1f}x the drift bound "
                           f"{m:g}x + {FLOOR_ULPS} ulp over the {where}) while fp64 agrees: {step}",
-                          ratio)
+                          ratio, noise_dtype=noise_dtype)
     return TapVerdict(tap, layer, component, "drift", err_ref, err_cand, err64, 0,
                       f"rounding: {err_cand:.1e} vs the reference's own {err_ref:.1e} "
-                      f"(within {m:g}x + {FLOOR_ULPS} ulp)", ratio)
+                      f"(within {m:g}x + {FLOOR_ULPS} ulp)", ratio, noise_dtype=noise_dtype)
 
 
 def context_for(tap, c64, o) -> dict:
