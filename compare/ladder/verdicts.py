@@ -216,11 +216,12 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
         return TapVerdict(tap, layer, component, kind, err_ref, err_cand, err64, bad,
                           f"NaN/Inf: {nonfinite(r)} in the reference, {nonfinite(c)} in the "
                           f"candidate ({nonfinite(c64)} at fp64)")
-    if np.array_equal(r, c):
-        return TapVerdict(tap, layer, component, "exact", err_ref, err_cand, err64, 0, "bitwise equal")
+    equal = np.array_equal(r, c)
     floor64 = F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR
     gate = STRUCT_F32_FLOOR if keeps_f32 else FP64_FLOOR
     noise = None
+    # The fp64 rung comes first even where the policy's values are bitwise equal: a
+    # difference in the math that the policy rounds away here is localised where it starts.
     if err64 > gate:
         found = _findings(tap, cand64, oracle, mask, keeps_f32, context or {})
         if not found and err64 > floor64:
@@ -228,7 +229,9 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
                 noise = (noise_from.noise_dtype, None)
             else:
                 noise = dtype_noise(c64, o, err64, keeps_f32)
-        if noise is not None:
+        if noise is not None and equal:
+            pass    # rounding noise the policy does not see here: exact, below
+        elif noise is not None:
             dtype, size = noise
             if unit_roundoff(dtype) > unit_roundoff(policy.compute_dtype):
                 step = _PRECISION_STEP.get(t.kind, "a step rounded to a narrower dtype")
@@ -241,11 +244,16 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
             # noise at or below the working precision: judged at the policy, below
         elif err64 > floor64 or found:
             why = structure_hint(found) if found else "no simple structure"
+            hidden_here = (f" (bitwise equal at {policy.name} here: the policy rounds it away, it shows "
+                           "further on)" if equal else "")
             return TapVerdict(tap, layer, component, "semantic", err_ref, err_cand, err64, 0,
                               f"differs at fp64 (rel L2 {err64:.1e}"
                               + (f" > {floor64:.0e}" if err64 > floor64 else
                                  f", structured above {gate:.0e}")
-                              + f"): a difference in the math, not rounding; {why}")
+                              + f"){hidden_here}: a difference in the math, not rounding; {why}")
+    if equal:
+        return TapVerdict(tap, layer, component, "exact", err_ref, err_cand, err64, 0, "bitwise equal",
+                          noise_dtype=noise[0] if noise else None)
     pos = positions_from_mask(np.asarray(mask))[np.asarray(mask, bool)]
     m = drift_factor(policy)
     ratio, where = precision_ratio(sq_r, sq_c, None, pos, precision_floor(policy, hidden), m, rows)
