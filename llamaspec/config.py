@@ -70,7 +70,7 @@ class LlamaConfig:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return _parse(d, str(path))
+        return _parse(d, str(path), from_file=True)
 
 
 # Fields that do not change the forward math (bookkeeping, training-only, or handled
@@ -95,18 +95,68 @@ _HARMLESS = {
 }
 
 
-def _parse(d: dict[str, Any], source: str) -> LlamaConfig:
-    def need(key: str, kind=int):
-        if key not in d or d[key] is None:
-            raise ConfigError(f"{source}: required field '{key}' is missing")
-        try:
-            return kind(d[key])
-        except (TypeError, ValueError):
-            raise ConfigError(f"{source}: field '{key}' = {d[key]!r} is not a {kind.__name__}") from None
+class _Fields:
+    """Typed reads of config fields; every error names the file and the field."""
 
-    model_type = d.get("model_type", "llama")
+    def __init__(self, d: dict[str, Any], source: str):
+        self.d, self.source = d, source
+
+    def fail(self, key: str, rule: str):
+        raise ConfigError(f"{self.source}: field '{key}' = {self.d.get(key)!r} must be {rule}")
+
+    def int(self, key: str, default=None):
+        """A positive JSON integer (not a bool, not 32.9); default when absent or null."""
+        v = self.d.get(key)
+        if v is None:
+            if default is None:
+                raise ConfigError(f"{self.source}: required field '{key}' is missing")
+            return default
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            self.fail(key, "a positive integer")
+        return v
+
+    def float(self, key: str, default=None, positive: bool = True, table: dict | None = None):
+        d = self.d if table is None else table
+        v = d.get(key)
+        if v is None:
+            if default is None:
+                raise ConfigError(f"{self.source}: required field '{key}' is missing")
+            return float(default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or (positive and not v > 0):
+            raise ConfigError(f"{self.source}: field '{key}' = {v!r} must be a finite "
+                              f"{'positive ' if positive else ''}number")
+        return float(v)
+
+    def bool(self, key: str, default: bool = False) -> bool:
+        v = self.d.get(key, default)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            self.fail(key, "a JSON boolean (true or false, not a string)")
+        return v
+
+    def token(self, key: str, value, vocab: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+            raise ConfigError(f"{self.source}: field '{key}' = {value!r} must be a token id in "
+                              f"[0, vocab_size={vocab})")
+        return value
+
+
+def _parse(d: dict[str, Any], source: str, from_file: bool = False) -> LlamaConfig:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: must hold a JSON object of config fields, got a {type(d).__name__}")
+    f = _Fields(d, source)
+    model_type = d.get("model_type", None if from_file else "llama")
+    if model_type is None:   # every config.json transformers writes names it
+        raise ConfigError(f"{source}: field 'model_type' is missing (a Llama config says \"llama\")")
     if model_type not in ("llama", "smollm", "smollm2"):
         raise ConfigError(f"{source}: model_type '{model_type}' is not a Llama model")
+    arch = d.get("architectures")
+    if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)
+                             or not any(a.startswith("Llama") for a in arch)):
+        raise ConfigError(f"{source}: architectures {arch!r} names no Llama class (expected "
+                          "e.g. [\"LlamaForCausalLM\"])")
 
     act = d.get("hidden_act", "silu")
     if act != "silu":
@@ -118,48 +168,43 @@ def _parse(d: dict[str, Any], source: str) -> LlamaConfig:
         if d.get(key) not in (None, False):
             raise ConfigError(f"{source}: field '{key}'={d[key]!r} is not supported")
 
-    hidden = need("hidden_size")
-    heads = need("num_attention_heads")
-    kv_heads = int(d.get("num_key_value_heads") or heads)
-    head_dim = int(d.get("head_dim") or 0) or hidden // heads
+    vocab = f.int("vocab_size")
+    hidden = f.int("hidden_size")
+    heads = f.int("num_attention_heads")
+    kv_heads = f.int("num_key_value_heads", default=heads)
+    if d.get("head_dim") is None and hidden % heads:
+        f.fail("hidden_size", f"a multiple of num_attention_heads={heads} when head_dim is not given")
+    head_dim = f.int("head_dim", default=hidden // heads)
     if heads % kv_heads:
         raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of "
                           f"num_key_value_heads={kv_heads}")
     if head_dim % 2:
         raise ConfigError(f"{source}: head_dim={head_dim} must be even for RoPE")
-
-    eps = need("rms_norm_eps", float)
-    if not eps > 0:
-        raise ConfigError(f"{source}: rms_norm_eps={eps} must be positive")
-    max_pos = need("max_position_embeddings")
+    max_pos = f.int("max_position_embeddings")
 
     eos = d.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    bos, pad = d.get("bos_token_id"), d.get("pad_token_id")
 
     _reject_unknown(d, source)
-    cfg = LlamaConfig(
-        vocab_size=need("vocab_size"),
+    return LlamaConfig(
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=need("intermediate_size"),
-        num_hidden_layers=need("num_hidden_layers"),
+        intermediate_size=f.int("intermediate_size"),
+        num_hidden_layers=f.int("num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=eps,
+        rms_norm_eps=f.float("rms_norm_eps"),
         max_position_embeddings=max_pos,
         rope=_parse_rope(d, source, max_pos),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=bool(d.get("attention_bias", False)),
-        mlp_bias=bool(d.get("mlp_bias", False)),
-        bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
-        pad_token_id=d.get("pad_token_id"),
+        tie_word_embeddings=f.bool("tie_word_embeddings"),
+        attention_bias=f.bool("attention_bias"),
+        mlp_bias=f.bool("mlp_bias"),
+        bos_token_id=None if bos is None else f.token("bos_token_id", bos, vocab),
+        eos_token_ids=tuple(f.token("eos_token_id", e, vocab) for e in eos_ids),
+        pad_token_id=None if pad is None else f.token("pad_token_id", pad, vocab),
     )
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "max_position_embeddings"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{source}: field '{name}'={getattr(cfg, name)} must be positive")
-    return cfg
 
 
 _PARSED = {
@@ -184,6 +229,9 @@ def _reject_unknown(d: dict[str, Any], source: str) -> None:
 
 def _parse_rope(d: dict[str, Any], source: str, max_pos: int) -> RopeConfig:
     # transformers 5 puts everything in rope_parameters; 4.x used rope_theta + rope_scaling.
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise ConfigError(f"{source}: field '{key}' = {d[key]!r} must be a JSON object (or null)")
     params = dict(d.get("rope_parameters") or {})
     scaling = d.get("rope_scaling")
     if scaling and params and any(params.get(k) != v for k, v in scaling.items()
@@ -191,7 +239,8 @@ def _parse_rope(d: dict[str, Any], source: str, max_pos: int) -> RopeConfig:
         raise ConfigError(f"{source}: rope_scaling and rope_parameters disagree: "
                           f"{scaling} vs {params}")
     merged = {**(scaling or {}), **params}
-    theta = float(merged.get("rope_theta", d.get("rope_theta", 10000.0)))
+    f = _Fields(d, source)
+    theta = f.float("rope_theta", table={"rope_theta": merged.get("rope_theta", d.get("rope_theta", 10000.0))})
     rtype = merged.get("rope_type", merged.get("type", "default")) or "default"
     if rtype not in ROPE_TYPES:
         raise ConfigError(f"{source}: rope type '{rtype}' is not supported "
@@ -207,6 +256,11 @@ def _parse_rope(d: dict[str, Any], source: str, max_pos: int) -> RopeConfig:
     if not (theta > 0 and math.isfinite(theta)):
         raise ConfigError(f"{source}: rope_theta={theta} must be a positive number")
 
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if key in merged:
+            f.float(key, table=merged)
+    if merged.get("original_max_position_embeddings") is not None:
+        _Fields(merged, source).int("original_max_position_embeddings")
     factor = float(merged.get("factor", 1.0))
     if rtype != "default" and "factor" not in merged:
         raise ConfigError(f"{source}: rope type '{rtype}' needs 'factor'")

@@ -27,6 +27,14 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.do_sample, bool):
+            raise InputError(f"do_sample={self.do_sample!r} must be True or False")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
+            raise InputError(f"top_k={self.top_k!r} must be an integer >= 1 (or None)")
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise InputError(f"{name}={v!r} must be a number")
         if self.do_sample and not self.temperature > 0:
             raise InputError(f"temperature={self.temperature} must be > 0 when sampling")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -67,17 +75,22 @@ def generate(cfg: LlamaConfig, prefill, decode, tokens, attention_mask=None,
 
     Rows that finished early are filled with the pad id (or their EOS id).
     """
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
     sampling = sampling or Sampling()
     ids, mask = check_tokens(cfg, tokens, attention_mask, extra_length=max_new_tokens)
     if (mask.sum(1) == 0).any():
         raise InputError("cannot generate from an empty prompt (a row with no real tokens)")
     ids, mask = left_align(ids, mask)
     eos = np.array(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids, np.int64)
+    if ((eos < 0) | (eos >= cfg.vocab_size)).any():
+        raise InputError(f"eos_token_ids={eos.tolist()} must be token ids in [0, vocab_size={cfg.vocab_size})")
     if pad_token_id is None:
         pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else (
             int(eos[0]) if eos.size else 0)
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, (int, np.integer)) \
+            or not 0 <= pad_token_id < cfg.vocab_size:
+        raise InputError(f"pad_token_id={pad_token_id!r} must be a token id in [0, vocab_size={cfg.vocab_size})")
     rng = np.random.default_rng(sampling.seed)
 
     B = ids.shape[0]

@@ -24,6 +24,10 @@ def check_token_array(tokens, attention_mask, vocab_size: int) -> tuple[np.ndarr
     Returns ids as int64 with padding slots set to 0 (models never read them, but
     embedding lookups still happen) and the mask as int32.
     """
+    if isinstance(tokens, (list, tuple)) and tokens and all(isinstance(r, (list, tuple)) for r in tokens) \
+            and len({len(r) for r in tokens}) > 1:
+        raise InputError(f"tokens: rows of different lengths ({', '.join(str(len(r)) for r in tokens)}); pad them "
+                         "to one length and pass attention_mask (1 = real token, 0 = padding)")
     ids = np.asarray(tokens)
     if ids.ndim == 1:
         raise InputError(f"tokens must be [batch, seq], got a 1-D array of shape {ids.shape}; "

@@ -63,6 +63,11 @@ class Policy:
                               "accumulation is not something either framework exposes")
         if self.matmul not in MATMUL:
             raise PolicyError(f"policy '{self.name}': matmul={self.matmul!r} is not one of {MATMUL}")
+        if not isinstance(self.norm_cast_before_weight, bool):
+            raise PolicyError(f"policy '{self.name}': norm_cast_before_weight={self.norm_cast_before_weight!r} "
+                              "must be True or False (a string is not a boolean)")
+        if not isinstance(self.name, str) or not self.name:
+            raise PolicyError(f"policy name {self.name!r} must be a non-empty string")
 
     @staticmethod
     def get(policy: "str | Policy", **overrides) -> "Policy":

@@ -138,3 +138,107 @@ def test_value_fields_that_differ_are_reported_not_refused(tiny_dir):
     report = compare.compare_models("torchref", hf, tiny_dir("gqa"), inputs=[[1, 2, 3, 4]], teacher_forcing=False)
     assert report.config_differences == ["rms_norm_eps: 1e-05 (reference) vs 0.001 (candidate)"]
     assert report.verdict == "semantic" and "the configs differ: rms_norm_eps" in report.summary()
+
+
+# ----- config.json values and model API arguments ---------------------------------------------
+
+def _config_row(**changes):
+    """A call that loads a tiny checkpoint whose config.json has `changes` (None deletes)."""
+    def call(tiny_dir, tmp_path):
+        import json
+        import shutil
+
+        import torchref
+        folder = tmp_path / "ck"
+        shutil.copytree(tiny_dir("gqa"), folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        for k, v in changes.items():
+            cfg.pop(k, None) if v is None else cfg.__setitem__(k, v)
+        (folder / "config.json").write_text(json.dumps(cfg))
+        return torchref.from_pretrained(folder)
+    return call
+
+
+def _whole_config(edit):
+    """A call that loads a tiny checkpoint whose config.json text is edit(text)."""
+    def call(tiny_dir, tmp_path):
+        import shutil
+
+        import torchref
+        folder = tmp_path / "ck"
+        shutil.copytree(tiny_dir("gqa"), folder)
+        (folder / "config.json").write_text(edit((folder / "config.json").read_text()))
+        return torchref.from_pretrained(folder)
+    return call
+
+
+def _model_call(fn):
+    def call(tiny_dir, tmp_path):
+        import torchref
+        return fn(torchref.from_pretrained(tiny_dir("gqa")))
+    return call
+
+
+def _policy(**knobs):
+    def call(tiny_dir, tmp_path):
+        from llamaspec import Policy
+        return Policy.get("bf16", **knobs)
+    return call
+
+
+ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}
+CONFIG_CASES = [
+    ("hidden-size-float", _config_row(hidden_size=32.9),
+     "ConfigError", r"config\.json: field 'hidden_size' = 32\.9 must be a positive integer"),
+    ("hidden-size-bool", _config_row(hidden_size=True),
+     "ConfigError", r"'hidden_size' = True must be a positive integer"),
+    ("kv-heads-zero", _config_row(num_key_value_heads=0),
+     "ConfigError", r"'num_key_value_heads' = 0 must be a positive integer"),
+    ("kv-heads-negative", _config_row(num_key_value_heads=-2),
+     "ConfigError", r"'num_key_value_heads' = -2 must be a positive"),
+    ("head-dim-negative", _config_row(head_dim=-16), "ConfigError", r"'head_dim' = -16 must be a positive integer"),
+    ("eps-infinite", _whole_config(lambda t: re.sub(r'"rms_norm_eps": [^,}]+', '"rms_norm_eps": 1e400', t)),
+     "ConfigError", r"'rms_norm_eps' = inf must be a finite positive number"),
+    ("eos-outside-vocab", _config_row(eos_token_id=500),
+     "ConfigError", r"'eos_token_id' = 500 must be a token id in \[0, vocab_size=96\)"),
+    ("eos-a-string", _config_row(eos_token_id="</s>"), "ConfigError", r"'eos_token_id' = '</s>' must be a token id"),
+    ("pad-negative", _config_row(pad_token_id=-5), "ConfigError", r"'pad_token_id' = -5 must be a token id"),
+    ("tie-a-string", _config_row(tie_word_embeddings="false"),
+     "ConfigError", r"'tie_word_embeddings' = 'false' must be a JSON boolean"),
+    ("bias-a-string", _config_row(attention_bias="false"),
+     "ConfigError", r"'attention_bias' = 'false' must be a JSON boolean"),
+    ("config-a-list", _whole_config(lambda t: "[1, 2]"), "ConfigError", r"config\.json: must hold a JSON object"),
+    ("rope-scaling-a-string", _config_row(rope_scaling="linear"),
+     "ConfigError", r"'rope_scaling' = 'linear' must be a JSON object"),
+    ("rope-scaling-a-list", _config_row(rope_scaling=["linear", 2]),
+     "ConfigError", r"'rope_scaling' = \['linear', 2\] must be a JSON object"),
+    ("rope-factor-a-string", _config_row(rope_scaling={"rope_type": "linear", "factor": "two"}), "ConfigError",
+     r"'factor' = 'two' must be a finite positive number"),
+    ("llama3-original-max-a-string", _config_row(rope_scaling={**ROPE, "original_max_position_embeddings": "big"}),
+     "ConfigError", r"'original_max_position_embeddings' = 'big' must be a positive integer"),
+    ("vocab-float", _config_row(vocab_size=96.5), "ConfigError", r"'vocab_size' = 96\.5 must be a positive integer"),
+    ("no-model-type", _config_row(model_type=None), "ConfigError", r"field 'model_type' is missing"),
+    ("mistral-architecture", _config_row(architectures=["MistralForCausalLM"]), "ConfigError",
+     r"architectures \['MistralForCausalLM'\] names no Llama class"),
+    ("policy-bool-as-string", _policy(norm_cast_before_weight="False"), "PolicyError",
+     r"norm_cast_before_weight='False' must be True or False"),
+    ("ragged-token-list", _model_call(lambda m: m([[1, 2, 3], [4, 5]])), "InputError",
+     r"tokens: rows of different lengths \(3, 2\)"),
+    ("max-new-tokens-float", _model_call(lambda m: m.generate([[1, 2, 3]], max_new_tokens=2.5)), "InputError",
+     r"max_new_tokens=2\.5 must be an integer >= 1"),
+    ("max-new-tokens-string", _model_call(lambda m: m.generate([[1, 2, 3]], max_new_tokens="4")), "InputError",
+     r"max_new_tokens='4' must be an integer >= 1"),
+    ("top-k-float", _model_call(lambda m: m.generate([[1, 2, 3]], do_sample=True, top_k=2.5)), "InputError",
+     r"top_k=2\.5 must be an integer >= 1"),
+    ("generate-pad-negative", _model_call(lambda m: m.generate([[1, 2, 3]], pad_token_id=-5)), "InputError",
+     r"pad_token_id=-5 must be a token id in \[0, vocab_size=96\)"),
+]
+
+
+@pytest.mark.parametrize("call,error,message", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
+def test_config_and_model_api_bad_input(call, error, message, tiny_dir, tmp_path):
+    with pytest.raises(Exception) as got:
+        call(tiny_dir, tmp_path)
+    assert type(got.value).__name__ == error, repr(got.value)
+    assert re.search(message, str(got.value)), str(got.value)
