@@ -48,6 +48,10 @@ CLI_CASES = [
     ("probe-prompt-without-tokenizer", "probe batch {B} --prompt hi --impl torchref", 2,
      r"no tokenizer\.json, which --prompt needs"),
     ("probe-json-is-a-folder", "probe batch {B} --json {tmp}", 2, r"--json .*: is a folder"),
+    ("json-on-a-read-only-file-system", "compare {B} --random-tokens 1x8 --json /sys/lp.json --no-files", 2,
+     r"--json /sys/lp\.json: cannot write in /sys"),
+    ("probe-html-on-a-read-only-file-system", "probe batch {B} --html /sys/lp.html", 2,
+     r"--html /sys/lp\.html: cannot write in /sys"),
     # The control of the guard below: a valid call does read weights, and an unexpected
     # exception is an internal error (3) with a one-line cause and the --debug hint.
     ("guard-control-valid-call", "compare {B} --random-tokens 1x8 --no-files", 3,
@@ -81,6 +85,12 @@ def test_cli_bad_input(argv, code, message, tiny_dir, tmp, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert rc == code, err
     assert re.search(message, err), err
+
+
+def test_report_folders_that_do_not_exist_yet_are_made_before_the_run(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "nodir" / "sub" / "r.json"
+    assert run_cli(["compare", str(tiny_dir("gqa")), "--random-tokens", "1x8", "--json", str(out), "--no-files"]) == 0
+    assert out.is_file() and '"verdict"' in out.read_text()
 
 
 # ----- the API -------------------------------------------------------------------------------
