@@ -279,14 +279,22 @@ def _prefill(graphdef, state, ids, mask, positions, *, cache_len):
 
 
 def _decode(graphdef, state, cache, next_ids):
+    logits, cache, _ = _decode_taps(graphdef, state, cache, next_ids, taps=())
+    return logits, cache
+
+
+def _decode_taps(graphdef, state, cache, next_ids, *, taps):
+    """_decode, also returning the step's activations {tap: [B, 1, ...]} (unrolled layers:
+    per-layer names as asked)."""
     model = nnx.merge(graphdef, state)
     index = cache["index"]
     slots = cache["mask"].at[:, index].set(True)
     B = slots.shape[0]
     kv = KV(cache["k"], cache["v"], jnp.full(B, index))
-    logits, _, kv = model(next_ids[:, None], cache["pos"][:, None], causal_allowed(slots, 1, index), cache=kv)
+    logits, acts, kv = model(next_ids[:, None], cache["pos"][:, None], causal_allowed(slots, 1, index), taps=taps,
+                             cache=kv)
     cache = {"k": kv.k, "v": kv.v, "mask": slots, "pos": cache["pos"] + 1, "index": index + 1}
-    return logits[:, 0], cache
+    return logits[:, 0], cache, acts
 
 
 def _prefill_invariant(graphdef, state, ids, mask, positions, *, cache_len):
@@ -326,6 +334,13 @@ def _programs(graphdef, batch_invariant: bool):
             jit(functools.partial(prefill, graphdef), static_argnames="cache_len"),
             # the cache is donated: each step updates it in place instead of copying it
             jit(functools.partial(decode, graphdef), donate_argnums=1))
+
+
+@functools.lru_cache(maxsize=16)
+def _decode_capture_program(graphdef):
+    """The jitted _decode_taps for one model structure (LlamaModel.decode_capture)."""
+    jit = functools.partial(jax.jit, compiler_options=compiler_options(False))
+    return jit(functools.partial(_decode_taps, graphdef), static_argnames="taps", donate_argnums=1)
 
 
 def _pick(acts: dict, tap: str) -> np.ndarray:
@@ -405,6 +420,19 @@ class LlamaModel:
         next_ids = check_next_ids(self.cfg, next_ids, B, index, S)
         logits, cache = self._decode(self.state, cache, next_ids)
         return np.asarray(logits), cache
+
+    def decode_capture(self, cache, next_ids, taps=("layers.*.out",)):
+        """decode, also returning the step's activations: (logits [B, V], cache, {tap: numpy
+        [B, 1, ...]}), the taps of the one new position, as the decode path computed them
+        (compare.ladder.decode judges them against a full recompute). A program of its own
+        (compiled per set of tap names): decode's stays as it is."""
+        if self.batch_invariant:
+            raise NotImplementedError("decode_capture: not in batch-invariant mode")
+        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
+        (B, S), index = cache["mask"].shape, int(cache["index"])
+        next_ids = check_next_ids(self.cfg, next_ids, B, index, S)
+        logits, cache, acts = _decode_capture_program(self.graphdef)(self.state, cache, next_ids, taps=names)
+        return np.asarray(logits), cache, {n: np.asarray(acts[n]) for n in names}
 
     def generate(self, tokens, attention_mask=None, max_new_tokens=32, do_sample=False,
                  temperature=1.0, top_k=None, top_p=None, seed=0, eos_token_ids=None,

@@ -295,17 +295,30 @@ class LlamaModel(nn.Module):
         """One token per row at slot cache['index']; returns (logits [B, V], cache)."""
         if self.batch_invariant:
             return self._decode_invariant(cache, next_ids)
+        logits, cache, _ = self._decode(cache, next_ids, ())
+        return logits, cache
+
+    @torch.inference_mode()
+    def decode_capture(self, cache, next_ids: np.ndarray, taps=("layers.*.out",)):
+        """decode, also returning the step's activations: (logits [B, V], cache, {tap:
+        numpy [B, 1, ...]}), the taps of the one new position, as the decode path computed
+        them (compare.ladder.decode judges them against a full recompute)."""
+        if self.batch_invariant:
+            raise NotImplementedError("decode_capture: not in batch-invariant mode")
+        return self._decode(cache, next_ids, tapnames.resolve(taps, self.cfg.num_hidden_layers))
+
+    def _decode(self, cache, next_ids, names):
         i = cache["index"]
         B, S = cache["mask"].shape
         next_ids = check_next_ids(self.cfg, next_ids, B, i, S)
         cache["mask"][:, i] = 1
         kv = KV(cache["k"], cache["v"], torch.full((B,), i, device=self.device))
         with matmul_settings(self.policy):
-            logits, _ = self._run(self._tensor(next_ids)[:, None], cache["next_pos"][:, None],
-                                  causal_allowed(cache["mask"], 1, i), cache=kv)
+            logits, acts = self._run(self._tensor(next_ids)[:, None], cache["next_pos"][:, None],
+                                     causal_allowed(cache["mask"], 1, i), names, cache=kv)
         cache["index"] = i + 1
         cache["next_pos"] = cache["next_pos"] + 1
-        return to_numpy(logits[:, -1]), cache
+        return to_numpy(logits[:, -1]), cache, {n: to_numpy(acts[n]).copy() for n in names}
 
     def _prefill_invariant(self, ids: np.ndarray, mask: np.ndarray, total_len: int):
         """prefill in the canonical layout; the cache keeps per-row lengths ("lens")."""
