@@ -1,7 +1,24 @@
-"""decode_capture: a decode step that also returns its taps."""
+"""The decode comparison (compare/ladder/decode.py): each side decodes through its own KV
+cache, every step's taps judged against the oracle's full recompute. Planted cache bugs are
+found at their step, tap, layer and component; clean runs are exact or drift at every step.
+Tiny checkpoints here; SmolLM2 below (marked smollm2)."""
+
+import time
 
 import numpy as np
 import pytest
+
+from compare.adapters import resolve_side
+from compare.ladder.controls import CONTROLS, clean
+from compare.ladder.decode import (
+    DECODE_CONTROLS,
+    LATE_SLOTS,
+    check_decode,
+    compare_decode,
+    run_decode,
+    run_decode_control,
+)
+from llamaspec import Policy
 
 STEPS = 8
 # a left-padded batch: row 1's prompt is 4 tokens shorter, so slots and positions differ
@@ -35,3 +52,102 @@ def test_decode_capture_is_decode_plus_the_steps_taps(package, folder):
             want = full[t][:, IDS.shape[1] + s]
             assert x.shape[1] == 1
             assert np.abs(x[:, 0] - want).max() <= 1e-12 * max(1.0, np.abs(want).max()), t
+
+
+ASSERTED = [name for name, c in DECODE_CONTROLS.items() if c.verdict is not None]
+
+
+@pytest.mark.parametrize("name", ASSERTED)
+def test_planted_cache_bug_found_at_its_step_tap_layer_component(name, folder):
+    control = DECODE_CONTROLS[name]
+    report = run_decode_control(control, folder, IDS, MASK, steps=STEPS)
+    assert check_decode(control, report) == [], report.summary()
+    assert all(s.verdict in ("exact", "drift") for s in report.per_step[:report.first_step - 1])
+    step = report.per_step[report.first_step - 1]
+    assert step.own_recompute > 1e-3 and step.full_vs_oracle < 1e-12    # the decode path, not the math
+    report.to_dict()
+
+
+def test_late_bug_is_not_at_step_one(folder):
+    """The wrapping cache is right for LATE_SLOTS decode steps: its first divergence is the
+    step that first writes past them."""
+    report = run_decode_control(DECODE_CONTROLS["cache_wraps"], folder, IDS, MASK, steps=STEPS)
+    assert report.first_step == LATE_SLOTS + 1 > 1
+    assert report.per_step[LATE_SLOTS].slot == IDS.shape[1] + LATE_SLOTS
+
+
+def test_a_math_bug_is_blamed_on_the_math_not_the_cache(folder):
+    """The prefill ladder's epsilon bug also shows in decode (step 1, layers.1.attn_norm),
+    and the candidate's own full recompute differs as much: not a cache bug."""
+    policy = Policy.get("fp32")
+    report = run_decode(resolve_side("torchref", folder, policy), CONTROLS["rmsnorm_eps"].side(folder),
+                        IDS, MASK, policy, steps=3)
+    d = report.first_divergence
+    assert (report.verdict, report.first_step, d.tap, d.component) == ("semantic", 1, "layers.1.attn_norm",
+                                                                       "attn_norm"), report.summary()
+    assert "the model's math, not its cache" in d.hint
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_clean_jaxmodel_decode_is_exact_or_drift_at_every_step(policy, folder):
+    report = compare_decode("torchref", "jaxmodel", folder, inputs=(IDS, MASK), steps=STEPS, policy=policy)
+    assert all(s.verdict in ("exact", "drift") for s in report.per_step), report.summary()
+    assert max(s.max_precision_ratio for s in report.per_step) < 1
+    assert report.first_step is None and report.first_divergence is None
+    assert np.asarray(report.tokens).shape == (2, STEPS)
+
+
+def test_same_implementation_is_exact_and_given_tokens_are_fed(folder):
+    toks = np.array([[4, 5, 6], [7, 8, 9]])
+    report = compare_decode("torchref", "torchref", folder, inputs=(IDS, MASK), tokens=toks)
+    assert report.verdict == "exact" and report.steps == 3, report.summary()
+    assert report.tokens == toks.tolist() and report.token_source == "given"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_clean_transformers_decode_is_exact_or_drift_at_every_step(policy, folder):
+    """transformers eager through its DynamicCache (left-padded batch; its float64 copy
+    decodes row by row, EAGER_F64_LEFT_PADDING) against torchref."""
+    pytest.importorskip("transformers")
+    pol = Policy.get(policy)
+    report = run_decode(resolve_side("torchref", folder, pol), clean("transformers", policy).side(folder),
+                        IDS, MASK, pol, steps=STEPS)
+    assert report.verdict in ("exact", "drift"), report.summary()
+    assert "q_rope" not in {t.tap.split(".")[-1] for t in report.taps}
+
+
+def test_report_json_and_summary(folder, tmp_path):
+    import json
+    report = run_decode_control(DECODE_CONTROLS["stale_mask"], folder, IDS, MASK, steps=3)
+    data = json.loads(report.to_json(tmp_path / "decode.json").read_text())
+    assert data["first_step"] == 1 and data["first_divergence"]["tap"] == "layers.1.attn_ctx"
+    assert len(data["per_step"]) == 3 and data["taps_step"] == 1
+    assert "first semantic at step 1" in report.summary()
+
+
+# ----- SmolLM2 ------------------------------------------------------------------------------
+
+@pytest.mark.smollm2
+def test_smollm2_decode_32_steps(smollm2):
+    """32 steps after the built-in 258-token prompt, torchref vs jaxmodel at fp32: clean,
+    and the time printed (the issue's budget is a minute on the project's 2-core machine;
+    not asserted: it depends on what else runs)."""
+    start = time.perf_counter()
+    report = compare_decode("torchref", "jaxmodel", smollm2, steps=32, policy="fp32")
+    took = time.perf_counter() - start
+    print(f"\nMEASURED smollm2 decode 32 steps: {took:.1f} s {report.timing}; {report.summary()}; "
+          f"max precision ratio {max(s.max_precision_ratio for s in report.per_step):.2f}")
+    assert report.verdict in ("exact", "drift"), report.summary()
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ASSERTED)
+def test_smollm2_planted_cache_bugs(name, smollm2):
+    from compare.ladder.engine import _inputs
+    ids, mask = _inputs(None, smollm2)
+    control = DECODE_CONTROLS[name]
+    report = run_decode_control(control, smollm2, ids, mask, steps=8)
+    print(f"\nMEASURED smollm2 decode {name}: {report.summary()}")
+    assert check_decode(control, report) == [], report.summary()
