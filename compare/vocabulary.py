@@ -44,6 +44,13 @@ ONE_ROUNDING = 3 ** -0.5
 NOISE_BAND = (1 / 16, 4.0)
 NOISE_SHAPE = 0.25
 NOISE_DTYPES = ("bfloat16", "float16", "float32")
+# The hint of a precision finding names a step whose rounding grows with position (RoPE
+# angles in low precision) when the candidate's error over the reference's, in
+# TREND_BUCKETS equal runs of positions, rises steadily (Spearman rho >= TREND_RHO) by at
+# least TREND_GROWTH from the first run to the last.
+TREND_BUCKETS = 8
+TREND_RHO = 0.9
+TREND_GROWTH = 2.0
 
 
 def precision_floor(policy: Policy, hidden: int | None = None) -> float:

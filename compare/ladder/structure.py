@@ -295,7 +295,8 @@ def _ranks(x: np.ndarray) -> np.ndarray:
     return (starts + (counts - 1) / 2)[inv]
 
 
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman rank correlation (ties averaged); 0 when either side is constant."""
     rx, ry = _ranks(x) - (len(x) - 1) / 2, _ranks(y) - (len(y) - 1) / 2
     den = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
     return float((rx * ry).sum() / den) if den else 0.0
@@ -315,7 +316,7 @@ def _floored(ref_energy: np.ndarray) -> np.ndarray:
 def _trend(positions: np.ndarray, err: np.ndarray) -> tuple[float, float, float]:
     """Spearman rho and the median error of the first and last quarter of positions."""
     q = max(1, len(positions) // 4)
-    return (_spearman(positions.astype(float), err),
+    return (spearman(positions.astype(float), err),
             float(np.median(err[:q])), float(np.median(err[-q:])))
 
 

@@ -37,12 +37,15 @@ from ..vocabulary import (
     ONE_ROUNDING,
     QUARTER_POSITIONS,
     STRUCT_F32_FLOOR,
+    TREND_BUCKETS,
+    TREND_GROWTH,
+    TREND_RHO,
     M,
     drift_factor,
     precision_floor,
 )
 from .conventions import explain_attention
-from .structure import analyse
+from .structure import analyse, spearman
 from .structure import hint as structure_hint
 
 _F32_STEP_KINDS = ("position_trend", "head_confinement", "half_confinement", "sign_bias")
@@ -195,6 +198,26 @@ def _where(t) -> str:
     return f"layer {t.layer}'s {part}" if t.layer is not None else f"the {part}"
 
 
+def position_trend(sq_r, sq_c, pos) -> tuple[float, float, float, str] | None:
+    """(rho, first, last, where): the candidate's error over the reference's (per-row
+    squared errors sq_c, sq_r) in TREND_BUCKETS equal runs of the distinct positions, its
+    rank correlation with position, and the first and last runs' ratios; None with fewer
+    than 4 positions per run or no reference error to compare with."""
+    distinct = np.unique(pos)
+    if len(distinct) < 4 * TREND_BUCKETS:
+        return None
+    edges = distinct[np.linspace(0, len(distinct), TREND_BUCKETS + 1).astype(int)[1:-1]]
+    run = np.searchsorted(edges, pos, side="right")
+    er = np.array([sq_r[run == k].sum() for k in range(TREND_BUCKETS)])
+    ec = np.array([sq_c[run == k].sum() for k in range(TREND_BUCKETS)])
+    if not (er > 0).all():
+        return None
+    ratio = np.sqrt(ec / er)
+    last = pos[run == TREND_BUCKETS - 1]
+    return spearman(np.arange(TREND_BUCKETS), ratio), float(ratio[0]), float(ratio[-1]), \
+        f"positions {last.min()}-{last.max()}"
+
+
 def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bool,
              context=None, hidden: int | None = None, noise_from: TapVerdict | None = None) -> TapVerdict:
     """The ladder for one tap; arrays are [B, T, ...], mask [B, T] selects real positions.
@@ -258,9 +281,22 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
     m = drift_factor(policy)
     ratio, where = precision_ratio(sq_r, sq_c, None, pos, precision_floor(policy, hidden), m, rows)
     noise_dtype = noise[0] if noise else None
+    # The shape of a precision finding's excess over positions names its likely step; on its
+    # own (under the drift bound) it is not a finding: a reference that is unusually exact
+    # at the first positions makes a clean candidate's ratio rise too (SmolLM2, jaxmodel at
+    # fp32, 64 tokens: 0.09x to 1.71x, rank correlation 0.90).
+    trend = position_trend(sq_r, sq_c, pos) if ratio > 1 else None
+    rising = trend is not None and trend[0] >= TREND_RHO and trend[2] >= TREND_GROWTH * trend[1]
+    grows = (f"the candidate's error over the reference's grows with position, steadily (rank correlation "
+             f"{trend[0]:.2f}), from {trend[1]:.2f}x in the first {TREND_BUCKETS}th of the positions to "
+             f"{trend[2]:.2f}x at {trend[3]}" if rising else "")
+    rope_step = ("a step whose rounding grows with position, most often RoPE angles (position x frequency) "
+                 "or tables computed in lower precision")
     if ratio > 1:
         step = _PRECISION_STEP.get(t.kind, "a step computed in lower precision "
                                    "(matmul accumulation, norm, softmax, RoPE tables)")
+        if rising:
+            step = f"{step}; {grows}: {rope_step}"
         times = f"{err_cand / err_ref:.1f}x" if err_ref else "more than"
         return TapVerdict(tap, layer, component, "precision", err_ref, err_cand, err64, 0,
                           f"the candidate loses {times} the reference's precision here "
