@@ -11,6 +11,7 @@ Rooms (the README's "What is here" has the map):
 """
 
 from .adapters import Implementation, as_implementation
+from .ladder.decode import DecodeReport, compare_decode
 from .ladder.engine import Report, assert_parity, compare_models
 from .ladder.layers import Row, layer_summary
 from .ladder.structure import Finding, analyse, hint
@@ -31,7 +32,7 @@ from .metrics import (
 )
 from .vocabulary import KINDS
 
-__all__ = ["KINDS", "Implementation", "Report", "assert_parity", "as_implementation", "compare_models", "Row",
-           "layer_summary", "cosine", "frac_beyond", "kl_per_position", "max_abs", "max_ulp", "nonfinite",
-           "nonfinite_report", "rel_l2", "tap_metrics", "top1_agreement", "top_margin", "topk_overlap",
-           "unit_roundoff", "Finding", "analyse", "hint"]
+__all__ = ["KINDS", "DecodeReport", "Finding", "Implementation", "Report", "Row", "analyse", "as_implementation",
+           "assert_parity", "compare_decode", "compare_models", "cosine", "frac_beyond", "hint", "kl_per_position",
+           "layer_summary", "max_abs", "max_ulp", "nonfinite", "nonfinite_report", "rel_l2", "tap_metrics",
+           "top1_agreement", "top_margin", "topk_overlap", "unit_roundoff"]

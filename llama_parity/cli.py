@@ -120,6 +120,8 @@ def cmd_compare(args) -> int:
                                "the prompts need (for a folder without one, pass --random-tokens BxT)")
     policy = Policy.get(args.policy)
     json_path, html_path = _report_paths(args)
+    decode_json = (output_file(json_path.with_name(json_path.stem + "-decode.json"), "--json", args.force, say)
+                   if args.decode and json_path else None)
     t0 = time.perf_counter()
     inputs = args.prompt
     if args.random_tokens:
@@ -127,8 +129,8 @@ def cmd_compare(args) -> int:
         B, T = args.random_tokens
         vocab = LlamaConfig.from_file(Path(folder) / "config.json").vocab_size
         inputs = np.random.default_rng(0).integers(0, vocab, (B, T))
-    report = compare_models(_peer(args.reference, folder, policy), _peer(args.candidate, folder, policy),
-                            folder, inputs=inputs, policy=policy,
+    reference, candidate = _peer(args.reference, folder, policy), _peer(args.candidate, folder, policy)
+    report = compare_models(reference, candidate, folder, inputs=inputs, policy=policy,
                             teacher_forcing=not args.no_teacher_forcing,
                             progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
     print_verdict_table(report, colour=sys.stdout.isatty() and not args.no_colour)
@@ -140,8 +142,17 @@ def cmd_compare(args) -> int:
         say(f"JSON report: {report.to_json(json_path)}")
     if html_path:
         say(f"HTML report: {report.to_html(html_path)}")
+    verdict = report.verdict
+    if args.decode:
+        from compare.ladder.decode import compare_decode
+        decoded = compare_decode(reference, candidate, folder, inputs=inputs, steps=args.decode, policy=policy,
+                                 progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
+        say(decoded.summary())
+        if decode_json:
+            say(f"decode JSON report: {decoded.to_json(decode_json)}")
+        verdict = max(verdict, decoded.verdict, key=KINDS.index)
     say(f"done in {time.perf_counter() - t0:.1f} s")
-    return EXIT_OK if KINDS.index(report.verdict) <= KINDS.index("drift") else EXIT_FINDING
+    return EXIT_OK if KINDS.index(verdict) <= KINDS.index("drift") else EXIT_FINDING
 
 
 def _report_paths(args):
@@ -224,6 +235,9 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="overwrite report paths that hold files llama-parity "
                    "did not write")
     p.add_argument("--no-teacher-forcing", action="store_true")
+    p.add_argument("--decode", metavar="N", type=positive_int, default=None,
+                   help="also decode N tokens through each side's KV cache and judge every step against the "
+                   "oracle's full recompute (first divergent step, tap, layer, component)")
     p.add_argument("--no-colour", action="store_true")
     p.set_defaults(func=cmd_compare)
 

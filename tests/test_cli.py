@@ -29,3 +29,14 @@ def test_compare_writes_both_reports_to_out_dir_by_default(tiny_dir, tmp_path, c
     written = sorted(p.name for p in (tmp_path / "rep").iterdir())
     assert written == ["jaxmodel-vs-torchref-fp32.html", "jaxmodel-vs-torchref-fp32.json"]
     assert json.loads((tmp_path / "rep" / written[1]).read_text())["policy"]["name"] == "fp32"
+
+
+def test_compare_decode_judges_each_step_and_writes_its_json(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["compare", str(tiny_dir("gqa")), "--random-tokens", "2x12", "--decode", "3", "--json", str(out),
+               "--no-files", "--no-teacher-forcing"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "decode of 3 steps" in printed
+    decoded = json.loads((tmp_path / "r-decode.json").read_text())
+    assert decoded["steps"] == 3 and len(decoded["per_step"]) == 3 and decoded["verdict"] in ("exact", "drift")

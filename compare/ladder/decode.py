@@ -68,6 +68,7 @@ from ..environment import environment
 from ..metrics import pair_metrics, rel_l2
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
+from .engine import parse_inputs
 from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, precision_ratio
 
 
@@ -221,8 +222,7 @@ def _prefill_ahead(pool, impl, ids, mask, taps, total_len):
 # ----- the comparison -------------------------------------------------------------------------
 
 def _inputs(inputs, checkpoint):
-    from .engine import _inputs as ladder_inputs  # the ladder's parsing of `inputs`
-    ids, mask = ladder_inputs(inputs, checkpoint)
+    ids, mask = parse_inputs(inputs, checkpoint)
     return left_align(np.asarray(ids, np.int64), np.asarray(mask, np.int64))
 
 

@@ -109,7 +109,7 @@ BUILTIN_PROMPTS = [
 ]
 
 
-def _inputs(inputs, checkpoint):
+def parse_inputs(inputs, checkpoint):
     """None -> built-in prompts; a str or list[str] -> chat-encoded prompts; an int array
     [B, T], or (ids, mask). Checked here so that a bad argument is named as `inputs`.
 
@@ -156,7 +156,7 @@ def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, 
         raise ValueError("checkpoint is required (a Hugging Face Llama folder; "
                          "`llama-parity fetch-smollm2` prints the default one)")
     policy = Policy.get(policy)
-    ids, mask = _inputs(inputs, checkpoint)
+    ids, mask = parse_inputs(inputs, checkpoint)
     progress(f"loading {reference if isinstance(reference, str) else type(reference).__name__} "
              f"and {candidate if isinstance(candidate, str) else type(candidate).__name__}")
     ref = resolve_side(reference, checkpoint, policy)
