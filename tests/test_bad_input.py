@@ -252,3 +252,13 @@ def test_config_and_model_api_bad_input(call, error, message, tiny_dir, tmp_path
         call(tiny_dir, tmp_path)
     assert type(got.value).__name__ == error, repr(got.value)
     assert re.search(message, str(got.value)), str(got.value)
+
+
+def test_an_interrupted_compare_exits_130_with_one_line(tiny_dir, monkeypatch, capsys):
+    import compare
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(compare, "compare_models", interrupted)
+    assert run_cli(["compare", str(tiny_dir("gqa")), "--random-tokens", "1x8", "--no-files"]) == 130
+    assert capsys.readouterr().err.strip() == "llama-parity: interrupted"
