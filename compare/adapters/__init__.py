@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 
 from llamaspec import ConfigError, Policy
 
+from .generic import HF_LLAMA_TAPS, JaxFunction, LinenModule, NnxModule, TorchModule
 from .ours import PACKAGES, OurModel, fp64_policy, package_of
 
 
@@ -132,3 +133,4 @@ def resolve_side(spec, checkpoint, policy) -> Side:
 __all__ = ["SHAPE_FIELDS", "VALUE_FIELDS", "Implementation", "OurModel", "Side", "TransformersModel",
            "architecture", "as_implementation", "config_differences", "fp64_policy", "implementation",
            "is_transformers_llama", "package_of", "resolve_side"]
+__all__ += ["HF_LLAMA_TAPS", "JaxFunction", "LinenModule", "NnxModule", "TorchModule"]

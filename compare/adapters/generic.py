@@ -1,0 +1,678 @@
+"""Generic adapters: a user's own port under the Implementation protocol, with no class to write.
+
+    TorchModule(module, {"layers.{i}.attn_out": "model.layers.{i}.self_attn", ...})
+        a PyTorch module tree and a map from tap names to submodule paths (forward hooks);
+        "pre:<path>" taps a module's input instead of its output
+    JaxFunction(fn, params, taps=("embed", "layers.{i}.out", ...), num_layers=L)
+        a plain JAX function fn(params, ids, mask, positions) -> (logits, {tap: array})
+    NnxModule(module, {"layers.{i}.out": "layers.{i}", ...})
+        a Flax NNX module: outputs of its submodules (nnx.capture with method_outputs) and
+        values it sows itself ("sow:<path>.<name>")
+    LinenModule(module, variables, {"layers.{i}.out": "layers_{i}", ...})
+        a Flax linen module: capture_intermediates=True, paths into the intermediates tree
+
+Every adapter takes (tokens, attention_mask), checks them (llamaspec.inputs.check_token_array)
+and hands the port position ids = llamaspec.positions_from_mask(mask): real tokens count
+from 0 whatever the padding side, as torchref and jaxmodel compute them. Outputs are numpy.
+Tap names in a map may hold "{i}" (every layer) and must be names of the shared vocabulary
+(llamaspec.taps); per-head taps (q, k, v, q_rope, k_rope) come out [B, T, heads, head_dim]
+(reshaped with head_dim when the port gives [B, T, heads * head_dim]).
+
+inject {layer: hidden [B, T, D]} (teacher forcing) replaces a decoder layer's input where
+the adapter can: TorchModule by a forward pre-hook on the layer module (inject_map, or the
+path of "layers.{i}.out"); JaxFunction, NnxModule and LinenModule when the user's function
+takes an `inject` keyword. `supports_inject` says which; capture(..., inject=...) on an
+adapter without it is a NotImplementedError naming the way to add it.
+
+float64(): the same port computing in float64 where the framework allows: a deep copy of
+the torch module cast with .to(torch.float64); JAX params cast to float64 and every call
+run under jax.enable_x64(True). Code that hard-codes a narrower dtype keeps it (say so with
+keeps_f32=True: its float64 run keeps f32 steps, as transformers' does).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import numpy as np
+
+from llamaspec import positions_from_mask
+from llamaspec import taps as tapnames
+from llamaspec.inputs import check_token_array
+
+PER_HEAD = ("q", "k", "v", "q_rope", "k_rope")
+
+# The module paths of a Hugging Face-layout Llama (transformers' LlamaForCausalLM, and the
+# Mistral/Qwen2-style models that share its names). q_rope/k_rope have no module boundary
+# there (RoPE is a function inside the attention's forward).
+HF_LLAMA_TAPS = {
+    "embed": "model.embed_tokens",
+    "layers.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "layers.{i}.q": "model.layers.{i}.self_attn.q_proj",
+    "layers.{i}.k": "model.layers.{i}.self_attn.k_proj",
+    "layers.{i}.v": "model.layers.{i}.self_attn.v_proj",
+    "layers.{i}.attn_ctx": "pre:model.layers.{i}.self_attn.o_proj",
+    "layers.{i}.attn_out": "model.layers.{i}.self_attn.o_proj",
+    "layers.{i}.resid_mid": "pre:model.layers.{i}.post_attention_layernorm",
+    "layers.{i}.mlp_norm": "model.layers.{i}.post_attention_layernorm",
+    "layers.{i}.gate": "model.layers.{i}.mlp.gate_proj",
+    "layers.{i}.up": "model.layers.{i}.mlp.up_proj",
+    "layers.{i}.act": "pre:model.layers.{i}.mlp.down_proj",
+    "layers.{i}.mlp_out": "model.layers.{i}.mlp",
+    "layers.{i}.out": "model.layers.{i}",
+    "final_norm": "model.norm",
+    "logits": "lm_head",
+}
+
+_VALID = ("embed, layers.{i}.<" + "|".join(tapnames.LAYER_TAPS) + ">, final_norm, logits "
+          "({i}: every layer, or a layer number)")
+
+
+# ----- tap names ---------------------------------------------------------------------------
+
+def _layer_count(names, num_layers, what) -> int:
+    """num_layers as given, else 1 + the highest layer a concrete name names."""
+    if num_layers is not None:
+        return int(num_layers)
+    if any("{i}" in n or any(c in n for c in "*?[") for n in names):
+        raise ValueError(f"{what}: num_layers is needed to expand "
+                         f"{[n for n in names if '{i}' in n or any(c in n for c in '*?[')]}")
+    layers = [tapnames.layer_of(n) for n in names if tapnames.layer_of(n) is not None]
+    return max(layers) + 1 if layers else 0
+
+
+def expand_taps(names, num_layers: int, what: str = "taps") -> tuple[str, ...]:
+    """Names with "{i}" (every layer) or globs -> concrete vocabulary names, in execution
+    order; a name outside the vocabulary is a ValueError listing the valid ones."""
+    valid = tapnames.all_taps(num_layers)
+    out = []
+    for name in names:
+        if "{i}" in name:
+            hits = [name.replace("{i}", str(i)) for i in range(num_layers)]
+            if num_layers == 0 or any(h not in valid for h in hits):
+                raise ValueError(f"{what}: '{name}' is not a tap name of the shared vocabulary; tap names are "
+                                 f"{_VALID}")
+        else:
+            try:
+                hits = list(tapnames.resolve([name], num_layers))
+            except KeyError:
+                raise ValueError(f"{what}: '{name}' is not a tap name of the shared vocabulary for a "
+                                 f"{num_layers}-layer model; tap names are {_VALID}") from None
+        out += [h for h in hits if h not in out]
+    order = {n: i for i, n in enumerate(valid)}
+    return tuple(sorted(out, key=order.__getitem__))
+
+
+def _expand_map(taps_map: dict, num_layers: int, what: str) -> dict[str, str]:
+    """{tap pattern: path pattern} -> {concrete tap: concrete path}, execution order."""
+    out = {}
+    for pattern, path in taps_map.items():
+        for tap in expand_taps([pattern], num_layers, what):
+            layer = tapnames.layer_of(tap)
+            out[tap] = path.replace("{i}", str(layer)) if layer is not None else path
+    order = {n: i for i, n in enumerate(tapnames.all_taps(num_layers))}
+    return dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
+
+
+class _Port:
+    """What every generic adapter shares: tap selection, input checks, results."""
+
+    keeps_f32 = False
+    supports_inject = False
+    num_layers = 0
+    vocab_size = None
+    head_dim = None
+
+    def resolve(self, requested) -> tuple[str, ...]:
+        """Names and globs -> concrete taps this port returns; an explicitly named tap it
+        does not return is a KeyError listing the ones it does."""
+        if requested is None:
+            return ()
+        if isinstance(requested, str):
+            requested = [requested]
+        out = []
+        for pattern in requested:
+            hits = tapnames.resolve([pattern], self.num_layers)   # KeyError on unknown names
+            kept = [h for h in hits if h in self._available]
+            if not kept or (len(kept) != len(hits) and not any(c in pattern for c in "*?[")):
+                raise KeyError(f"tap '{pattern}' is not returned by {self.name}; it returns: "
+                               f"{', '.join(self.taps) or 'nothing'}")
+            out += [h for h in kept if h not in out]
+        order = {n: i for i, n in enumerate(self.taps)}
+        return tuple(sorted(out, key=order.__getitem__))
+
+    def _set_taps(self, taps):
+        self.taps = tuple(taps)
+        self._available = set(self.taps)
+
+    def _inputs(self, tokens, attention_mask):
+        vocab = self.vocab_size if self.vocab_size is not None else np.iinfo(np.int64).max
+        ids, mask = check_token_array(tokens, attention_mask, vocab)
+        return ids, mask, positions_from_mask(mask)
+
+    def _inject(self, inject, ids) -> dict[int, np.ndarray]:
+        if not inject:
+            return {}
+        if not self.supports_inject:
+            raise NotImplementedError(f"{self.name} cannot take inject (teacher forcing): {self._no_inject}")
+        out = {}
+        for layer, x in inject.items():
+            if not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.num_layers):
+                raise ValueError(f"inject: layer {layer!r} is not in 0..{self.num_layers - 1}")
+            x = np.asarray(x) if not hasattr(x, "shape") else x
+            if tuple(x.shape[:2]) != tuple(ids.shape) or len(x.shape) != 3:
+                raise ValueError(f"inject[{layer}]: shape {tuple(x.shape)}, expected ({ids.shape[0]}, "
+                                 f"{ids.shape[1]}, hidden)")
+            out[int(layer)] = x
+        return out
+
+    def _per_head(self, tap, x: np.ndarray) -> np.ndarray:
+        if tapnames.parse(tap)[1] not in PER_HEAD or x.ndim != 3:
+            return x
+        if not self.head_dim:
+            raise ValueError(f"{self.name}: tap '{tap}' came out {x.shape}; per-head taps are [B, T, heads, "
+                             "head_dim]: pass head_dim= so that it can be reshaped")
+        return x.reshape(*x.shape[:2], -1, self.head_dim)
+
+    def _finish(self, logits, acts: dict, wanted, where: dict | None = None):
+        missing = [t for t in wanted if t not in acts]
+        if missing:
+            said = "; ".join(f"'{t}' ({where[t]})" for t in missing) if where else ", ".join(missing)
+            raise RuntimeError(f"{self.name}: taps not produced: {said}: the forward never reached them")
+        return np.asarray(logits), {t: self._per_head(t, np.asarray(acts[t])) for t in wanted}
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _config_value(obj, *names):
+    cfg = getattr(obj, "config", None) or getattr(obj, "cfg", None)
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return None
+
+
+# ----- PyTorch ------------------------------------------------------------------------------
+
+def _walk(root, path: str, tap: str):
+    """The object at a dotted path (attributes, or indices into lists / ModuleLists / dicts);
+    a path that does not exist is a LookupError naming the tap, the path and what is there."""
+    obj = root
+    done = []
+    for part in path.split(".") if path else []:
+        nxt = getattr(obj, part, None) if not part.isdigit() else None
+        if nxt is None:
+            try:
+                nxt = obj[int(part)] if part.isdigit() else obj[part]
+            except (IndexError, KeyError, TypeError):
+                nxt = None
+        if nxt is None:
+            here = ".".join(done) or "the module"
+            children = _children(obj)
+            raise LookupError(f"tap '{tap}': path '{path}' does not exist: {here} has no '{part}'"
+                              + (f" (it has: {', '.join(children)})" if children else ""))
+        obj = nxt
+        done.append(part)
+    return obj
+
+
+def _children(obj) -> list[str]:
+    named = getattr(obj, "named_children", None)
+    if callable(named):
+        return [n for n, _ in named()]
+    if isinstance(obj, (list, tuple)):
+        return [str(i) for i in range(len(obj))]
+    if isinstance(obj, dict):
+        return [str(k) for k in obj]
+    return []
+
+
+def _torch_first(x, what):
+    import torch
+    while isinstance(x, (tuple, list)) and x:
+        x = x[0]
+    if not isinstance(x, torch.Tensor):
+        raise RuntimeError(f"{what}: the module gave a {type(x).__name__}, not a tensor")
+    return x
+
+
+def _torch_input(args, kwargs, what):
+    import torch
+    if args:
+        return _torch_first(args[0], what)
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor):
+            return v
+    raise RuntimeError(f"{what}: the module was called without a tensor input")
+
+
+def _torch_numpy(t):
+    from torchref.dtypes import to_numpy
+    return to_numpy(t).copy()
+
+
+def _replace_first_input(h):
+    """Forward pre-hook (with_kwargs): the layer's hidden-state input, positional or the
+    keyword hidden_states (else the first tensor keyword), becomes h in its dtype/device."""
+    import torch
+
+    def pre(module, args, kwargs):
+        if args:
+            x = args[0]
+            return (h.to(device=x.device, dtype=x.dtype), *args[1:]), kwargs
+        key = "hidden_states" if "hidden_states" in kwargs else next(
+            (k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+        if key is None:
+            raise RuntimeError(f"inject: {type(module).__name__} was called without a tensor input")
+        x = kwargs[key]
+        return args, {**kwargs, key: h.to(device=x.device, dtype=x.dtype)}
+    return pre
+
+
+def default_torch_forward(module, ids, mask, positions):
+    """module(input_ids=, attention_mask=, position_ids=[, use_cache=False]) where its
+    forward takes those keywords, else module(ids); .logits, element 0 of a tuple, or the
+    tensor itself."""
+    fwd = getattr(module, "forward", module)
+    if _accepts(fwd, "input_ids"):
+        kw = {"input_ids": ids, "attention_mask": mask}
+        if _accepts(fwd, "position_ids"):
+            kw["position_ids"] = positions
+        try:
+            params = inspect.signature(fwd).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "use_cache" in params:
+            kw["use_cache"] = False
+        out = module(**kw)
+    else:
+        out = module(ids)
+    out = getattr(out, "logits", out)
+    return _torch_first(out, "logits")
+
+
+class TorchModule(_Port):
+    """A PyTorch module tree and a map {tap name: submodule path} read by forward hooks.
+
+    taps_map: e.g. {"embed": "model.embed_tokens", "layers.{i}.attn_out":
+    "model.layers.{i}.self_attn", "logits": "lm_head"} (HF_LLAMA_TAPS is the whole map for a
+    Hugging Face-layout Llama). A path is a submodule's output (element 0 of a tuple);
+    "pre:<path>" is its first input. forward(module, ids, mask, positions) -> logits tensor
+    (default_torch_forward by default; ids, mask, positions are int64 tensors on the
+    module's device). num_layers: counted from the container that "{i}" indexes, or the
+    module's config. inject_map: the decoder layer path ("model.layers.{i}") whose first
+    input inject replaces; by default the path of "layers.{i}.out". head_dim reshapes
+    per-head taps (default: the module's config).
+    """
+
+    def __init__(self, module, taps_map: dict, name: str | None = None, forward=None, num_layers: int | None = None,
+                 inject_map: str | None = None, head_dim: int | None = None, vocab_size: int | None = None,
+                 keeps_f32: bool = False):
+        self.module = module
+        self.taps_map = dict(taps_map)
+        self.name = name or type(module).__name__
+        self.forward = forward or default_torch_forward
+        self.keeps_f32 = keeps_f32
+        self.vocab_size = vocab_size if vocab_size is not None else _config_value(module, "vocab_size")
+        self.head_dim = head_dim or _config_value(module, "head_dim")
+        if not self.head_dim and _config_value(module, "num_attention_heads"):
+            self.head_dim = _config_value(module, "hidden_size") // _config_value(module, "num_attention_heads")
+        self.num_layers = self._count_layers(num_layers)
+        self.paths = _expand_map(self.taps_map, self.num_layers, f"{self.name} taps_map")
+        self._targets = {}
+        for tap, path in self.paths.items():
+            self._targets[tap] = (_walk(module, path.removeprefix("pre:"), tap),
+                                  "pre" if path.startswith("pre:") else "post")
+        self._set_taps(self.paths)
+        out_path = self.taps_map.get("layers.{i}.out", "")
+        self.inject_map = inject_map or (out_path if out_path and not out_path.startswith("pre:") else None)
+        self.supports_inject = self.inject_map is not None
+        self._no_inject = ("name the decoder layers with inject_map='model.layers.{i}' (or map 'layers.{i}.out' "
+                           "to them), or compare with teacher_forcing=False")
+        self._layers = ([_walk(module, self.inject_map.replace("{i}", str(i)), f"inject_map layer {i}")
+                         for i in range(self.num_layers)] if self.supports_inject else [])
+
+    def _count_layers(self, given):
+        if given is not None:
+            return int(given)
+        for path in self.taps_map.values():
+            head = path.removeprefix("pre:")
+            if "{i}" in head:
+                container = _walk(self.module, head.split(".{i}")[0], "num_layers")
+                return len(container)
+        found = _config_value(self.module, "num_hidden_layers")
+        if found is None and any("{i}" in t for t in self.taps_map):
+            raise ValueError(f"{self.name}: pass num_layers (no path holds '{{i}}' to count them by)")
+        return int(found or 0)
+
+    def _device(self):
+        p = next(iter(self.module.parameters()), None) if hasattr(self.module, "parameters") else None
+        return p.device if p is not None else "cpu"
+
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
+        import torch
+
+        wanted = self.resolve(taps)
+        ids, mask, pos = self._inputs(tokens, attention_mask)
+        forced = self._inject(inject, ids)
+        dev = self._device()
+        acts, fired, handles = {}, {}, []
+
+        def record(tap, when):
+            def post(module, args, kwargs, output):
+                fired[tap] = fired.get(tap, 0) + 1
+                acts[tap] = _torch_numpy(_torch_first(output, tap))
+
+            def pre(module, args, kwargs):
+                fired[tap] = fired.get(tap, 0) + 1
+                acts[tap] = _torch_numpy(_torch_input(args, kwargs, tap))
+            return pre if when == "pre" else post
+
+        try:
+            for i, h in forced.items():   # first, so the layer's own taps see the forced input
+                h = h if isinstance(h, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(h))
+                handles.append(self._layers[i].register_forward_pre_hook(_replace_first_input(h), with_kwargs=True))
+            for tap in wanted:
+                mod, when = self._targets[tap]
+                hook = record(tap, when)
+                handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True) if when == "pre"
+                               else mod.register_forward_hook(hook, with_kwargs=True))
+            t = [torch.from_numpy(a.astype(np.int64)).to(dev) for a in (ids, mask, pos)]
+            with torch.no_grad():
+                logits = self.forward(self.module, *t)
+        finally:
+            for h in handles:
+                h.remove()
+        twice = {t: n for t, n in fired.items() if n > 1}
+        if twice:
+            raise RuntimeError(f"{self.name}: " + "; ".join(f"tap '{t}' ({self.paths[t]}) fired {n} times"
+                                                          for t, n in twice.items())
+                               + " in one forward: map a module called once per forward")
+        return self._finish(_torch_numpy(_torch_first(logits, "logits")), acts, wanted, self.paths)
+
+    def float64(self) -> "TorchModule":
+        """A deep copy cast to float64 (the module is left as given); same maps. Hooks the
+        user registered on the module are copied with it."""
+        import torch
+        twin = copy.deepcopy(self.module).to(torch.float64)
+        if getattr(getattr(twin, "config", None), "dtype", None) is not None:
+            twin.config.dtype = torch.float64
+        return TorchModule(twin, self.taps_map, self.name, self.forward, self.num_layers, self.inject_map,
+                           self.head_dim, self.vocab_size, self.keeps_f32)
+
+
+# ----- JAX ----------------------------------------------------------------------------------
+
+def _x64_leaf(x):
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact) or str(dtype) == "bfloat16":
+        return np.asarray(x).astype(np.float64)
+    return x
+
+
+def _x64(tree):
+    """Floating leaves of a pytree as float64 numpy (jax turns them into float64 arrays
+    when called under jax.enable_x64)."""
+    import jax
+    return jax.tree_util.tree_map(_x64_leaf, tree)
+
+
+class _X64:
+    """Runs a call under jax.enable_x64(True) (or does nothing)."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        if self.on:
+            import jax
+            self._ctx = jax.enable_x64(True)
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.on:
+            return self._ctx.__exit__(*exc)
+        return False
+
+
+class JaxFunction(_Port):
+    """A plain JAX function fn(params, ids, mask, positions) -> (logits, {tap: array}) that
+    returns its own intermediates under the shared tap names.
+
+    taps: the names it returns ("layers.{i}.out" for every layer, or globs); num_layers
+    expands them. ids, mask, positions arrive as int32 numpy [B, T]. When fn takes a `taps`
+    keyword it is given the names wanted; when it takes `inject`, {layer: hidden} (jax
+    arrays) for teacher forcing. float64(): params cast to float64, calls under
+    jax.enable_x64(True).
+    """
+
+    def __init__(self, fn, params, name: str | None = None, taps=(), num_layers: int | None = None,
+                 head_dim: int | None = None, vocab_size: int | None = None, keeps_f32: bool = False,
+                 x64: bool = False):
+        self.fn, self.params = fn, params
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self.tap_patterns = tuple([taps] if isinstance(taps, str) else taps)
+        self.num_layers = _layer_count(self.tap_patterns, num_layers, self.name)
+        self._set_taps(expand_taps(self.tap_patterns, self.num_layers, f"{self.name} taps"))
+        self.head_dim, self.vocab_size, self.keeps_f32, self.x64 = head_dim, vocab_size, keeps_f32, x64
+        self.supports_inject = _accepts(fn, "inject")
+        self._takes_taps = _accepts(fn, "taps")
+        self._no_inject = "give the function an inject={layer: hidden} keyword, or compare with teacher_forcing=False"
+
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
+        wanted = self.resolve(taps)
+        ids, mask, pos = self._inputs(tokens, attention_mask)
+        forced = self._inject(inject, ids)
+        kw = {"taps": wanted} if self._takes_taps else {}
+        with _X64(self.x64):
+            if forced:
+                import jax.numpy as jnp
+                kw["inject"] = {i: jnp.asarray(np.asarray(x).astype(np.float64) if self.x64 else x)
+                                for i, x in forced.items()}
+            logits, acts = self.fn(self.params, ids.astype(np.int32), mask.astype(np.int32), pos, **kw)
+            return self._finish(logits, dict(acts), wanted)
+
+    def float64(self) -> "JaxFunction":
+        return JaxFunction(self.fn, _x64(self.params), self.name, self.tap_patterns, self.num_layers,
+                           self.head_dim, self.vocab_size, self.keeps_f32, x64=True)
+
+
+# ----- Flax NNX -----------------------------------------------------------------------------
+
+def _nnx_default_forward(module, ids, mask, positions):
+    return module(ids, mask, positions)
+
+
+def _tree_get(tree, parts, tap, path):
+    node = tree
+    for p in parts:
+        try:
+            node = node[int(p)] if p.isdigit() and not _has_key(node, p) else node[p]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node
+
+
+def _has_key(node, key) -> bool:
+    try:
+        return key in node
+    except TypeError:
+        return False
+
+
+def _value(v):
+    """A sown or captured value: nnx Variable / tuple of calls -> the one array."""
+    v = getattr(v, "value", v) if not hasattr(v, "shape") else v
+    if hasattr(v, "get_value"):
+        v = v.get_value()
+    return v
+
+
+class NnxModule(_Port):
+    """A Flax NNX module and a map {tap name: path}.
+
+    "<path>" (e.g. "layers.{i}.self_attn"): the output of that submodule's __call__
+    (element 0 of a tuple), captured with nnx.capture(..., method_outputs=nnx.Intermediate);
+    "sow:<path>.<name>": a value the module sows itself (self.sow(nnx.Intermediate, name, x)
+    in the module at <path>; "sow:<name>" at the top). A module's inputs cannot be tapped
+    (sow them). forward(module, ids, mask, positions) -> logits (default module(ids, mask,
+    positions)); a forward with an `inject` keyword takes teacher forcing. float64(): the
+    state cast to float64 (nnx.split / merge on a copy), calls under jax.enable_x64(True).
+    """
+
+    def __init__(self, module, taps_map: dict, name: str | None = None, forward=None, num_layers: int | None = None,
+                 head_dim: int | None = None, vocab_size: int | None = None, keeps_f32: bool = False,
+                 x64: bool = False):
+        self.module, self.taps_map = module, dict(taps_map)
+        self.name = name or type(module).__name__
+        self.forward = forward or _nnx_default_forward
+        self.num_layers = self._count_layers(num_layers)
+        self.paths = _expand_map(self.taps_map, self.num_layers, f"{self.name} taps_map")
+        self._set_taps(self.paths)
+        self.head_dim = head_dim or _config_value(module, "head_dim")
+        self.vocab_size = vocab_size if vocab_size is not None else _config_value(module, "vocab_size")
+        self.keeps_f32, self.x64 = keeps_f32, x64
+        self.supports_inject = _accepts(self.forward, "inject")
+        self._takes_taps = _accepts(self.forward, "taps")
+        self._no_inject = "give forward an inject={layer: hidden} keyword, or compare with teacher_forcing=False"
+        for tap, path in self.paths.items():
+            if not path.startswith("sow:"):
+                _walk(module, path, tap)
+
+    def _count_layers(self, given):
+        if given is not None:
+            return int(given)
+        for path in self.taps_map.values():
+            head = path.removeprefix("sow:")
+            if "{i}" in head:
+                return len(_walk(self.module, head.split(".{i}")[0], "num_layers"))
+        return int(_config_value(self.module, "num_hidden_layers") or 0)
+
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
+        from flax import nnx
+
+        wanted = self.resolve(taps)
+        ids, mask, pos = self._inputs(tokens, attention_mask)
+        forced = self._inject(inject, ids)
+        kw = {"taps": wanted} if self._takes_taps else {}
+        outputs = any(not self.paths[t].startswith("sow:") for t in wanted)
+        with _X64(self.x64):
+            if forced:
+                import jax.numpy as jnp
+                kw["inject"] = {i: jnp.asarray(np.asarray(x).astype(np.float64) if self.x64 else x)
+                                for i, x in forced.items()}
+            run = nnx.capture(lambda m: self.forward(m, ids.astype(np.int32), mask.astype(np.int32), pos, **kw),
+                              nnx.Intermediate, method_outputs=nnx.Intermediate if outputs else None)
+            logits, state = run(self.module)
+            tree = state.to_pure_dict() if hasattr(state, "to_pure_dict") else state
+            acts = {}
+            for tap in wanted:
+                path = self.paths[tap]
+                if path.startswith("sow:"):
+                    found = _tree_get(tree, path[4:].split("."), tap, path)
+                else:
+                    found = _tree_get(tree, [*path.split("."), "__call__"] if path else ["__call__"], tap, path)
+                if found is None:
+                    continue
+                found = _value(found)
+                if isinstance(found, (tuple, list)):
+                    if len(found) != 1 and not path.startswith("sow:"):
+                        raise RuntimeError(f"{self.name}: tap '{tap}' ({path}) was called {len(found)} times in "
+                                           "one forward: map a module called once per forward")
+                    found = found[-1] if path.startswith("sow:") else found[0]
+                    while isinstance(found, (tuple, list)):
+                        found = found[0]
+                acts[tap] = np.asarray(found)
+            return self._finish(logits, acts, wanted, self.paths)
+
+    def float64(self) -> "NnxModule":
+        from flax import nnx
+        graphdef, state = nnx.split(self.module)
+        with _X64(True):
+            twin = nnx.merge(graphdef, _x64(state))
+        return NnxModule(twin, self.taps_map, self.name, self.forward, self.num_layers, self.head_dim,
+                         self.vocab_size, self.keeps_f32, x64=True)
+
+
+# ----- Flax linen ---------------------------------------------------------------------------
+
+class LinenModule(_Port):
+    """A Flax linen module, its variables and a map {tap name: path in its intermediates}.
+
+    module.apply(variables, ids, mask, positions, capture_intermediates=True,
+    mutable=["intermediates"]) records every submodule's __call__ output; "layers_{i}.attn"
+    names the output of the submodule `layers_{i}.attn` (element 0 of a tuple), and
+    "sow:<path>.<name>" a value sown with self.sow("intermediates", name, x). apply_fn(module,
+    variables, ids, mask, positions, **kw) replaces the call (kw: capture_intermediates and
+    mutable, to pass on); with an `inject` keyword it takes teacher forcing. float64():
+    variables cast to float64, calls under jax.enable_x64(True).
+    """
+
+    def __init__(self, module, variables, taps_map: dict, name: str | None = None, apply_fn=None,
+                 num_layers: int | None = None, head_dim: int | None = None, vocab_size: int | None = None,
+                 keeps_f32: bool = False, x64: bool = False):
+        self.module, self.variables, self.taps_map = module, variables, dict(taps_map)
+        self.name = name or type(module).__name__
+        self.apply_fn = apply_fn or (lambda module, variables, ids, mask, pos, **kw:
+                                     module.apply(variables, ids, mask, pos, **kw))
+        if num_layers is None:
+            num_layers = _config_value(module, "num_hidden_layers", "num_layers")
+        self.num_layers = _layer_count(list(self.taps_map), num_layers, self.name)
+        self.paths = _expand_map(self.taps_map, self.num_layers, f"{self.name} taps_map")
+        self._set_taps(self.paths)
+        self.head_dim = head_dim or _config_value(module, "head_dim")
+        self.vocab_size = vocab_size if vocab_size is not None else _config_value(module, "vocab_size")
+        self.keeps_f32, self.x64 = keeps_f32, x64
+        self.supports_inject = _accepts(self.apply_fn, "inject")
+        self._no_inject = "give apply_fn an inject={layer: hidden} keyword, or compare with teacher_forcing=False"
+
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
+        wanted = self.resolve(taps)
+        ids, mask, pos = self._inputs(tokens, attention_mask)
+        forced = self._inject(inject, ids)
+        kw = {}
+        with _X64(self.x64):
+            if forced:
+                import jax.numpy as jnp
+                kw["inject"] = {i: jnp.asarray(np.asarray(x).astype(np.float64) if self.x64 else x)
+                                for i, x in forced.items()}
+            logits, state = self.apply_fn(self.module, self.variables, ids.astype(np.int32), mask.astype(np.int32),
+                                          pos, capture_intermediates=True, mutable=["intermediates"], **kw)
+            tree = state.get("intermediates", {})
+            acts = {}
+            for tap in wanted:
+                path = self.paths[tap]
+                sown = path.startswith("sow:")
+                parts = path[4:].split(".") if sown else ([*path.split("."), "__call__"] if path else ["__call__"])
+                found = _tree_get(tree, parts, tap, path)
+                if found is None:
+                    continue
+                if isinstance(found, (tuple, list)):
+                    if len(found) != 1 and not sown:
+                        raise RuntimeError(f"{self.name}: tap '{tap}' ({path}) was called {len(found)} times in "
+                                           "one forward: map a module called once per forward")
+                    found = found[-1] if sown else found[0]
+                    while isinstance(found, (tuple, list)):
+                        found = found[0]
+                acts[tap] = np.asarray(found)
+            return self._finish(logits, acts, wanted, {t: self._where(t) for t in wanted})
+
+    def _where(self, tap):
+        path = self.paths[tap]
+        return f"{path}: not in the intermediates tree (paths are module names, e.g. layers_0.attn)"
+
+    def float64(self) -> "LinenModule":
+        return LinenModule(self.module, _x64(self.variables), self.taps_map, self.name, self.apply_fn,
+                           self.num_layers, self.head_dim, self.vocab_size, self.keeps_f32, x64=True)
+
+
+__all__ = ["HF_LLAMA_TAPS", "JaxFunction", "LinenModule", "NnxModule", "TorchModule", "default_torch_forward",
+           "expand_taps"]
