@@ -261,3 +261,204 @@ def test_readme_example_hand_written_port(gqa):
     wrong = MyPort(dataclasses.replace(cfg, rms_norm_eps=1e-3), weights)
     with pytest.raises(AssertionError, match="semantic"):
         compare.assert_parity("torchref", wrong, folder, inputs=(ids, mask))
+
+
+# ----- Flax NNX and linen: the same Llama as modules -----------------------------------------
+
+def rope_tables(cfg, positions, dt):
+    inv = 1.0 / (cfg.rope.theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim))
+    ang = jnp.asarray(np.asarray(positions)[..., None] * inv, dtype=dt)
+    return jnp.cos(ang)[:, :, None], jnp.sin(ang)[:, :, None]
+
+
+def rotate(x, cos, sin):
+    a, b = jnp.split(x, 2, -1)
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+
+def attend(q, k, v, allowed, heads):
+    B, T, _, D = q.shape
+    k, v = jnp.repeat(k, heads // k.shape[2], axis=2), jnp.repeat(v, heads // v.shape[2], axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / q.dtype.type(np.sqrt(D))
+    s = jnp.where(allowed, s, jnp.finfo(q.dtype).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(B, T, heads * D)
+
+
+def rms(x, w, eps):
+    return w * (x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + x.dtype.type(eps)))
+
+
+def causal(mask):
+    T = mask.shape[1]
+    return np.asarray(mask, bool)[:, None, None, :] & np.tril(np.ones((T, T), bool))[None, None]
+
+
+NNX_TAPS = {"embed": "embed_tokens", "layers.{i}.attn_norm": "layers.{i}.input_layernorm",
+            "layers.{i}.q": "layers.{i}.self_attn.q_proj", "layers.{i}.k": "layers.{i}.self_attn.k_proj",
+            "layers.{i}.q_rope": "sow:layers.{i}.self_attn.q_rope", "layers.{i}.attn_out": "layers.{i}.self_attn",
+            "layers.{i}.mlp_norm": "layers.{i}.post_attention_layernorm", "layers.{i}.gate": "layers.{i}.mlp.gate_proj",
+            "layers.{i}.mlp_out": "layers.{i}.mlp", "layers.{i}.out": "layers.{i}", "final_norm": "norm",
+            "logits": "lm_head"}
+
+
+def nnx_llama(cfg, w):
+    from flax import nnx
+
+    class Table(nnx.Module):
+        def __init__(self, key):
+            self.weight = nnx.Param(jnp.asarray(w[key + ".weight"]))
+
+    class Linear(Table):
+        def __call__(self, x):
+            return x @ self.weight[...].T
+
+    class Norm(Table):
+        def __call__(self, x):
+            return rms(x, self.weight[...], cfg.rms_norm_eps)
+
+    class Embed(Table):
+        def __call__(self, ids):
+            return self.weight[...][ids]
+
+    class Attention(nnx.Module):
+        def __init__(self, p):
+            self.q_proj, self.k_proj, self.v_proj, self.o_proj = (Linear(p + n) for n in ("q_proj", "k_proj",
+                                                                                          "v_proj", "o_proj"))
+
+        def __call__(self, x, cos, sin, allowed):
+            B, T, _ = x.shape
+            q, k, v = (f(x).reshape(B, T, -1, cfg.head_dim) for f in (self.q_proj, self.k_proj, self.v_proj))
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            self.sow(nnx.Intermediate, "q_rope", q)
+            return self.o_proj(attend(q, k, v, allowed, cfg.num_attention_heads))
+
+    class MLP(nnx.Module):
+        def __init__(self, p):
+            self.gate_proj, self.up_proj, self.down_proj = (Linear(p + n) for n in ("gate_proj", "up_proj",
+                                                                                    "down_proj"))
+
+        def __call__(self, x):
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class Block(nnx.Module):
+        def __init__(self, i):
+            p = f"model.layers.{i}."
+            self.input_layernorm, self.post_attention_layernorm = (Norm(p + "input_layernorm"),
+                                                                   Norm(p + "post_attention_layernorm"))
+            self.self_attn, self.mlp = Attention(p + "self_attn."), MLP(p + "mlp.")
+
+        def __call__(self, h, cos, sin, allowed):
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, allowed)
+            return h + self.mlp(self.post_attention_layernorm(h))
+
+    class Llama(nnx.Module):
+        def __init__(self):
+            self.embed_tokens, self.norm, self.lm_head = Embed("model.embed_tokens"), Norm("model.norm"), Linear(
+                "lm_head")
+            self.layers = nnx.List([Block(i) for i in range(cfg.num_hidden_layers)])
+
+        def __call__(self, ids, mask, positions, inject=None):
+            h = self.embed_tokens(ids)
+            cos, sin = rope_tables(cfg, positions, h.dtype)
+            for i, block in enumerate(self.layers):
+                h = jnp.asarray(inject[i], h.dtype) if inject and i in inject else h
+                h = block(h, cos, sin, causal(mask))
+            return self.lm_head(self.norm(h))
+
+    return Llama()
+
+
+def test_nnx_module_submodule_outputs_and_sown_values(gqa):
+    from flax import nnx
+
+    from compare.adapters import NnxModule
+    folder, cfg, weights = gqa
+    module = nnx_llama(cfg, weights)
+    port = NnxModule(module, NNX_TAPS, name="my nnx llama", head_dim=cfg.head_dim)   # its __call__ takes inject
+    assert port.num_layers == 2 and port.supports_inject and "layers.1.q_rope" in port.taps
+    ids, mask = right_padded()
+    logits, acts = port.capture(ids, mask, "*")
+    want_logits, want = llama_forward(np, weights, cfg, ids, mask, np.maximum(np.cumsum(mask, 1) - 1, 0))
+    real = mask.astype(bool)   # padding slots hold id 0 in the adapter's input (check_token_array)
+    for t, x in acts.items():
+        assert x.shape == want[t].shape, t
+        np.testing.assert_allclose(x[real], want[t][real], rtol=0, atol=1e-4, err_msg=t)
+    report = compare.compare_models("torchref", port, folder, inputs=(ids, mask))
+    assert ok(report), report.summary()
+    assert all(r.get("cand_local") is not None for r in report.local)
+    twin_logits, _ = port.float64().capture(ids, mask, ["logits"])
+    assert twin_logits.dtype == np.float64
+    assert module.lm_head.weight[...].dtype == jnp.float32     # the module is left as given
+    assert not any(hasattr(type(m).__call__, "_does_capturing") for _, m in nnx.iter_modules(module))
+    with pytest.raises(LookupError, match=r"tap 'layers.0.attn_out': path 'layers.0.attn'.*self_attn"):
+        NnxModule(module, {"layers.{i}.attn_out": "layers.{i}.attn"})
+
+
+def test_linen_module_capture_intermediates(gqa):
+    import flax.linen as nn
+
+    from compare.adapters import LinenModule
+    folder, cfg, weights = gqa
+
+    class Linear(nn.Module):
+        shape: tuple
+
+        @nn.compact
+        def __call__(self, x):
+            return x @ self.param("weight", nn.initializers.zeros, self.shape).T
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, cos, sin, allowed):
+            H, KV, D, F = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+            d = h.shape[-1]
+            x = rms(h, self.param("attn_norm", nn.initializers.ones, (d,)), cfg.rms_norm_eps)
+            B, T, _ = x.shape
+            q = Linear((H * D, d), name="q_proj")(x).reshape(B, T, H, D)
+            k = Linear((KV * D, d), name="k_proj")(x).reshape(B, T, KV, D)
+            v = Linear((KV * D, d), name="v_proj")(x).reshape(B, T, KV, D)
+            h = h + Linear((d, H * D), name="o_proj")(attend(rotate(q, cos, sin), rotate(k, cos, sin), v, allowed, H))
+            x = rms(h, self.param("mlp_norm", nn.initializers.ones, (d,)), cfg.rms_norm_eps)
+            return h + Linear((d, F), name="down_proj")(
+                jax.nn.silu(Linear((F, d), name="gate_proj")(x)) * Linear((F, d), name="up_proj")(x))
+
+    class Llama(nn.Module):
+        @nn.compact
+        def __call__(self, ids, mask, positions):
+            h = self.param("embed", nn.initializers.zeros, (cfg.vocab_size, cfg.hidden_size))[ids]
+            self.sow("intermediates", "embed", h)
+            cos, sin = rope_tables(cfg, positions, h.dtype)
+            for i in range(cfg.num_hidden_layers):
+                h = Block(name=f"layers_{i}")(h, cos, sin, causal(mask))
+            h = rms(h, self.param("norm", nn.initializers.ones, (cfg.hidden_size,)), cfg.rms_norm_eps)
+            return Linear((cfg.vocab_size, cfg.hidden_size), name="lm_head")(h)
+
+    w = {k: jnp.asarray(v) for k, v in weights.items()}
+    params = {"embed": w["model.embed_tokens.weight"], "norm": w["model.norm.weight"],
+              "lm_head": {"weight": w["lm_head.weight"]}}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        params[f"layers_{i}"] = {"attn_norm": w[p + "input_layernorm.weight"],
+                                 "mlp_norm": w[p + "post_attention_layernorm.weight"],
+                                 **{n: {"weight": w[p + f"self_attn.{n}.weight"]} for n in
+                                    ("q_proj", "k_proj", "v_proj", "o_proj")},
+                                 **{n: {"weight": w[p + f"mlp.{n}.weight"]} for n in
+                                    ("gate_proj", "up_proj", "down_proj")}}
+    taps = {"embed": "sow:embed", "layers.{i}.q": "layers_{i}.q_proj", "layers.{i}.attn_out": "layers_{i}.o_proj",
+            "layers.{i}.gate": "layers_{i}.gate_proj", "layers.{i}.mlp_out": "layers_{i}.down_proj",
+            "layers.{i}.out": "layers_{i}", "logits": "lm_head"}
+    port = LinenModule(Llama(), {"params": params}, taps, name="my linen llama", num_layers=2,
+                       head_dim=cfg.head_dim)
+    assert not port.supports_inject and port.taps[0] == "embed" and port.taps[-1] == "logits"
+    ids, mask = right_padded()
+    logits, acts = port.capture(ids, mask, "*")
+    _, want = llama_forward(np, weights, cfg, ids, mask, np.maximum(np.cumsum(mask, 1) - 1, 0))
+    real = mask.astype(bool)
+    for t, x in acts.items():
+        np.testing.assert_allclose(x[real], want[t][real], rtol=0, atol=1e-4, err_msg=t)
+    report = compare.compare_models("torchref", port, folder, inputs=(ids, mask), teacher_forcing=False)
+    assert ok(report), report.summary()
+    assert port.float64().capture(ids, mask, ["layers.1.out"])[1]["layers.1.out"].dtype == np.float64
+    wrong = LinenModule(Llama(), {"params": params}, {"layers.{i}.out": "layer_{i}"}, num_layers=2)
+    with pytest.raises(RuntimeError, match=r"'layers.0.out' \(layer_0: not in the intermediates tree"):
+        wrong.capture(ids, mask, ["layers.0.out"])

@@ -188,7 +188,7 @@ def _accepts(fn, name: str) -> bool:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return name in params   # named: a **kwargs catch-all does not say it uses the argument
 
 
 def _config_value(obj, *names):
@@ -232,7 +232,12 @@ def _children(obj) -> list[str]:
         return [str(i) for i in range(len(obj))]
     if isinstance(obj, dict):
         return [str(k) for k in obj]
-    return []
+    if hasattr(obj, "__len__") and hasattr(obj, "__getitem__"):   # nnx.List and the like
+        return [str(i) for i in range(len(obj))]
+    # a plain module object (Flax NNX): attributes that are modules or lists of them
+    return [k for k, v in vars(obj).items() if not k.startswith("_") and not hasattr(v, "shape")
+            and (callable(v) or hasattr(v, "__getitem__") and not isinstance(v, (str, bytes)))] \
+        if hasattr(obj, "__dict__") else []
 
 
 def _torch_first(x, what):
@@ -491,6 +496,18 @@ def _nnx_default_forward(module, ids, mask, positions):
     return module(ids, mask, positions)
 
 
+def _nnx_forward_inject(module, ids, mask, positions, inject=None):
+    return module(ids, mask, positions, inject=inject)
+
+
+def _linen_apply(module, variables, ids, mask, positions, **kw):
+    return module.apply(variables, ids, mask, positions, **kw)
+
+
+def _linen_apply_inject(module, variables, ids, mask, positions, inject=None, **kw):
+    return module.apply(variables, ids, mask, positions, inject=inject, **kw)
+
+
 def _tree_get(tree, parts, tap, path):
     node = tree
     for p in parts:
@@ -533,7 +550,8 @@ class NnxModule(_Port):
                  x64: bool = False):
         self.module, self.taps_map = module, dict(taps_map)
         self.name = name or type(module).__name__
-        self.forward = forward or _nnx_default_forward
+        self.forward = forward or (_nnx_forward_inject if _accepts(type(module).__call__, "inject")
+                                   else _nnx_default_forward)
         self.num_layers = self._count_layers(num_layers)
         self.paths = _expand_map(self.taps_map, self.num_layers, f"{self.name} taps_map")
         self._set_taps(self.paths)
@@ -572,7 +590,7 @@ class NnxModule(_Port):
             run = nnx.capture(lambda m: self.forward(m, ids.astype(np.int32), mask.astype(np.int32), pos, **kw),
                               nnx.Intermediate, method_outputs=nnx.Intermediate if outputs else None)
             logits, state = run(self.module)
-            tree = state.to_pure_dict() if hasattr(state, "to_pure_dict") else state
+            tree = nnx.to_pure_dict(state)
             acts = {}
             for tap in wanted:
                 path = self.paths[tap]
@@ -621,8 +639,8 @@ class LinenModule(_Port):
                  keeps_f32: bool = False, x64: bool = False):
         self.module, self.variables, self.taps_map = module, variables, dict(taps_map)
         self.name = name or type(module).__name__
-        self.apply_fn = apply_fn or (lambda module, variables, ids, mask, pos, **kw:
-                                     module.apply(variables, ids, mask, pos, **kw))
+        self.apply_fn = apply_fn or (_linen_apply_inject if _accepts(type(module).__call__, "inject")
+                                     else _linen_apply)
         if num_layers is None:
             num_layers = _config_value(module, "num_hidden_layers", "num_layers")
         self.num_layers = _layer_count(list(self.taps_map), num_layers, self.name)
