@@ -508,7 +508,8 @@ def _linen_apply_inject(module, variables, ids, mask, positions, inject=None, **
     return module.apply(variables, ids, mask, positions, inject=inject, **kw)
 
 
-def _tree_get(tree, parts, tap, path):
+def _tree_get(tree, parts):
+    """tree[parts[0]][parts[1]]..., None where a key is missing."""
     node = tree
     for p in parts:
         try:
@@ -595,9 +596,9 @@ class NnxModule(_Port):
             for tap in wanted:
                 path = self.paths[tap]
                 if path.startswith("sow:"):
-                    found = _tree_get(tree, path[4:].split("."), tap, path)
+                    found = _tree_get(tree, path[4:].split("."))
                 else:
-                    found = _tree_get(tree, [*path.split("."), "__call__"] if path else ["__call__"], tap, path)
+                    found = _tree_get(tree, [*path.split("."), "__call__"] if path else ["__call__"])
                 if found is None:
                     continue
                 found = _value(found)
@@ -670,7 +671,7 @@ class LinenModule(_Port):
                 path = self.paths[tap]
                 sown = path.startswith("sow:")
                 parts = path[4:].split(".") if sown else ([*path.split("."), "__call__"] if path else ["__call__"])
-                found = _tree_get(tree, parts, tap, path)
+                found = _tree_get(tree, parts)
                 if found is None:
                     continue
                 if isinstance(found, (tuple, list)):
