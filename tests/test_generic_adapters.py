@@ -220,6 +220,9 @@ def test_jax_function_without_inject_says_so(gqa):
         port.capture(ids, mask, ["embed"], inject={0: np.zeros((*ids.shape, 32))})
     report = compare.compare_models("torchref", port, folder, inputs=(ids, mask), teacher_forcing=False)
     assert ok(report), report.summary()
+    # with teacher forcing asked for, the ladder runs without it and says why
+    report = compare.compare_models("torchref", port, folder, inputs=(ids, mask))
+    assert ok(report) and report.local == [] and report.teacher_forcing.startswith("not run: ")
     bad = JaxFunction(lambda p, i, m, pos: (np.zeros((*i.shape, 96)), {}), weights, taps=["embed"])
     with pytest.raises(RuntimeError, match="taps not produced: embed"):
         bad.capture(ids, mask, ["embed"])

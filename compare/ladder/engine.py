@@ -35,6 +35,7 @@ class Report(JsonResult):
     logits: dict = dataclasses.field(default_factory=dict)        # metrics.logits_agreement
     environment: dict = dataclasses.field(default_factory=dict)   # compare.environment
     config_differences: list = dataclasses.field(default_factory=list)  # adapters.config_differences
+    teacher_forcing: str = "run"    # "run" | "off" | "not run: <why>"
 
     def to_html(self, path) -> Path:
         from ..report.ladder import write_html
@@ -49,6 +50,8 @@ class Report(JsonResult):
                 lines.append(d.evidence)
         if self.config_differences:
             lines.append("the configs differ: " + "; ".join(self.config_differences))
+        if self.teacher_forcing.startswith("not run"):
+            lines.append(f"teacher forcing {self.teacher_forcing}")
         return "\n".join(lines)
 
 
@@ -79,14 +82,18 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
               if "logits" in taps else {})
     worst, divergence = first_divergence(verdicts)
-    local = []
-    if teacher_forcing:
+    local, forcing = [], "off"
+    no_inject = [s.name for s in (ref, cand) if not getattr(s.at_policy, "supports_inject", True)]
+    if teacher_forcing and no_inject:
+        forcing = f"not run: {', '.join(no_inject)} takes no inject (teacher forcing needs it)"
+    elif teacher_forcing:
         progress("teacher forcing: every layer fed the oracle's input")
         local = local_errors(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32)
         amplification(local, verdicts)
+        forcing = "run"
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
-                  logits, environment(policy, uses_jax), differences)
+                  logits, environment(policy, uses_jax), differences, forcing)
 
 
 # The default input: one chat prompt of 258 tokens with SmolLM2's tokenizer (the issue's
