@@ -68,7 +68,7 @@ from ..environment import environment
 from ..metrics import pair_metrics, rel_l2
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
-from .engine import parse_inputs
+from .engine import prepare
 from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, precision_ratio
 
 
@@ -220,11 +220,6 @@ def _prefill_ahead(pool, impl, ids, mask, taps, total_len):
 
 
 # ----- the comparison -------------------------------------------------------------------------
-
-def _inputs(inputs, checkpoint):
-    ids, mask = parse_inputs(inputs, checkpoint)
-    return left_align(np.asarray(ids, np.int64), np.asarray(mask, np.int64))
-
 
 def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32, tokens=None,
                progress=lambda msg: None, slack: int = 0) -> DecodeReport:
@@ -432,15 +427,8 @@ def compare_decode(reference="torchref", candidate="jaxmodel", checkpoint=None, 
     transformers LlamaForCausalLM, or a Side). inputs: as compare_models (None: the
     built-in 258-token prompt); rows are left-aligned for the cache. tokens [B, N]: the
     tokens to feed (default: the reference's greedy continuation at the policy)."""
-    if checkpoint is None:
-        raise ValueError("checkpoint is required (a Hugging Face Llama folder; "
-                         "`llama-parity fetch-smollm2` prints the default one)")
-    policy = Policy.get(policy)
-    ids, mask = _inputs(inputs, checkpoint)
-    progress(f"loading {reference if isinstance(reference, str) else type(reference).__name__} "
-             f"and {candidate if isinstance(candidate, str) else type(candidate).__name__}")
-    ref = resolve_side(reference, checkpoint, policy)
-    cand = resolve_side(candidate, checkpoint, policy)
+    ref, cand, ids, mask, policy = prepare(reference, candidate, checkpoint, inputs, policy, progress)
+    ids, mask = left_align(np.asarray(ids, np.int64), np.asarray(mask, np.int64))
     return run_decode(ref, cand, ids, mask, policy, steps, tokens, progress)
 
 

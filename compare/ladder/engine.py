@@ -156,9 +156,9 @@ def _int_array(x, what: str) -> np.ndarray:
     return a
 
 
-def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, inputs=None,
-                   policy="fp32", teacher_forcing=True, progress=lambda msg: None) -> Report:
-    """Runs the ladder for `candidate` against `reference` on one checkpoint (the public API)."""
+def prepare(reference, candidate, checkpoint, inputs, policy, progress=lambda msg: None):
+    """(ref Side, cand Side, ids, mask, Policy) from what compare_models takes; shared with
+    the decode comparison."""
     if checkpoint is None:
         raise ValueError("checkpoint is required (a Hugging Face Llama folder; "
                          "`llama-parity fetch-smollm2` prints the default one)")
@@ -166,8 +166,13 @@ def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, 
     ids, mask = parse_inputs(inputs, checkpoint)
     progress(f"loading {reference if isinstance(reference, str) else type(reference).__name__} "
              f"and {candidate if isinstance(candidate, str) else type(candidate).__name__}")
-    ref = resolve_side(reference, checkpoint, policy)
-    cand = resolve_side(candidate, checkpoint, policy)
+    return resolve_side(reference, checkpoint, policy), resolve_side(candidate, checkpoint, policy), ids, mask, policy
+
+
+def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, inputs=None,
+                   policy="fp32", teacher_forcing=True, progress=lambda msg: None) -> Report:
+    """Runs the ladder for `candidate` against `reference` on one checkpoint (the public API)."""
+    ref, cand, ids, mask, policy = prepare(reference, candidate, checkpoint, inputs, policy, progress)
     return run_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress)
 
 
