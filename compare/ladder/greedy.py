@@ -294,7 +294,8 @@ def run_greedy(ref: Side, cand: Side, ids, mask, policy: Policy, new_tokens: int
                               "reference_vs_recompute": _diff(gr_[b], r, a, c_tok),
                               "candidate_vs_recompute": _diff(gc_[b], c, a, c_tok)}
         progress(f"row {b}: the ladder on the common prefix")
-        ladder = run_ladder(ref, cand, prefix, np.ones_like(prefix), policy, teacher_forcing=True, progress=progress)
+        ladder = run_ladder(ref, cand, prefix, np.ones_like(prefix), policy, teacher_forcing=True,
+                            progress=lambda msg, b=b: progress(f"row {b}, ladder: {msg}"))
         ladders[b] = ladder
         if (ladder.verdict in ("exact", "drift") and row.reference_margin > 2 * row.logit_difference
                 and row.generation):
