@@ -122,6 +122,8 @@ def cmd_compare(args) -> int:
     json_path, html_path = _report_paths(args)
     decode_json = (output_file(json_path.with_name(json_path.stem + "-decode.json"), "--json", args.force, say)
                    if args.decode and json_path else None)
+    greedy_json = (output_file(json_path.with_name(json_path.stem + "-greedy.json"), "--json", args.force, say)
+                   if args.generate and json_path else None)
     t0 = time.perf_counter()
     inputs = args.prompt
     if args.random_tokens:
@@ -151,8 +153,17 @@ def cmd_compare(args) -> int:
         if decode_json:
             say(f"decode JSON report: {decoded.to_json(decode_json)}")
         verdict = max(verdict, decoded.verdict, key=KINDS.index)
+    finding = KINDS.index(verdict) > KINDS.index("drift")
+    if args.generate:
+        from compare.ladder.greedy import compare_greedy
+        greedy = compare_greedy(reference, candidate, folder, inputs=inputs, new_tokens=args.generate,
+                                policy=policy, progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
+        say(greedy.summary())
+        if greedy_json:
+            say(f"greedy JSON report: {greedy.to_json(greedy_json)}")
+        finding = finding or greedy.verdict not in ("exact", "drift")
     say(f"done in {time.perf_counter() - t0:.1f} s")
-    return EXIT_OK if KINDS.index(verdict) <= KINDS.index("drift") else EXIT_FINDING
+    return EXIT_FINDING if finding else EXIT_OK
 
 
 def _report_paths(args):
@@ -238,6 +249,10 @@ def main(argv=None) -> int:
     p.add_argument("--decode", metavar="N", type=positive_int, default=None,
                    help="also decode N tokens through each side's KV cache and judge every step against the "
                    "oracle's full recompute (first divergent step, tap, layer, component)")
+    p.add_argument("--generate", metavar="N", type=positive_int, default=None,
+                   help="also generate N tokens greedily on both sides; where they part: the step, both tokens, "
+                   "the reference's top-1/top-2 margin and the cause (near tie, drift / the ladder's finding on "
+                   "the common prefix)")
     p.add_argument("--no-colour", action="store_true")
     p.set_defaults(func=cmd_compare)
 

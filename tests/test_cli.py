@@ -40,3 +40,13 @@ def test_compare_decode_judges_each_step_and_writes_its_json(tiny_dir, tmp_path,
     assert "decode of 3 steps" in printed
     decoded = json.loads((tmp_path / "r-decode.json").read_text())
     assert decoded["steps"] == 3 and len(decoded["per_step"]) == 3 and decoded["verdict"] in ("exact", "drift")
+
+
+def test_compare_generate_reports_where_greedy_parts_and_writes_its_json(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["compare", str(tiny_dir("gqa")), "--random-tokens", "3x10", "--generate", "6", "--json", str(out),
+               "--no-files", "--no-teacher-forcing"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    greedy = json.loads((tmp_path / "r-greedy.json").read_text())
+    assert greedy["verdict"] in ("exact", "drift") and len(greedy["rows"]) == 3
