@@ -140,3 +140,23 @@ def test_dtype_noise_controls_on_padded_batches(name, side, folder):
 
 def test_noise_controls_are_listed():
     assert len(NOISE) == 4
+
+
+@pytest.mark.smollm2
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("attn,policy", [("eager", "fp32"), ("eager", "bf16"), ("sdpa", "bf16")])
+def test_smollm2_clean_transformers_on_a_left_padded_batch(attn, policy, smollm2, smol_ids):
+    """Two rows of different lengths, left padded: the engine's float64 copy of an eager
+    model must not turn the padding into a finding (issue 13's false alarm)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from compare import compare_models
+    ids = np.concatenate([smol_ids[:, :48], smol_ids[:, 16:64]])
+    mask = np.ones_like(ids)
+    ids[1, :12], mask[1, :12] = 0, 0
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[policy]
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(smollm2), dtype=dtype, attn_implementation=attn).eval()
+    report = compare_models("torchref", hf, smollm2, inputs=(ids, mask), policy=policy, teacher_forcing=False)
+    print(f"\nMEASURED smollm2 clean transformers[{attn}] {policy} left-padded: {report.verdict}")
+    assert report.verdict in ("exact", "drift"), report.summary()

@@ -66,7 +66,7 @@ def padded(side: str):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("dtype,policy", [("float32", "fp32"), ("bfloat16", "bf16")])
+@pytest.mark.parametrize("dtype,policy", [("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "fp16")])
 def test_clean_transformers_on_padded_batches_is_never_a_finding(attn, side, dtype, policy, tiny_dir):
     """The engine's float64 copy of an eager model once turned left padding into NaN and
     blamed the model (semantic at layer 1): its captures now run row by row."""
@@ -77,6 +77,13 @@ def test_clean_transformers_on_padded_batches_is_never_a_finding(attn, side, dty
     report = compare_models("torchref", hf, folder, inputs=padded(side), policy=policy)
     assert report.verdict in ("exact", "drift"), report.summary()
     assert not any(v.nonfinite for v in report.taps)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("policy", ["fp32", "bf16", "fp16"])
+def test_clean_jaxmodel_on_padded_batches_is_never_a_finding(side, policy, tiny_dir):
+    report = compare_models("torchref", "jaxmodel", tiny_dir("gqa"), inputs=padded(side), policy=policy)
+    assert report.verdict in ("exact", "drift"), report.summary()
 
 
 def torch_side(folder, policy, patch):
