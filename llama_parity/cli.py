@@ -1,6 +1,7 @@
 """The `llama-parity` command line.
 
     llama-parity fetch-smollm2         cache the real default model, print its folder
+    llama-parity make-checkpoint --shape llama-3.2-1b [--layers N]   random weights of a real shape
     llama-parity demo [CHECKPOINT]     both models side by side on the real model
     llama-parity compare [CHECKPOINT]  verdict per layer and component: exact / drift /
                                        precision / semantic
@@ -41,6 +42,36 @@ def cmd_fetch(args) -> int:
     from .fetch import main as fetch_main
     argv = ["--cache-dir", args.cache_dir] if args.cache_dir else []
     return fetch_main(argv + (["--verify"] if args.verify else []))
+
+
+def cmd_make_checkpoint(args) -> int:
+    """A synthetic checkpoint of a real shape (llamaspec.shapes) with SmolLM2's tokenizer,
+    in the cache unless a folder is given (never inside this repository)."""
+    import shutil
+
+    from llamaspec.cache import cache_root
+    from llamaspec.shapes import write_checkpoint
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
+    name = f"{args.shape}-{args.dtype}" + (f"-{args.layers}layers" if args.layers else "") + f"-seed{args.seed}"
+    folder = Path(args.folder) if args.folder else cache_root() / "checkpoints" / name
+    repo = Path(__file__).resolve().parents[1]
+    if (repo / ".git").exists() and folder.resolve().is_relative_to(repo):
+        raise UsageError(f"{folder}: inside the llama-parity repository; synthetic weights go to the cache "
+                         f"(default {cache_root() / 'checkpoints'}) or a folder outside it")
+    if (folder / "config.json").exists() and not args.force:
+        raise UsageError(f"{folder}: holds a checkpoint already; pass --force to write it again")
+    output_folder(folder, "checkpoint folder")
+    tokenizer = resolve_checkpoint(None)
+    t0 = time.perf_counter()
+    write_checkpoint(folder, args.shape, dtype, args.layers, args.seed,
+                     progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr, flush=True))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(tokenizer) / f).is_file():
+            shutil.copyfile(Path(tokenizer) / f, folder / f)
+    say(f"{args.shape} ({args.dtype}{f', {args.layers} layers' if args.layers else ''}, seed {args.seed}) "
+        f"with SmolLM2's tokenizer, in {time.perf_counter() - t0:.1f} s:")
+    say(str(folder))
+    return EXIT_OK
 
 
 def cmd_demo(args) -> int:
@@ -217,6 +248,17 @@ def main(argv=None) -> int:
     p.add_argument("--verify", action="store_true", help="check the sha256 of every cached file (fetch again on "
                    "a mismatch)")
     p.set_defaults(func=cmd_fetch)
+
+    from llamaspec.shapes import SHAPES
+    p = sub.add_parser("make-checkpoint", parents=[common],
+                       help="random weights of a real model shape (for scale tests); prints the folder last")
+    p.add_argument("folder", nargs="?", default=None, help="where (default: the cache's checkpoints/ folder)")
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default: the real depth)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="write over a checkpoint already in the folder")
+    p.set_defaults(func=cmd_make_checkpoint)
 
     p = sub.add_parser("demo", parents=[common],
                        help="greedy answers and the drift-vs-bug verdicts, torchref vs jaxmodel")

@@ -1,0 +1,133 @@
+"""Synthetic checkpoints of real model shapes, to measure scale without downloading.
+
+    write_checkpoint(folder, "llama-3.2-1b", dtype="bfloat16", layers=4)
+
+writes config.json (the real model's config, with `layers` decoder layers if given) and
+random weights in Hugging Face layout, sharded like the hub's (at most SHARD_BYTES a
+file), one tensor at a time: memory stays at the largest tensor however big the model.
+Each tensor is drawn from its own generator (seeded by the seed and the tensor's name),
+so a tensor's values do not depend on the shard layout or on how many layers are
+written. Scales follow llamaspec.testing.make_checkpoint: norm weights around 1,
+projections with std 0.5/sqrt(fan_in), so activations stay O(1) through the layers as in
+a trained model; the embedding is N(0, 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from .checkpoint import expected_shapes
+from .config import LlamaConfig
+from .errors import ConfigError
+
+# The real configs (config.json of each model on the hub), without bookkeeping fields.
+_LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                         max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+                         rope_scaling=dict(_LLAMA3_ROPE, factor=32.0)),
+    "llama-3.2-3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+                         rope_scaling=dict(_LLAMA3_ROPE, factor=32.0)),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False,
+                         rope_scaling=dict(_LLAMA3_ROPE, factor=8.0)),
+}
+SHARD_BYTES = 2 << 30
+_DTYPES = {"float32": (np.dtype(np.float32), "F32"), "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
+           "float16": (np.dtype(np.float16), "F16")}
+_CHUNK = 1 << 24   # elements drawn at a time (64 MB of float32)
+
+
+def shape_config(shape: str, layers: int | None = None, bos: int = 1, eos: int = 2) -> dict:
+    """config.json for a named shape; `layers` overrides the depth."""
+    if shape not in SHAPES:
+        raise ConfigError(f"unknown shape '{shape}' (one of {', '.join(SHAPES)})")
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise ConfigError(f"layers={layers!r} must be a positive integer")
+    cfg = dict(SHAPES[shape], model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+               bos_token_id=bos, eos_token_id=eos)
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def _draw(key: str, shape: tuple, seed: int, np_dtype) -> np.ndarray:
+    """The tensor `key`, drawn from its own generator; float32 draws in chunks, then cast."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    n = int(np.prod(shape))
+    if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
+        loc, std = 1.0, 0.2
+    elif key.endswith(".bias"):
+        loc, std = 0.0, 0.1
+    elif "embed" in key:
+        loc, std = 0.0, 1.0
+    else:
+        loc, std = 0.0, 0.5 / np.sqrt(shape[-1])
+    out = np.empty(n, np_dtype)
+    for start in range(0, n, _CHUNK):
+        part = rng.standard_normal(min(_CHUNK, n - start), dtype=np.float32)
+        out[start:start + len(part)] = (part * np.float32(std) + np.float32(loc)).astype(np_dtype)
+    return out.reshape(shape)
+
+
+def write_checkpoint(folder, shape: str, dtype: str = "bfloat16", layers: int | None = None, seed: int = 0,
+                     shard_bytes: int = SHARD_BYTES, progress=lambda msg: None) -> Path:
+    """Writes the synthetic checkpoint into `folder` (created) and returns it."""
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype '{dtype}' is not one of {', '.join(_DTYPES)}")
+    np_dtype, st_name = _DTYPES[dtype]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg_dict = shape_config(shape, layers)
+    cfg = LlamaConfig.from_dict(cfg_dict, source=f"shape {shape}")
+    shapes = expected_shapes(cfg)
+    # Shards: tensors in checkpoint order, a new file when the next tensor would pass shard_bytes.
+    shards, size = [[]], 0
+    for key, shp in shapes.items():
+        nbytes = int(np.prod(shp)) * np_dtype.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = sum(int(np.prod(s)) for s in shapes.values())
+    done = 0
+    for name, keys in zip(names, shards):
+        header, offset = {"__metadata__": {"format": "pt", "llama_parity_shape": shape, "seed": str(seed)}}, 0
+        for key in keys:
+            nbytes = int(np.prod(shapes[key])) * np_dtype.itemsize
+            header[key] = {"dtype": st_name, "shape": list(shapes[key]), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        tmp = folder / (name + ".partial")
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for key in keys:
+                f.write(_draw(key, tuple(shapes[key]), seed, np_dtype).tobytes())
+                done += int(np.prod(shapes[key]))
+                progress(f"{name}: {key} ({100 * done / total:.0f}% of {total / 1e9:.2f}B parameters)")
+        tmp.replace(folder / name)
+    if len(shards) > 1:
+        weight_map = {k: n for n, keys in zip(names, shards) for k in keys}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total * np_dtype.itemsize}, "weight_map": weight_map}, indent=1))
+    (folder / "config.json").write_text(json.dumps(cfg_dict, indent=1))
+    return folder
