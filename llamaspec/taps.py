@@ -90,6 +90,27 @@ def resolve(requested, num_layers: int) -> tuple[str, ...]:
     return tuple(sorted(out, key=names.index))
 
 
+def select(requested, num_layers: int, available, missing) -> tuple[str, ...]:
+    """Names and globs -> the concrete taps of `available` (in its order) that they name.
+    A glob expands over the available taps; a name outside the vocabulary is resolve's
+    KeyError; a name (or a glob matching only such taps) that `available` lacks is a
+    KeyError with the text missing(pattern, the first tap lacking)."""
+    if requested is None:
+        return ()
+    if isinstance(requested, str):
+        requested = [requested]
+    have = set(available)
+    out: list[str] = []
+    for pattern in requested:
+        hits = resolve([pattern], num_layers)
+        kept = [h for h in hits if h in have]
+        if not kept or (len(kept) != len(hits) and not any(c in pattern for c in "*?[")):
+            raise KeyError(missing(pattern, next(h for h in hits if h not in have)))
+        out += [h for h in kept if h not in out]
+    order = {n: i for i, n in enumerate(available)}
+    return tuple(sorted(out, key=order.__getitem__))
+
+
 _RESIDUAL_TAPS = {"embed", "resid_mid", "out"}
 
 

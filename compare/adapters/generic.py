@@ -127,24 +127,25 @@ class _Port:
     def resolve(self, requested) -> tuple[str, ...]:
         """Names and globs -> concrete taps this port returns; an explicitly named tap it
         does not return is a KeyError listing the ones it does."""
-        if requested is None:
-            return ()
-        if isinstance(requested, str):
-            requested = [requested]
-        out = []
-        for pattern in requested:
-            hits = tapnames.resolve([pattern], self.num_layers)   # KeyError on unknown names
-            kept = [h for h in hits if h in self._available]
-            if not kept or (len(kept) != len(hits) and not any(c in pattern for c in "*?[")):
-                raise KeyError(f"tap '{pattern}' is not returned by {self.name}; it returns: "
-                               f"{', '.join(self.taps) or 'nothing'}")
-            out += [h for h in kept if h not in out]
-        order = {n: i for i, n in enumerate(self.taps)}
-        return tuple(sorted(out, key=order.__getitem__))
+        return tapnames.select(requested, self.num_layers, self.taps, lambda pattern, _: (
+            f"tap '{pattern}' is not returned by {self.name}; it returns: {', '.join(self.taps) or 'nothing'}"))
 
     def _set_taps(self, taps):
         self.taps = tuple(taps)
-        self._available = set(self.taps)
+
+    def _count_layers(self, given, prefix: str):
+        """num_layers as given, else the length of the container a "{i}" path indexes
+        (after its `prefix`), else the module's config; 0 when no tap needs layers."""
+        if given is not None:
+            return int(given)
+        for path in self.taps_map.values():
+            head = path.removeprefix(prefix)
+            if "{i}" in head:
+                return len(_walk(self.module, head.split(".{i}")[0], "num_layers"))
+        found = _config_value(self.module, "num_hidden_layers")
+        if found is None and any("{i}" in t for t in self.taps_map):
+            raise ValueError(f"{self.name}: pass num_layers (no path holds '{{i}}' to count them by)")
+        return int(found or 0)
 
     def _inputs(self, tokens, attention_mask):
         vocab = self.vocab_size if self.vocab_size is not None else np.iinfo(np.int64).max
@@ -240,7 +241,8 @@ def _children(obj) -> list[str]:
         if hasattr(obj, "__dict__") else []
 
 
-def _torch_first(x, what):
+def first_tensor(x, what):
+    """A module's output (or input): the tensor itself or element 0 of (nested) tuples."""
     import torch
     while isinstance(x, (tuple, list)) and x:
         x = x[0]
@@ -249,10 +251,11 @@ def _torch_first(x, what):
     return x
 
 
-def _torch_input(args, kwargs, what):
+def first_input(args, kwargs, what):
+    """The first positional input, else the first tensor keyword, of a hooked call."""
     import torch
     if args:
-        return _torch_first(args[0], what)
+        return first_tensor(args[0], what)
     for v in kwargs.values():
         if isinstance(v, torch.Tensor):
             return v
@@ -264,7 +267,7 @@ def _torch_numpy(t):
     return to_numpy(t).copy()
 
 
-def _replace_first_input(h):
+def forcing_hook(h):
     """Forward pre-hook (with_kwargs): the layer's hidden-state input, positional or the
     keyword hidden_states (else the first tensor keyword), becomes h in its dtype/device."""
     import torch
@@ -301,7 +304,7 @@ def default_torch_forward(module, ids, mask, positions):
     else:
         out = module(ids)
     out = getattr(out, "logits", out)
-    return _torch_first(out, "logits")
+    return first_tensor(out, "logits")
 
 
 class TorchModule(_Port):
@@ -330,7 +333,7 @@ class TorchModule(_Port):
         self.head_dim = head_dim or _config_value(module, "head_dim")
         if not self.head_dim and _config_value(module, "num_attention_heads"):
             self.head_dim = _config_value(module, "hidden_size") // _config_value(module, "num_attention_heads")
-        self.num_layers = self._count_layers(num_layers)
+        self.num_layers = self._count_layers(num_layers, "pre:")
         self.paths = _expand_map(self.taps_map, self.num_layers, f"{self.name} taps_map")
         self._targets = {}
         for tap, path in self.paths.items():
@@ -344,19 +347,6 @@ class TorchModule(_Port):
                            "to them), or compare with teacher_forcing=False")
         self._layers = ([_walk(module, self.inject_map.replace("{i}", str(i)), f"inject_map layer {i}")
                          for i in range(self.num_layers)] if self.supports_inject else [])
-
-    def _count_layers(self, given):
-        if given is not None:
-            return int(given)
-        for path in self.taps_map.values():
-            head = path.removeprefix("pre:")
-            if "{i}" in head:
-                container = _walk(self.module, head.split(".{i}")[0], "num_layers")
-                return len(container)
-        found = _config_value(self.module, "num_hidden_layers")
-        if found is None and any("{i}" in t for t in self.taps_map):
-            raise ValueError(f"{self.name}: pass num_layers (no path holds '{{i}}' to count them by)")
-        return int(found or 0)
 
     def _device(self):
         p = next(iter(self.module.parameters()), None) if hasattr(self.module, "parameters") else None
@@ -374,17 +364,17 @@ class TorchModule(_Port):
         def record(tap, when):
             def post(module, args, kwargs, output):
                 fired[tap] = fired.get(tap, 0) + 1
-                acts[tap] = _torch_numpy(_torch_first(output, tap))
+                acts[tap] = _torch_numpy(first_tensor(output, tap))
 
             def pre(module, args, kwargs):
                 fired[tap] = fired.get(tap, 0) + 1
-                acts[tap] = _torch_numpy(_torch_input(args, kwargs, tap))
+                acts[tap] = _torch_numpy(first_input(args, kwargs, tap))
             return pre if when == "pre" else post
 
         try:
             for i, h in forced.items():   # first, so the layer's own taps see the forced input
                 h = h if isinstance(h, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(h))
-                handles.append(self._layers[i].register_forward_pre_hook(_replace_first_input(h), with_kwargs=True))
+                handles.append(self._layers[i].register_forward_pre_hook(forcing_hook(h), with_kwargs=True))
             for tap in wanted:
                 mod, when = self._targets[tap]
                 hook = record(tap, when)
@@ -401,7 +391,7 @@ class TorchModule(_Port):
             raise RuntimeError(f"{self.name}: " + "; ".join(f"tap '{t}' ({self.paths[t]}) fired {n} times"
                                                           for t, n in twice.items())
                                + " in one forward: map a module called once per forward")
-        return self._finish(_torch_numpy(_torch_first(logits, "logits")), acts, wanted, self.paths)
+        return self._finish(_torch_numpy(first_tensor(logits, "logits")), acts, wanted, self.paths)
 
     def float64(self) -> "TorchModule":
         """A deep copy cast to float64 (the module is left as given); same maps. Hooks the
@@ -553,7 +543,7 @@ class NnxModule(_Port):
         self.name = name or type(module).__name__
         self.forward = forward or (_nnx_forward_inject if _accepts(type(module).__call__, "inject")
                                    else _nnx_default_forward)
-        self.num_layers = self._count_layers(num_layers)
+        self.num_layers = self._count_layers(num_layers, "sow:")
         self.paths = _expand_map(self.taps_map, self.num_layers, f"{self.name} taps_map")
         self._set_taps(self.paths)
         self.head_dim = head_dim or _config_value(module, "head_dim")
@@ -565,15 +555,6 @@ class NnxModule(_Port):
         for tap, path in self.paths.items():
             if not path.startswith("sow:"):
                 _walk(module, path, tap)
-
-    def _count_layers(self, given):
-        if given is not None:
-            return int(given)
-        for path in self.taps_map.values():
-            head = path.removeprefix("sow:")
-            if "{i}" in head:
-                return len(_walk(self.module, head.split(".{i}")[0], "num_layers"))
-        return int(_config_value(self.module, "num_hidden_layers") or 0)
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
         from flax import nnx

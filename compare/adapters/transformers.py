@@ -53,6 +53,8 @@ from llamaspec import taps as tapnames
 from llamaspec.inputs import check_inject, check_next_ids, check_prefill, check_token_array
 from torchref.dtypes import TORCH, from_numpy, to_numpy
 
+from .generic import first_input, first_tensor, forcing_hook
+
 
 def _rope_reason(what: str) -> str:
     return (f"transformers applies RoPE inside LlamaAttention.forward (apply_rotary_pos_emb, a plain "
@@ -112,32 +114,6 @@ def copy_at(model, dtype, attn_implementation: str | None = None):
     return twin
 
 
-def _first_input(args, kwargs, what):
-    if args:
-        return args[0]
-    for v in kwargs.values():
-        if isinstance(v, torch.Tensor):
-            return v
-    raise RuntimeError(f"{what}: the module was called without a tensor input")
-
-
-def _first_output(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def forcing_hook(h: torch.Tensor):
-    """Forward pre-hook (with_kwargs=True) for a decoder layer: its hidden_states input,
-    positional (how LlamaModel calls it) or keyword, is replaced by h cast to that input's
-    dtype and device."""
-    def pre(module, args, kwargs):
-        if args:
-            x = args[0]
-            return (h.to(device=x.device, dtype=x.dtype), *args[1:]), kwargs
-        if "hidden_states" not in kwargs:
-            raise RuntimeError(f"inject: {type(module).__name__} was called without hidden_states")
-        x = kwargs["hidden_states"]
-        return args, {**kwargs, "hidden_states": h.to(device=x.device, dtype=x.dtype)}
-    return pre
 
 
 POSITIONS = ("mask", "default")
@@ -190,7 +166,6 @@ class TransformersModel:
         self.attn_implementation = getattr(model.config, "_attn_implementation", None)
         self.taps = tuple(t for t in tapnames.all_taps(self.num_layers)
                           if tapnames.parse(t)[1] not in self.unavailable_taps)
-        self._available = set(self.taps)
         params = inspect.signature(model.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
@@ -242,28 +217,12 @@ class TransformersModel:
     # ----- tap names -------------------------------------------------------------------
 
     def resolve(self, requested) -> tuple[str, ...]:
-        """Names and globs -> concrete available taps.
-
-        An explicitly named unavailable tap is a KeyError with the reason. A glob
-        ('*', 'layers.*.*') expands over the available taps; it is an error only when it
-        matches nothing but unavailable taps.
-        """
-        if requested is None:
-            return ()
-        if isinstance(requested, str):
-            requested = [requested]
-        out: list[str] = []
-        for pattern in requested:
-            hits = tapnames.resolve([pattern], self.num_layers)  # KeyError on unknown names
-            kept = [h for h in hits if h in self._available]
-            if not kept or (len(hits) != len(kept) and not any(c in pattern for c in "*?[")):
-                kind = tapnames.parse(next(h for h in hits if h not in self._available))[1]
-                raise KeyError(f"tap '{pattern}' is not available from a transformers model: "
-                               f"{kind}: {self.unavailable_taps[kind]}")
-            out += [h for h in kept if h not in out]
-        order = {n: i for i, n in enumerate(self.taps)}
-        return tuple(sorted(out, key=order.__getitem__))
-
+        """Names and globs -> concrete available taps; an explicitly named unavailable tap
+        is a KeyError with the reason (UNAVAILABLE)."""
+        def why(pattern, lacking):
+            kind = tapnames.parse(lacking)[1]
+            return f"tap '{pattern}' is not available from a transformers model: {kind}: {self.unavailable_taps[kind]}"
+        return tapnames.select(requested, self.num_layers, self.taps, why)
 
     # ----- inputs ----------------------------------------------------------------------
 
@@ -337,11 +296,11 @@ class TransformersModel:
 
         def record(tap, transform):
             def post(module, args, kwargs, output):
-                x = _first_output(output)
+                x = first_tensor(output, tap)
                 acts[tap] = _to_numpy(transform(x) if transform else x)
 
             def pre(module, args, kwargs):
-                x = _first_input(args, kwargs, tap)
+                x = first_input(args, kwargs, tap)
                 acts[tap] = _to_numpy(transform(x) if transform else x)
             return pre, post
 
