@@ -80,6 +80,9 @@ class OurModel:
     def decode(self, cache, next_ids):
         return self.model.decode(cache, next_ids)
 
+    def decode_capture(self, cache, next_ids, taps):
+        return self.model.decode_capture(cache, next_ids, taps)
+
     def generate(self, tokens, attention_mask=None, max_new_tokens: int = 32, **kw) -> np.ndarray:
         return self.model.generate(tokens, attention_mask=attention_mask, max_new_tokens=max_new_tokens, **kw)
 

@@ -291,6 +291,20 @@ class TransformersModel:
         shape_cfg = types.SimpleNamespace(num_hidden_layers=self.num_layers,
                                           hidden_size=self.config.hidden_size)
         forced = {i: _from_numpy(x) for i, x in check_inject(shape_cfg, inject, tuple(ids.shape)).items()}
+        with torch.no_grad():
+            out, acts = self._hooked(wanted, forced, lambda: self.model(
+                input_ids=ids, attention_mask=mask if masked else None, position_ids=pos, use_cache=False))
+        self._explain_nan(out.logits, mask)
+        return _to_numpy(out.logits), acts
+
+    def decode_capture(self, cache, next_ids, taps):
+        """decode, with the taps of the one new position: (logits [B, V], cache, {tap: [B, 1, ...]})."""
+        (logits, cache), acts = self._hooked(self.resolve(taps), {}, lambda: self.decode(cache, next_ids))
+        return logits, cache, acts
+
+    def _hooked(self, wanted, forced: dict, call):
+        """call() with the capture hooks of `wanted` (and the forcing pre-hooks of `forced`)
+        registered, removed in a finally: (its result, {tap: numpy activation})."""
         acts: dict[str, np.ndarray] = {}
         handles = []
 
@@ -313,18 +327,15 @@ class TransformersModel:
                 pre, post = record(tap, transform)
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True) if when == "pre"
                                else module.register_forward_hook(post, with_kwargs=True))
-            with torch.no_grad():
-                out = self.model(input_ids=ids, attention_mask=mask if masked else None,
-                                 position_ids=pos, use_cache=False)
+            result = call()
         finally:
             for h in handles:
                 h.remove()
-        self._explain_nan(out.logits, mask)
         missing = [t for t in wanted if t not in acts]
         if missing:
             raise RuntimeError(f"taps {missing} were not produced: the model did not call the hooked "
                                "modules (is it a LlamaForCausalLM with its standard forward?)")
-        return _to_numpy(out.logits), {t: acts[t] for t in wanted}
+        return result, {t: acts[t] for t in wanted}
 
     def _capture_rows(self, tokens, attention_mask, taps, inject):
         """capture, one row at a time on its real tokens; padding slots are 0."""

@@ -127,44 +127,8 @@ class DecodeReport(JsonResult):
 
 # ----- one side's decode run ----------------------------------------------------------------
 
-def _hf_decode_capture(impl, cache, next_ids, taps):
-    """TransformersModel.decode with its capture hooks (the same module boundaries as its
-    capture(), compare.adapters.transformers._hook_plan) on the one-token call."""
-    acts, handles = {}, []
-
-    def record(tap, transform):
-        def post(module, args, kwargs, output):
-            x = output[0] if isinstance(output, (tuple, list)) else output
-            acts[tap] = _hf_numpy(transform(x) if transform else x)
-
-        def pre(module, args, kwargs):
-            x = args[0] if args else next(v for v in kwargs.values() if hasattr(v, "shape"))
-            acts[tap] = _hf_numpy(transform(x) if transform else x)
-        return pre, post
-
-    try:
-        for module, when, tap, transform in impl._hook_plan(taps):
-            pre, post = record(tap, transform)
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True) if when == "pre"
-                           else module.register_forward_hook(post, with_kwargs=True))
-        logits, cache = impl.decode(cache, next_ids)
-    finally:
-        for h in handles:
-            h.remove()
-    return logits, cache, {t: acts[t] for t in taps}
-
-
-def _hf_numpy(t):
-    from torchref.dtypes import to_numpy
-    return to_numpy(t).copy()
-
-
 def _stepper(impl, taps):
     """(cache, next_ids) -> (logits [B, V], cache, {tap: [B, 1, ...]}) for one side."""
-    if isinstance(impl, OurModel):
-        return lambda cache, ids: impl.model.decode_capture(cache, ids, taps)
-    if getattr(impl, "package", None) == "transformers" and hasattr(impl, "_hook_plan"):
-        return lambda cache, ids: _hf_decode_capture(impl, cache, ids, taps)
     if callable(getattr(impl, "decode_capture", None)):
         return lambda cache, ids: impl.decode_capture(cache, ids, taps)
     raise TypeError(f"{impl.name}: the decode comparison needs prefill(ids, mask, total_len) and "
