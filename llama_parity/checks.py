@@ -81,12 +81,8 @@ def _ours(path: Path) -> bool:
     """A file this tool wrote: a JSON report (ladder or probes) or one of its HTML pages."""
     from compare.report.page import GENERATOR
     try:
-        head = path.read_bytes()[:4096].decode("utf-8", "replace")
-    except OSError:
-        return False
-    if path.suffix.lower() in (".html", ".htm"):
-        return f"content='{GENERATOR}'" in head
-    try:
+        if path.suffix.lower() in (".html", ".htm"):
+            return f"content='{GENERATOR}'" in path.read_bytes()[:4096].decode("utf-8", "replace")
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return False

@@ -141,7 +141,7 @@ def _peer(name: str, folder: str, policy):
 
 
 def cmd_compare(args) -> int:
-    from compare import compare_models
+    from compare.ladder.engine import prepare, run_ladder
     from compare.vocabulary import KINDS
     from llamaspec import Policy
 
@@ -162,10 +162,12 @@ def cmd_compare(args) -> int:
         B, T = args.random_tokens
         vocab = LlamaConfig.from_file(Path(folder) / "config.json").vocab_size
         inputs = np.random.default_rng(0).integers(0, vocab, (B, T))
-    reference, candidate = _peer(args.reference, folder, policy), _peer(args.candidate, folder, policy)
-    report = compare_models(reference, candidate, folder, inputs=inputs, policy=policy,
-                            teacher_forcing=not args.no_teacher_forcing,
-                            progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
+    def progress(m):
+        say(f"[{time.perf_counter() - t0:5.1f}s] {m}")
+    # the two sides (and their float64 twins) are loaded once for the ladder, --decode and --generate
+    ref, cand, ids, mask, policy = prepare(_peer(args.reference, folder, policy), _peer(args.candidate, folder, policy),
+                                           folder, inputs, policy, progress)
+    report = run_ladder(ref, cand, ids, mask, policy, not args.no_teacher_forcing, progress)
     print_verdict_table(report, colour=sys.stdout.isatty() and not args.no_colour)
     say(report.summary())
     env = report.environment
@@ -177,18 +179,18 @@ def cmd_compare(args) -> int:
         say(f"HTML report: {report.to_html(html_path)}")
     verdict = report.verdict
     if args.decode:
-        from compare.ladder.decode import compare_decode
-        decoded = compare_decode(reference, candidate, folder, inputs=inputs, steps=args.decode, policy=policy,
-                                 progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
+        from compare.ladder.decode import run_decode
+        from llamaspec.inputs import left_align
+        decoded = run_decode(ref, cand, *left_align(np.asarray(ids, np.int64), np.asarray(mask, np.int64)), policy,
+                             args.decode, progress=progress)
         say(decoded.summary())
         if decode_json:
             say(f"decode JSON report: {decoded.to_json(decode_json)}")
         verdict = max(verdict, decoded.verdict, key=KINDS.index)
     finding = KINDS.index(verdict) > KINDS.index("drift")
     if args.generate:
-        from compare.ladder.greedy import compare_greedy
-        greedy = compare_greedy(reference, candidate, folder, inputs=inputs, new_tokens=args.generate,
-                                policy=policy, progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
+        from compare.ladder.greedy import run_greedy
+        greedy = run_greedy(ref, cand, ids, mask, policy, args.generate, progress)
         say(greedy.summary())
         if greedy_json:
             say(f"greedy JSON report: {greedy.to_json(greedy_json)}")

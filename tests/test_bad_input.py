@@ -255,10 +255,10 @@ def test_config_and_model_api_bad_input(call, error, message, tiny_dir, tmp_path
 
 
 def test_an_interrupted_compare_exits_130_with_one_line(tiny_dir, monkeypatch, capsys):
-    import compare
+    import compare.ladder.engine
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(compare, "compare_models", interrupted)
+    monkeypatch.setattr(compare.ladder.engine, "run_ladder", interrupted)
     assert run_cli(["compare", str(tiny_dir("gqa")), "--random-tokens", "1x8", "--no-files"]) == 130
     assert capsys.readouterr().err.strip() == "llama-parity: interrupted"
