@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, generate, load_weights
+from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, generate, load_weights, positions_from_mask
 from llamaspec import taps as tapnames
 from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill, layout
@@ -190,14 +190,11 @@ class Llama(nnx.Module):
         row only. inject {i: h}: teacher forcing, layer i's input is replaced by h.
         scan: run the blocks under one lax.scan (no cache; see _scan_layers).
         """
-        cfg, policy = self.cfg, self.policy
+        policy = self.policy
         residual = of(policy.residual_dtype)
         rec = Recorder(taps)
         h = rec("embed", self.embed_tokens(ids).astype(residual))
-        rope = of(policy.rope_dtype)
-        inv_freq = self.ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
-                                          jnp.max(positions) + 1, rope)
-        ctx = Context(*self.ops.rope_cos_sin(inv_freq, positions, rope), allowed, policy)
+        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy)
         if scan:
             h, acts = self._scan_layers(h, ctx, taps, inject)
             rec.acts.update(acts)
@@ -209,7 +206,7 @@ class Llama(nnx.Module):
         if last is not None:
             h = h[jnp.arange(h.shape[0]), last][:, None]
         x = rec("final_norm", self.norm(h, policy))
-        logits = rec("logits", self.ops.linear(x, self.head_weight(), None, policy, of(policy.logits_dtype)))
+        logits = rec("logits", head_logits(x, self.head_weight(), self.ops, policy))
         return logits, rec.acts, cache
 
     def _scan_layers(self, h, ctx: Context, taps, inject):
@@ -243,6 +240,83 @@ class Llama(nnx.Module):
 
         h, acts = lax.scan(step, h, (jnp.arange(n_layers), stacked, jnp.asarray(forced_on), forced))
         return h, {f"layers.*.{name}": stack for name, stack in acts.items()}
+
+
+def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions):
+    """cos, sin [B, T, head_dim] for positions [B, T] (dynamic NTK reads the longest)."""
+    rope = of(policy.rope_dtype)
+    inv_freq = ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, jnp.max(positions) + 1, rope)
+    return ops.rope_cos_sin(inv_freq, positions, rope)
+
+
+def head_logits(x, head, ops, policy: Policy):
+    """The lm_head: final_norm output x times the [vocab, hidden] matrix (or a chunk of its rows)."""
+    return ops.linear(x, head, None, policy, of(policy.logits_dtype))
+
+
+class LayerRunner:
+    """The model run one piece at a time over weights handed in as numpy (checkpoint keys
+    and storage dtype), for a comparison that never holds the whole model
+    (compare.ladder.stream). The same modules and steps as Llama.__call__: one Block built
+    from the layer's weights (rounded as Llama rounds them) runs under one jit-compiled
+    program per (policy, shapes, taps), reused for every layer; the final norm and lm_head
+    chunks likewise. Arrays in and out are numpy. Not in batch-invariant mode."""
+
+    def __init__(self, cfg: LlamaConfig, policy: str | Policy):
+        self.cfg, self.policy = cfg, Policy.get(policy)
+        self.dtype = numpy_dtype(self.policy.param_dtype)
+        self.tables = None
+
+    def start(self, ids, mask) -> None:
+        """The RoPE tables and the causal mask of one batch, for every later call."""
+        ids, mask = check_tokens(self.cfg, ids, mask)
+        cos, sin = _piece_programs(self.cfg, self.policy)[0](positions_from_mask(mask))
+        self.tables = (cos, sin, causal_allowed(jnp.asarray(mask), ids.shape[1]))
+
+    def embed(self, rows) -> np.ndarray:
+        """The embedding tap from the table's rows of the batch's ids ([B, T, hidden]):
+        gathering then rounding equals rounding the table then gathering."""
+        return np.asarray(jnp.asarray(rows.astype(self.dtype)).astype(of(self.policy.residual_dtype)))
+
+    def block(self, i: int, weights: dict, h, taps=()) -> dict:
+        """Layer i on the hidden state h (layer i's input); {tap name: numpy} for the
+        requested per-layer tap names ("layers.i.<name>") plus "layers.i.out" always."""
+        block = Block(self.cfg, weights, i, self.dtype, ops, self.policy)
+        graphdef, state = nnx.split(block)
+        names = tuple(sorted({tapnames.parse(t)[1] for t in taps} | {"out"}))
+        acts = _block_program(graphdef, self.policy, names)(state, jnp.asarray(h), *self.tables)
+        return {f"layers.{i}.{n}": np.asarray(a) for n, a in acts.items()}
+
+    def final_norm(self, weight, h) -> np.ndarray:
+        norm = RMSNorm({"model.norm.weight": weight}, "model.norm", self.dtype, self.cfg.rms_norm_eps, ops)
+        return np.asarray(_piece_programs(self.cfg, self.policy)[1](norm.weight[...], jnp.asarray(h)))
+
+    def logits(self, x, head_rows) -> np.ndarray:
+        """The logits of final_norm output x for the lm_head rows given (a vocabulary chunk)."""
+        w = jnp.asarray(head_rows.astype(self.dtype))
+        return np.asarray(_piece_programs(self.cfg, self.policy)[2](jnp.asarray(x), w))
+
+
+@functools.lru_cache(maxsize=16)
+def _block_program(graphdef, policy: Policy, names: tuple):
+    """One jitted Block for a structure and a set of tap names; jit compiles once per shape."""
+    resid = of(policy.residual_dtype)
+
+    def run(state, h, cos, sin, allowed):
+        rec = Recorder(names)
+        nnx.merge(graphdef, state)(h.astype(resid), Context(cos, sin, allowed, policy), rec, None, 0)
+        return rec.acts
+    return jax.jit(run, compiler_options=compiler_options(False))
+
+
+@functools.lru_cache(maxsize=16)
+def _piece_programs(cfg: LlamaConfig, policy: Policy):
+    """The jitted RoPE tables, final norm and lm_head (chunk) of LayerRunner."""
+    jit = functools.partial(jax.jit, compiler_options=compiler_options(False))
+    resid = of(policy.residual_dtype)
+    return (jit(lambda positions: rope_tables(cfg, policy, ops, positions)),
+            jit(lambda w, h: ops.rms_norm(h.astype(resid), w, cfg.rms_norm_eps, policy)),
+            jit(lambda x, w: head_logits(x, w, ops, policy)))
 
 
 # ---- pure functions of (graphdef, state, inputs), jit-compiled per model ----

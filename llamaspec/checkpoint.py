@@ -125,6 +125,27 @@ class _SafetensorsFile:
         buf = memoryview(self._mmap)[self.data_start + begin:self.data_start + end]
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
+    def read_rows(self, key: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) of a tensor (all of it by default) as a new array, read with a
+        plain file read: no memory map keeps the pages in this process's resident set, so a
+        caller that reads a model piece by piece holds only the pieces it keeps."""
+        dtype, shape, begin, end = self.entries[key]
+        rows = shape[0] if shape else 1
+        stop = rows if stop is None else min(stop, rows)
+        row_bytes = (end - begin) // rows if rows else 0
+        out = np.empty((max(stop - start, 0), *shape[1:]) if shape else (), dtype)
+        want = out.nbytes
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.data_start + begin + start * row_bytes)
+                got = f.readinto(memoryview(out.reshape(-1).view(np.uint8))) if want else 0
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot read tensor '{key}' ({e})") from None
+        if got != want:
+            raise CheckpointError(f"{self.path}: truncated: tensor '{key}' rows [{start}, {stop}) need {want} "
+                                  f"bytes, the file gave {got}")
+        return out
+
 
 class _DuplicateKey(Exception):
     pass
@@ -232,6 +253,13 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: tensor '{key}' not in checkpoint")
         return self._files[self._where[key]].read(key)
 
+    def read_rows(self, key: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) of one tensor (all of it by default) as a new array in its
+        storage dtype, read without a memory map (_SafetensorsFile.read_rows)."""
+        if key not in self._where:
+            raise CheckpointError(f"{self.folder}: tensor '{key}' not in checkpoint")
+        return self._files[self._where[key]].read_rows(key, start, stop)
+
     def file_of(self, key: str) -> Path:
         return self.folder / self._where[key]
 
@@ -277,13 +305,29 @@ def load_weights(folder: str | Path, check_finite: bool = True
     broken conversion script is diagnosed in one run. NaN/Inf in any float tensor is
     an error naming the tensor (check_finite=False skips the scan).
     """
+    ckpt = check_checkpoint(folder)
+    weights = {k: ckpt.get(k) for k in expected_shapes(ckpt.config)}
+    if ckpt.config.tie_word_embeddings and "lm_head.weight" in ckpt.keys():
+        lm = ckpt.get("lm_head.weight")
+        if lm.shape != weights["model.embed_tokens.weight"].shape or not np.array_equal(
+                lm, weights["model.embed_tokens.weight"]):
+            raise CheckpointError(f"{ckpt.file_of('lm_head.weight')}: tie_word_embeddings is true "
+                                  "but lm_head.weight differs from model.embed_tokens.weight")
+    if check_finite:
+        for k, w in weights.items():
+            check_finite_tensor(ckpt, k, w)
+    return ckpt.config, weights
+
+
+def check_checkpoint(folder: str | Path) -> Checkpoint:
+    """The checkpoint with its tensor set checked against config.json (names, shapes, float
+    storage), reading no tensor data: every problem listed in one CheckpointError."""
     ckpt = Checkpoint(folder)
     cfg = ckpt.config
     want = expected_shapes(cfg)
     have = {k for k in ckpt.keys() if not k.endswith(_IGNORABLE_SUFFIXES)}
     # A tied checkpoint may still carry lm_head.weight; it must then equal the embedding.
-    tied_extra = cfg.tie_word_embeddings and "lm_head.weight" in have
-    if tied_extra:
+    if cfg.tie_word_embeddings:
         have.discard("lm_head.weight")
     problems = []
     missing = sorted(set(want) - have, key=_natural)
@@ -303,21 +347,15 @@ def load_weights(folder: str | Path, check_finite: bool = True
     if problems:
         raise CheckpointError(f"{ckpt.folder}: checkpoint does not match config.json "
                               f"({cfg.num_hidden_layers} layers): " + " | ".join(problems))
+    return ckpt
 
-    weights = {k: ckpt.get(k) for k in want}
-    if tied_extra:
-        lm = ckpt.get("lm_head.weight")
-        if lm.shape != want["model.embed_tokens.weight"] or not np.array_equal(
-                lm, weights["model.embed_tokens.weight"]):
-            raise CheckpointError(f"{ckpt.file_of('lm_head.weight')}: tie_word_embeddings is true "
-                                  "but lm_head.weight differs from model.embed_tokens.weight")
-    if check_finite:
-        for k, w in weights.items():
-            # Upcast in chunks-free way: isfinite on bf16/f16 views works via ml_dtypes.
-            if not np.isfinite(w).all():
-                bad = int(np.size(w) - np.isfinite(w).sum())
-                raise CheckpointError(f"{ckpt.file_of(k)}: tensor '{k}' has {bad} NaN/Inf values")
-    return cfg, weights
+
+def check_finite_tensor(ckpt: Checkpoint, key: str, w: np.ndarray) -> None:
+    """CheckpointError naming the file and tensor when w holds NaN or Inf."""
+    finite = np.isfinite(w)
+    if not finite.all():
+        raise CheckpointError(f"{ckpt.file_of(key)}: tensor '{key}' has {int(np.size(w) - finite.sum())} "
+                              "NaN/Inf values")
 
 
 def _natural(key: str):

@@ -169,17 +169,24 @@ class LlamaModel(nn.Module):
         if set(params) != set(weights):
             raise KeyError(f"weights do not match the model: missing {sorted(set(params) - set(weights))}, "
                            f"unexpected {sorted(set(weights) - set(params))}")
-        store = dt(self.policy.param_dtype)
-        keep = dt(self.policy.compute_dtype) if torch.finfo(dt(self.policy.compute_dtype)).bits > \
-            torch.finfo(store).bits else store
         for key, arr in weights.items():
-            t = from_numpy(arr).to(store).to(keep).to(self.device)
-            if tuple(t.shape) != tuple(params[key].shape):
-                raise ValueError(f"{key}: shape {tuple(t.shape)} != model's {tuple(params[key].shape)}")
-            owner, _, name = key.rpartition(".")
-            self.get_submodule(owner)._parameters[name] = nn.Parameter(t, requires_grad=False)
+            self._install(key, arr, params[key].shape)
         self.head_weight = self._lm_head_weight().detach()  # a plain tensor: not a second parameter
         return self
+
+    def _param(self, arr: np.ndarray) -> torch.Tensor:
+        """A checkpoint tensor as the model keeps it: rounded to param_dtype, then widened to
+        compute_dtype when that is wider (bf16w-f32)."""
+        store, compute = dt(self.policy.param_dtype), dt(self.policy.compute_dtype)
+        keep = compute if torch.finfo(compute).bits > torch.finfo(store).bits else store
+        return from_numpy(arr).to(store).to(keep).to(self.device)
+
+    def _install(self, key: str, arr: np.ndarray, shape) -> None:
+        t = self._param(arr)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{key}: shape {tuple(t.shape)} != model's {tuple(shape)}")
+        owner, _, name = key.rpartition(".")
+        self.get_submodule(owner)._parameters[name] = nn.Parameter(t, requires_grad=False)
 
     def weights(self) -> dict[str, np.ndarray]:
         """The parameters under their checkpoint keys, as numpy in param_dtype (no lm_head
@@ -196,7 +203,9 @@ class LlamaModel(nn.Module):
         widen this [vocab, hidden] matrix on every call, so it is widened here instead
         (exact: every bf16/fp16 value is an f32 value).
         """
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self._head_matrix(self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+
+    def _head_matrix(self, w: torch.Tensor) -> torch.Tensor:
         wide = dt(self.policy.logits_dtype)
         if wide == dt(self.policy.accum_dtype) and torch.finfo(wide).bits > torch.finfo(w.dtype).bits:
             return w.to(wide)
@@ -215,20 +224,25 @@ class LlamaModel(nn.Module):
         ids, positions [B, T]; allowed [B, T, S]. last [B]: logits for slot last[b] of each
         row only. inject {i: h}: teacher forcing, layer i's input is replaced by h.
         """
-        policy = self.policy
-        residual = dt(policy.residual_dtype)
         rec = Recorder(taps)
-        h = rec("embed", self.model.embed_tokens(ids).to(residual))
-        ctx = Context(*self._rope(positions), allowed, policy)
+        h = rec("embed", self._residual(self.model.embed_tokens(ids)))
+        ctx = Context(*self._rope(positions), allowed, self.policy)
         for i, block in enumerate(self.model.layers):
             if inject and i in inject:
-                h = inject[i].to(residual)
+                h = self._residual(inject[i])
             h, cache = block(h, ctx, rec.layer(i), cache, i)
-        x = rec("final_norm", self.model.norm(h, policy))
+        x = rec("final_norm", self.model.norm(h, self.policy))
         if last is not None:
             x = _take_slots(x, last)
-        logits = rec("logits", self.ops.linear(x, self.head_weight, None, policy, policy.logits_dtype))
+        logits = rec("logits", self._logits(x, self.head_weight))
         return logits, rec.acts
+
+    # The steps of _run that LayerRunner also takes, one definition each.
+    def _residual(self, h: torch.Tensor) -> torch.Tensor:
+        return h.to(dt(self.policy.residual_dtype))
+
+    def _logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, head, None, self.policy, self.policy.logits_dtype)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return from_numpy(np.asarray(a)).to(self.device)
@@ -354,6 +368,69 @@ class LlamaModel(nn.Module):
         sampling = Sampling(do_sample, temperature, top_k, top_p, seed)
         return run_generation(self.cfg, self.prefill, self.decode, tokens, attention_mask,
                               max_new_tokens, eos_token_ids, pad_token_id, sampling)
+
+
+class LayerRunner:
+    """The model run one piece at a time over weights handed in as numpy (checkpoint keys
+    and storage dtype), for a comparison that never holds the whole model
+    (compare.ladder.stream). The same modules and steps as LlamaModel._run: a weightless
+    LlamaModel whose one block, final norm and lm_head chunk get their weights installed
+    (rounded as load_numpy rounds them) for the call and dropped after it. Arrays in and
+    out are numpy; a hidden state given back to `block` is used as is (the residual dtype).
+    Not in batch-invariant mode."""
+
+    def __init__(self, cfg: LlamaConfig, policy: str | Policy, device: str | None = None):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = LlamaModel(cfg, Policy.get(policy), device)
+        self.cfg, self.policy = cfg, self.model.policy
+        self.ctx: Context | None = None
+
+    @torch.inference_mode()
+    def start(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        """The RoPE tables and the causal mask of one batch, for every later call."""
+        ids, mask = check_tokens(self.cfg, ids, mask)
+        m = self.model
+        allowed = causal_allowed(m._tensor(mask), ids.shape[1])
+        self.ctx = Context(*m._rope(m._tensor(positions_from_mask(mask)).long()), allowed, self.policy)
+
+    @torch.inference_mode()
+    def embed(self, rows: np.ndarray) -> np.ndarray:
+        """The embedding tap from the table's rows of the batch's ids ([B, T, hidden]):
+        gathering then rounding equals rounding the table then gathering."""
+        return to_numpy(self.model._residual(self.model._param(rows)))
+
+    @torch.inference_mode()
+    def block(self, i: int, weights: dict[str, np.ndarray], h: np.ndarray, taps=()) -> dict[str, np.ndarray]:
+        """Layer i on the hidden state h (layer i's input); {tap name: numpy} for the
+        requested per-layer tap names ("layers.i.<name>") plus "layers.i.out" always."""
+        m, block = self.model, self.model.model.layers[i]
+        prefix = f"model.layers.{i}."
+        shapes = {prefix + k: p.shape for k, p in block.named_parameters()}
+        for key in shapes:
+            m._install(key, weights[key], shapes[key])
+        rec = Recorder({*taps, f"layers.{i}.out"})
+        try:
+            with matmul_settings(self.policy):
+                block(m._residual(m._tensor(h)), self.ctx, rec.layer(i))
+        finally:
+            for key in shapes:
+                owner, _, name = key.rpartition(".")
+                m.get_submodule(owner)._parameters[name] = _weight(*shapes[key])
+        return {n: to_numpy(a) for n, a in rec.acts.items()}
+
+    @torch.inference_mode()
+    def final_norm(self, weight: np.ndarray, h: np.ndarray) -> np.ndarray:
+        m = self.model
+        m._install("model.norm.weight", weight, (self.cfg.hidden_size,))
+        with matmul_settings(self.policy):
+            return to_numpy(m.model.norm(m._residual(m._tensor(h)), self.policy))
+
+    @torch.inference_mode()
+    def logits(self, x: np.ndarray, head_rows: np.ndarray) -> np.ndarray:
+        """The logits of final_norm output x for the lm_head rows given (a vocabulary chunk)."""
+        m = self.model
+        with matmul_settings(self.policy):
+            return to_numpy(m._logits(m._tensor(x), m._head_matrix(m._param(head_rows))))
 
 
 def _take_slots(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
