@@ -11,6 +11,8 @@ Rooms (the README's "What is here" has the map):
 """
 
 from .adapters import Implementation, as_implementation
+from .adapters.dump import Dump, DumpError, fingerprint
+from .capturing import capture
 from .ladder.decode import DecodeReport, compare_decode
 from .ladder.engine import Report, assert_parity, compare_models
 from .ladder.greedy import GreedyReport, compare_greedy
@@ -33,8 +35,8 @@ from .metrics import (
 )
 from .vocabulary import KINDS
 
-__all__ = ["KINDS", "DecodeReport", "Finding", "GreedyReport", "Implementation", "Report", "Row", "analyse",
-           "as_implementation", "assert_parity", "compare_decode", "compare_greedy", "compare_models", "cosine",
-           "frac_beyond", "hint", "kl_per_position", "layer_summary", "max_abs", "max_ulp", "nonfinite",
-           "nonfinite_report", "rel_l2", "tap_metrics", "top1_agreement", "top_margin", "topk_overlap",
-           "unit_roundoff"]
+__all__ = ["KINDS", "DecodeReport", "Dump", "DumpError", "Finding", "GreedyReport", "Implementation", "Report",
+           "Row", "analyse", "as_implementation", "assert_parity", "capture", "compare_decode", "compare_greedy",
+           "compare_models", "cosine", "fingerprint", "frac_beyond", "hint", "kl_per_position", "layer_summary",
+           "max_abs", "max_ulp", "nonfinite", "nonfinite_report", "rel_l2", "tap_metrics", "top1_agreement",
+           "top_margin", "topk_overlap", "unit_roundoff"]

@@ -4,7 +4,9 @@
     llama-parity make-checkpoint --shape llama-3.2-1b [--layers N]   random weights of a real shape
     llama-parity demo [CHECKPOINT]     both models side by side on the real model
     llama-parity compare [CHECKPOINT]  verdict per layer and component: exact / drift /
-                                       precision / semantic
+                                       precision / semantic (either side may be a dump)
+    llama-parity capture CHECKPOINT --impl jaxmodel --policy bf16 --out DIR
+                                       one side's taps as a dump, judged later (docs/dumps.md)
     llama-parity probe KIND [CHECKPOINT]  invariance probes (batch, padding, determinism, ...)
 
 Exit codes: 0 exact or drift; 1 a precision or semantic finding; 2 a usage error or bad
@@ -132,7 +134,7 @@ def _peer(name: str, folder: str, policy):
     """'torchref' / 'jaxmodel' as names; 'transformers' as an eager LlamaForCausalLM instance
     loaded at the policy's param dtype (it is then run as transformers runs it)."""
     if name != "transformers":
-        return name
+        return name     # a name, or a Dump
     from transformers import LlamaForCausalLM
 
     from torchref.dtypes import dt
@@ -140,32 +142,76 @@ def _peer(name: str, folder: str, policy):
                                             attn_implementation="eager").eval()
 
 
+def _input_folder(args, checkpoint) -> str:
+    """The checkpoint folder, checked, for the --prompt / --random-tokens flags (which
+    exclude each other): prompts need its tokenizer."""
+    if args.prompt and args.random_tokens:
+        raise UsageError("--prompt and --random-tokens exclude each other: give one")
+    return checkpoint_folder(resolve_checkpoint(checkpoint), need_tokenizer=None if args.random_tokens else
+                             "the prompts need (for a folder without one, pass --random-tokens BxT)")
+
+
+def _inputs(args, folder):
+    """What --prompt / --random-tokens ask for, as compare_models takes inputs (None: the built-in prompt)."""
+    if not args.random_tokens:
+        return args.prompt
+    from llamaspec import LlamaConfig
+    B, T = args.random_tokens
+    vocab = LlamaConfig.from_file(Path(folder) / "config.json").vocab_size
+    return np.random.default_rng(0).integers(0, vocab, (B, T))
+
+
+def _dumps(args):
+    """--reference-dump / --candidate-dump opened (and checked), with what they exclude refused."""
+    from compare.adapters.dump import Dump
+    given = {"reference": args.reference_dump, "candidate": args.candidate_dump}
+    for side, path in given.items():
+        if path and getattr(args, side):
+            raise UsageError(f"--{side} and --{side}-dump exclude each other: the dump is the {side}")
+    dumps = {side: Dump(path) for side, path in given.items() if path}
+    if dumps:
+        if args.prompt or args.random_tokens:
+            raise UsageError("--prompt/--random-tokens: a dump fixes the inputs (the ones it was captured on)")
+        if args.decode or args.generate:
+            raise UsageError("--decode/--generate: a dump holds one forward pass, not a decode or a generation")
+    return dumps
+
+
 def cmd_compare(args) -> int:
+    from compare.adapters.dump import bind_dumps
     from compare.ladder.engine import prepare, run_ladder
     from compare.vocabulary import KINDS
     from llamaspec import Policy
 
-    if args.prompt and args.random_tokens:
-        raise UsageError("--prompt and --random-tokens exclude each other: give one")
-    folder = checkpoint_folder(resolve_checkpoint(args.checkpoint), need_tokenizer=None if args.random_tokens else
-                               "the prompts need (for a folder without one, pass --random-tokens BxT)")
-    policy = Policy.get(args.policy)
+    dumps = _dumps(args)
+    checkpoint = args.checkpoint
+    if dumps and checkpoint is None:
+        checkpoint = next(iter(dumps.values())).recorded_checkpoint()
+        if checkpoint is None or not Path(checkpoint).is_dir():
+            raise UsageError(f"give the checkpoint: the dump's recorded one ({checkpoint}) is not a folder here")
+    folder = _input_folder(args, checkpoint) if not dumps else checkpoint_folder(checkpoint)
+    ref_spec = dumps.get("reference") or args.reference or "torchref"
+    cand_spec = dumps.get("candidate") or args.candidate or "jaxmodel"
+    # a dump fixes the inputs and the policy, and the checkpoint must match its fingerprint
+    folder, inputs, policy = bind_dumps(ref_spec, cand_spec, folder, None, args.policy)
+    inputs = inputs if dumps else _inputs(args, folder)
+    policy = Policy.get(policy or "fp32")
+    args.reference, args.candidate, args.policy = _label(ref_spec), _label(cand_spec), policy.name
+    for side, d in dumps.items():
+        env = d.manifest.get("environment") or {}
+        say(f"{side}: dump {d.path}, {d.implementation} at {d.policy.name}, captured {d.manifest.get('created', '?')} "
+            f"on {env.get('cpu', '?')} ({env.get('jax backend', env.get('torch cuda', '?'))})")
     json_path, html_path = _report_paths(args)
     decode_json = (output_file(json_path.with_name(json_path.stem + "-decode.json"), "--json", args.force, say)
                    if args.decode and json_path else None)
     greedy_json = (output_file(json_path.with_name(json_path.stem + "-greedy.json"), "--json", args.force, say)
                    if args.generate and json_path else None)
     t0 = time.perf_counter()
-    inputs = args.prompt
-    if args.random_tokens:
-        from llamaspec import LlamaConfig
-        B, T = args.random_tokens
-        vocab = LlamaConfig.from_file(Path(folder) / "config.json").vocab_size
-        inputs = np.random.default_rng(0).integers(0, vocab, (B, T))
+
     def progress(m):
         say(f"[{time.perf_counter() - t0:5.1f}s] {m}")
     # the two sides (and their float64 twins) are loaded once for the ladder, --decode and --generate
-    ref, cand, ids, mask, policy = prepare(_peer(args.reference, folder, policy), _peer(args.candidate, folder, policy),
+    ref, cand, ids, mask, policy = prepare(_peer(ref_spec, folder, policy), _peer(cand_spec, folder, policy),
                                            folder, inputs, policy, progress)
     report = run_ladder(ref, cand, ids, mask, policy, not args.no_teacher_forcing, progress)
     print_verdict_table(report, colour=sys.stdout.isatty() and not args.no_colour)
@@ -197,6 +243,27 @@ def cmd_compare(args) -> int:
         finding = finding or greedy.verdict not in ("exact", "drift")
     say(f"done in {time.perf_counter() - t0:.1f} s")
     return EXIT_FINDING if finding else EXIT_OK
+
+
+def _label(spec) -> str:
+    """A side's name in report file names: 'jaxmodel', or 'jaxmodel-dump' for a dump of it."""
+    return spec if isinstance(spec, str) else f"{spec.implementation}-dump"
+
+
+def cmd_capture(args) -> int:
+    """One implementation's taps on the given inputs, written as a dump (compare.capture)."""
+    from compare.capturing import capture
+    folder = _input_folder(args, args.checkpoint)
+    out = Path(args.out)
+    repo = Path(__file__).resolve().parents[1]
+    if (repo / ".git").exists() and out.resolve().is_relative_to(repo):
+        raise UsageError(f"--out {out}: inside the llama-parity repository; dumps go to a folder outside it")
+    t0 = time.perf_counter()
+    capture(folder, args.impl, args.policy, inputs=_inputs(args, folder), out=out, taps=args.taps or "*",
+            batch_invariant=args.batch_invariant, force=args.force,
+            progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
+    say(str(out))
+    return EXIT_OK
 
 
 def _report_paths(args):
@@ -233,6 +300,13 @@ def print_verdict_table(report, colour: bool) -> None:
         say(f"{'' if layer is None else layer:>5} {comp:<11} {shown} {r['err_ref']:>9.1e} "
             f"{r['err_cand']:>9.1e} {r['err_fp64']:>9.1e} "
             f"{'' if loc is None else format(loc, '.1e'):>10}")
+
+
+def _add_input_flags(p) -> None:
+    p.add_argument("--prompt", action="append",
+                   help="a prompt (repeatable); default: one built-in 258-token prompt")
+    p.add_argument("--random-tokens", metavar="BxT", type=shape, help="random token ids instead of prompts "
+                   "(for checkpoints without a tokenizer), e.g. 2x64")
 
 
 def main(argv=None) -> int:
@@ -273,15 +347,17 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("compare", parents=[common],
                        help="drift vs bug: per-tap verdicts of a candidate against a reference")
-    p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
+    p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2, or the one a "
+                   "dump recorded)")
     impls = ["torchref", "jaxmodel", "transformers"]
-    p.add_argument("--reference", default="torchref", choices=impls)
-    p.add_argument("--candidate", default="jaxmodel", choices=impls)
-    p.add_argument("--policy", default="fp32", help="preset: fp64 fp32 tf32 bf16 fp16 bf16w-f32 fp64-hf")
-    p.add_argument("--prompt", action="append",
-                   help="a prompt (repeatable); default: one built-in 258-token prompt")
-    p.add_argument("--random-tokens", metavar="BxT", type=shape, help="random token ids instead of prompts "
-                   "(for checkpoints without a tokenizer), e.g. 2x64")
+    p.add_argument("--reference", default=None, choices=impls, help="default: torchref")
+    p.add_argument("--candidate", default=None, choices=impls, help="default: jaxmodel")
+    p.add_argument("--reference-dump", metavar="DIR", help="a dump (llama-parity capture, docs/dumps.md) as the "
+                   "reference: its inputs and policy are used, the checkpoint must match its fingerprint")
+    p.add_argument("--candidate-dump", metavar="DIR", help="a dump as the candidate (as --reference-dump)")
+    p.add_argument("--policy", default=None, help="preset: fp64 fp32 tf32 bf16 fp16 bf16w-f32 fp64-hf "
+                   "(default: fp32, or a dump's)")
+    _add_input_flags(p)
     p.add_argument("--json", help="write the JSON report here (default: in --out-dir)")
     p.add_argument("--html", help="write the HTML report here (default: in --out-dir)")
     p.add_argument("--out-dir", default="parity-report",
@@ -299,6 +375,19 @@ def main(argv=None) -> int:
                    "the common prefix)")
     p.add_argument("--no-colour", action="store_true")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("capture", parents=[common],
+                       help="one implementation's taps as a dump (safetensors + manifest), judged later by compare")
+    p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
+    p.add_argument("--impl", default="jaxmodel", choices=["torchref", "jaxmodel"])
+    p.add_argument("--policy", default="bf16", help="preset: fp64 fp32 tf32 bf16 fp16 bf16w-f32 fp64-hf")
+    _add_input_flags(p)
+    p.add_argument("--taps", action="append", help="a tap name or glob (repeatable), e.g. 'layers.*.out'; "
+                   "default: every tap")
+    p.add_argument("--batch-invariant", action="store_true", help="capture the batch-invariant mode")
+    p.add_argument("--out", required=True, help="the dump's folder (new or empty)")
+    p.add_argument("--force", action="store_true", help="replace a dump already in --out")
+    p.set_defaults(func=cmd_capture)
 
     from .probe_cli import add_parser as add_probe_parser
     add_probe_parser(sub, common)

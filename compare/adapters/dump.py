@@ -1,0 +1,385 @@
+"""Dumps: one implementation's taps captured elsewhere, judged here (docs/dumps.md).
+
+A dump is a folder: manifest.json (inputs, policy, config, tap list, file map, environment,
+tool version, checkpoint fingerprint) and safetensors files holding the taps [B, T, ...],
+one file per layer. `Dump` reads one back as an Implementation: its capture returns the
+stored arrays for the stored inputs only; it takes no inject; its float64 twin is our
+implementation built here from the checkpoint when the dump names torchref or jaxmodel.
+`compare.capture` writes dumps; this module holds the format, the fingerprint and the checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from llamaspec import LlamaConfig, LlamaParityError, Policy
+from llamaspec import taps as tapnames
+
+from .ours import PACKAGES, OurModel
+
+FORMAT, FORMAT_VERSION, MANIFEST = "llama-parity-dump", 1, "manifest.json"
+FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+MANIFEST_FIELDS = ("format", "format_version", "implementation", "policy", "config", "inputs", "taps", "files",
+                   "checkpoint")
+
+
+class DumpError(LlamaParityError, ValueError):
+    """A dump that is malformed, or that does not match the checkpoint, inputs or policy
+    it is judged with."""
+
+
+def file_for(tap: str) -> str:
+    """The file a tap goes to in the layout `capture` writes: embed.safetensors,
+    layer-0000.safetensors ..., head.safetensors (final_norm, logits)."""
+    t = tapnames.tap(tap)
+    if t.layer is not None:
+        return f"layer-{t.layer:04d}.safetensors"
+    return "embed.safetensors" if t.kind == "embed" else "head.safetensors"
+
+
+def expected_shape(tap: str, cfg: LlamaConfig, batch: int, length: int) -> tuple[int, ...]:
+    """The shape every implementation gives `tap` (llamaspec.taps): [B, T, ...]."""
+    kind = tapnames.tap(tap).kind
+    tail = {"q": (cfg.num_attention_heads, cfg.head_dim), "q_rope": (cfg.num_attention_heads, cfg.head_dim),
+            "k": (cfg.num_key_value_heads, cfg.head_dim), "k_rope": (cfg.num_key_value_heads, cfg.head_dim),
+            "v": (cfg.num_key_value_heads, cfg.head_dim), "attn_ctx": (cfg.num_attention_heads * cfg.head_dim,),
+            "gate": (cfg.intermediate_size,), "up": (cfg.intermediate_size,), "act": (cfg.intermediate_size,),
+            "logits": (cfg.vocab_size,)}.get(kind, (cfg.hidden_size,))
+    return (batch, length, *tail)
+
+
+# ----- checkpoint fingerprint -------------------------------------------------------------
+
+FINGERPRINT_BLOCK = 1 << 16
+FINGERPRINT_METHOD = ("v1: sha256 of config.json and of model.safetensors.index.json; per *.safetensors file its "
+                      "size, the sha256 of its header bytes, and one sha256 over, for every tensor in "
+                      "data-offset order, its whole byte span when <= 3 x 65536 bytes, else the 65536 bytes "
+                      "at its start, middle ((length - 65536) // 2) and end")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _file_fingerprint(path: Path) -> dict:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if n < 0 or 8 + n > size:
+            raise DumpError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+        header = f.read(n)
+        try:
+            entries = json.loads(header)
+            spans = sorted((e["data_offsets"][0], e["data_offsets"][1])
+                           for k, e in entries.items() if k != "__metadata__")
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise DumpError(f"{path}: corrupt safetensors header ({e})") from None
+        content, block = hashlib.sha256(), FINGERPRINT_BLOCK
+        if spans:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                start = 8 + n
+                for b, e in spans:
+                    if e - b <= 3 * block:
+                        content.update(data[start + b:start + e])
+                    else:
+                        for at in (b, b + (e - b - block) // 2, e - block):
+                            content.update(data[start + at:start + at + block])
+    return {"size": size, "header_sha256": hashlib.sha256(header).hexdigest(), "sampled_sha256": content.hexdigest()}
+
+
+def fingerprint(checkpoint) -> dict:
+    """What identifies a checkpoint folder, cheaply (FINGERPRINT_METHOD): about 200 KB read
+    per tensor, so well under a second for a 16 GB checkpoint. It tells apart the mistakes a
+    dump can meet (another model, another fine-tune or seed, another conversion or storage
+    dtype: every tensor differs almost everywhere, or the headers do); it is not a defence
+    against an edit placed between the sampled blocks."""
+    folder = Path(checkpoint)
+    if not (folder / "config.json").is_file():
+        raise DumpError(f"checkpoint {folder}: no config.json (not a Hugging Face model folder)")
+    out = {"method": FINGERPRINT_METHOD, "config.json": _sha256(folder / "config.json")}
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        out["model.safetensors.index.json"] = _sha256(index)
+    out["files"] = {p.name: _file_fingerprint(p) for p in sorted(folder.glob("*.safetensors"))}
+    if not out["files"]:
+        raise DumpError(f"checkpoint {folder}: no *.safetensors file")
+    return out
+
+
+def fingerprint_differences(recorded: dict, now: dict) -> list[str]:
+    """What differs between two fingerprints, one phrase each ([] when they match)."""
+    if recorded.get("method") != now["method"]:
+        return [f"the fingerprint method (the dump's {recorded.get('method')!r}, this version's {now['method']!r})"]
+    out = [f"{name} (sha256 {recorded.get(name)} in the dump, {now.get(name)} here)"
+           for name in ("config.json", "model.safetensors.index.json") if recorded.get(name) != now.get(name)]
+    rec, cur = recorded.get("files") or {}, now["files"]
+    for name in sorted(set(rec) | set(cur)):
+        if name not in cur:
+            out.append(f"{name} (in the dump's checkpoint, not in this one)")
+        elif name not in rec:
+            out.append(f"{name} (in this checkpoint, not in the dump's)")
+        else:
+            what = [f"{k.replace('_sha256', '')}" + (f" {rec[name].get(k)} vs {cur[name][k]}" if k == "size" else "")
+                    for k in ("size", "header_sha256", "sampled_sha256") if rec[name].get(k) != cur[name][k]]
+            if what:
+                out.append(f"{name} ({', '.join(what)} differ)")
+    return out
+
+
+def config_field_differences(a: dict, b: dict) -> list[str]:
+    return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+# ----- inputs and policies ------------------------------------------------------------------
+
+def input_differences(want_ids, want_mask, ids, mask) -> str | None:
+    """None when (ids, mask) equal the wanted ones; else a phrase naming the first difference."""
+    want_ids, want_mask = np.asarray(want_ids), np.asarray(want_mask)
+    ids = np.asarray(ids)
+    mask = np.ones(ids.shape, np.int64) if mask is None else np.asarray(mask)
+    for what, a, b in (("token ids", want_ids, ids), ("attention mask", want_mask, mask)):
+        if a.shape != b.shape:
+            return f"{what}: shape {list(b.shape)} given, the dump's is {list(a.shape)}"
+        diff = np.argwhere(a != b)
+        if len(diff):
+            r, t = (int(x) for x in diff[0])
+            return (f"{what}: first difference at row {r}, position {t} ({b[r, t]} given, {a[r, t]} in the dump; "
+                    f"{len(diff)} position(s) differ)")
+    return None
+
+
+def policy_of(value, where: str) -> Policy:
+    """A manifest's policy: a preset name or a full dict of knobs (Policy.to_dict)."""
+    try:
+        if isinstance(value, str):
+            return Policy.get(value)
+        if isinstance(value, dict):
+            return Policy(**value)
+    except (TypeError, LlamaParityError) as e:
+        raise DumpError(f"{where}: field 'policy': {e}") from None
+    raise DumpError(f"{where}: field 'policy' must be a preset name or an object of knobs, got {value!r}")
+
+
+def policy_differences(a: Policy, b: Policy) -> list[str]:
+    """Knobs that differ (the name is only a label)."""
+    da, db = a.to_dict(), b.to_dict()
+    return [f"{k}: {da[k]} vs {db[k]}" for k in da if k != "name" and da[k] != db[k]]
+
+
+# ----- the dump as an Implementation ----------------------------------------------------------
+
+class Dump:
+    """A dump folder as an Implementation (name, taps, capture; float64 when the dump names
+    torchref or jaxmodel as its package). Everything is checked when it is opened: the manifest's fields,
+    every tap's file, tensor key, shape (from the manifest's config and inputs) and dtype.
+
+    checkpoint: the folder to judge it with (checked against the fingerprint); without one,
+    the float64 twin is built from the manifest's recorded path, checked the same way."""
+
+    supports_inject = False
+    keeps_f32 = False
+
+    def __init__(self, path, checkpoint=None):
+        self.path = Path(path)
+        where = self.path / MANIFEST
+        if not where.is_file():
+            raise DumpError(f"dump {self.path}: no {MANIFEST} (not a llama-parity dump folder)")
+        try:
+            m = json.loads(where.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DumpError(f"{where}: not readable JSON ({e})") from None
+        if not isinstance(m, dict):
+            raise DumpError(f"{where}: must hold a JSON object")
+        missing = [f for f in MANIFEST_FIELDS if f not in m]
+        if missing:
+            raise DumpError(f"{where}: missing field(s) {', '.join(missing)}")
+        if m["format"] != FORMAT or m["format_version"] != FORMAT_VERSION:
+            raise DumpError(f"{where}: format {m['format']!r} version {m['format_version']!r}; this version reads "
+                            f"{FORMAT!r} version {FORMAT_VERSION}")
+        self.manifest, self.where = m, where
+        self.policy = policy_of(m["policy"], str(where))
+        try:
+            self.cfg = LlamaConfig.from_dict(m["config"], source=f"{where} field 'config'")
+        except TypeError:
+            raise DumpError(f"{where}: field 'config' must be the checkpoint's config.json object") from None
+        self.inputs = self._read_inputs(m["inputs"])
+        impl = m["implementation"]
+        self.implementation = impl.get("name") if isinstance(impl, dict) else None
+        self.package = impl.get("package") if isinstance(impl, dict) else None
+        if not isinstance(self.implementation, str) or not self.implementation:
+            raise DumpError(f"{where}: field 'implementation' must be {{\"name\": ..., \"package\": ...}}, "
+                            f"got {impl!r}")
+        if self.package not in (None, *PACKAGES):
+            raise DumpError(f"{where}: field 'implementation.package' is {self.package!r}: one of "
+                            f"{', '.join(PACKAGES)} (a dump this tool can rebuild at float64), or null")
+        self.name = f"{self.implementation} (dump)"
+        self.taps = self._check_taps(m["taps"], m["files"])
+        self.checkpoint = None
+        if checkpoint is not None:
+            self.check_checkpoint(checkpoint)
+
+    def _read_inputs(self, inputs):
+        try:
+            ids = np.asarray(inputs["input_ids"])
+            mask = np.asarray(inputs["attention_mask"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise DumpError(f"{self.where}: field 'inputs' needs 'input_ids' and 'attention_mask' ([B, T] integer "
+                            f"lists) ({e})") from None
+        for what, a in (("input_ids", ids), ("attention_mask", mask)):
+            if a.ndim != 2 or 0 in a.shape or not np.issubdtype(a.dtype, np.integer):
+                raise DumpError(f"{self.where}: field 'inputs.{what}' must be a non-empty [B, T] integer array, "
+                                f"got {a.dtype} of shape {list(a.shape)}")
+        if ids.shape != mask.shape:
+            raise DumpError(f"{self.where}: inputs.attention_mask shape {list(mask.shape)} is not inputs.input_ids' "
+                            f"{list(ids.shape)}")
+        return ids.astype(np.int64), mask.astype(np.int64)
+
+    def _check_taps(self, taps, files) -> tuple[str, ...]:
+        """Every listed tap in its file, under its own name, with the config's shape and a
+        float dtype (the policy's dtype for a dump of ours)."""
+        where, n = self.where, self.cfg.num_hidden_layers
+        if not isinstance(taps, list) or not taps or not isinstance(files, dict):
+            raise DumpError(f"{where}: field 'taps' must be a non-empty list of tap names and 'files' an object "
+                            "{file name: [tap names]}")
+        try:
+            taps = tapnames.resolve([str(t) for t in taps], n)   # execution order; unknown names refused
+        except KeyError as e:
+            raise DumpError(f"{where}: field 'taps': {e.args[0]}") from None
+        file_of = {t: name for name, ts in files.items() for t in (ts if isinstance(ts, list) else [])}
+        unfiled = [t for t in taps if t not in file_of]
+        if unfiled:
+            raise DumpError(f"{where}: field 'files' names no file for tap(s) {', '.join(unfiled[:5])}")
+        self.file_of = {t: file_of[t] for t in taps}
+        from safetensors import safe_open
+        B, T = self.inputs[0].shape
+        ours = self.package is not None
+        for name in dict.fromkeys(self.file_of.values()):
+            path = self.path / name
+            if Path(name).name != name or not path.is_file():
+                raise DumpError(f"{path}: tap file not found (manifest.json lists it for "
+                                f"{', '.join(t for t in taps if self.file_of[t] == name)[:200]})")
+            try:
+                with safe_open(path, "np") as f:
+                    keys = set(f.keys())
+                    for t in (t for t in taps if self.file_of[t] == name):
+                        if t not in keys:
+                            raise DumpError(f"{path}: no tensor '{t}' (manifest.json lists it in this file)")
+                        sl = f.get_slice(t)
+                        shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+                        want = expected_shape(t, self.cfg, B, T)
+                        if shape != want:
+                            raise DumpError(f"{path}: tensor '{t}' has shape {list(shape)}, expected {list(want)} "
+                                            f"for this config and inputs ([B, T, ...], B={B}, T={T})")
+                        if dtype not in FLOAT_DTYPES or (ours and FLOAT_DTYPES[dtype] !=
+                                                         tapnames.dtype_of(t, self.policy)):
+                            rule = (f"{tapnames.dtype_of(t, self.policy)} ({self.package} at "
+                                    f"{self.policy.name})" if ours else "a float dtype (F64, F32, F16, BF16)")
+                            raise DumpError(f"{path}: tensor '{t}' has dtype {dtype}, expected {rule}")
+            except DumpError:
+                raise
+            except Exception as e:  # noqa: BLE001 (safetensors' own errors: name the file)
+                raise DumpError(f"{path}: cannot read as safetensors ({e})") from None
+        return taps
+
+    # -- the checks against what it is judged with
+
+    def check_checkpoint(self, checkpoint) -> None:
+        """Refuses a checkpoint whose fingerprint differs from the one recorded."""
+        recorded = (self.manifest["checkpoint"] or {}).get("fingerprint") \
+            if isinstance(self.manifest["checkpoint"], dict) else None
+        if not isinstance(recorded, dict):
+            raise DumpError(f"{self.where}: field 'checkpoint.fingerprint' is missing (compare.adapters.dump."
+                            "fingerprint of the checkpoint the taps were captured from)")
+        differ = fingerprint_differences(recorded, fingerprint(checkpoint))
+        if differ:
+            extra = ""
+            if any(d.startswith("config.json") for d in differ):
+                here = json.loads((Path(checkpoint) / "config.json").read_text())
+                extra = "; config fields (dump vs here): " + "; ".join(
+                    config_field_differences(self.manifest["config"], here)[:6])
+            raise DumpError(f"dump {self.path} was captured from another checkpoint than {checkpoint}: "
+                            + "; ".join(differ[:6]) + extra)
+        self.checkpoint = str(checkpoint)
+
+    def check_policy(self, policy) -> None:
+        """Refuses another policy: the ladder's floors and ULPs are the policy's, so a capture
+        at bf16 judged as fp32 would read as a precision finding on every tap."""
+        differ = policy_differences(self.policy, Policy.get(policy))
+        if differ:
+            raise DumpError(f"dump {self.path} was captured at policy {self.policy.name}, the comparison asks for "
+                            f"{Policy.get(policy).name} ({'; '.join(differ)}); compare at the dump's policy")
+
+    def recorded_checkpoint(self) -> str | None:
+        c = self.manifest["checkpoint"]
+        return c.get("path") if isinstance(c, dict) else None
+
+    # -- the Implementation protocol
+
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
+        if inject:
+            raise DumpError(f"dump {self.path}: a dump cannot be fed other layer inputs (no inject)")
+        differ = input_differences(*self.inputs, tokens, attention_mask)
+        if differ:
+            raise DumpError(f"dump {self.path} holds taps for other inputs than the ones asked for: {differ}; "
+                            "compare on the dump's inputs (Dump.inputs)")
+        names = tapnames.select(taps, self.cfg.num_hidden_layers, self.taps,
+                                lambda pattern, t: f"dump {self.path} holds no tap '{t}' (asked for as '{pattern}')")
+        from safetensors import safe_open
+        out = {}
+        for name in dict.fromkeys(self.file_of[t] for t in names):
+            with safe_open(self.path / name, "np") as f:
+                out.update({t: f.get_tensor(t) for t in names if self.file_of[t] == name})
+        return out.get("logits"), {t: out[t] for t in names}
+
+    @property
+    def float64(self):
+        """The dumped implementation built here at float64 from the checkpoint (torchref or
+        jaxmodel dumps only: no attribute otherwise, so the ladder judges structure only)."""
+        if self.package is None:
+            raise AttributeError(f"a dump of {self.implementation} has no float64 twin (only a dump of torchref "
+                                 "or jaxmodel loaded by name, implementation.package, is rebuilt here)")
+        return self._float64
+
+    def _float64(self) -> OurModel:
+        if self.checkpoint is None:
+            recorded = self.recorded_checkpoint()
+            if recorded is None or not Path(recorded).is_dir():
+                raise DumpError(f"dump {self.path}: its float64 twin needs the checkpoint; the recorded path "
+                                f"{recorded!r} is not a folder here, so give Dump(..., checkpoint=FOLDER)")
+            self.check_checkpoint(recorded)
+        return OurModel.load(self.package, self.checkpoint, "fp64")
+
+
+def bind_dumps(reference, candidate, checkpoint, inputs, policy):
+    """(checkpoint, inputs, policy) for a comparison where either side may be a Dump: the
+    dump fixes the inputs and the policy (None takes the dump's; others are refused, naming
+    what differs), and the checkpoint (None takes the dump's recorded one) must match the
+    dump's fingerprint. Sides that are not dumps pass through."""
+    dumps = [d for d in (reference, candidate) if isinstance(d, Dump)]
+    for d in dumps:
+        if checkpoint is None:
+            checkpoint = d.recorded_checkpoint()
+            if checkpoint is None or not Path(checkpoint).is_dir():
+                raise DumpError(f"dump {d.path}: give the checkpoint (the recorded path {checkpoint!r} is not a "
+                                "folder here)")
+        d.check_checkpoint(checkpoint)
+        if policy is None:
+            policy = d.policy
+        d.check_policy(policy)
+        if inputs is None:
+            inputs = d.inputs
+        else:
+            given = inputs if isinstance(inputs, tuple) and len(inputs) == 2 else (inputs, None)
+            if isinstance(given[0], str) or (isinstance(given[0], list) and given[0] and isinstance(given[0][0], str)):
+                raise DumpError(f"dump {d.path} fixes the inputs (token ids); pass inputs=None, not prompts")
+            differ = input_differences(*d.inputs, *given)
+            if differ:
+                raise DumpError(f"dump {d.path} was captured on other inputs: {differ}")
+    return checkpoint, inputs, policy

@@ -1,0 +1,143 @@
+"""compare.capture: run one implementation and write its taps as a dump (docs/dumps.md), to be
+judged later, elsewhere, against a live or dumped other side (compare.adapters.dump.Dump)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+
+from llamaspec import LlamaConfig, Policy
+from llamaspec import taps as tapnames
+
+from .adapters import PACKAGES, OurModel, as_implementation
+from .adapters.dump import (
+    FLOAT_DTYPES,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    DumpError,
+    expected_shape,
+    file_for,
+    fingerprint,
+    policy_differences,
+)
+from .environment import environment
+from .ladder.engine import parse_inputs
+
+
+def _tool_version() -> str:
+    try:
+        return version("llama-parity")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _prepare_folder(out: Path, force: bool) -> None:
+    """An empty (or new) folder; a folder holding an earlier dump only with force (its files
+    are removed first); anything else is refused, so a capture never mixes with other files."""
+    if out.exists() and not out.is_dir():
+        raise DumpError(f"--out {out}: is a file, not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    present = sorted(p.name for p in out.iterdir())
+    if not present:
+        return
+    manifest = out / MANIFEST
+    ours = manifest.is_file() and FORMAT in manifest.read_text(errors="replace")[:200]
+    if not ours:
+        raise DumpError(f"--out {out}: the folder is not empty and holds no dump ({', '.join(present[:5])}); "
+                        "choose an empty or new folder")
+    if not force:
+        raise DumpError(f"--out {out}: holds a dump already; pass force=True (--force) to replace it")
+    old = json.loads(manifest.read_text()).get("files", {})
+    manifest.unlink()
+    for name in old:
+        if Path(name).name == name and (out / name).is_file():
+            (out / name).unlink()
+
+
+def _resolve(impl, checkpoint, policy, batch_invariant):
+    """(Implementation, Policy) for a name (loaded here at the policy, bf16 by default) or an
+    object (its own policy when it states one; a different one given is refused)."""
+    if isinstance(impl, str):
+        if impl not in PACKAGES:
+            raise ValueError(f"unknown implementation '{impl}' (torchref, jaxmodel, or an object following the "
+                             "Implementation protocol)")
+        policy = Policy.get(policy or "bf16")
+        return OurModel.load(impl, checkpoint, policy, batch_invariant), policy
+    side = as_implementation(impl, checkpoint)
+    own = getattr(side, "policy", None)
+    if isinstance(own, Policy):
+        if policy is not None and policy_differences(own, Policy.get(policy)):
+            raise ValueError(f"{side.name} runs at {own.name}, not {Policy.get(policy).name}: "
+                             f"{'; '.join(policy_differences(own, Policy.get(policy)))}")
+        return side, own
+    if policy is None:
+        raise ValueError(f"{side.name} states no policy: say which one it ran at (policy=...), the comparison "
+                         "judges it at that one")
+    return side, Policy.get(policy)
+
+
+def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, taps="*", batch_invariant=False,
+            force=False, progress=lambda msg: None) -> Path:
+    """Captures `impl` ("torchref", "jaxmodel" or an Implementation object) on `inputs` (as
+    compare_models takes them) at `policy` (default bf16; an object's own when it states one)
+    and writes the taps (names or globs, default all it has) to the folder `out`. Returns
+    the folder."""
+    if out is None:
+        raise ValueError("out: give the folder the dump goes to")
+    out, folder = Path(out), Path(checkpoint)
+    t0 = time.perf_counter()
+    print_fp = fingerprint(folder)     # first: a bad checkpoint folder is named before any model loads
+    cfg_dict = json.loads((folder / "config.json").read_text())
+    cfg = LlamaConfig.from_dict(cfg_dict, source=str(folder / "config.json"))
+    ids, mask = parse_inputs(inputs, str(folder))
+    ids, mask = np.asarray(ids, np.int64), np.asarray(mask, np.int64)
+    _prepare_folder(out, force)
+    progress(f"loading {impl if isinstance(impl, str) else type(impl).__name__}")
+    side, policy = _resolve(impl, str(folder), policy, batch_invariant)
+    names = tapnames.select(taps, cfg.num_hidden_layers, side.taps,
+                            lambda pattern, t: f"{side.name} cannot capture '{t}' (asked for as '{pattern}')")
+    progress(f"capturing {len(names)} taps of {side.name} at {policy.name} on {ids.shape[0]} x {ids.shape[1]} tokens")
+    t1 = time.perf_counter()
+    _, acts = side.capture(ids, mask, names)
+    seconds = time.perf_counter() - t1
+    files: dict[str, list[str]] = {}
+    for t in names:
+        if t not in acts:
+            raise DumpError(f"{side.name}: capture returned no '{t}'")
+        a = np.asarray(acts[t])
+        if a.shape != expected_shape(t, cfg, *ids.shape) or str(a.dtype) not in FLOAT_DTYPES.values():
+            raise DumpError(f"{side.name}: tap '{t}' came back as {a.dtype} {list(a.shape)}, expected a float array "
+                            f"of shape {list(expected_shape(t, cfg, *ids.shape))}")
+        files.setdefault(file_for(t), []).append(t)
+    from safetensors.numpy import save_file
+    for i, (name, ts) in enumerate(files.items()):
+        save_file({t: np.ascontiguousarray(acts[t]) for t in ts}, str(out / name), metadata={"format": FORMAT})
+        progress(f"wrote {name} ({i + 1}/{len(files)})")
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        # "package" only when loaded here by name: then the judging side may rebuild it (its float64 twin);
+        # an object given may be patched, so its stock package would be the wrong twin
+        "implementation": {"name": side.name, "package": impl if isinstance(impl, str) else None,
+                           "batch_invariant": bool(getattr(side, "batch_invariant", False))},
+        "policy": policy.to_dict(),
+        "config": cfg_dict,
+        "inputs": {"input_ids": ids.tolist(), "attention_mask": mask.tolist()},
+        "taps": list(names),
+        "files": files,
+        "checkpoint": {"path": str(folder.resolve()), "fingerprint": print_fp},
+        "tool": {"name": "llama-parity", "version": _tool_version()},
+        "environment": environment(policy, uses_jax=getattr(side, "package", None) == "jaxmodel"),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "capture_seconds": round(seconds, 3),
+    }
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, out / MANIFEST)   # last: a capture cut short leaves no manifest, so no dump to misread
+    progress(f"dump written in {time.perf_counter() - t0:.1f} s: {out}")
+    return out
