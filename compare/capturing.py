@@ -82,6 +82,17 @@ def _resolve(impl, checkpoint, policy, batch_invariant):
     return side, Policy.get(policy)
 
 
+def _manifest_text(manifest: dict) -> str:
+    """Indented JSON with each row of token ids and mask on one line."""
+    rows = {f"@row{k}{i}@": json.dumps(r) for k, v in manifest["inputs"].items() for i, r in enumerate(v)}
+    marked = {**manifest, "inputs": {k: [f"@row{k}{i}@" for i in range(len(v))]
+                                     for k, v in manifest["inputs"].items()}}
+    text = json.dumps(marked, indent=1)
+    for mark, row in rows.items():
+        text = text.replace(f'"{mark}"', row)
+    return text
+
+
 def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, taps="*", batch_invariant=False,
             force=False, progress=lambda msg: None) -> Path:
     """Captures `impl` ("torchref", "jaxmodel" or an Implementation object) on `inputs` (as
@@ -137,7 +148,7 @@ def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, tap
         "capture_seconds": round(seconds, 3),
     }
     tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.write_text(_manifest_text(manifest))
     os.replace(tmp, out / MANIFEST)   # last: a capture cut short leaves no manifest, so no dump to misread
     progress(f"dump written in {time.perf_counter() - t0:.1f} s: {out}")
     return out

@@ -332,11 +332,12 @@ class Dump:
         names = tapnames.select(taps, self.cfg.num_hidden_layers, self.taps,
                                 lambda pattern, t: f"dump {self.path} holds no tap '{t}' (asked for as '{pattern}')")
         from safetensors import safe_open
+        read = names + (("logits",) if "logits" in self.taps and "logits" not in names else ())
         out = {}
-        for name in dict.fromkeys(self.file_of[t] for t in names):
+        for name in dict.fromkeys(self.file_of[t] for t in read):
             with safe_open(self.path / name, "np") as f:
-                out.update({t: f.get_tensor(t) for t in names if self.file_of[t] == name})
-        return out.get("logits"), {t: out[t] for t in names}
+                out.update({t: f.get_tensor(t) for t in read if self.file_of[t] == name})
+        return out.get("logits"), {t: out[t] for t in names}   # logits whenever stored, as live models do
 
     @property
     def float64(self):
