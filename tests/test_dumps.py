@@ -175,7 +175,7 @@ def test_tampered_tap_layout_is_refused_by_file_and_tensor(dumped, tmp_path):
 
 
 def test_malformed_manifest_is_refused_by_field(dumped, tmp_path):
-    _, out = dumped
+    ck, out = dumped
     d = copy_of(out, tmp_path)
     m = json.loads((out / "manifest.json").read_text())
     for change, message in (
@@ -184,10 +184,16 @@ def test_malformed_manifest_is_refused_by_field(dumped, tmp_path):
             (lambda m: m.update(taps=m["taps"] + ["layers.1.qq"]), "field 'taps': unknown tap 'layers.1.qq'"),
             (lambda m: m["files"].pop("head.safetensors"), "'files' names no file for tap"),
             (lambda m: m.update(policy="bf17"), "field 'policy': unknown precision policy 'bf17'"),
-            (lambda m: m["inputs"].update(attention_mask=[[1]]), "attention_mask shape")):
+            (lambda m: m["inputs"].update(attention_mask=[[1]]), "attention_mask shape"),
+            (lambda m: m["config"].update(rms_norm_eps=1e-6), None)):
         changed = json.loads(json.dumps(m))
         change(changed)
         (d / "manifest.json").write_text(json.dumps(changed))
+        if message is None:     # opens (shapes agree), but not against the checkpoint
+            with pytest.raises(DumpError, match=r"field 'config' is not the checkpoint's config.json; config fields "
+                                                r"\(dump vs here\): rms_norm_eps: 1e-06 vs 1e-05"):
+                Dump(d, checkpoint=ck)
+            continue
         with pytest.raises(DumpError, match=message):
             Dump(d)
     shutil.rmtree(d)

@@ -298,10 +298,12 @@ class Dump:
             raise DumpError(f"{self.where}: field 'checkpoint.fingerprint' is missing (compare.adapters.dump."
                             "fingerprint of the checkpoint the taps were captured from)")
         differ = fingerprint_differences(recorded, fingerprint(checkpoint))
+        here = json.loads((Path(checkpoint) / "config.json").read_text())
+        if not differ and self.manifest["config"] != here:    # the shapes were checked against the manifest's
+            differ = ["the manifest's field 'config' is not the checkpoint's config.json"]
         if differ:
             extra = ""
-            if any(d.startswith("config.json") for d in differ):
-                here = json.loads((Path(checkpoint) / "config.json").read_text())
+            if self.manifest["config"] != here:
                 extra = "; config fields (dump vs here): " + "; ".join(
                     config_field_differences(self.manifest["config"], here)[:6])
             raise DumpError(f"dump {self.path} was captured from another checkpoint than {checkpoint}: "
