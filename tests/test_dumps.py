@@ -309,6 +309,30 @@ def test_cli_capture_then_compare_candidate_dump(tiny_dir, tmp_path, capsys):
         [(v["tap"], v["kind"], v["err_cand"]) for v in json.loads(live.read_text())["taps"]]
 
 
+def test_cli_compare_two_dumps(dumped, tmp_path, capsys):
+    """Both sides dumped (the oracle and both fp64 twins rebuilt here): the live numbers."""
+    ck, out = dumped
+    ref = tmp_path / "torch"
+    assert main(["capture", str(ck), "--impl", "torchref", "--policy", "bf16", "--random-tokens", "2x12",
+                 "--out", str(ref)]) == 0
+    # the torchref dump was captured on --random-tokens 2x12; the jaxmodel dump on other inputs
+    rc = main(["compare", str(ck), "--reference-dump", str(ref), "--candidate-dump", str(out), "--no-files"])
+    assert rc == 2 and "captured on other inputs: token ids: first difference at row 0" in capsys.readouterr().err
+    jax = tmp_path / "jax"
+    assert main(["capture", str(ck), "--impl", "jaxmodel", "--policy", "bf16", "--random-tokens", "2x12",
+                 "--out", str(jax)]) == 0
+    report = tmp_path / "r.json"
+    rc = main(["compare", "--reference-dump", str(ref), "--candidate-dump", str(jax), "--json", str(report),
+               "--no-files"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    r = json.loads(report.read_text())
+    assert (r["reference"], r["candidate"]) == ("torchref (dump)", "jaxmodel (dump)")
+    live = compare_models("torchref", "jaxmodel", ck, inputs=Dump(jax).inputs, policy="bf16", teacher_forcing=False)
+    assert [(v["tap"], v["kind"], v["err_ref"], v["err_cand"]) for v in r["taps"]] == \
+        [(v.tap, v.kind, v.err_ref, v.err_cand) for v in live.taps]
+
+
 def test_cli_compare_dump_refusals(dumped, tmp_path, capsys):
     ck, out = dumped
     other = make_checkpoint(tmp_path / "seed1", seed=1)
