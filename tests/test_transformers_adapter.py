@@ -199,21 +199,42 @@ def test_bf16_taps_stay_bf16(tiny_dir):
     assert {a.dtype for a in acts.values()} == {np.dtype(ml_dtypes.bfloat16)}
 
 
-def test_tap_names_and_unavailable_taps(tiny_dir):
+def test_tap_names_every_tap_available(tiny_dir):
     adapter = TransformersModel(hf_model(tiny_dir("gqa")))
     assert adapter.num_layers == 2 and adapter.name == "transformers[eager, float64]"
-    assert set(adapter.unavailable_taps) == {"q_rope", "k_rope"}
-    assert set(tapnames.all_taps(2)) - set(adapter.taps) == {
-        "layers.0.q_rope", "layers.0.k_rope", "layers.1.q_rope", "layers.1.k_rope"}
+    assert adapter.unavailable_taps == {} and adapter.taps == tuple(tapnames.all_taps(2))
     ids, mask = batch("right")
-    for name in ("layers.0.q_rope", "layers.*.k_rope", ["layers.0.q", "layers.1.q_rope"]):
-        with pytest.raises(KeyError, match="no module boundary"):
-            adapter.capture(ids, mask, taps=name)
     with pytest.raises(KeyError, match="unknown tap"):
         adapter.capture(ids, mask, taps="layers.0.qq")
     # Globs expand over what is available, in execution order.
-    assert adapter.resolve("layers.1.*") == tuple(
-        f"layers.1.{t}" for t in tapnames.LAYER_TAPS if t not in ("q_rope", "k_rope"))
+    assert adapter.resolve("layers.1.*") == tuple(f"layers.1.{t}" for t in tapnames.LAYER_TAPS)
     assert adapter.resolve(["logits", "embed", "layers.0.q"]) == ("embed", "layers.0.q", "logits")
     with pytest.raises(TypeError, match="LlamaForCausalLM"):
         TransformersModel(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_rope_taps_are_the_models_own_rotation(tiny_dir, side):
+    """q_rope/k_rope are recomputed from q_proj/k_proj's output and rotary_emb's cos/sin
+    with the model's apply_rotary_pos_emb: equal to torchref's at fp32 (the same
+    elementwise arithmetic), and a RoPE table changed inside the model (rotary_emb
+    patched: angles in bf16) shows in them while q and k stay bitwise the same."""
+    folder = tiny_dir("gqa")
+    model = hf_model(folder, dtype=torch.float32)
+    ids, mask = batch(side)
+    taps = ["layers.0.q", "layers.0.q_rope", "layers.1.k_rope"]
+    _, acts = TransformersModel(model).capture(ids, mask, taps=taps)
+    _, ours = torchref.from_pretrained(folder, policy="fp32").capture(ids, mask, taps)
+    real = mask.astype(bool)
+    for t in taps:
+        assert acts[t].shape == ours[t].shape and np.array_equal(acts[t][real], ours[t][real]), t
+    rotary = model.model.rotary_emb
+
+    def bf16_angles(x, position_ids):
+        freqs = position_ids[..., None].to(torch.bfloat16) * rotary.inv_freq.to(torch.bfloat16)
+        emb = torch.cat((freqs, freqs), dim=-1).float()
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    rotary.forward = bf16_angles
+    _, bad = TransformersModel(model).capture(ids, mask, taps=taps)
+    assert np.array_equal(bad["layers.0.q"], acts["layers.0.q"])
+    assert not np.array_equal(bad["layers.0.q_rope"][real], acts["layers.0.q_rope"][real])

@@ -21,7 +21,17 @@ touched):
     resid_mid   post_attention_layernorm input                 final_norm model.norm output
                                                                logits     lm_head output
 
-q_rope / k_rope are not available: see UNAVAILABLE.
+    q_rope, k_rope   q_proj / k_proj output with RoPE applied by the model's own
+                     apply_rotary_pos_emb, with the cos/sin its rotary_emb returned in
+                     this call (model.model.rotary_emb output)
+
+transformers applies RoPE inside LlamaAttention.forward, a plain function call with no
+module boundary, so q_rope and k_rope are not hooked but recomputed from what is: the
+same function on the same tensors in the same dtypes, elementwise, so bitwise what the
+attention computes when its forward is the standard one (a patched attention forward
+that rotates otherwise is seen from attn_ctx on, not here). Recorded this way, a RoPE
+table computed in lower precision (angles in bf16) shows at layer 0's q_rope, where the
+error is largest relative to the values, rather than diluted in attention's output.
 
 Positions. Every call passes position_ids = cumsum(mask) - 1, as torchref and jaxmodel
 compute them. Called without them, transformers' LlamaModel.forward gives every row
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 import types
 import warnings
 
@@ -55,15 +66,15 @@ from torchref.dtypes import TORCH, from_numpy, to_numpy
 
 from .generic import first_input, first_tensor, forcing_hook
 
-
-def _rope_reason(what: str) -> str:
-    return (f"transformers applies RoPE inside LlamaAttention.forward (apply_rotary_pos_emb, a plain "
-            f"function, not a module): there is no module boundary to hook, and the rotated {what} are "
-            "observable only by monkeypatching transformers or switching the model's attention "
-            "implementation, which this adapter does not do")
+# Tap kinds a transformers Llama cannot give, with the reason (none today: q_rope/k_rope
+# are recomputed, see the module docstring). Subclasses for other architectures add theirs.
+UNAVAILABLE: dict[str, str] = {}
 
 
-UNAVAILABLE = {"q_rope": _rope_reason("queries"), "k_rope": _rope_reason("keys")}
+def _apply_rope(attention):
+    """The apply_rotary_pos_emb that `attention`'s own module calls (looked up at call time,
+    so a patched one is the one used)."""
+    return sys.modules[type(attention).__module__].apply_rotary_pos_emb
 
 # transformers 5.24, eager attention, float64 model: the additive mask holds float64's
 # minimum, which becomes -inf when the scores are cast to float32 for the softmax. A
@@ -246,10 +257,15 @@ class TransformersModel:
 
     # ----- capture ---------------------------------------------------------------------
 
-    def _hook_plan(self, wanted):
-        """[(module, 'pre' | 'post', tap, transform)] for the requested taps only."""
+    def _hook_plan(self, wanted, tables: dict):
+        """[(module, 'pre' | 'post', tap, transform)] for the requested taps only; the
+        q_rope/k_rope transforms read the call's RoPE tables from `tables["cos_sin"]`."""
         m = self.model
         plan = []
+        if any(tapnames.parse(t)[1] in ("q_rope", "k_rope") for t in wanted):
+            def keep(x):
+                tables["cos_sin"] = x
+            plan.append((m.model.rotary_emb, "tables", None, keep))
         top = {"embed": (m.model.embed_tokens, "post"), "final_norm": (m.model.norm, "post"),
                "logits": (m.lm_head, "post")}
         for tap in wanted:
@@ -262,10 +278,17 @@ class TransformersModel:
             head_dim = att.head_dim
             def per_head(x, d=head_dim):
                 return (x.view(*x.shape[:-1], -1, d))
+
+            def rotated(x, d=head_dim, att=att):
+                """[B, T, H*D] projection -> [B, T, H, D] after the model's RoPE."""
+                cos, sin = tables["cos_sin"]
+                q = x.view(*x.shape[:-1], -1, d).transpose(1, 2)
+                return _apply_rope(att)(q, q, cos, sin)[0].transpose(1, 2)
             where = {
                 "attn_norm": (blk.input_layernorm, "post", None),
                 "q": (att.q_proj, "post", per_head), "k": (att.k_proj, "post", per_head),
                 "v": (att.v_proj, "post", per_head),
+                "q_rope": (att.q_proj, "post", rotated), "k_rope": (att.k_proj, "post", rotated),
                 "attn_ctx": (att.o_proj, "pre", None), "attn_out": (att.o_proj, "post", None),
                 "resid_mid": (blk.post_attention_layernorm, "pre", None),
                 "mlp_norm": (blk.post_attention_layernorm, "post", None),
@@ -306,6 +329,7 @@ class TransformersModel:
         """call() with the capture hooks of `wanted` (and the forcing pre-hooks of `forced`)
         registered, removed in a finally: (its result, {tap: numpy activation})."""
         acts: dict[str, np.ndarray] = {}
+        tables: dict = {}
         handles = []
 
         def record(tap, transform):
@@ -323,7 +347,10 @@ class TransformersModel:
                 # Registered first, so the layer's own taps see the forced input.
                 handles.append(self.model.model.layers[i].register_forward_pre_hook(
                     forcing_hook(h), with_kwargs=True))
-            for module, when, tap, transform in self._hook_plan(wanted):
+            for module, when, tap, transform in self._hook_plan(wanted, tables):
+                if when == "tables":   # registered first: the RoPE tables precede every layer
+                    handles.append(module.register_forward_hook(lambda mod, args, out, keep=transform: keep(out)))
+                    continue
                 pre, post = record(tap, transform)
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True) if when == "pre"
                                else module.register_forward_hook(post, with_kwargs=True))
