@@ -69,6 +69,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2, help="rows (tiny only)")
     ap.add_argument("--only", nargs="*", help="control names; 'clean' for the clean runs")
     ap.add_argument("--no-jax-bugs", action="store_true", help="skip jaxmodel doctored checkpoints")
+    ap.add_argument("--no-twin", action="store_true",
+                    help="drop each candidate's float64 twin: judged by structure alone")
     args = ap.parse_args(argv)
 
     if args.smollm2:
@@ -99,7 +101,7 @@ def main(argv=None):
     for c in controls:
         t0 = time.perf_counter()
         try:
-            report = run_control(c, folder, ids, mask)
+            report = run_control(c, folder, ids, mask, twin=not args.no_twin)
         except Exception as e:  # a control that cannot run is a row, not a crash
             rows.append(dict(control=c.name, where=c.where, policy=c.policy, error=repr(e)))
             print(f"{c.name:24s} {c.where:12s} {c.policy:6s} ERROR {e!r}")
@@ -126,6 +128,7 @@ def main(argv=None):
     bad = [r["control"] for r in rows if r.get("ok") == "NO" or "error" in r]
     print(f"\n{len(rows) - len(bad)} of {len(rows)} controls as expected"
           + (f"; failing: {', '.join(bad)}" if bad else ""))
+    label += "-no-twin" if args.no_twin else ""
     out = Path(__file__).parent / "results" / f"controls-{label}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(dict(checkpoint=str(folder), label=label, inputs=list(ids.shape),

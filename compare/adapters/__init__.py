@@ -107,19 +107,27 @@ def config_differences(ref, cand) -> list[str]:
 
 @dataclasses.dataclass
 class Side:
-    """One side of the ladder: an implementation at the working policy and at float64."""
+    """One side of the ladder: an implementation at the working policy and at float64.
+    at_fp64 is None for an implementation without float64(): as the candidate it is judged
+    by structure alone (verdicts.classify_without_twin); the reference needs it (its
+    float64 run is the oracle)."""
     name: str
     at_policy: Implementation
-    at_fp64: Implementation
+    at_fp64: Implementation | None
     keeps_f32: bool     # its float64 run keeps f32 steps (transformers does)
     taps: tuple[str, ...]
 
     @classmethod
     def of(cls, impl: Implementation) -> "Side":
-        if not callable(getattr(impl, "float64", None)):
-            raise TypeError(f"{impl.name}: the ladder's semantic rung needs float64() (the same "
-                            "implementation computing in float64)")
-        return cls(impl.name, impl, impl.float64(), bool(getattr(impl, "keeps_f32", False)), tuple(impl.taps))
+        twin = impl.float64() if callable(getattr(impl, "float64", None)) else None
+        return cls(impl.name, impl, twin, bool(getattr(impl, "keeps_f32", False)), tuple(impl.taps))
+
+    def needs_twin(self, role: str, what: str) -> None:
+        """A clear error when this side has no float64 twin but `what` needs one."""
+        if self.at_fp64 is None:
+            raise TypeError(f"{self.name} has no float64() (the same implementation computing in float64), "
+                            f"which {what} needs as the {role}; put it on the candidate side, where it is "
+                            "judged by structure alone, or give it float64()")
 
 
 def resolve_side(spec, checkpoint, policy) -> Side:

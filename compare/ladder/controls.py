@@ -268,6 +268,20 @@ def _hf_output_in(module: str, dtype: str):
     return patch
 
 
+def _hf_rope_angles_in_model_dtype(hf):
+    """transformers' rotary_emb computing the angles position x inv_freq in the model's
+    dtype (x.dtype) rather than float32: the 2024 bug of RoPE under bf16/autocast. In the
+    float64 copy that dtype is float64, so only the policy's run loses precision."""
+    import torch
+    rotary = hf.model.rotary_emb
+
+    def forward(x, position_ids):
+        freqs = position_ids[..., None].to(x.dtype) * rotary.inv_freq.to(device=x.device, dtype=x.dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * rotary.attention_scaling).to(x.dtype), (emb.sin() * rotary.attention_scaling).to(x.dtype)
+    rotary.forward = forward
+
+
 def _hf_weights(fn):
     def patch(hf):
         import torch
@@ -394,6 +408,9 @@ CONTROLS: dict[str, Control] = {c.name: c for c in [
     _c("hf_mlp_out_fp16", "transformers", "fp32", "precision", A + "mlp_out", "mlp",
        ["MLP computes at about float16 precision"],
        _hf_side(_hf_output_in("mlp", "float16")), "MLP output rounded to float16"),
+    _c("hf_rope_angles_bf16", "transformers", "bf16", "precision", "layers.0.q_rope", "attn",
+       ["RoPE tables", "highest-frequency"], _hf_side(_hf_rope_angles_in_model_dtype, "bfloat16"),
+       "rotary_emb computes position x inv_freq in the model's dtype (bf16), every layer"),
     # Reported, not asserted: under bf16 the policy itself rounds scores and probabilities
     # to bf16, so a bf16 softmax adds about one more rounding (measured 1.0-1.4x the
     # reference's error at attn_ctx, teacher-forced or not): drift by the ladder's rule.
@@ -431,11 +448,15 @@ def clean(where: str, policy: str) -> Control:
                    f"clean {where} vs torchref at {policy}")
 
 
-def run_control(control: Control, folder, ids, mask=None, teacher_forcing=True) -> Report:
+def run_control(control: Control, folder, ids, mask=None, teacher_forcing=True, twin=True) -> Report:
+    """twin=False drops the candidate's float64 twin: the control judged by structure alone."""
     mask = np.ones(np.shape(ids), np.int64) if mask is None else mask
     policy = Policy.get(control.policy)
     ref = resolve_side("torchref", folder, policy)
-    return run_ladder(ref, control.side(folder), ids, mask, policy, teacher_forcing)
+    cand = control.side(folder)
+    if not twin:
+        cand = dataclasses.replace(cand, at_fp64=None)
+    return run_ladder(ref, cand, ids, mask, policy, teacher_forcing)
 
 
 def check(control: Control, report: Report) -> list[str]:

@@ -188,6 +188,8 @@ def _prefill_ahead(pool, impl, ids, mask, taps, total_len):
 def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32, tokens=None,
                progress=lambda msg: None, slack: int = 0) -> DecodeReport:
     """compare_decode on two prepared Sides and a left-aligned prompt (ids, mask) [B, T]."""
+    ref.needs_twin("reference", "the decode comparison (its float64 recompute is the oracle)")
+    cand.needs_twin("candidate", "the decode comparison (its float64 decode is the semantic rung)")
     ids, mask = left_align(np.asarray(ids, np.int64), np.asarray(mask, np.int64))
     if tokens is not None:
         tokens = np.asarray(tokens, np.int64).reshape(len(ids), -1)

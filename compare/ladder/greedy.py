@@ -247,6 +247,7 @@ def _oracle_ratios(row: GreedyRow, ref: Side, prefix, r_cap, gen_r, gen_c, polic
 def run_greedy(ref: Side, cand: Side, ids, mask, policy: Policy, new_tokens: int = 32,
                progress=lambda msg: None) -> GreedyReport:
     """compare_greedy on two prepared Sides and a prompt batch (ids, mask) [B, T]."""
+    ref.needs_twin("reference", "greedy divergence (the oracle's margin at the parting step)")
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, (int, np.integer)) or new_tokens < 1:
         raise InputError(f"new_tokens={new_tokens!r} must be an integer >= 1")
     for side in (ref, cand):

@@ -10,8 +10,9 @@ Per tap, in this order:
                structured (structure.analyse, RoPE pairs, attention conventions): a
                difference in the math, with a hint that names the structure;
     precision  err(cand) > M * err(ref) + floor at P, errors measured against the
-               oracle, over the whole tap or any quarter of its positions: the
-               candidate loses more precision than the reference;
+               oracle, over the whole tap, any quarter of its positions, or (at
+               q_rope/k_rope) any quarter of the RoPE frequencies: the candidate
+               loses more precision than the reference;
     drift      anything else: rounding, as much as the reference's own.
 """
 
@@ -171,6 +172,37 @@ def precision_ratio(r, c, o, pos, floor, m=M, rows: _RowErrors | None = None
     return best, where
 
 
+def rope_band_ratio(r, c, o, floor, m=M) -> tuple[float, str]:
+    """At a q_rope / k_rope tap ([N, heads, head_dim], real positions only, Hugging Face
+    half-split layout: pair i is dims i and i + D/2, its frequency theta^(-2i/D) falling
+    with i): the precision ratio err(c) / (M err(r) + floor) over each quarter of the
+    pairs, from the highest frequencies down; the worst, and where. A RoPE angle rounded
+    to a narrower dtype has an error proportional to the angle (position x frequency), so
+    it sits in the high-frequency pairs, where a whole-tap average dilutes it: on SmolLM2
+    at bf16, angles in bf16, 128 tokens: 3.6x the bound in the top quarter, 2.4x over the
+    tap (docs/method.md, "Position and frequency structure")."""
+    r, c, o = (np.asarray(a, np.float64) for a in (r, c, o))
+    D = o.shape[-1]
+    if o.ndim != 3 or D % 8:
+        return float("nan"), ""
+    half = D // 2
+
+    def band(x, q):
+        lo, hi = q * half // 4, (q + 1) * half // 4
+        return np.concatenate([x[..., lo:hi], x[..., half + lo:half + hi]], -1)
+    best, where = float("nan"), ""
+    for q in range(4):
+        ob = band(o, q)
+        n = float(np.sum(ob * ob))
+        er, ec = (math.sqrt(float(np.sum((band(x, q) - ob) ** 2)) / n) if n else 0.0 for x in (r, c))
+        x = ec / (m * er + floor)
+        if not x <= best:
+            lo, hi = q * half // 4, (q + 1) * half // 4 - 1
+            best, where = x, (f"RoPE pairs {lo}-{hi} of {half} (the {('highest', 'second', 'third', 'lowest')[q]} "
+                              "quarter of frequencies)")
+    return best, where
+
+
 def dtype_noise(c64, o, err64: float, keeps_f32: bool) -> tuple[str, float] | None:
     """(dtype, err64 in its unit roundoffs) when the fp64-rung difference c64 - o looks like
     one dtype's rounding noise: unbiased, uncorrelated with the values, and sized like
@@ -218,15 +250,88 @@ def position_trend(sq_r, sq_c, pos) -> tuple[float, float, float, str] | None:
         f"positions {last.min()}-{last.max()}"
 
 
+# Structure that rounding itself can have (a step in a narrower dtype concentrates its
+# error in some positions, heads or one sign): not evidence of different math at P.
+_ROUNDING_PATTERNS = _F32_STEP_KINDS + ("per_row_scale",)
+
+
+def classify_without_twin(tap, ref, cand, oracle, mask, policy: Policy, context=None,
+                          hidden: int | None = None) -> TapVerdict:
+    """The ladder for one tap when the candidate has no float64 twin (a port without
+    float64(), a dump from another engine): judged at the policy alone, by size and
+    structure (docs/method.md, "Without a float64 twin"). context: context_for(tap,
+    cand at P, oracle), the candidate's own pre-RoPE q/k standing in for its twin's.
+
+    exact / drift as usual (cand against the oracle, bounded by the reference's own
+    error). Beyond the bound: semantic when the candidate's difference from the oracle has
+    a structure rounding does not make (a RoPE layout or frequency, a causal edge, an
+    epsilon, a permutation, a scale...), or when it is larger than a bf16 step could make
+    (NOISE_BAND[1] bf16 roundings, relative); precision otherwise. Both say that the fp64
+    rung was not run: a small change in the math and a lower-precision step can look
+    alike at P, which only the twin tells apart."""
+    t = tapnames.tap(tap)
+    r, c, o = (np.asarray(a)[mask] for a in (ref, cand, oracle))
+    bad = nonfinite(r) + nonfinite(c)
+    rows = _RowErrors(o)
+    sq_r, sq_c = rows.sq(r), rows.sq(c)
+    err_ref, err_cand = rows.rel(sq_r), rows.rel(sq_c)
+    nan = float("nan")
+    if bad or not math.isfinite(err_ref) or not math.isfinite(err_cand):
+        return TapVerdict(tap, t.layer, t.component, "semantic" if nonfinite(c) and not nonfinite(r) else "precision",
+                          err_ref, err_cand, nan, bad, f"NaN/Inf: {nonfinite(r)} in the reference, {nonfinite(c)} "
+                          "in the candidate (no float64 twin to tell math from overflow)")
+    if np.array_equal(r, c):
+        return TapVerdict(tap, t.layer, t.component, "exact", err_ref, err_cand, nan, 0, "bitwise equal")
+    pos = positions_from_mask(np.asarray(mask))[np.asarray(mask, bool)]
+    m, floor = drift_factor(policy), precision_floor(policy, hidden)
+    ratio, where = precision_ratio(sq_r, sq_c, None, pos, floor, m, rows)
+    if t.kind in ("q_rope", "k_rope"):
+        band, in_band = rope_band_ratio(r, c, o, floor, m)
+        if band > ratio:
+            ratio, where = band, in_band
+    if ratio <= 1:
+        return TapVerdict(tap, t.layer, t.component, "drift", err_ref, err_cand, nan, 0,
+                          f"rounding: {err_cand:.1e} vs the reference's own {err_ref:.1e} (within {m:g}x + "
+                          f"{FLOOR_ULPS} ulp; no float64 twin: judged at {policy.name} only)", ratio)
+    # RoPE pair analysis needs rotations exact to ~1e-4 (structure.ROPE_NORM_TOL): the
+    # twin's, not the policy's (at fp32 it reads frequency noise as a scaling).
+    found = [f for f in _findings(tap, cand, oracle, mask, False,
+                                  {k: v for k, v in (context or {}).items() if k != "pre"})
+             if f.kind not in _ROUNDING_PATTERNS]
+    # A rounded RoPE angle is the one step whose rounding is not bounded by a few roundings
+    # of the values: its error is position x frequency x u, largest in the top pairs.
+    angle = "highest quarter of frequencies" in where
+    big = err_cand > NOISE_BAND[1] * unit_roundoff("bfloat16") and not angle
+    base = (f"the candidate's error is {err_cand:.1e} against the reference's {err_ref:.1e} ({ratio:.1f}x the drift "
+            f"bound over the {where}); no float64 twin, so judged at {policy.name} by structure alone")
+    if found or big:
+        why = (structure_hint(found) if found else
+               f"larger than rounding in bf16 or any wider dtype makes ({err_cand:.1e} > {NOISE_BAND[1]:g} bf16 "
+               "unit roundoffs)")
+        return TapVerdict(tap, t.layer, t.component, "semantic", err_ref, err_cand, nan, 0,
+                          f"{base}: most likely a difference in the math: {why}", ratio)
+    step = _PRECISION_STEP.get(t.kind, "a step computed in lower precision")
+    if angle:
+        step += ("; the excess sits in the highest-frequency pairs, where the angle (position x frequency) is "
+                 "largest")
+    return TapVerdict(tap, t.layer, t.component, "precision", err_ref, err_cand, nan, 0,
+                      f"{base}: no structure of different math{'' if angle else ' and rounding-sized'}, most likely "
+                      f"precision: {step} (a small "
+                      "change in the math can look the same without the twin)", ratio)
+
+
 def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bool,
              context=None, hidden: int | None = None, noise_from: TapVerdict | None = None) -> TapVerdict:
     """The ladder for one tap; arrays are [B, T, ...], mask [B, T] selects real positions.
+    cand64=None (no float64 twin): classify_without_twin.
 
     context (optional): {"pre": (cand64_pre, oracle_pre)} at q_rope/k_rope taps (the q/k
     before RoPE), {"qkv": (q_rope, k_rope, v)} of the oracle at attn_ctx: they let the
     structure analysis name RoPE and attention-convention differences. noise_from: the
     earlier tap where dtype noise entered the fp64 run (run_ladder passes it on): an
     unstructured fp64 difference after it is that noise, carried along."""
+    if cand64 is None:
+        return classify_without_twin(tap, ref, cand, oracle, mask, policy, context, hidden)
     t = tapnames.tap(tap)
     layer, component = t.layer, t.component
     r, c, o, c64 = (np.asarray(a)[mask] for a in (ref, cand, oracle, cand64))
@@ -279,7 +384,12 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
                           noise_dtype=noise[0] if noise else None)
     pos = positions_from_mask(np.asarray(mask))[np.asarray(mask, bool)]
     m = drift_factor(policy)
-    ratio, where = precision_ratio(sq_r, sq_c, None, pos, precision_floor(policy, hidden), m, rows)
+    floor = precision_floor(policy, hidden)
+    ratio, where = precision_ratio(sq_r, sq_c, None, pos, floor, m, rows)
+    if t.kind in ("q_rope", "k_rope"):
+        band, in_band = rope_band_ratio(r, c, o, floor, m)
+        if band > ratio:
+            ratio, where = band, in_band
     noise_dtype = noise[0] if noise else None
     # The shape of a precision finding's excess over positions names its likely step; on its
     # own (under the drift bound) it is not a finding: a reference that is unusually exact
@@ -297,6 +407,9 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
                                    "(matmul accumulation, norm, softmax, RoPE tables)")
         if rising:
             step = f"{step}; {grows}: {rope_step}"
+        if "highest quarter of frequencies" in where:
+            step += ("; the excess sits in the highest-frequency pairs, where the angle (position x "
+                     "frequency) is largest: angles or their inputs rounded to a narrower dtype")
         times = f"{err_cand / err_ref:.1f}x" if err_ref else "more than"
         return TapVerdict(tap, layer, component, "precision", err_ref, err_cand, err64, 0,
                           f"the candidate loses {times} the reference's precision here "
