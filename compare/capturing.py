@@ -53,9 +53,11 @@ def _prepare_folder(out: Path, force: bool) -> None:
                         "choose an empty or new folder")
     if not force:
         raise DumpError(f"--out {out}: holds a dump already; pass force=True (--force) to replace it")
-    old = json.loads(manifest.read_text()).get("files", {})
+    m = json.loads(manifest.read_text())
+    forcing = m.get("teacher_forcing") or {}
+    old = [*m.get("files", {}), *forcing.get("files", {}), forcing.get("inputs_file", "")]
     manifest.unlink()
-    for name in old:
+    for name in filter(None, old):
         if Path(name).name == name and (out / name).is_file():
             (out / name).unlink()
 
@@ -82,6 +84,25 @@ def _resolve(impl, checkpoint, policy, batch_invariant):
     return side, Policy.get(policy)
 
 
+def _write_taps(out: Path, side, acts, names, cfg, shape, prefix: str, progress) -> dict:
+    """The taps checked (present, float, the config's shape) and written one file per layer;
+    returns {file name: [taps]}."""
+    from safetensors.numpy import save_file
+    files: dict[str, list[str]] = {}
+    for t in names:
+        if t not in acts:
+            raise DumpError(f"{side.name}: capture returned no '{t}'")
+        a = np.asarray(acts[t])
+        if a.shape != expected_shape(t, cfg, *shape) or str(a.dtype) not in FLOAT_DTYPES.values():
+            raise DumpError(f"{side.name}: tap '{t}' came back as {a.dtype} {list(a.shape)}, expected a float array "
+                            f"of shape {list(expected_shape(t, cfg, *shape))}")
+        files.setdefault(prefix + file_for(t), []).append(t)
+    for i, (name, ts) in enumerate(files.items()):
+        save_file({t: np.ascontiguousarray(acts[t]) for t in ts}, str(out / name), metadata={"format": FORMAT})
+        progress(f"wrote {name} ({i + 1}/{len(files)})")
+    return files
+
+
 def _manifest_text(manifest: dict) -> str:
     """Indented JSON with each row of token ids and mask on one line."""
     rows = {f"@row{k}{i}@": json.dumps(r) for k, v in manifest["inputs"].items() for i, r in enumerate(v)}
@@ -93,12 +114,32 @@ def _manifest_text(manifest: dict) -> str:
     return text
 
 
+def _forced(side, folder, cfg, ids, mask, names, progress):
+    """The teacher-forced run the ladder makes on the judging side (teacher.local_errors):
+    every layer fed the oracle's input (torchref at fp64, the default reference's oracle).
+    Returns ({layer: injected input}, {tap: forced activation}) for the layer taps of the
+    kinds in `names`, layers.<i>.out always."""
+    if not getattr(side, "supports_inject", True):
+        raise DumpError(f"{side.name} takes no inject, so it has no teacher-forced run to capture")
+    n = cfg.num_hidden_layers
+    progress("teacher forcing: the oracle (torchref at fp64)")
+    _, o = OurModel.load("torchref", str(folder), "fp64").capture(ids, mask, ["embed", "layers.*.out"])
+    inject = {0: o["embed"], **{i: o[f"layers.{i - 1}.out"] for i in range(1, n)}}
+    kinds = dict.fromkeys([tapnames.tap(t).kind for t in names if tapnames.layer_of(t) is not None] + ["out"])
+    want = tapnames.select([f"layers.*.{k}" for k in kinds], n, side.taps,
+                           lambda pattern, t: f"{side.name} cannot capture '{t}' (asked for as '{pattern}')")
+    progress(f"teacher forcing: {side.name} with every layer fed the oracle's input")
+    _, forced = side.capture(ids, mask, want, inject=inject)
+    return inject, {t: forced[t] for t in want}
+
+
 def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, taps="*", batch_invariant=False,
-            force=False, progress=lambda msg: None) -> Path:
+            teacher_forcing=False, force=False, progress=lambda msg: None) -> Path:
     """Captures `impl` ("torchref", "jaxmodel" or an Implementation object) on `inputs` (as
     compare_models takes them) at `policy` (default bf16; an object's own when it states one)
     and writes the taps (names or globs, default all it has) to the folder `out`. Returns
-    the folder."""
+    the folder. teacher_forcing: also capture the run with every layer fed the oracle's
+    input (needs inject), so that the comparison can localise with this dump too."""
     if out is None:
         raise ValueError("out: give the folder the dump goes to")
     out, folder = Path(out), Path(checkpoint)
@@ -117,19 +158,15 @@ def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, tap
     t1 = time.perf_counter()
     _, acts = side.capture(ids, mask, names)
     seconds = time.perf_counter() - t1
-    files: dict[str, list[str]] = {}
-    for t in names:
-        if t not in acts:
-            raise DumpError(f"{side.name}: capture returned no '{t}'")
-        a = np.asarray(acts[t])
-        if a.shape != expected_shape(t, cfg, *ids.shape) or str(a.dtype) not in FLOAT_DTYPES.values():
-            raise DumpError(f"{side.name}: tap '{t}' came back as {a.dtype} {list(a.shape)}, expected a float array "
-                            f"of shape {list(expected_shape(t, cfg, *ids.shape))}")
-        files.setdefault(file_for(t), []).append(t)
-    from safetensors.numpy import save_file
-    for i, (name, ts) in enumerate(files.items()):
-        save_file({t: np.ascontiguousarray(acts[t]) for t in ts}, str(out / name), metadata={"format": FORMAT})
-        progress(f"wrote {name} ({i + 1}/{len(files)})")
+    files = _write_taps(out, side, acts, names, cfg, ids.shape, "", progress)
+    forcing = None
+    if teacher_forcing:
+        inject, forced = _forced(side, folder, cfg, ids, mask, names, progress)
+        from safetensors.numpy import save_file
+        save_file({f"layers.{i}.input": np.ascontiguousarray(x, np.float64) for i, x in inject.items()},
+                  str(out / "forced-inputs.safetensors"), metadata={"format": FORMAT})
+        forcing = {"oracle": "torchref at fp64", "inputs_file": "forced-inputs.safetensors", "taps": list(forced),
+                   "files": _write_taps(out, side, forced, tuple(forced), cfg, ids.shape, "forced-", progress)}
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         # "package" only when loaded here by name: then the judging side may rebuild it (its float64 twin);
@@ -142,6 +179,7 @@ def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, tap
         "taps": list(names),
         "files": files,
         "checkpoint": {"path": str(folder.resolve()), "fingerprint": print_fp},
+        "teacher_forcing": forcing,
         "tool": {"name": "llama-parity", "version": _tool_version()},
         "environment": environment(policy, uses_jax=getattr(side, "package", None) == "jaxmodel"),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -260,7 +260,7 @@ def cmd_capture(args) -> int:
         raise UsageError(f"--out {out}: inside the llama-parity repository; dumps go to a folder outside it")
     t0 = time.perf_counter()
     capture(folder, args.impl, args.policy, inputs=_inputs(args, folder), out=out, taps=args.taps or "*",
-            batch_invariant=args.batch_invariant, force=args.force,
+            batch_invariant=args.batch_invariant, teacher_forcing=args.teacher_forcing, force=args.force,
             progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
     say(str(out))
     return EXIT_OK
@@ -385,6 +385,8 @@ def main(argv=None) -> int:
     p.add_argument("--taps", action="append", help="a tap name or glob (repeatable), e.g. 'layers.*.out'; "
                    "default: every tap")
     p.add_argument("--batch-invariant", action="store_true", help="capture the batch-invariant mode")
+    p.add_argument("--teacher-forcing", action="store_true", help="also capture the run with every layer fed the "
+                   "oracle's input (torchref at fp64), so that compare can localise with this dump")
     p.add_argument("--out", required=True, help="the dump's folder (new or empty)")
     p.add_argument("--force", action="store_true", help="replace a dump already in --out")
     p.set_defaults(func=cmd_capture)

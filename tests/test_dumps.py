@@ -1,6 +1,7 @@
 """Dumps (issue 15): capture one side, judge it later against a live other side; tampered
 dumps refused by name; the capture verb and compare --candidate-dump end to end."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from compare import Dump, DumpError, capture, compare_models, fingerprint
-from compare.adapters import Side
+from compare.adapters import Side, resolve_side
 from compare.adapters.dump import bind_dumps
 from compare.ladder.controls import CONTROLS
 from compare.ladder.engine import run_ladder
@@ -90,22 +91,52 @@ def test_dump_as_reference_too(dumped, tmp_path):
     same_taps(live, compare_models(d, "jaxmodel", ck, inputs=d.inputs, policy=d.policy, teacher_forcing=False))
 
 
+def test_dump_with_teacher_forcing_gives_the_whole_live_report(dumped, tmp_path):
+    """Captured with --teacher-forcing (every layer fed the oracle's input, the oracle
+    stored): the comparison localises with the dump too, with the live numbers."""
+    ck, _ = dumped
+    d = Dump(capture(ck, "jaxmodel", "bf16", inputs=inputs(), out=tmp_path / "forced", teacher_forcing=True))
+    assert d.supports_inject and "layers.1.q" in d.forced_taps
+    live = compare_models("torchref", "jaxmodel", ck, inputs=inputs(), policy="bf16")
+    fromdump = compare_models("torchref", d, ck, inputs=d.inputs, policy=d.policy)
+    same_taps(live, fromdump)
+    assert fromdump.teacher_forcing == live.teacher_forcing == "run"
+    assert len(live.local) == 2 and json.dumps(fromdump.local) == json.dumps(live.local)
+    ids, mask = inputs()
+    _, oracle = Dump(capture(ck, "torchref", "fp64", inputs=inputs(), out=tmp_path / "o")).capture(ids, mask, "*")
+    inject = {0: oracle["embed"], 1: oracle["layers.0.out"]}
+    assert d.capture(ids, mask, "layers.*.out", inject=inject)[1]["layers.1.out"].dtype == ml_dtypes.bfloat16
+    with pytest.raises(DumpError, match=r"injected into layer 1 differs from the oracle input its teacher-forced "
+                                        r"run was fed \(relative L2 .* > 3.9e-06\)"):
+        d.capture(ids, mask, "layers.*.out", inject={0: inject[0], 1: inject[1] * (1 + 1e-4)})
+    with pytest.raises(DumpError, match=r"fed every layer 0..1; asked to inject layers \[1\]"):
+        d.capture(ids, mask, "layers.*.out", inject={1: inject[1]})
+    with pytest.raises(DumpError, match="holds no teacher-forced run"):
+        Dump(dumped[1]).capture(ids, mask, "layers.*.out", inject=inject)
+    (tmp_path / "forced" / "forced-inputs.safetensors").unlink()
+    with pytest.raises(DumpError, match=r"forced-inputs.safetensors: tap file not found \(manifest.json names it in "
+                                        r"field 'teacher_forcing.inputs_file' for layers.0.input, layers.1.input\)"):
+        Dump(tmp_path / "forced")
+
+
 def test_a_planted_bug_is_found_the_same_way_through_a_dump(tiny_dir, tmp_path):
-    """A capture of a patched model (an object, so the dump records no package to rebuild):
-    judged with the patched model's own float64 twin, the semantic finding is the live one."""
+    """A capture of a patched model (an object, so the dump records no package to rebuild),
+    with its teacher-forced run: judged with the patched model's own float64 twin, the
+    semantic finding, its localisation and teacher forcing's confirmation are the live ones."""
     ck, control = tiny_dir("gqa"), CONTROLS["rope_layout"]
     ids, mask = inputs()
     buggy = control.side(ck)
-    out = capture(ck, buggy.at_policy, inputs=(ids, mask), out=tmp_path / "bug")
+    out = capture(ck, buggy.at_policy, inputs=(ids, mask), out=tmp_path / "bug", teacher_forcing=True)
     d = Dump(out)
     assert d.package is None and not hasattr(d, "float64")   # no stock twin for a patched model
-    ref = Side.of(Dump(capture(ck, "torchref", "fp32", inputs=(ids, mask), out=tmp_path / "ref")))
-    live = run_ladder(ref, buggy, ids, mask, Policy.get("fp32"), teacher_forcing=False)
-    fromdump = run_ladder(ref, Side("bug (dump)", d, buggy.at_fp64, False, d.taps), ids, mask, Policy.get("fp32"),
-                          teacher_forcing=False)
+    ref = resolve_side("torchref", ck, "fp32")
+    live = run_ladder(ref, buggy, ids, mask, Policy.get("fp32"))
+    fromdump = run_ladder(ref, Side("bug (dump)", d, buggy.at_fp64, False, d.taps), ids, mask, Policy.get("fp32"))
     assert live.verdict == "semantic" and live.first_divergence.tap == control.expected_tap
+    assert live.first_divergence.confirmed
     same_taps(live, fromdump)
-    assert fromdump.first_divergence.tap == control.expected_tap
+    assert json.dumps(fromdump.local) == json.dumps(live.local)
+    assert dataclasses.asdict(fromdump.first_divergence) == dataclasses.asdict(live.first_divergence)
 
 
 def test_other_inputs_are_refused_naming_the_position(dumped):
@@ -157,8 +188,8 @@ def test_tampered_tap_layout_is_refused_by_file_and_tensor(dumped, tmp_path):
     _, out = dumped
     d = copy_of(out, tmp_path)
     (d / "layer-0001.safetensors").unlink()
-    with pytest.raises(DumpError, match=r"layer-0001.safetensors: tap file not found \(manifest.json lists it for "
-                                        r"layers.1.attn_norm"):
+    with pytest.raises(DumpError, match=r"layer-0001.safetensors: tap file not found \(manifest.json lists it in "
+                                        r"field 'files' for layers.1.attn_norm"):
         Dump(d)
     shutil.copy(out / "layer-0001.safetensors", d)
     _rewrite(d / "layer-0001.safetensors", lambda t: t.pop("layers.1.v"))

@@ -3,8 +3,9 @@
 A dump is a folder: manifest.json (inputs, policy, config, tap list, file map, environment,
 tool version, checkpoint fingerprint) and safetensors files holding the taps [B, T, ...],
 one file per layer. `Dump` reads one back as an Implementation: its capture returns the
-stored arrays for the stored inputs only; it takes no inject; its float64 twin is our
-implementation built here from the checkpoint when the dump names torchref or jaxmodel.
+stored arrays for the stored inputs only; it takes inject only when it holds a teacher-forced
+run fed the same oracle inputs; its float64 twin is our implementation built here from the
+checkpoint when the dump names torchref or jaxmodel as its package.
 `compare.capture` writes dumps; this module holds the format, the fingerprint and the checks.
 """
 
@@ -21,6 +22,7 @@ import numpy as np
 from llamaspec import LlamaConfig, LlamaParityError, Policy
 from llamaspec import taps as tapnames
 
+from ..metrics import rel_l2, unit_roundoff
 from .ours import PACKAGES, OurModel
 
 FORMAT, FORMAT_VERSION, MANIFEST = "llama-parity-dump", 1, "manifest.json"
@@ -177,8 +179,9 @@ def policy_differences(a: Policy, b: Policy) -> list[str]:
 
 class Dump:
     """A dump folder as an Implementation (name, taps, capture; float64 when the dump names
-    torchref or jaxmodel as its package). Everything is checked when it is opened: the manifest's fields,
-    every tap's file, tensor key, shape (from the manifest's config and inputs) and dtype.
+    torchref or jaxmodel as its package; supports_inject when it holds a teacher-forced run).
+    Everything is checked when it is opened: the manifest's fields, every tap's file, tensor
+    key, shape (from the manifest's config and inputs) and dtype.
 
     checkpoint: the folder to judge it with (checked against the fingerprint); without one,
     the float64 twin is built from the manifest's recorded path, checked the same way."""
@@ -220,7 +223,10 @@ class Dump:
             raise DumpError(f"{where}: field 'implementation.package' is {self.package!r}: one of "
                             f"{', '.join(PACKAGES)} (a dump this tool can rebuild at float64), or null")
         self.name = f"{self.implementation} (dump)"
-        self.taps = self._check_taps(m["taps"], m["files"])
+        self.taps, self.file_of = self._check_taps(m["taps"], m["files"])
+        self.supports_inject = m.get("teacher_forcing") is not None
+        if self.supports_inject:
+            self._check_forced(m["teacher_forcing"])
         self.checkpoint = None
         if checkpoint is not None:
             self.check_checkpoint(checkpoint)
@@ -241,52 +247,78 @@ class Dump:
                             f"{list(ids.shape)}")
         return ids.astype(np.int64), mask.astype(np.int64)
 
-    def _check_taps(self, taps, files) -> tuple[str, ...]:
+    def _check_taps(self, taps, files, field="") -> tuple[tuple[str, ...], dict]:
         """Every listed tap in its file, under its own name, with the config's shape and a
-        float dtype (the policy's dtype for a dump of ours)."""
+        float dtype (the policy's dtype for a dump of ours). Returns (taps in execution
+        order, {tap: file name}). field: '' or 'teacher_forcing.' (where the lists are)."""
         where, n = self.where, self.cfg.num_hidden_layers
         if not isinstance(taps, list) or not taps or not isinstance(files, dict):
-            raise DumpError(f"{where}: field 'taps' must be a non-empty list of tap names and 'files' an object "
-                            "{file name: [tap names]}")
+            raise DumpError(f"{where}: field '{field}taps' must be a non-empty list of tap names and '{field}files' "
+                            "an object {file name: [tap names]}")
         try:
             taps = tapnames.resolve([str(t) for t in taps], n)   # execution order; unknown names refused
         except KeyError as e:
-            raise DumpError(f"{where}: field 'taps': {e.args[0]}") from None
-        file_of = {t: name for name, ts in files.items() for t in (ts if isinstance(ts, list) else [])}
-        unfiled = [t for t in taps if t not in file_of]
+            raise DumpError(f"{where}: field '{field}taps': {e.args[0]}") from None
+        listed = {t: name for name, ts in files.items() for t in (ts if isinstance(ts, list) else [])}
+        unfiled = [t for t in taps if t not in listed]
         if unfiled:
-            raise DumpError(f"{where}: field 'files' names no file for tap(s) {', '.join(unfiled[:5])}")
-        self.file_of = {t: file_of[t] for t in taps}
-        from safetensors import safe_open
+            raise DumpError(f"{where}: field '{field}files' names no file for tap(s) {', '.join(unfiled[:5])}")
+        file_of = {t: listed[t] for t in taps}
         B, T = self.inputs[0].shape
-        ours = self.package is not None
-        for name in dict.fromkeys(self.file_of.values()):
-            path = self.path / name
-            if Path(name).name != name or not path.is_file():
-                raise DumpError(f"{path}: tap file not found (manifest.json lists it for "
-                                f"{', '.join(t for t in taps if self.file_of[t] == name)[:200]})")
-            try:
-                with safe_open(path, "np") as f:
-                    keys = set(f.keys())
-                    for t in (t for t in taps if self.file_of[t] == name):
-                        if t not in keys:
-                            raise DumpError(f"{path}: no tensor '{t}' (manifest.json lists it in this file)")
-                        sl = f.get_slice(t)
-                        shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-                        want = expected_shape(t, self.cfg, B, T)
-                        if shape != want:
-                            raise DumpError(f"{path}: tensor '{t}' has shape {list(shape)}, expected {list(want)} "
-                                            f"for this config and inputs ([B, T, ...], B={B}, T={T})")
-                        if dtype not in FLOAT_DTYPES or (ours and FLOAT_DTYPES[dtype] !=
-                                                         tapnames.dtype_of(t, self.policy)):
-                            rule = (f"{tapnames.dtype_of(t, self.policy)} ({self.package} at "
-                                    f"{self.policy.name})" if ours else "a float dtype (F64, F32, F16, BF16)")
-                            raise DumpError(f"{path}: tensor '{t}' has dtype {dtype}, expected {rule}")
-            except DumpError:
-                raise
-            except Exception as e:  # noqa: BLE001 (safetensors' own errors: name the file)
-                raise DumpError(f"{path}: cannot read as safetensors ({e})") from None
-        return taps
+        for name in dict.fromkeys(file_of.values()):
+            expect = {}
+            for t in (t for t in taps if file_of[t] == name):
+                rule = tapnames.dtype_of(t, self.policy) if self.package else None
+                expect[t] = (expected_shape(t, self.cfg, B, T), rule,
+                             f"{rule} ({self.package} at {self.policy.name})" if rule else None)
+            self._check_file(name, expect, f"manifest.json lists it in field '{field}files'")
+        return taps, file_of
+
+    def _check_file(self, name: str, expect: dict, listed: str) -> None:
+        """expect: {tensor key: (shape, dtype or None for any float, how to say the dtype)}."""
+        from safetensors import safe_open
+        path = self.path / name
+        if Path(name).name != name or not path.is_file():
+            raise DumpError(f"{path}: tap file not found ({listed} for {', '.join(expect)[:200]})")
+        B, T = self.inputs[0].shape
+        try:
+            with safe_open(path, "np") as f:
+                keys = set(f.keys())
+                for key, (want, rule, said) in expect.items():
+                    if key not in keys:
+                        raise DumpError(f"{path}: no tensor '{key}' ({listed})")
+                    sl = f.get_slice(key)
+                    shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+                    if shape != want:
+                        raise DumpError(f"{path}: tensor '{key}' has shape {list(shape)}, expected {list(want)} "
+                                        f"for this config and inputs ([B, T, ...], B={B}, T={T})")
+                    if dtype not in FLOAT_DTYPES or (rule and FLOAT_DTYPES[dtype] != rule):
+                        raise DumpError(f"{path}: tensor '{key}' has dtype {dtype}, expected "
+                                        f"{said or 'a float dtype (F64, F32, F16, BF16)'}")
+        except DumpError:
+            raise
+        except Exception as e:  # noqa: BLE001 (safetensors' own errors: name the file)
+            raise DumpError(f"{path}: cannot read as safetensors ({e})") from None
+
+    def _check_forced(self, forcing) -> None:
+        """The optional teacher-forced capture: every layer fed the oracle's input (stored,
+        float64), its layer taps stored like the plain ones."""
+        if not isinstance(forcing, dict) or not isinstance(forcing.get("inputs_file"), str):
+            raise DumpError(f"{self.where}: field 'teacher_forcing' must be an object with 'inputs_file', 'taps' "
+                            "and 'files'")
+        self.forced_taps, self.forced_file_of = self._check_taps(forcing.get("taps"), forcing.get("files"),
+                                                                 "teacher_forcing.")
+        n = self.cfg.num_hidden_layers
+        outs = [f"layers.{i}.out" for i in range(n)]
+        if [t for t in outs if t not in self.forced_file_of] or any(tapnames.layer_of(t) is None
+                                                                    for t in self.forced_taps):
+            raise DumpError(f"{self.where}: field 'teacher_forcing.taps' must hold layer taps only, "
+                            "layers.<i>.out of every layer included")
+        B, T = self.inputs[0].shape
+        self._check_file(forcing["inputs_file"], {f"layers.{i}.input": ((B, T, self.cfg.hidden_size), "float64",
+                                                                         "F64") for i in range(n)},
+                         "manifest.json names it in field 'teacher_forcing.inputs_file'")
+        self.forced_inputs_file = forcing["inputs_file"]
 
     # -- the checks against what it is judged with
 
@@ -325,21 +357,58 @@ class Dump:
     # -- the Implementation protocol
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
-        if inject:
-            raise DumpError(f"dump {self.path}: a dump cannot be fed other layer inputs (no inject)")
+        """The stored taps (and logits, when stored) for the stored inputs; with inject, the
+        teacher-forced run's layer taps, when the injected inputs are the ones it was fed."""
         differ = input_differences(*self.inputs, tokens, attention_mask)
         if differ:
             raise DumpError(f"dump {self.path} holds taps for other inputs than the ones asked for: {differ}; "
                             "compare on the dump's inputs (Dump.inputs)")
+        if inject:
+            self._check_inject(inject)
+            names = tapnames.select(taps, self.cfg.num_hidden_layers, self.forced_taps, lambda pattern, t:
+                                    f"dump {self.path} holds no teacher-forced '{t}' (asked for as '{pattern}')")
+            out = self._read(names, self.forced_file_of)
+            return None, {t: out[t] for t in names}
         names = tapnames.select(taps, self.cfg.num_hidden_layers, self.taps,
                                 lambda pattern, t: f"dump {self.path} holds no tap '{t}' (asked for as '{pattern}')")
-        from safetensors import safe_open
-        read = names + (("logits",) if "logits" in self.taps and "logits" not in names else ())
-        out = {}
-        for name in dict.fromkeys(self.file_of[t] for t in read):
-            with safe_open(self.path / name, "np") as f:
-                out.update({t: f.get_tensor(t) for t in read if self.file_of[t] == name})
+        out = self._read(names + (("logits",) if "logits" in self.taps and "logits" not in names else ()),
+                         self.file_of)
         return out.get("logits"), {t: out[t] for t in names}   # logits whenever stored, as live models do
+
+    def _read(self, names, file_of) -> dict:
+        from safetensors import safe_open
+        out = {}
+        for name in dict.fromkeys(file_of[t] for t in names):
+            with safe_open(self.path / name, "np") as f:
+                out.update({t: f.get_tensor(t) for t in names if file_of[t] == name})
+        return out
+
+    def _check_inject(self, inject) -> None:
+        """The forced run stored here is the one asked for when every layer is injected and
+        each input equals the stored one to 1e-3 of the policy's unit roundoff (relative L2
+        over the real positions): two float64 oracles (another implementation, another
+        machine) agree far closer than that, and a difference that size cannot move a
+        local error measured at the policy."""
+        if not self.supports_inject:
+            raise DumpError(f"dump {self.path}: holds no teacher-forced run (capture it with teacher_forcing=True, "
+                            "--teacher-forcing), so it cannot be fed other layer inputs")
+        n = self.cfg.num_hidden_layers
+        if sorted(inject) != list(range(n)):
+            raise DumpError(f"dump {self.path}: its teacher-forced run fed every layer 0..{n - 1}; asked to inject "
+                            f"layers {sorted(inject)}")
+        stored = self._read([f"layers.{i}.input" for i in range(n)],
+                            {f"layers.{i}.input": self.forced_inputs_file for i in range(n)})
+        real, tol = self.inputs[1].astype(bool), 1e-3 * unit_roundoff(self.policy.compute_dtype)
+        for i in range(n):
+            given = np.asarray(inject[i])
+            if given.shape != stored[f"layers.{i}.input"].shape:
+                raise DumpError(f"dump {self.path}: injected input of layer {i} has shape {list(given.shape)}, the "
+                                f"stored one {list(stored[f'layers.{i}.input'].shape)}")
+            e = rel_l2(given[real], stored[f"layers.{i}.input"][real])
+            if not e <= tol:
+                raise DumpError(f"dump {self.path}: the input injected into layer {i} differs from the oracle input "
+                                f"its teacher-forced run was fed (relative L2 {e:.1e} > {tol:.1e}); the oracle here "
+                                "is not the one of the capture")
 
     @property
     def float64(self):
