@@ -242,6 +242,14 @@ class Llama(nnx.Module):
         return h, {f"layers.*.{name}": stack for name, stack in acts.items()}
 
 
+def to_residual(x, policy: Policy) -> np.ndarray:
+    """A hidden state handed in from outside (teacher forcing's oracle input) in the residual
+    dtype, rounded on the host: numpy rounds float64 to float16 once, where XLA:CPU's
+    conversion may go through float32 (two roundings) depending on the program around it."""
+    x, dtype = np.asarray(x), numpy_dtype(policy.residual_dtype)
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
 def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions):
     """cos, sin [B, T, head_dim] for positions [B, T] (dynamic NTK reads the longest)."""
     rope = of(policy.rope_dtype)
@@ -284,7 +292,8 @@ class LayerRunner:
         block = Block(self.cfg, weights, i, self.dtype, ops, self.policy)
         graphdef, state = nnx.split(block)
         names = tuple(sorted({tapnames.parse(t)[1] for t in taps} | {"out"}))
-        acts = _block_program(graphdef, self.policy, names)(state, jnp.asarray(h), *self.tables)
+        acts = _block_program(graphdef, self.policy, names)(state, jnp.asarray(to_residual(h, self.policy)),
+                                                             *self.tables)
         return {f"layers.{i}.{n}": np.asarray(a) for n, a in acts.items()}
 
     def final_norm(self, weight, h) -> np.ndarray:
@@ -468,7 +477,8 @@ class LlamaModel:
         names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
-        forced = {i: jnp.asarray(run.place(x)) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
+        forced = {i: jnp.asarray(to_residual(run.place(x), self.policy))
+                  for i, x in check_inject(self.cfg, inject, ids.shape).items()}
         # the program depends on which tap names are asked for, not at which layers
         program_taps = tuple(sorted({n if tapnames.layer_of(n) is None
                                      else "layers.*." + tapnames.parse(n)[1] for n in names}))

@@ -15,10 +15,11 @@ import numpy as np
 from llamaspec import InputError, Policy
 from llamaspec import taps as tapnames
 
-from ..adapters import Side, config_differences, resolve_side
+from ..adapters import PACKAGES, Side, config_differences, resolve_side
 from ..environment import environment
 from ..metrics import logits_agreement, pair_metrics
 from ..results import JsonResult
+from .stream import checkpoint_side, streamable, streamed_ladder
 from .teacher import amplification, local_errors
 from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence
 
@@ -36,6 +37,12 @@ class Report(JsonResult):
     environment: dict = dataclasses.field(default_factory=dict)   # compare.environment
     config_differences: list = dataclasses.field(default_factory=list)  # adapters.config_differences
     teacher_forcing: str = "run"    # "run" | "off" | "not run: <why>"
+    # "run" | "not run: <why>": without the candidate's float64 twin the taps are judged by
+    # structure alone (verdicts.classify_without_twin), which the summary says
+    semantic_rung: str = "run"
+    # how the ladder ran: {"path": "streamed" | "full", "seconds": {run or step: wall s}}
+    # (streamed: layer by layer over the checkpoint, compare.ladder.stream)
+    run: dict = dataclasses.field(default_factory=dict)
 
     def to_html(self, path) -> Path:
         from ..report.ladder import write_html
@@ -52,12 +59,21 @@ class Report(JsonResult):
             lines.append("the configs differ: " + "; ".join(self.config_differences))
         if self.teacher_forcing.startswith("not run"):
             lines.append(f"teacher forcing {self.teacher_forcing}")
+        if self.semantic_rung.startswith("not run"):
+            lines.append(f"fp64 rung {self.semantic_rung}: verdicts judged at {self.policy['name']} by structure "
+                         "alone, a lower-precision step and a small change in the math can look alike")
         return "\n".join(lines)
 
 
 def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing=True,
-               progress=lambda msg: None) -> Report:
+               progress=lambda msg: None, stream: bool | None = None) -> Report:
+    """The ladder for two prepared Sides. stream: None streams when both sides can
+    (stream.streamable: torchref / jaxmodel named by string, over checkpoint folders),
+    True insists, False captures whole runs."""
+    ref.needs_twin("reference", "the ladder (its float64 run is the oracle)")
     differences = config_differences(ref.at_policy, cand.at_policy)
+    if stream or (stream is None and streamable(ref, cand)):
+        return _run_streamed(ref, cand, ids, mask, policy, teacher_forcing, progress, differences)
     taps = tuple(t for t in ref.taps if t in set(cand.taps))
     real = np.asarray(mask, bool)
     progress(f"reference {ref.name} at {policy.name}")
@@ -66,14 +82,18 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     _, c = cand.at_policy.capture(ids, mask, taps)
     progress("oracle: reference at fp64")
     _, o = ref.at_fp64.capture(ids, mask, ref.taps)   # all of them: context for the hints
-    progress("candidate at fp64 (semantic rung)")
-    _, c64 = cand.at_fp64.capture(ids, mask, taps)
+    if cand.at_fp64 is not None:
+        progress("candidate at fp64 (semantic rung)")
+        _, c64 = cand.at_fp64.capture(ids, mask, taps)
+    else:       # judged by structure alone (verdicts.classify_without_twin)
+        progress(f"candidate at fp64: not run ({cand.name} has no float64())")
+        c64 = None
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
     hidden = np.shape(o["embed"])[-1] if "embed" in o else None
     verdicts, noise_from = [], None
     for t in taps:     # in execution order: dtype noise found at one tap is carried to the next
-        v = classify(t, r[t], c[t], o[t], c64[t], real, policy, keeps_f32, context_for(t, c64, o), hidden,
-                     noise_from)
+        v = classify(t, r[t], c[t], o[t], None if c64 is None else c64[t], real, policy, keeps_f32,
+                     context_for(t, c if c64 is None else c64, o), hidden, noise_from)
         if v.noise_dtype and noise_from is None:
             noise_from = v
         verdicts.append(v)
@@ -92,8 +112,22 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
         amplification(local, verdicts)
         forcing = "run"
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
+    rung = "run" if c64 is not None else f"not run: {cand.name} has no float64() (the same implementation at float64)"
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
-                  logits, environment(policy, uses_jax), differences, forcing)
+                  logits, environment(policy, uses_jax), differences, forcing, rung, run={"path": "full"})
+
+
+def _run_streamed(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing, progress, differences) -> Report:
+    if not streamable(ref, cand):
+        raise ValueError(f"stream=True: {ref.name} vs {cand.name} cannot stream; only torchref and jaxmodel named "
+                         "by string (read from the checkpoint folder layer by layer) can")
+    progress(f"{cand.name} vs {ref.name} at {policy.name}, layer by layer (streamed): four runs and the "
+             "teacher-forced ones per layer")
+    s = streamed_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress)
+    uses_jax = "jaxmodel" in (ref.at_policy.package, cand.at_policy.package)
+    return Report(ref.name, cand.name, policy.to_dict(), s.worst, s.divergence, s.verdicts, s.local, s.logits,
+                  environment(policy, uses_jax), differences, "run" if teacher_forcing else "off",
+                  run={"path": "streamed", "seconds": s.seconds})
 
 
 # The default input: one chat prompt of 258 tokens with SmolLM2's tokenizer (the issue's
@@ -166,14 +200,25 @@ def prepare(reference, candidate, checkpoint, inputs, policy, progress=lambda ms
     ids, mask = parse_inputs(inputs, checkpoint)
     progress(f"loading {reference if isinstance(reference, str) else type(reference).__name__} "
              f"and {candidate if isinstance(candidate, str) else type(candidate).__name__}")
-    return resolve_side(reference, checkpoint, policy), resolve_side(candidate, checkpoint, policy), ids, mask, policy
+    return _side(reference, checkpoint, policy), _side(candidate, checkpoint, policy), ids, mask, policy
+
+
+def _side(spec, checkpoint, policy) -> Side:
+    """"torchref" / "jaxmodel" as CheckpointModels (streamed by the ladder, loaded whole only
+    for what needs the whole model), anything else as adapters.resolve_side makes it."""
+    if isinstance(spec, str) and spec in PACKAGES:
+        return checkpoint_side(spec, checkpoint, policy)
+    return resolve_side(spec, checkpoint, policy)
 
 
 def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, inputs=None,
-                   policy="fp32", teacher_forcing=True, progress=lambda msg: None) -> Report:
-    """Runs the ladder for `candidate` against `reference` on one checkpoint (the public API)."""
+                   policy="fp32", teacher_forcing=True, progress=lambda msg: None,
+                   stream: bool | None = None) -> Report:
+    """Runs the ladder for `candidate` against `reference` on one checkpoint (the public API).
+    stream: None (default) walks the checkpoint layer by layer when both sides are torchref /
+    jaxmodel named by string, True insists on it, False runs whole captures (run_ladder)."""
     ref, cand, ids, mask, policy = prepare(reference, candidate, checkpoint, inputs, policy, progress)
-    return run_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress)
+    return run_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress, stream)
 
 
 def assert_parity(reference, candidate, checkpoint, policy="fp32", inputs=None, allow=("exact", "drift"),

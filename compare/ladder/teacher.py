@@ -56,7 +56,10 @@ def local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None
                                                 inject=inject)
         for i, t in enumerate(outs):
             rows[i][f"{key}_local"] = rel_l2(forced[key][t][real], oracle[t][real])
-    if divergence and divergence.kind == "precision":
+    # Without the candidate's twin a semantic divergence is judged at P (classify_without_twin),
+    # and so is its confirmation.
+    at_policy = divergence and (divergence.kind == "precision" or cand.at_fp64 is None)
+    if at_policy:
         pos = positions_from_mask(np.asarray(mask))[real]
         for t in at:
             row = rows[tapnames.tap(t).layer]
@@ -64,19 +67,20 @@ def local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None
             row["ref_tap_local"], row["cand_tap_local"] = rel_l2(fr, o), rel_l2(fc, o)
             row["tap_local_ratio"] = precision_ratio(fr, fc, o, pos, precision_floor(policy, oracle["embed"].shape[-1]),
                                                      drift_factor(policy))[0]
-    if divergence and divergence.kind == "semantic":
+    if divergence and divergence.kind == "semantic" and not at_policy:
         _, forced = cand.at_fp64.capture(ids, mask, list(dict.fromkeys(outs + at)), inject=inject)
         for t in at:
             rows[tapnames.tap(t).layer]["cand64_tap_local"] = rel_l2(forced[t][real], oracle[t][real])
     if divergence:
-        _confirm(divergence, rows, at, policy, keeps_f32)
+        _confirm(divergence, rows, at, policy, keeps_f32, at_policy)
     return rows
 
 
-def _confirm(d: Divergence, rows, at, policy, keeps_f32) -> None:
-    """Teacher forcing's confirmation of the divergence's layer (docs/method.md, "Localisation")."""
+def _confirm(d: Divergence, rows, at, policy, keeps_f32, at_policy=False) -> None:
+    """Teacher forcing's confirmation of the divergence's layer (docs/method.md, "Localisation");
+    at_policy: judged by the forced runs at P (precision, or no float64 twin)."""
     what = tapnames.tap(d.tap).kind if d.layer is not None else "out"
-    if d.kind == "semantic":
+    if d.kind == "semantic" and not at_policy:
         gate = STRUCT_F32_FLOOR if keeps_f32 else FP64_FLOOR
         local = {r["layer"]: r.get("cand64_tap_local") for r in rows}
         adds = [i for i, e in local.items() if e is not None and not e <= gate]
@@ -94,7 +98,7 @@ def _confirm(d: Divergence, rows, at, policy, keeps_f32) -> None:
                       f"teacher forcing: layer {first} adds a difference on its own ({rule})")
         return
     d.confirmed = first == d.layer
-    if d.kind == "semantic":
+    if d.kind == "semantic" and not at_policy:
         e = rows[d.layer].get("cand64_tap_local")
         nums = f"{e:.1e} there" + (f", {rows[d.layer - 1]['cand64_tap_local']:.1e} in layer "
                                    f"{d.layer - 1}" if d.layer > 0 and
@@ -107,3 +111,9 @@ def _confirm(d: Divergence, rows, at, policy, keeps_f32) -> None:
                   f"first to add it on its own ({rule}; {nums})" if first is not None else
                   f"teacher forcing: no layer adds it on its own ({rule}); the difference is "
                   "inherited or too small to isolate")
+
+
+def confirm_divergence(d: Divergence, rows, at, policy, keeps_f32) -> None:
+    """Sets d.confirmed and d.evidence from per-layer rows as local_errors fills them (the
+    streamed ladder, compare.ladder.stream, measures them its own way)."""
+    _confirm(d, rows, at, policy, keeps_f32)
