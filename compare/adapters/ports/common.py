@@ -85,3 +85,23 @@ class PortBase:
             raise RuntimeError(f"{self.name}: taps not produced: {', '.join(missing)} (the port's forward did "
                                "not call the module they hook; has its code changed?)")
         return np.asarray(logits), {t: np.asarray(acts[t]) for t in wanted}
+
+
+def by_rows(capture_row, ids, mask, forced):
+    """A port without a padding mask on a padded batch: capture_row(ids [1, n], {layer: hidden
+    [1, n, D]}) -> (logits, {tap: [1, n, ...]}) on each row's real tokens; padding slots
+    hold 0. An unpadded batch is one call."""
+    if mask.all():
+        return capture_row(ids, forced)
+    real = mask.astype(bool)
+    logits, acts = None, {}
+    for b in range(len(ids)):
+        cols = np.flatnonzero(real[b])
+        row_logits, row_acts = capture_row(ids[b:b + 1, cols], {i: h[b:b + 1, cols] for i, h in forced.items()})
+        if logits is None:
+            logits = np.zeros(ids.shape + row_logits.shape[2:], row_logits.dtype)
+            acts = {t: np.zeros(ids.shape + x.shape[2:], x.dtype) for t, x in row_acts.items()}
+        logits[b, cols] = row_logits[0]
+        for t, x in row_acts.items():
+            acts[t][b, cols] = x[0]
+    return logits, acts

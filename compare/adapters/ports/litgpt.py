@@ -32,10 +32,8 @@ import os
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from ..generic import TorchModule
-from .common import PortBase, PortConfig, port_dtype
+from .common import PortBase, PortConfig, by_rows, port_dtype
 
 LITGPT_TAPS = {
     "embed": "transformer.wte",
@@ -130,20 +128,9 @@ class LitGPTLlama(PortBase):
         wanted = self.resolve(taps)
         ids, mask, _ = self.inputs(tokens, attention_mask)
         forced = self.forced(inject, ids.shape)
-        if mask.all():
-            return self.torch_module.capture(ids, None, wanted, forced or None)
-        real = mask.astype(bool)
-        logits, acts = None, {}
-        for b in range(len(ids)):
-            cols = np.flatnonzero(real[b])
-            row_inject = {i: h[b:b + 1, cols] for i, h in forced.items()} or None
-            row_logits, row_acts = self.torch_module.capture(ids[b:b + 1, cols], None, wanted, row_inject)
-            if logits is None:
-                logits = np.zeros(ids.shape + row_logits.shape[2:], row_logits.dtype)
-                acts = {t: np.zeros(ids.shape + x.shape[2:], x.dtype) for t, x in row_acts.items()}
-            logits[b, cols] = row_logits[0]
-            for t, x in row_acts.items():
-                acts[t][b, cols] = x[0]
+        logits, acts = by_rows(lambda row_ids, row_forced: self.torch_module.capture(row_ids, None, wanted,
+                                                                                   row_forced or None),
+                               ids, mask, forced)
         return self.finish(logits, acts, wanted)
 
 
