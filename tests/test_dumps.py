@@ -383,19 +383,26 @@ def test_cli_compare_dump_refusals(dumped, tmp_path, capsys):
 
 @pytest.mark.smollm2
 def test_smollm2_jaxmodel_bf16_dump_against_torchref_live(smollm2, tmp_path):
+    """The built-in 258-token prompt; captured with its teacher-forced run, so the whole
+    report (taps, logits, local errors) is compared with the live one."""
     t0 = time.perf_counter()
-    out = capture(smollm2, "jaxmodel", "bf16", out=tmp_path / "smollm2-jax-bf16")
+    out = capture(smollm2, "jaxmodel", "bf16", out=tmp_path / "smollm2-jax-bf16", teacher_forcing=True)
     took = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in out.iterdir())
+    forced = sum(p.stat().st_size for p in out.iterdir() if p.name.startswith("forced-"))
     t0 = time.perf_counter()
     fp = fingerprint(smollm2)
     fp_took = time.perf_counter() - t0
     d = Dump(out)
-    fromdump = compare_models("torchref", d, smollm2, inputs=d.inputs, policy=d.policy, teacher_forcing=False)
-    live = compare_models("torchref", "jaxmodel", smollm2, inputs=d.inputs, policy="bf16", teacher_forcing=False)
-    print(f"\nMEASURED smollm2 capture jaxmodel bf16 {d.inputs[0].shape}: {took:.1f} s, dump {size / 2**20:.0f} MiB "
-          f"in {len(os.listdir(out))} files; fingerprint {fp_took:.2f} s; verdict {fromdump.verdict} "
+    t0 = time.perf_counter()
+    fromdump = compare_models("torchref", d, smollm2, inputs=d.inputs, policy=d.policy)
+    judged = time.perf_counter() - t0
+    live = compare_models("torchref", "jaxmodel", smollm2, inputs=d.inputs, policy="bf16")
+    print(f"\nMEASURED smollm2 capture jaxmodel bf16 {d.inputs[0].shape} with teacher forcing: {took:.1f} s, dump "
+          f"{size / 2**20:.0f} MiB ({forced / 2**20:.0f} MiB of it the forced run) in {len(os.listdir(out))} files; "
+          f"fingerprint {fp_took:.2f} s; compare from the dump {judged:.1f} s; verdict {fromdump.verdict} "
           f"(live {live.verdict})")
     assert fp == d.manifest["checkpoint"]["fingerprint"]
     same_taps(live, fromdump)
     assert fromdump.logits == live.logits and fromdump.verdict == live.verdict
+    assert fromdump.teacher_forcing == "run" and json.dumps(fromdump.local) == json.dumps(live.local)
