@@ -18,7 +18,8 @@ from compare.ladder.decode import (
     run_decode,
     run_decode_control,
 )
-from llamaspec import Policy
+from compare.vocabulary import F32_STEPS_FLOOR
+from llamaspec import InputError, Policy
 
 STEPS = 8
 # a left-padded batch: row 1's prompt is 4 tokens shorter, so slots and positions differ
@@ -57,14 +58,27 @@ def test_decode_capture_is_decode_plus_the_steps_taps(package, folder):
 ASSERTED = [name for name, c in DECODE_CONTROLS.items() if c.verdict is not None]
 
 
-@pytest.mark.parametrize("name", ASSERTED)
-def test_planted_cache_bug_found_at_its_step_tap_layer_component(name, folder):
+def _cases():
+    for name in ASSERTED:
+        hf = DECODE_CONTROLS[name].where == "transformers"
+        marks = [pytest.mark.filterwarnings("ignore::UserWarning")] if hf else []
+        for policy in (("fp32", "bf16") if hf else ("fp32",)):
+            yield pytest.param(name, policy, marks=marks, id=f"{name}-{policy}")
+
+
+@pytest.mark.parametrize("name,policy", list(_cases()))
+def test_planted_cache_bug_found_at_its_step_tap_layer_component(name, policy, folder):
     control = DECODE_CONTROLS[name]
-    report = run_decode_control(control, folder, IDS, MASK, steps=STEPS)
+    if control.where == "transformers":
+        pytest.importorskip("transformers")
+    report = run_decode_control(control, folder, IDS, MASK, steps=STEPS, policy=policy)
     assert check_decode(control, report) == [], report.summary()
     assert all(s.verdict in ("exact", "drift") for s in report.per_step[:report.first_step - 1])
     step = report.per_step[report.first_step - 1]
-    assert step.own_recompute > 1e-3 and step.full_vs_oracle < 1e-12    # the decode path, not the math
+    # the decode path, not the math: the full recompute agrees with the oracle to fp64
+    # rounding (transformers' float64 run keeps f32 steps: to that floor)
+    floor = F32_STEPS_FLOOR if control.where == "transformers" else 1e-12
+    assert step.own_recompute > 1e-3 and step.full_vs_oracle < floor
     report.to_dict()
 
 
@@ -155,9 +169,72 @@ def test_smollm2_decode_32_steps(smollm2):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ASSERTED)
 def test_smollm2_planted_cache_bugs(name, smollm2):
-    from compare.ladder.engine import _inputs
-    ids, mask = _inputs(None, smollm2)
+    from compare.ladder.engine import parse_inputs
+    ids, mask = parse_inputs(None, smollm2)
     control = DECODE_CONTROLS[name]
     report = run_decode_control(control, smollm2, ids, mask, steps=8)
     print(f"\nMEASURED smollm2 decode {name}: {report.summary()}")
     assert check_decode(control, report) == [], report.summary()
+
+
+# ----- dynamic NTK RoPE past the trained length -------------------------------------------------
+
+TRAINED = 16    # max_position_embeddings of the dynamic checkpoint: prompt 12 + 8 steps pass it
+
+
+@pytest.fixture(scope="module")
+def dynamic(tmp_path_factory):
+    from llamaspec.testing import TINY_CONFIGS, make_checkpoint
+    return make_checkpoint(tmp_path_factory.mktemp("dynamic"), **{
+        **TINY_CONFIGS["gqa"], "max_position_embeddings": TRAINED,
+        "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+
+
+def _static_rope(model):
+    """A port that builds its RoPE tables for the trained length once and never applies
+    dynamic NTK scaling (tables computed as if the call were never longer)."""
+    import types as _types
+
+    import torchref.ops as ops
+    model.ops = _types.SimpleNamespace(**{k: getattr(ops, k) for k in dir(ops) if not k.startswith("__")})
+    model.ops.rope_inv_freq = lambda rope, head_dim, max_pos, seq_len, dtype: ops.rope_inv_freq(
+        rope, head_dim, max_pos, min(seq_len, max_pos), dtype)
+
+
+@pytest.mark.parametrize("candidate", ["jaxmodel", "transformers"])
+def test_dynamic_rope_decode_past_the_trained_length_is_clean(candidate, dynamic):
+    """A full recompute rotates every key with the final length's frequencies, a cache keeps
+    each key as written: past the trained length they disagree in a correct model, so the
+    oracle is the reference's fp64 decode through its cache (decode._oracle_kind)."""
+    ids = IDS[:, 4:]        # rows of one length (see the refusal below)
+    if candidate == "transformers":
+        transformers = pytest.importorskip("transformers")
+        import torch
+        candidate = transformers.LlamaForCausalLM.from_pretrained(dynamic, dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+    report = compare_decode("torchref", candidate, dynamic, inputs=ids, steps=STEPS + 4, policy="fp32")
+    assert report.verdict in ("exact", "drift"), report.summary()
+    assert "dynamic RoPE past the trained length 16" in report.oracle
+
+
+def test_dynamic_rope_ignored_in_decode_is_found_where_the_length_passes_it(dynamic):
+    policy = Policy.get("fp32")
+    ids = IDS[:, 4:]        # 8 tokens: step s decodes position 7 + s; position 16 (length 17) at step 9
+    control = DECODE_CONTROLS["stale_mask"]
+    import dataclasses
+    static = dataclasses.replace(control, name="static_rope", patch=_static_rope)
+    report = run_decode(resolve_side("torchref", dynamic, policy), static.side(dynamic, policy), ids,
+                        np.ones_like(ids), policy, steps=12)
+    d = report.first_divergence
+    assert report.verdict == "semantic" and report.first_step == TRAINED - ids.shape[1] + 1, report.summary()
+    assert (d.tap, d.component) == ("layers.0.q_rope", "attn"), report.summary()
+    assert all(s.verdict in ("exact", "drift") for s in report.per_step[:report.first_step - 1])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_dynamic_rope_with_padded_rows_and_a_row_by_row_twin_is_refused(dynamic):
+    transformers = pytest.importorskip("transformers")
+    import torch
+    hf = transformers.LlamaForCausalLM.from_pretrained(dynamic, dtype=torch.float32, attn_implementation="eager")
+    with pytest.raises(InputError, match="dynamic RoPE past the trained length with rows of different lengths"):
+        compare_decode("torchref", hf.eval(), dynamic, inputs=(IDS, MASK), steps=STEPS, policy="fp32")

@@ -109,6 +109,7 @@ class DecodeReport(JsonResult):
     timing: dict = dataclasses.field(default_factory=dict)
     environment: dict = dataclasses.field(default_factory=dict)
     config_differences: list = dataclasses.field(default_factory=list)
+    oracle: str = "reference at fp64, full recompute without a cache"   # or _oracle_kind's other answer
 
     def summary(self) -> str:
         counts = {k: sum(s.verdict == k for s in self.per_step) for k in KINDS}
@@ -122,7 +123,31 @@ class DecodeReport(JsonResult):
                          f"{d.component}): {d.hint}")
         if self.config_differences:
             lines.append("the configs differ: " + "; ".join(self.config_differences))
+        if self.oracle != FULL_RECOMPUTE:
+            lines.append(f"oracle: {self.oracle}")
         return "\n".join(lines)
+
+
+FULL_RECOMPUTE = "reference at fp64, full recompute without a cache"
+
+
+def _oracle_kind(ref: Side, length: int) -> str:
+    """What each decode step is judged against. A full recompute without a cache, except
+    for dynamic NTK RoPE past the trained length: there the frequencies depend on the
+    length of the call (transformers' dynamic_rope_update, which torchref and jaxmodel
+    follow), so a full recompute rotates every key with the final length's base while a
+    cache keeps each key as rotated when it was written. The two disagree at every step
+    in a correct model (measured on a tiny checkpoint with 16 trained positions, 12 + 8:
+    rel L2 6.5e-2 at layer 0's q_rope), and the reference's own fp64 decode through its
+    cache is then the oracle: the candidate is judged on following the reference's cache
+    semantics, and the cache-or-math split (its own full recompute) is not made."""
+    cfg = getattr(ref.at_fp64, "cfg", None)
+    rope = getattr(cfg, "rope", None)
+    trained = getattr(cfg, "max_position_embeddings", None)
+    if getattr(rope, "type", None) == "dynamic" and trained is not None and length > trained:
+        return (f"reference at fp64 decoding through its own cache (dynamic RoPE past the trained length "
+                f"{trained}: a full recompute would rotate cached keys with the final length's frequencies)")
+    return FULL_RECOMPUTE
 
 
 # ----- one side's decode run ----------------------------------------------------------------
@@ -207,6 +232,16 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
         timing[name] = round(now - clock, 3)
         clock = now
 
+    lengths = np.asarray(mask).sum(1)
+    if _oracle_kind(ref, int(lengths.max()) + steps) != FULL_RECOMPUTE and len(set(lengths.tolist())) > 1:
+        by_rows = [s.name for s in (ref, cand) if getattr(s.at_fp64, "unpadded_rows", False)]
+        if by_rows:
+            raise InputError(
+                f"dynamic RoPE past the trained length with rows of different lengths ({sorted(set(lengths.tolist()))}"
+                f" real tokens): the float64 copy of {', '.join(by_rows)} decodes padded rows one at a time "
+                "(transformers' eager float64 attention and left padding: EAGER_F64_LEFT_PADDING), and dynamic "
+                "RoPE's frequencies follow the longest row of the call, so its semantic rung would run other "
+                "frequencies than the batch. Decode rows of one length, or one row per call.")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         ahead = {id(impl): _prefill_ahead(pool, impl, ids, mask, taps, T + steps + slack)
                  for impl in (cand.at_policy, cand.at_fp64)}
@@ -222,9 +257,14 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
         lap("candidate_fp64")
     full_ids = np.concatenate([ids, fed], 1)
     full_mask = np.concatenate([mask, np.ones_like(fed)], 1)
-    progress("oracle: reference at fp64 on the full sequence, no cache")
-    _, o = ref.at_fp64.capture(full_ids, full_mask, ref.taps)    # all of them: context for the hints
-    o = {t: np.asarray(x)[:, T:] for t, x in o.items()}          # column T + s - 1 is step s
+    oracle = _oracle_kind(ref, int(full_mask.sum(1).max()))
+    if oracle == FULL_RECOMPUTE:
+        progress("oracle: reference at fp64 on the full sequence, no cache")
+        _, o = ref.at_fp64.capture(full_ids, full_mask, ref.taps)    # all of them: context for the hints
+        o = {t: np.asarray(x)[:, T:] for t, x in o.items()}          # column T + s - 1 is step s
+    else:
+        progress(f"oracle: {oracle}")
+        o, _ = _decode_run(ref.at_fp64, ids, mask, ref.taps, fed, slack=slack)
     lap("oracle")
 
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
@@ -293,7 +333,7 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
         if "logits" in taps:
             st.top1_agree = bool((rs["logits"][:, 0].argmax(-1) == cs["logits"][:, 0].argmax(-1)).all())
             st.logits_rel_l2 = rel_l2(np.asarray(cs["logits"], np.float64), np.asarray(rs["logits"], np.float64))
-        if div is not None and div.kind == "semantic":
+        if div is not None and div.kind == "semantic" and oracle == FULL_RECOMPUTE:
             _which_path(st, div, c64s, own_full(), os_, at, keeps_f32)
         per_step.append(st)
         step_taps.append(verdicts)
@@ -314,7 +354,7 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
     return DecodeReport(ref.name, cand.name, policy.to_dict(), steps, T, fed.tolist(), source, worst,
                         None if first is None else first.step, None if first is None else first.first_divergence,
-                        per_step, listed, listed_taps, timing, environment(policy, uses_jax), differences)
+                        per_step, listed, listed_taps, timing, environment(policy, uses_jax), differences, oracle)
 
 
 def _onset(v: TapVerdict, step: int, agreed_at: int) -> TapVerdict:
@@ -414,8 +454,15 @@ class DecodeControl:
     step: object = dataclasses.field(repr=False, default=lambda T: 1)
     verdict: str | None = "semantic"     # None: informational, reported but not asserted
     hint: str = "decode path is wrong"     # words the first divergence's hint must contain
+    where: str = "torchref"     # or "transformers": patch(LlamaForCausalLM) on an eager model
 
     def side(self, folder, policy) -> Side:
+        if self.where == "transformers":
+            from ..adapters.transformers import TransformersModel
+            from ..ladder.controls import _hf_side
+            side = _hf_side(self.patch, tapnames_dtype(policy))(folder, policy)
+            side.name = f"{TransformersModel.__name__}+{self.name}"
+            return side
         import torchref
         at_p = torchref.from_pretrained(folder, policy=policy)
         at_64 = torchref.from_pretrained(folder, policy="fp64")
@@ -481,6 +528,43 @@ def _patch(**kw):
     return lambda m: _cached_attention(m, **kw)
 
 
+def tapnames_dtype(policy: Policy) -> str:
+    """The torch dtype name a transformers control model is loaded in at `policy`."""
+    return Policy.get(policy).param_dtype
+
+
+def _on_decode_steps(change):
+    """transformers: a forward pre-hook on layer LAYER's decoder layer that lets
+    change(module, kwargs) edit its keyword arguments on decode steps (one new position)
+    only; the float64 copy (a deep copy) keeps the hook, so it carries the bug too."""
+    def patch(hf):
+        def pre(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.shape[1] == 1 and kwargs.get("cache") is not None:
+                change(module, kwargs)
+            return args, kwargs
+        hf.model.layers[LAYER].register_forward_pre_hook(pre, with_kwargs=True)
+    return patch
+
+
+def _hf_hide_newest(module, kwargs):
+    mask = kwargs["attention_mask"].clone()
+    mask[..., -1] = mask.new_tensor(float("-inf") if mask.dtype.is_floating_point else False)
+    kwargs["attention_mask"] = mask
+
+
+def _hf_positions_plus_one(rotary):
+    def change(module, kwargs):
+        pos = kwargs["position_ids"] + 1
+        cos, _ = kwargs["position_embeddings"]
+        kwargs["position_embeddings"] = rotary(cos, pos)
+    return change
+
+
+def _hf_decode_positions_plus_one(hf):
+    _on_decode_steps(_hf_positions_plus_one(hf.model.rotary_emb))(hf)
+
+
 def _wrapping(slots: int):
     """A cache that wraps after `slots` slots (a ring buffer sized for the prompt): the
     first `slots` writes are right, later ones overwrite slot index - slots."""
@@ -504,6 +588,11 @@ DECODE_CONTROLS: dict[str, DecodeControl] = {c.name: c for c in [
     DecodeControl("cache_in_bf16", "keys and values rounded to bfloat16 when cached, whatever the policy",
                   _patch(store="bfloat16"), verdict=None,
                   hint="layer 1's attention computes at about bfloat16 precision even in the float64 run"),
+    # transformers LlamaForCausalLM (eager), through its own DynamicCache, patched on decode steps
+    DecodeControl("hf_stale_mask", "transformers: layer 1's attention mask over the cache misses the newest "
+                  "slot on decode steps", _on_decode_steps(_hf_hide_newest), where="transformers"),
+    DecodeControl("hf_decode_positions_off_by_one", "transformers: layer 1 rotates the decode step's query and key "
+                  "at position + 1", _hf_decode_positions_plus_one, where="transformers"),
     DecodeControl("cache_wraps", f"the cache wraps after the prompt + {LATE_SLOTS} slots (a ring buffer sized for "
                   "the prompt): later writes overwrite the oldest slot", None,
                   step=lambda T: LATE_SLOTS + 1),
