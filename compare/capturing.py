@@ -28,6 +28,7 @@ from .adapters.dump import (
 )
 from .environment import environment
 from .ladder.engine import parse_inputs
+from .ladder.stream import CheckpointModel, stream_capture
 
 
 def _tool_version() -> str:
@@ -70,7 +71,9 @@ def _resolve(impl, checkpoint, policy, batch_invariant):
             raise ValueError(f"unknown implementation '{impl}' (torchref, jaxmodel, or an object following the "
                              "Implementation protocol)")
         policy = Policy.get(policy or "bf16")
-        return OurModel.load(impl, checkpoint, policy, batch_invariant), policy
+        if batch_invariant:
+            return OurModel.load(impl, checkpoint, policy, batch_invariant), policy
+        return CheckpointModel(impl, checkpoint, policy), policy     # captured layer by layer
     side = as_implementation(impl, checkpoint)
     own = getattr(side, "policy", None)
     if isinstance(own, Policy):
@@ -123,12 +126,12 @@ def _forced(side, folder, cfg, ids, mask, names, progress):
         raise DumpError(f"{side.name} takes no inject, so it has no teacher-forced run to capture")
     n = cfg.num_hidden_layers
     progress("teacher forcing: the oracle (torchref at fp64)")
-    _, o = OurModel.load("torchref", str(folder), "fp64").capture(ids, mask, ["embed", "layers.*.out"])
+    _, o = stream_capture(CheckpointModel("torchref", str(folder), "fp64"), ids, mask, ["embed", "layers.*.out"])
     inject = {0: o["embed"], **{i: o[f"layers.{i - 1}.out"] for i in range(1, n)}}
     kinds = dict.fromkeys([tapnames.tap(t).kind for t in names if tapnames.layer_of(t) is not None] + ["out"])
     want = tapnames.select([f"layers.*.{k}" for k in kinds], n, side.taps,
                            lambda pattern, t: f"{side.name} cannot capture '{t}' (asked for as '{pattern}')")
-    progress(f"teacher forcing: {side.name} with every layer fed the oracle's input")
+    progress(f"teacher forcing: {side.name} with every layer fed the oracle's input (the whole model loaded)")
     _, forced = side.capture(ids, mask, want, inject=inject)
     return inject, {t: forced[t] for t in want}
 
@@ -156,7 +159,9 @@ def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, tap
                             lambda pattern, t: f"{side.name} cannot capture '{t}' (asked for as '{pattern}')")
     progress(f"capturing {len(names)} taps of {side.name} at {policy.name} on {ids.shape[0]} x {ids.shape[1]} tokens")
     t1 = time.perf_counter()
-    _, acts = side.capture(ids, mask, names)
+    # torchref / jaxmodel by name: one layer's weights in memory at a time (bitwise the whole model's capture)
+    _, acts = stream_capture(side, ids, mask, names) if isinstance(side, CheckpointModel) else \
+        side.capture(ids, mask, names)
     seconds = time.perf_counter() - t1
     files = _write_taps(out, side, acts, names, cfg, ids.shape, "", progress)
     forcing = None
