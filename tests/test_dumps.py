@@ -326,9 +326,11 @@ def test_cli_capture_then_compare_candidate_dump(tiny_dir, tmp_path, capsys):
     assert rc == 2 and "holds a dump already; pass force=True (--force)" in capsys.readouterr().err
     report = tmp_path / "r.json"
     # no checkpoint given: the one the dump recorded (fingerprint checked); its inputs and policy
-    rc = main(["compare", "--candidate-dump", str(out), "--json", str(report), "--no-files", "--no-colour"])
+    rc = main(["compare", "--candidate-dump", str(out), "--json", str(report), "--html", str(tmp_path / "r.html"),
+               "--no-colour"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
+    assert "data:image/png;base64," in (tmp_path / "r.html").read_text()
     r = json.loads(report.read_text())
     assert r["candidate"] == "jaxmodel (dump)" and r["policy"]["name"] == "bf16"
     assert r["teacher_forcing"].startswith("not run") and "candidate: dump" in printed
