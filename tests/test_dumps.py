@@ -250,6 +250,44 @@ def test_capture_refuses_a_folder_holding_other_things(tiny_dir, tmp_path):
         capture(tiny_dir("gqa"), "torchref", "fp32", inputs=inputs(), out=tmp_path)
 
 
+def test_capture_force_replaces_a_dump_and_its_forced_files(tiny_dir, tmp_path):
+    ck = tiny_dir("gqa")
+    capture(ck, "torchref", "fp32", inputs=inputs(), out=tmp_path / "d", teacher_forcing=True)
+    assert (tmp_path / "d" / "forced-inputs.safetensors").is_file()
+    capture(ck, "torchref", "fp32", inputs=inputs(), out=tmp_path / "d", taps="layers.*.out", force=True)
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["layer-0000.safetensors", "layer-0001.safetensors",
+                                                                  "manifest.json"]
+
+
+def test_capture_of_an_object_takes_its_policy(tiny_dir, tmp_path):
+    import torchref
+    from compare.adapters import OurModel
+    ck = tiny_dir("gqa")
+    model = OurModel(torchref.from_pretrained(ck, policy="fp16"))
+    with pytest.raises(ValueError, match=r"torchref runs at fp16, not bf16: param_dtype: float16 vs bfloat16"):
+        capture(ck, model, "bf16", inputs=inputs(), out=tmp_path / "a")
+    d = Dump(capture(ck, model, inputs=inputs(), out=tmp_path / "b", taps="logits"))
+    assert d.policy.name == "fp16" and d.package is None
+
+    class Port:     # the Implementation protocol, no policy of its own
+        name, taps = "port", ("logits",)
+
+        def capture(self, tokens, attention_mask, taps, inject=None):
+            logits = np.zeros((*np.shape(tokens), 96), np.float32)
+            return logits, {"logits": logits}
+    with pytest.raises(ValueError, match="port states no policy"):
+        capture(ck, Port(), inputs=inputs(), out=tmp_path / "c")
+    assert Dump(capture(ck, Port(), "fp32", inputs=inputs(), out=tmp_path / "c")).taps == ("logits",)
+
+
+def test_cli_capture_refuses_an_out_folder_in_the_repository(tiny_dir, capsys):
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    rc = main(["capture", str(tiny_dir("gqa")), "--random-tokens", "1x4", "--out", str(repo / "dump-here")])
+    assert rc == 2 and "inside the llama-parity repository" in capsys.readouterr().err
+    assert not (repo / "dump-here").exists()
+
+
 def test_fingerprint_sees_one_changed_byte_and_is_shard_aware(tmp_path):
     ck = make_checkpoint(tmp_path / "a", shards=2)
     fp = fingerprint(ck)
