@@ -18,7 +18,10 @@ PORT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 def port_dtype(policy) -> str:
     """"fp32" / a Policy -> "float32" and so on. A policy whose compute dtype differs from its
-    parameter dtype (bf16w-f32) is not something a port's loader offers: a ValueError."""
+    parameter dtype (bf16w-f32) is not something a port's loader offers: a ValueError.
+    A dtype name ("float32", ...) is taken as it is."""
+    if isinstance(policy, str) and policy in PORT_DTYPES:
+        return policy
     p = Policy.get(policy)
     if p.param_dtype != p.compute_dtype or p.param_dtype not in PORT_DTYPES:
         raise ValueError(f"policy '{p.name}': a third-party port runs one dtype for weights and activations "
