@@ -109,8 +109,11 @@ def test_dump_with_teacher_forcing_gives_the_whole_live_report(dumped, tmp_path)
     with pytest.raises(DumpError, match=r"injected into layer 1 differs from the oracle input its teacher-forced "
                                         r"run was fed \(relative L2 .* > 3.9e-06\)"):
         d.capture(ids, mask, "layers.*.out", inject={0: inject[0], 1: inject[1] * (1 + 1e-4)})
-    with pytest.raises(DumpError, match=r"fed every layer 0..1; asked to inject layers \[1\]"):
+    with pytest.raises(DumpError, match=r"asked for the forced layers.0.out, but inject feeds layers \[1\] only"):
         d.capture(ids, mask, "layers.*.out", inject={1: inject[1]})
+    one = d.capture(ids, mask, "layers.1.*", inject={1: inject[1]})[1]     # a layer's taps need its input only
+    all_in = d.capture(ids, mask, "layers.1.*", inject=inject)[1]
+    assert len(one) == 15 and all(np.array_equal(one[t], all_in[t]) for t in one)
     with pytest.raises(DumpError, match="holds no teacher-forced run"):
         Dump(dumped[1]).capture(ids, mask, "layers.*.out", inject=inject)
     (tmp_path / "forced" / "forced-inputs.safetensors").unlink()

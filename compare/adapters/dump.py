@@ -364,9 +364,10 @@ class Dump:
             raise DumpError(f"dump {self.path} holds taps for other inputs than the ones asked for: {differ}; "
                             "compare on the dump's inputs (Dump.inputs)")
         if inject:
-            self._check_inject(inject)
-            names = tapnames.select(taps, self.cfg.num_hidden_layers, self.forced_taps, lambda pattern, t:
+            names = tapnames.select(taps, self.cfg.num_hidden_layers, self.forced_taps if self.supports_inject
+                                    else self.taps, lambda pattern, t:
                                     f"dump {self.path} holds no teacher-forced '{t}' (asked for as '{pattern}')")
+            self._check_inject(inject, names)
             out = self._read(names, self.forced_file_of)
             return None, {t: out[t] for t in names}
         names = tapnames.select(taps, self.cfg.num_hidden_layers, self.taps,
@@ -383,23 +384,26 @@ class Dump:
                 out.update({t: f.get_tensor(t) for t in names if file_of[t] == name})
         return out
 
-    def _check_inject(self, inject) -> None:
-        """The forced run stored here is the one asked for when every layer is injected and
-        each input equals the stored one to 1e-3 of the policy's unit roundoff (relative L2
-        over the real positions): two float64 oracles (another implementation, another
-        machine) agree far closer than that, and a difference that size cannot move a
-        local error measured at the policy."""
+    def _check_inject(self, inject, names) -> None:
+        """The stored forced run answers for the layers whose injected input equals the
+        stored one to 1e-3 of the policy's unit roundoff (relative L2 over the real
+        positions): a layer's taps depend on its input alone, two float64 oracles (another
+        implementation, another machine) agree far closer than that, and a difference that
+        size cannot move a local error measured at the policy. Every tap asked for must be
+        in an injected layer (the stored run fed every layer; one not fed would continue
+        from its predecessor's forced output, which is not stored)."""
         if not self.supports_inject:
             raise DumpError(f"dump {self.path}: holds no teacher-forced run (capture it with teacher_forcing=True, "
                             "--teacher-forcing), so it cannot be fed other layer inputs")
-        n = self.cfg.num_hidden_layers
-        if sorted(inject) != list(range(n)):
-            raise DumpError(f"dump {self.path}: its teacher-forced run fed every layer 0..{n - 1}; asked to inject "
-                            f"layers {sorted(inject)}")
-        stored = self._read([f"layers.{i}.input" for i in range(n)],
-                            {f"layers.{i}.input": self.forced_inputs_file for i in range(n)})
+        layers = sorted({tapnames.layer_of(t) for t in names})
+        outside = [t for t in names if tapnames.layer_of(t) not in inject]
+        if outside:
+            raise DumpError(f"dump {self.path}: asked for the forced {outside[0]}, but inject feeds layers "
+                            f"{sorted(inject)} only; its teacher-forced run answers for the injected layers' taps")
+        stored = self._read([f"layers.{i}.input" for i in layers],
+                            {f"layers.{i}.input": self.forced_inputs_file for i in layers})
         real, tol = self.inputs[1].astype(bool), 1e-3 * unit_roundoff(self.policy.compute_dtype)
-        for i in range(n):
+        for i in layers:
             given = np.asarray(inject[i])
             if given.shape != stored[f"layers.{i}.input"].shape:
                 raise DumpError(f"dump {self.path}: injected input of layer {i} has shape {list(given.shape)}, the "
