@@ -236,7 +236,9 @@ def _none(m):
 
 # ----- transformers: a patched LlamaForCausalLM ----------------------------------------------
 
-def _hf_side(patch, dtype="float32"):
+def hf_side(patch, dtype="float32"):
+    """A control's candidate builder: transformers' eager LlamaForCausalLM loaded in `dtype`,
+    `patch`(model) applied before the float64 copy is made (so the copy carries it)."""
     def build(folder, policy):
         import torch
         import transformers
@@ -404,12 +406,12 @@ CONTROLS: dict[str, Control] = {c.name: c for c in [
        _torch_side(_patch_attn(attention=_softmax_in("float16"))), "softmax(scores.to(float16)) in one layer"),
     _c("hf_q_proj_bf16", "transformers", "fp32", "precision", A + "q", "attn",
        ["layer 1's attention computes at about bfloat16 precision even in the float64 run"],
-       _hf_side(_hf_output_in("self_attn.q_proj", "bfloat16")), "q_proj output rounded to bfloat16"),
+       hf_side(_hf_output_in("self_attn.q_proj", "bfloat16")), "q_proj output rounded to bfloat16"),
     _c("hf_mlp_out_fp16", "transformers", "fp32", "precision", A + "mlp_out", "mlp",
        ["MLP computes at about float16 precision"],
-       _hf_side(_hf_output_in("mlp", "float16")), "MLP output rounded to float16"),
+       hf_side(_hf_output_in("mlp", "float16")), "MLP output rounded to float16"),
     _c("hf_rope_angles_bf16", "transformers", "bf16", "precision", "layers.0.q_rope", "attn",
-       ["RoPE tables", "highest-frequency"], _hf_side(_hf_rope_angles_in_model_dtype, "bfloat16"),
+       ["RoPE tables", "highest-frequency"], hf_side(_hf_rope_angles_in_model_dtype, "bfloat16"),
        "rotary_emb computes position x inv_freq in the model's dtype (bf16), every layer"),
     # Reported, not asserted: under bf16 the policy itself rounds scores and probabilities
     # to bf16, so a bf16 softmax adds about one more rounding (measured 1.0-1.4x the
@@ -418,15 +420,15 @@ CONTROLS: dict[str, Control] = {c.name: c for c in [
        _torch_side(_none, dict(softmax_dtype="bfloat16")), "softmax in bf16 (bf16 policy)"),
     # transformers LlamaForCausalLM (eager), patched, against torchref
     _c("hf_rmsnorm_eps", "transformers", "fp32", "semantic", A + "attn_norm", "attn_norm",
-       ["per-row scale"], _hf_side(_set_eps(1e-6, "variance_epsilon")), "input_layernorm.variance_epsilon 1e-6"),
+       ["per-row scale"], hf_side(_set_eps(1e-6, "variance_epsilon")), "input_layernorm.variance_epsilon 1e-6"),
     _c("hf_attn_scale_missing", "transformers", "fp32", "semantic", A + "attn_ctx", "attn",
-       ["no attention scale"], _hf_side(_hf_scaling("missing")), "self_attn.scaling = 1"),
+       ["no attention scale"], hf_side(_hf_scaling("missing")), "self_attn.scaling = 1"),
     _c("hf_qk_permutation", "transformers", "fp32", "semantic", A + "q", "attn", ["permuted"],
-       _hf_side(_hf_weights(_hf_qk_permuted)), "q/k weight rows permuted"),
+       hf_side(_hf_weights(_hf_qk_permuted)), "q/k weight rows permuted"),
     _c("hf_gate_up_swapped", "transformers", "fp32", "semantic", A + "gate", "mlp", [],
-       _hf_side(_hf_weights(_hf_swap_gate_up)), "gate_proj and up_proj weights swapped"),
+       hf_side(_hf_weights(_hf_swap_gate_up)), "gate_proj and up_proj weights swapped"),
     _c("hf_norm_one_plus_w", "transformers", "fp32", "semantic", A + "mlp_norm", "mlp_norm",
-       ["norm weight", "(1 + w)"], _hf_side(_hf_weights(_hf_one_plus_w)), "post-attention norm weight + 1"),
+       ["norm weight", "(1 + w)"], hf_side(_hf_weights(_hf_one_plus_w)), "post-attention norm weight + 1"),
     # jaxmodel on a doctored checkpoint copy
     _c("jax_gate_up_swapped", "jaxmodel", "fp32", "semantic", A + "gate", "mlp", [],
        _jax_side(_w_swap_gate_up), "checkpoint with gate_proj / up_proj swapped"),
@@ -442,7 +444,7 @@ def clean(where: str, policy: str) -> Control:
     def build(folder, pol):
         if where == "transformers":
             dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}[policy]
-            return _hf_side(_none, dtype)(folder, pol)
+            return hf_side(_none, dtype)(folder, pol)
         return resolve_side(where, folder, pol)
     return Control(f"clean_{where}_{policy}", where, policy, "drift", None, None, (), build,
                    f"clean {where} vs torchref at {policy}")

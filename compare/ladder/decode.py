@@ -458,10 +458,9 @@ class DecodeControl:
 
     def side(self, folder, policy) -> Side:
         if self.where == "transformers":
-            from ..adapters.transformers import TransformersModel
-            from ..ladder.controls import _hf_side
-            side = _hf_side(self.patch, tapnames_dtype(policy))(folder, policy)
-            side.name = f"{TransformersModel.__name__}+{self.name}"
+            from .controls import hf_side
+            side = hf_side(self.patch, Policy.get(policy).param_dtype)(folder, policy)
+            side.name = side.name.removesuffix("+bug") + f"+{self.name}"
             return side
         import torchref
         at_p = torchref.from_pretrained(folder, policy=policy)
@@ -526,11 +525,6 @@ def _cached_attention(model, slot=None, hide_newest=False, key_shift=0, store=No
 
 def _patch(**kw):
     return lambda m: _cached_attention(m, **kw)
-
-
-def tapnames_dtype(policy: Policy) -> str:
-    """The torch dtype name a transformers control model is loaded in at `policy`."""
-    return Policy.get(policy).param_dtype
 
 
 def _on_decode_steps(change):
