@@ -8,6 +8,7 @@ the planted bugs and clean runs that calibrate both.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import numpy as np
@@ -77,14 +78,19 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     taps = tuple(t for t in ref.taps if t in set(cand.taps))
     real = np.asarray(mask, bool)
     progress(f"reference {ref.name} at {policy.name}")
+    seconds, t0 = {}, time.perf_counter()
     _, r = ref.at_policy.capture(ids, mask, taps)
+    t0 = _lap(seconds, f"r ({ref.name} at {policy.name})", t0)
     progress(f"candidate {cand.name} at {policy.name}")
     _, c = cand.at_policy.capture(ids, mask, taps)
+    t0 = _lap(seconds, f"c ({cand.name} at {policy.name})", t0)
     progress("oracle: reference at fp64")
     _, o = ref.at_fp64.capture(ids, mask, ref.taps)   # all of them: context for the hints
+    t0 = _lap(seconds, f"o ({ref.name} at fp64)", t0)
     if cand.at_fp64 is not None:
         progress("candidate at fp64 (semantic rung)")
         _, c64 = cand.at_fp64.capture(ids, mask, taps)
+        t0 = _lap(seconds, f"c64 ({cand.name} at fp64)", t0)
     else:       # judged by structure alone (verdicts.classify_without_twin)
         progress(f"candidate at fp64: not run ({cand.name} has no float64())")
         c64 = None
@@ -102,6 +108,7 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
               if "logits" in taps else {})
     worst, divergence = first_divergence(verdicts)
+    t0 = _lap(seconds, "judging", t0)
     local, forcing = [], "off"
     no_inject = [s.name for s in (ref, cand) if not getattr(s.at_policy, "supports_inject", True)]
     if teacher_forcing and no_inject:
@@ -109,12 +116,20 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     elif teacher_forcing:
         progress("teacher forcing: every layer fed the oracle's input")
         local = local_errors(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32)
+        _lap(seconds, "teacher forcing", t0)
         amplification(local, verdicts)
         forcing = "run"
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
     rung = "run" if c64 is not None else f"not run: {cand.name} has no float64() (the same implementation at float64)"
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
-                  logits, environment(policy, uses_jax), differences, forcing, rung, run={"path": "full"})
+                  logits, environment(policy, uses_jax), differences, forcing, rung,
+                  run={"path": "full", "seconds": seconds})
+
+
+def _lap(seconds: dict, what: str, t0: float) -> float:
+    now = time.perf_counter()
+    seconds[what] = round(seconds.get(what, 0.0) + now - t0, 3)
+    return now
 
 
 def _run_streamed(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing, progress, differences) -> Report:
