@@ -337,12 +337,15 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
 
 def _logits(runs: dict, reader: _Reader, cfg: LlamaConfig, x: dict) -> dict:
     """Each run's logits [B, T, vocab] from its final_norm output x[k], the lm_head read once
-    per folder, in chunks of _head_chunk rows; each run's copy of a chunk is dropped after use."""
+    per folder, in chunks of _head_chunk rows; each run's copy of a chunk is dropped after use.
+    The float64 runs go first, while fewer logits are held."""
     out = {k: None for k in runs}
+    order = sorted(runs, key=lambda k: k not in ("o", "c64"))
     rows_per = _head_chunk(cfg)
     for folder in dict.fromkeys(run.folder for run in runs.values()):
         for start, head_rows in reader.head(folder, cfg, rows_per):
-            for k, run in runs.items():
+            for k in order:
+                run = runs[k]
                 if run.folder == folder:
                     part = run("logits", x[k], head_rows)
                     if rows_per >= cfg.vocab_size:
