@@ -180,8 +180,9 @@ class _Reader:
 class _Run:
     """One run of the ladder: a LayerRunner, its checkpoint folder, its hidden state."""
 
-    def __init__(self, label: str, impl: CheckpointModel, ids, mask):
-        self.label, self.folder, self.ids = label, impl.checkpoint, ids
+    def __init__(self, impl: CheckpointModel, ids, mask):
+        self.label = f"{impl.name} at {impl.policy.name}"
+        self.folder, self.ids, self.mask = impl.checkpoint, ids, mask
         self.runner = impl.runner()
         self.runner.start(ids, mask)
         self.h = None
@@ -205,7 +206,7 @@ def stream_capture(impl: CheckpointModel, ids, mask, taps=("layers.*.out",)) -> 
     cfg = impl.cfg
     names = set(tapnames.resolve(taps, cfg.num_hidden_layers))
     ids, mask = check_tokens(cfg, ids, mask)
-    reader, run = _Reader([impl.checkpoint]), _Run(impl.name, impl, ids, mask)
+    reader, run = _Reader([impl.checkpoint]), _Run(impl, ids, mask)
     out = {}
     h = run("embed", reader.rows(run.folder, "model.embed_tokens.weight", ids))
     out["embed"] = h
@@ -261,9 +262,8 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
     impls = {"r": ref.at_policy, "c": cand.at_policy, "o": ref.at_fp64, "c64": cand.at_fp64}
     reader = _Reader(impl.checkpoint for impl in impls.values())
-    runs = {k: _Run(k, impl, ids, mask) for k, impl in impls.items()}
+    runs = {k: _Run(impl, ids, mask) for k, impl in impls.items()}
     judge = _Judge(policy, real, keeps_f32, taps)
-    pos = positions_from_mask(mask)[real]
     n = cfg.num_hidden_layers
 
     acts = {}
@@ -271,11 +271,10 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
         run.h = acts.setdefault(k, {})["embed"] = run("embed", reader.rows(run.folder, "model.embed_tokens.weight",
                                                                              ids))
     judge.hidden = acts["o"]["embed"].shape[-1]
-    floor, m = precision_floor(policy, judge.hidden), drift_factor(policy)
     judge(["embed"], acts["r"], acts["c"], acts["o"], acts["c64"])
     prev_o = {"embed": acts["o"]["embed"]}
-    rows, at_kind = [], {}       # teacher forcing: per layer, and per tap kind the numbers a precision
-    t_start = time.perf_counter()  # divergence there would need (its kind is known at the end only)
+    rows = []     # teacher forcing's local errors, per layer
+    t_start = time.perf_counter()
     for i in range(n):
         layer_taps = [f"layers.{i}.{k}" for k in tapnames.LAYER_TAPS]
         weights = {}
@@ -286,18 +285,11 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
             acts[k] = run("block", i, weights[run.folder], run.h, layer_taps)
         judge(layer_taps, acts["r"], acts["c"], acts["o"], acts["c64"], prev_o)
         if teacher_forcing:
-            row, kinds = {"layer": i}, {}
-            forced = {k: runs[k]("block", i, weights[runs[k].folder], forced_in, layer_taps) for k in ("r", "c")}
+            row, t = {"layer": i}, f"layers.{i}.out"
             for key, k in (("ref", "r"), ("cand", "c")):
-                t = f"layers.{i}.out"
-                row[f"{key}_local"] = rel_l2(forced[k][t][real], acts["o"][t][real])
-            for kind in tapnames.LAYER_TAPS:
-                t = f"layers.{i}.{kind}"
-                fr, fc, o = forced["r"][t][real], forced["c"][t][real], acts["o"][t][real]
-                kinds[kind] = {"ref_tap_local": rel_l2(fr, o), "cand_tap_local": rel_l2(fc, o),
-                               "tap_local_ratio": precision_ratio(fr, fc, o, pos, floor, m)[0]}
+                forced = runs[k]("block", i, weights[runs[k].folder], forced_in, [t])
+                row[f"{key}_local"] = rel_l2(forced[t][real], acts["o"][t][real])
             rows.append(row)
-            at_kind[i] = kinds
         for k, run in runs.items():
             run.h = acts[k][f"layers.{i}.out"]
         prev_o = {f"layers.{i}.out": runs["o"].h}
@@ -328,7 +320,7 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
     worst, divergence = first_divergence(verdicts)
     if teacher_forcing:
         progress("teacher forcing: done with the layers (every layer was also fed the oracle's input)")
-        _localise(divergence, rows, at_kind, runs, reader, cfg, real, policy, keeps_f32, progress)
+        _localise(divergence, rows, runs, reader, cfg, real, policy, keeps_f32, progress)
         amplification(rows, verdicts)
     seconds = {f"{k} ({impls[k].name} at {impls[k].policy.name})": round(run.seconds, 3) for k, run in runs.items()}
     seconds.update({"reading": round(reader.seconds, 3), "judging": round(judge.seconds, 3)})
@@ -359,27 +351,37 @@ def _logits(runs: dict, reader: _Reader, cfg: LlamaConfig, x: dict) -> dict:
     return out
 
 
-def _localise(divergence, rows, at_kind, runs, reader, cfg, real, policy, keeps_f32, progress) -> None:
-    """teacher.local_errors' divergence part on the streamed numbers: the divergence's tap
-    kind in every layer (the layer's output when it starts outside the layers), at P for a
-    precision divergence, at fp64 (one more pass of the oracle and the candidate's fp64
-    run fed the oracle's input) for a semantic one; then teacher.confirm_divergence."""
+def _localise(divergence, rows, runs, reader, cfg, real, policy, keeps_f32, progress) -> None:
+    """teacher.local_errors' divergence part: the divergence's tap kind in every layer (the
+    layer's output when it starts outside the layers) fed the oracle's input, at P for a
+    precision divergence (reference and candidate), at fp64 for a semantic one (the
+    candidate's twin); then teacher.confirm_divergence. The tap kind is known only now, so
+    this is one more pass over the layers, with the oracle giving each layer's input."""
     if divergence is None:
         return
     kind = tapnames.tap(divergence.tap).kind if divergence.layer is not None else "out"
     at = [f"layers.{i}.{kind}" for i in range(cfg.num_hidden_layers)]
-    if divergence.kind == "precision":
-        for row in rows:
-            row.update(at_kind[row["layer"]][kind])
-    elif divergence.kind == "semantic":
-        progress("teacher forcing at fp64: the candidate's fp64 run fed the oracle's input, layer by layer")
-        o, c64 = runs["o"], runs["c64"]
-        h = o("embed", reader.rows(o.folder, "model.embed_tokens.weight", o.ids))
-        for i in range(cfg.num_hidden_layers):
-            w = reader.layer(o.folder, i)
-            wc = w if c64.folder == o.folder else reader.layer(c64.folder, i)
-            oracle = o("block", i, w, h, [at[i]])
-            forced = c64("block", i, wc, h, [at[i]])
-            rows[i]["cand64_tap_local"] = rel_l2(forced[at[i]][real], oracle[at[i]][real])
-            h = oracle[f"layers.{i}.out"]
+    forced = ("r", "c") if divergence.kind == "precision" else ("c64",)
+    progress(f"teacher forcing for the {divergence.kind} divergence: layers.i.{kind} of "
+             f"{' and '.join(runs[k].label for k in forced)} fed the oracle's input, layer by layer")
+    o = runs["o"]
+    pos = positions_from_mask(np.asarray(o.mask))[real]
+    floor, m = precision_floor(policy, cfg.hidden_size), drift_factor(policy)
+    h = o("embed", reader.rows(o.folder, "model.embed_tokens.weight", o.ids))
+    for i, t in enumerate(at):
+        weights = {o.folder: reader.layer(o.folder, i)}
+        for k in forced:
+            if runs[k].folder not in weights:
+                weights[runs[k].folder] = reader.layer(runs[k].folder, i)
+        oracle = o("block", i, weights[o.folder], h, [t])
+        got = {k: runs[k]("block", i, weights[runs[k].folder], h, [t])[t][real] for k in forced}
+        ot = oracle[t][real]
+        if divergence.kind == "precision":
+            rows[i]["ref_tap_local"], rows[i]["cand_tap_local"] = rel_l2(got["r"], ot), rel_l2(got["c"], ot)
+            rows[i]["tap_local_ratio"] = precision_ratio(got["r"], got["c"], ot, pos, floor, m)[0]
+        else:
+            rows[i]["cand64_tap_local"] = rel_l2(got["c64"], ot)
+        h = oracle[f"layers.{i}.out"]
+        del weights, oracle, got
+        _trim()
     confirm_divergence(divergence, rows, at, policy, keeps_f32)
