@@ -112,3 +112,16 @@ def test_write_html(tmp_path, as_dict):
     r = Report("torchref", "jaxmodel", POLICY, "drift", None, _taps(1), _local(1))
     out = write_html(r.to_dict() if as_dict else r, tmp_path / "sub" / "report.html")
     assert out.exists() and out.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+
+
+def test_notes_say_what_was_not_run_and_what_differs():
+    d = Report("torchref", "my port", POLICY, "drift", None, _taps(2), [],
+               config_differences=["rms_norm_eps: 1e-05 (reference) vs 1e-06 (candidate)"],
+               teacher_forcing="not run: my port takes no inject (teacher forcing needs it)",
+               semantic_rung="not run: my port has no float64()").to_dict()
+    page = render_html(d)
+    assert "The configs differ: rms_norm_eps: 1e-05 (reference) vs 1e-06 (candidate)" in page
+    assert "Teacher forcing not run: my port takes no inject" in page
+    assert "fp64 rung not run: my port has no float64()" in page and "by structure alone" in page
+    plain = render_html(Report("torchref", "jaxmodel", POLICY, "drift", None, _taps(2), _local(2)).to_dict())
+    assert "structure alone" not in plain and "configs differ" not in plain

@@ -330,6 +330,17 @@ def render_html(report_dict: dict) -> str:
         parts.append(f"<div class='div' style='border-color:{kind_hex(verdict)}'>Verdict "
                      f"{escape(verdict)} but no first divergence was recorded.</div>")
 
+    notes = []
+    if r.get("config_differences"):
+        notes.append("The configs differ: " + "; ".join(map(str, r["config_differences"])))
+    if str(r.get("teacher_forcing", "run")).startswith("not run"):
+        notes.append(f"Teacher forcing {r['teacher_forcing']}")
+    if str(r.get("semantic_rung", "run")).startswith("not run"):
+        notes.append(f"fp64 rung {r['semantic_rung']}: the candidate's taps are judged at {pname} by structure "
+                     "alone; a lower-precision step and a small change in the math can look alike")
+    if notes:
+        parts.append("<div class='div' style='border-color:#555555'>" + "<br>".join(escape(n) for n in notes)
+                     + "</div>")
     parts.append("<h2>Error vs depth</h2>" + figure("error vs depth", _plot_depth, taps, policy))
     parts.append("<h2>Local vs inherited error per layer</h2>"
                  + figure("local vs inherited error", _plot_local, taps, local))
