@@ -274,7 +274,7 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
     judge(["embed"], acts["r"], acts["c"], acts["o"], acts["c64"])
     prev_o = {"embed": acts["o"]["embed"]}
     rows = []     # teacher forcing's local errors, per layer
-    t_start = time.perf_counter()
+    t_start = t_first = time.perf_counter()
     for i in range(n):
         layer_taps = [f"layers.{i}.{k}" for k in tapnames.LAYER_TAPS]
         weights = {}
@@ -295,7 +295,11 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
         prev_o = {f"layers.{i}.out": runs["o"].h}
         del weights, acts
         _trim()
-        per = (time.perf_counter() - t_start) / (i + 1)
+        now = time.perf_counter()
+        if i == 0:      # the first layer's time includes compiling (jaxmodel): the estimate starts after it
+            t_first, per = now, now - t_start
+        else:
+            per = (now - t_first) / i
         progress(f"layer {i + 1}/{n} done ({per:.1f} s per layer, about {per * (n - i - 1):.0f} s left)")
 
     norm, acts = {}, {}
