@@ -138,25 +138,91 @@ def test_dtype_noise_controls_on_padded_batches(name, side, folder):
     assert check(control, report) == [], report.summary()
 
 
+# Issue 13's other classes in torchref and transformers at bf16: RoPE angles rounded at the
+# policy (a precision that grows with position x frequency) and an epsilon change that bf16
+# (nearly) rounds away where it starts, localised by the fp64 rung.
+PADDED_CLASSES = ["rope_tables_bf16", "hf_rope_angles_bf16", "rmsnorm_eps_hidden_bf16", "hf_rmsnorm_eps_hidden_bf16"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name", PADDED_CLASSES)
+def test_position_and_hidden_classes_on_padded_batches(name, side, folder):
+    control = CONTROLS[name]
+    if control.where == "transformers":
+        pytest.importorskip("transformers")
+    mask = np.ones_like(IDS)
+    if side == "left":
+        mask[1, :32] = 0
+    else:
+        mask[1, -32:] = 0
+    report = run_control(control, folder, IDS, mask)
+    assert check(control, report) == [], report.summary()
+    assert report.first_divergence.confirmed, report.first_divergence.evidence
+
+
 def test_noise_controls_are_listed():
     assert len(NOISE) == 4
 
 
+def _clean_matrix():
+    """Every clean candidate, policy and padding side; the issue's false-alarm cases run by
+    default, the rest with -m slow (2-3 s each on SmolLM2, 64 tokens)."""
+    default = {("transformers-eager", "fp32", "left"), ("transformers-eager", "bf16", "left"),
+               ("transformers-sdpa", "bf16", "left"), ("jaxmodel", "bf16", "right")}
+    for cand in ("jaxmodel", "transformers-eager", "transformers-sdpa"):
+        for policy in ("fp32", "bf16", "fp16"):
+            for side in ("left", "right"):
+                marks = [] if (cand, policy, side) in default else [pytest.mark.slow]
+                yield pytest.param(cand, policy, side, marks=marks, id=f"{cand}-{policy}-{side}")
+
+
 @pytest.mark.smollm2
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("attn,policy", [("eager", "fp32"), ("eager", "bf16"), ("sdpa", "bf16")])
-def test_smollm2_clean_transformers_on_a_left_padded_batch(attn, policy, smollm2, smol_ids):
-    """Two rows of different lengths, left padded: the engine's float64 copy of an eager
-    model must not turn the padding into a finding (issue 13's false alarm)."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
+@pytest.mark.parametrize("cand,policy,side", list(_clean_matrix()))
+def test_smollm2_clean_on_a_padded_batch(cand, policy, side, smollm2, smol_ids):
+    """Two rows of different lengths, padded on `side`: neither the engine's float64 copies
+    (transformers' eager float64 attention and left padding) nor the padding may become a
+    finding (issue 13's false alarm)."""
     from compare import compare_models
     ids = np.concatenate([smol_ids[:, :48], smol_ids[:, 16:64]])
     mask = np.ones_like(ids)
-    ids[1, :12], mask[1, :12] = 0, 0
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[policy]
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(smollm2), dtype=dtype, attn_implementation=attn).eval()
-    report = compare_models("torchref", hf, smollm2, inputs=(ids, mask), policy=policy, teacher_forcing=False)
-    print(f"\nMEASURED smollm2 clean transformers[{attn}] {policy} left-padded: {report.verdict}")
+    if side == "left":
+        ids[1, :12], mask[1, :12] = 0, 0
+    else:
+        ids[1, -12:], mask[1, -12:] = 0, 0
+    if cand.startswith("transformers"):
+        transformers = pytest.importorskip("transformers")
+        import torch
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[policy]
+        cand = transformers.LlamaForCausalLM.from_pretrained(str(smollm2), dtype=dtype,
+                                                             attn_implementation=cand.split("-")[1]).eval()
+    report = compare_models("torchref", cand, smollm2, inputs=(ids, mask), policy=policy, teacher_forcing=False)
+    rated = [v.precision_ratio for v in report.taps if v.precision_ratio == v.precision_ratio]
+    print(f"\nMEASURED smollm2 clean {report.candidate} {policy} {side}-padded: {report.verdict}, "
+          f"max precision ratio {max(rated, default=0):.2f}")
     assert report.verdict in ("exact", "drift"), report.summary()
+
+
+@pytest.fixture(scope="module")
+def smol_ids_128(smollm2):
+    from llamaspec.tokenizer import Tokenizer
+    tok = Tokenizer.from_pretrained(smollm2)
+    text = ("Rotary embeddings turn positions into angles; long contexts make the angles large. ") * 16
+    return np.array([tok.encode_chat(text)[:128]])
+
+
+@pytest.mark.smollm2
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", ["hf_rope_angles_bf16", pytest.param("rope_tables_bf16", marks=pytest.mark.slow)])
+def test_smollm2_rope_angles_in_bf16_at_128_tokens(name, smollm2, smol_ids_128):
+    """Issue 13's third class: RoPE angles in bf16 on a bf16 model at 128 tokens was drift;
+    the precision check now also looks at each quarter of the RoPE frequencies at q_rope /
+    k_rope (and transformers' q_rope is recomputed from its own tables)."""
+    control = CONTROLS[name]
+    if control.where == "transformers":
+        pytest.importorskip("transformers")
+    report = run_control(control, smollm2, smol_ids_128)
+    print(f"\nMEASURED smollm2 {name} 128 tokens: {report.summary()}")
+    assert check(control, report) == [], report.summary()
+    assert report.first_divergence.confirmed, report.first_divergence.evidence

@@ -419,6 +419,10 @@ CONTROLS: dict[str, Control] = {c.name: c for c in [
     _c("softmax_bf16", "torchref", "bf16", None, "layers.0.attn_ctx", "attn", [],
        _torch_side(_none, dict(softmax_dtype="bfloat16")), "softmax in bf16 (bf16 policy)"),
     # transformers LlamaForCausalLM (eager), patched, against torchref
+    # (its float64 run keeps the norm in f32: an epsilon change must pass STRUCT_F32_FLOOR to be seen)
+    _c("hf_rmsnorm_eps_hidden_bf16", "transformers", "bf16", "semantic", A + "attn_norm", "attn_norm",
+       ["per-row scale"], hf_side(_set_eps(1.5e-5, "variance_epsilon"), "bfloat16"),
+       "input_layernorm.variance_epsilon 1.5e-5 (config 1e-5) under bf16"),
     _c("hf_rmsnorm_eps", "transformers", "fp32", "semantic", A + "attn_norm", "attn_norm",
        ["per-row scale"], hf_side(_set_eps(1e-6, "variance_epsilon")), "input_layernorm.variance_epsilon 1e-6"),
     _c("hf_attn_scale_missing", "transformers", "fp32", "semantic", A + "attn_ctx", "attn",

@@ -38,6 +38,7 @@ from ..vocabulary import (
     ONE_ROUNDING,
     QUARTER_POSITIONS,
     STRUCT_F32_FLOOR,
+    SUBSET_MIN_VALUES,
     TREND_BUCKETS,
     TREND_GROWTH,
     TREND_RHO,
@@ -131,6 +132,8 @@ class _RowErrors:
     def __init__(self, yardstick):
         self.o = self._rows(yardstick)
         self.norm = np.einsum("ij,ij->i", self.o, self.o)
+        sq = self.o * self.o
+        self.norm4 = np.einsum("ij,ij->i", sq, sq)
 
     @staticmethod
     def _rows(x) -> np.ndarray:
@@ -146,13 +149,20 @@ class _RowErrors:
         e, n = float(np.sum(sq[rows])), float(np.sum(self.norm[rows]))
         return math.sqrt(e / n) if n else math.sqrt(e)
 
+    def effective_values(self, rows=slice(None)) -> float:
+        """n_eff = (sum o^2)^2 / sum o^4 over `rows`: how many values the relative error of
+        these rows effectively averages (SUBSET_MIN_VALUES)."""
+        n4 = float(np.sum(self.norm4[rows]))
+        return float(np.sum(self.norm[rows])) ** 2 / n4 if n4 else 0.0
+
 
 def precision_ratio(r, c, o, pos, floor, m=M, rows: _RowErrors | None = None
                     ) -> tuple[float, str]:
     """err(c) / (M err(r) + floor) over the whole tap and over each quarter of positions
     (when there are >= QUARTER_POSITIONS): the worst, and where. A step whose rounding
-    grows with position (RoPE angles in low precision) hides in a whole-tap average.
-    r, c may be given as per-row squared errors with `rows` (the oracle's _RowErrors)."""
+    grows with position (RoPE angles in low precision) hides in a whole-tap average. A
+    quarter whose values are carried by a few huge ones (fewer than SUBSET_MIN_VALUES
+    effective values) is skipped. r, c may be given as per-row squared errors with `rows` (the oracle's _RowErrors)."""
     if rows is None:
         rows = _RowErrors(o)
         r, c = rows.sq(r), rows.sq(c)
@@ -165,6 +175,8 @@ def precision_ratio(r, c, o, pos, floor, m=M, rows: _RowErrors | None = None
         edges = distinct[np.linspace(0, len(distinct), 5).astype(int)[1:-1]]
         quarter = np.searchsorted(edges, pos, side="right")
         for q in range(4):
+            if rows.effective_values(quarter == q) < SUBSET_MIN_VALUES:
+                continue    # a few huge values carry this quarter: their error is no statistic
             x = ratio(quarter == q)
             if x > best:
                 lo, hi = pos[quarter == q].min(), pos[quarter == q].max()
@@ -194,6 +206,8 @@ def rope_band_ratio(r, c, o, floor, m=M) -> tuple[float, str]:
     for q in range(4):
         ob = band(o, q)
         n = float(np.sum(ob * ob))
+        if not n or n * n / float(np.sum(ob ** 4)) < SUBSET_MIN_VALUES:
+            continue
         er, ec = (math.sqrt(float(np.sum((band(x, q) - ob) ** 2)) / n) if n else 0.0 for x in (r, c))
         x = ec / (m * er + floor)
         if not x <= best:
