@@ -69,6 +69,8 @@ def llama_forward(xp, p, cfg, ids, mask, positions, inject=None, bug=None):
         return xp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
 
     allowed = np.asarray(mask, bool)[:, None, None, :] & np.tril(np.ones((T, T), bool))[None, None]
+    if bug == "pad_visible":        # every layer attends to padding slots too
+        allowed = np.tril(np.ones((T, T), bool))[None, None] | np.zeros_like(allowed)
     h = acts["embed"] = emb[ids]
     for i in range(cfg.num_hidden_layers):
         if inject and i in inject:
@@ -523,3 +525,30 @@ def test_linen_module_capture_intermediates(gqa):
     wrong = LinenModule(Llama(), {"params": params}, {"layers.{i}.out": "layer_{i}"}, num_layers=2)
     with pytest.raises(RuntimeError, match=r"'layers.0.out' \(layer_0: not in the intermediates tree"):
         wrong.capture(ids, mask, ["layers.0.out"])
+
+
+@pytest.mark.parametrize("bug", [None, "pad_visible"])
+def test_probes_take_a_port_under_the_protocol(gqa, bug):
+    """The batch and padding probes on a JAX function port: its capture's logits, its
+    float64() as the twin; a port that lets queries see padding slots is caught by the
+    padding probe."""
+    from compare.probes import probe_batch, probe_padding
+    folder, cfg, weights = gqa
+
+    def forward(params, ids, mask, positions, inject=None):
+        return llama_forward(jnp, params, cfg, jnp.asarray(ids), mask, positions, inject, bug=bug)
+
+    port = JaxFunction(forward, {k: jnp.asarray(v) for k, v in weights.items()}, name="jax port", taps="*",
+                       num_layers=cfg.num_hidden_layers)
+    port.config = cfg       # the probes read vocab_size / pad_token_id from it
+    with pytest.raises(TypeError, match="pass policy="):
+        probe_padding(port, length=12)
+    from compare.probes.models import as_probe_model
+    pm = as_probe_model(port, policy="fp32")
+    assert pm.name == "jax port" and pm.oracle() is not None
+    padding = probe_padding(pm, length=12)
+    batch = probe_batch(pm, length=12, batch_sizes=(2, 3), padding_side="left")   # pads before the target
+    if bug is None:
+        assert padding.verdict in ("exact", "drift") and batch.verdict in ("exact", "drift"), padding.summary()
+    else:
+        assert padding.verdict == "semantic", padding.summary()

@@ -44,7 +44,7 @@ from llamaspec.inputs import left_align
 from ..metrics import max_ulp, nonfinite, rel_l2, unit_roundoff
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M
-from .models import ProbeModel, as_probe_model
+from .models import ProbeModel, as_probe_model, logits_of
 
 PROBES = ("batch", "padding", "determinism", "divergence", "cross_greedy")
 DEFAULT_LENGTH = 24
@@ -164,7 +164,7 @@ def make_judge(pm: ProbeModel, ids, ref_logits) -> Judge:
     twin = pm.oracle()
     if twin is None:
         return Judge(0.0, 0.0, rel, top, "no fp64 twin: the thresholds are the floor only")
-    o = np.asarray(twin(ids, attention_mask=np.ones(ids.shape, np.int64)), np.float64).reshape(ref.shape)
+    o = np.asarray(logits_of(twin, ids, np.ones(ids.shape, np.int64)), np.float64).reshape(ref.shape)
     err = np.abs(ref - o)
     if not np.isfinite(err).all():
         return Judge(math.nan, math.nan, rel, top, "NaN/Inf in the model or its fp64 twin")
@@ -556,7 +556,7 @@ def compare_completion(name, group, batch_size, cand, ref, eos, threshold, dtype
 
 
 def _eos(pm: ProbeModel):
-    return tuple(getattr(pm.model.cfg, "eos_token_ids", ()) or ())
+    return tuple(getattr(pm.cfg, "eos_token_ids", ()) or ())
 
 
 def divergence_plan(completions: int, batch_sizes=(4, 8, 16, 32), seed=0, extra_pads=(0, 3, 7)):

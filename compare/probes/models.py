@@ -66,9 +66,12 @@ class ProbeModel:
         self.model = model
         self.spec = spec
         self.impl = spec.impl if spec else _impl_of(model)
-        pol = getattr(model, "policy", None)
+        pol = policy or getattr(model, "policy", None)
         pol = Policy.get(pol) if isinstance(pol, str) else pol   # TransformersModel names a preset
-        self.policy = policy or (spec.policy if spec else getattr(pol, "name", None))
+        self.policy = spec.policy if spec else getattr(pol, "name", None)
+        if self.policy is None:
+            raise TypeError(f"{name or _impl_of(model)}: the probes judge against the policy's rounding and this "
+                            "model states none: pass policy= (a preset name: fp32, bf16, fp16, fp64)")
         self.compute_dtype = (pol or Policy.get(self.policy)).compute_dtype
         self.mode = mode or (spec.mode if spec else
                              "invariant" if getattr(model, "batch_invariant", False) else "default")
@@ -78,21 +81,37 @@ class ProbeModel:
         self._oracle = oracle
 
     def logits(self, ids, mask=None) -> np.ndarray:
-        return np.asarray(self.model(ids, attention_mask=mask))
+        return logits_of(self.model, ids, mask)
 
     def prefill(self, ids, mask, total_len):
+        self._needs("prefill")
         return self.model.prefill(ids, mask, total_len)
 
     def decode(self, cache, next_ids):
+        self._needs("decode")
         return self.model.decode(cache, next_ids)
+
+    def _needs(self, method: str):
+        if not callable(getattr(self.model, method, None)):
+            raise TypeError(f"{self.name}: this probe decodes greedily and needs {method}(...) (llamaspec.generate's "
+                            "contract: prefill(ids, mask, total_len) and decode(cache, next_ids)); the batch, "
+                            "padding and determinism probes need only logits")
+
+    @property
+    def cfg(self):
+        cfg = getattr(self.model, "cfg", None) or getattr(self.model, "config", None)
+        if cfg is None or getattr(cfg, "vocab_size", None) is None:
+            raise TypeError(f"{self.name}: the probes need the model's vocab_size (a `cfg` or `config` attribute "
+                            "with vocab_size, and pad_token_id / eos_token_ids where it has them)")
+        return cfg
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.cfg.vocab_size)
+        return int(self.cfg.vocab_size)
 
     @property
     def pad_id(self) -> int:
-        pad = getattr(self.model.cfg, "pad_token_id", None)
+        pad = getattr(self.cfg, "pad_token_id", None)
         return 0 if pad is None else int(pad)
 
     def oracle(self):
@@ -115,7 +134,12 @@ def fp64_twin(model):
     except TypeError:
         return None
     make = getattr(impl, "float64", None)
-    return make(rounded_weights=True) if make is not None else None
+    if make is None:
+        return None
+    try:
+        return make(rounded_weights=True)
+    except TypeError:       # a port's float64() casts its own (rounded) weights: the same thing
+        return make()
 
 
 def load_model(impl: str, checkpoint, policy: str = "fp32", batch_invariant: bool = False,
@@ -126,9 +150,11 @@ def load_model(impl: str, checkpoint, policy: str = "fp32", batch_invariant: boo
     return ProbeModel(spec.load(), spec=spec)
 
 
-def as_probe_model(model, oracle=None, name: str | None = None) -> ProbeModel:
+def as_probe_model(model, oracle=None, name: str | None = None, policy=None) -> ProbeModel:
     """Wraps any model object (torchref, jaxmodel, a transformers LlamaForCausalLM or
-    TransformersModel, or a patched model with the same call API) for the probes."""
+    TransformersModel, a patched model with the same call API, or a port under the
+    Implementation protocol: its capture's logits, its float64() as the twin; policy=
+    when it states none) for the probes."""
     if isinstance(model, ProbeModel):
         if oracle is not None:
             model._oracle = oracle
@@ -136,4 +162,13 @@ def as_probe_model(model, oracle=None, name: str | None = None) -> ProbeModel:
     if is_transformers_llama(model):
         from ..adapters.transformers import TransformersModel
         model = TransformersModel(model)
-    return ProbeModel(model, name=name, oracle=oracle)
+    port = not (package_of(model) or getattr(model, "package", None) == "transformers")
+    return ProbeModel(model, name=name or (getattr(model, "name", None) if port else None), policy=policy,
+                      oracle=oracle)
+
+
+def logits_of(model, ids, mask) -> np.ndarray:
+    """A model's logits whether it is called (ours, transformers) or captures (a port)."""
+    if callable(model):
+        return np.asarray(model(ids, attention_mask=mask))
+    return np.asarray(model.capture(ids, mask, ["logits"])[0])
