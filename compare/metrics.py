@@ -203,7 +203,7 @@ def top1_agreement(a, b) -> float:
 
 
 def _topk(x: np.ndarray, k: int) -> np.ndarray:
-    return np.argpartition(-x, k - 1, axis=-1)[..., :k]
+    return np.argpartition(-x, k - 1, axis=-1)[..., :k].copy()   # not a view that keeps [.., V] alive
 
 
 def topk_overlap(a, b, k: int = 5) -> float:
@@ -225,7 +225,7 @@ def top_margin(logits) -> np.ndarray:
     x = as64(logits)
     if x.shape[-1] < 2:
         raise ValueError("top_margin needs at least two classes")
-    top2 = np.partition(x, -2, axis=-1)[..., -2:]
+    top2 = np.partition(x, -2, axis=-1)[..., -2:].copy()
     return top2[..., 1] - top2[..., 0]
 
 

@@ -213,7 +213,8 @@ def cmd_compare(args) -> int:
     # the two sides (and their float64 twins) are loaded once for the ladder, --decode and --generate
     ref, cand, ids, mask, policy = prepare(_peer(ref_spec, folder, policy), _peer(cand_spec, folder, policy),
                                            folder, inputs, policy, progress)
-    report = run_ladder(ref, cand, ids, mask, policy, not args.no_teacher_forcing, progress)
+    report = run_ladder(ref, cand, ids, mask, policy, not args.no_teacher_forcing, progress,
+                        stream=False if getattr(args, "no_stream", False) else None)
     print_verdict_table(report, colour=sys.stdout.isatty() and not args.no_colour)
     say(report.summary())
     env = report.environment
@@ -366,6 +367,8 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="overwrite report paths that hold files llama-parity "
                    "did not write")
     p.add_argument("--no-teacher-forcing", action="store_true")
+    p.add_argument("--no-stream", action="store_true",
+                   help="capture whole runs instead of walking the checkpoint layer by layer (more memory)")
     p.add_argument("--decode", metavar="N", type=positive_int, default=None,
                    help="also decode N tokens through each side's KV cache and judge every step against the "
                    "oracle's full recompute (first divergent step, tap, layer, component)")

@@ -75,6 +75,8 @@ def test_dump_compared_with_live_gives_the_live_numbers(dumped):
     live = compare_models("torchref", "jaxmodel", ck, inputs=inputs(), policy="bf16")
     fromdump = compare_models("torchref", d, ck, inputs=d.inputs, policy=d.policy)
     same_taps(live, fromdump)
+    # the dump fixes inputs, policy and checkpoint: compare_models("torchref", Dump(DIR)) alone
+    same_taps(live, compare_models("torchref", Dump(out), teacher_forcing=False))
     assert fromdump.verdict == live.verdict and fromdump.logits == live.logits
     assert (fromdump.first_divergence is None) == (live.first_divergence is None)
     assert live.teacher_forcing == "run" and fromdump.local == []

@@ -78,7 +78,7 @@ def implementation(spec, checkpoint=None, policy="fp32") -> Implementation:
 # config's epsilon), not a reason to refuse.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim")
-VALUE_FIELDS = ("rms_norm_eps", "tie_word_embeddings")
+VALUE_FIELDS = ("rms_norm_eps", "tie_word_embeddings", "rope_theta")
 
 
 def architecture(impl) -> dict | None:
@@ -87,7 +87,13 @@ def architecture(impl) -> dict | None:
     cfg = getattr(impl, "config", None) or getattr(impl, "cfg", None)
     if cfg is None:
         return None
-    return {f: getattr(cfg, f, None) for f in SHAPE_FIELDS + VALUE_FIELDS}
+    fields = {f: getattr(cfg, f, None) for f in SHAPE_FIELDS + VALUE_FIELDS}
+    if fields["rope_theta"] is None:    # ours: cfg.rope.theta; transformers 5: rope_parameters
+        rope = getattr(cfg, "rope", None)
+        params = getattr(cfg, "rope_parameters", None)
+        fields["rope_theta"] = (getattr(rope, "theta", None) if rope is not None else
+                                params.get("rope_theta") if isinstance(params, dict) else None)
+    return fields
 
 
 def config_differences(ref, cand) -> list[str]:

@@ -207,7 +207,11 @@ def _int_array(x, what: str) -> np.ndarray:
 
 def prepare(reference, candidate, checkpoint, inputs, policy, progress=lambda msg: None):
     """(ref Side, cand Side, ids, mask, Policy) from what compare_models takes; shared with
-    the decode comparison."""
+    the decode comparison. A Dump on either side fixes the inputs and the policy (None takes
+    the dump's) and supplies its recorded checkpoint, whose fingerprint must match."""
+    from ..adapters.dump import bind_dumps
+    checkpoint, inputs, policy = bind_dumps(reference, candidate, checkpoint, inputs, policy)
+    policy = "fp32" if policy is None else policy
     if checkpoint is None:
         raise ValueError("checkpoint is required (a Hugging Face Llama folder; "
                          "`llama-parity fetch-smollm2` prints the default one)")
@@ -227,7 +231,7 @@ def _side(spec, checkpoint, policy) -> Side:
 
 
 def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, inputs=None,
-                   policy="fp32", teacher_forcing=True, progress=lambda msg: None,
+                   policy=None, teacher_forcing=True, progress=lambda msg: None,
                    stream: bool | None = None) -> Report:
     """Runs the ladder for `candidate` against `reference` on one checkpoint (the public API).
     stream: None (default) walks the checkpoint layer by layer when both sides are torchref /
@@ -236,7 +240,7 @@ def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, 
     return run_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress, stream)
 
 
-def assert_parity(reference, candidate, checkpoint, policy="fp32", inputs=None, allow=("exact", "drift"),
+def assert_parity(reference, candidate, checkpoint=None, policy=None, inputs=None, allow=("exact", "drift"),
                   **kw) -> Report:
     """For users' own pytest suites: fails with the report's summary unless the verdict is
     in `allow` (by default: exact or drift, i.e. no precision or semantic difference)."""
