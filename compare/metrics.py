@@ -176,9 +176,14 @@ def select(x, mask=None, keep_dtype: bool = False) -> np.ndarray:
 def log_softmax(x) -> np.ndarray:
     """Stable log-softmax over the last axis in float64 (NaN in, NaN out)."""
     x = as64(x)
+    out = np.empty(x.shape)
+    flat, res = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1), out.reshape(-1, x.shape[-1] if x.ndim else 1)
+    step = max(1, 2 ** 18 // max(1, flat.shape[-1]))    # rows at a time: no [T, V] temporaries
     with np.errstate(invalid="ignore"):
-        z = x - x.max(axis=-1, keepdims=True)
-        return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        for a in range(0, len(flat), step):
+            z = flat[a:a + step] - flat[a:a + step].max(axis=-1, keepdims=True)
+            res[a:a + step] = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return out
 
 
 def kl_per_position(p_logits, q_logits) -> np.ndarray:
@@ -202,8 +207,18 @@ def top1_agreement(a, b) -> float:
     return float((a.argmax(axis=-1) == b.argmax(axis=-1)).mean())
 
 
+def _by_rows(fn, x: np.ndarray, width: int) -> np.ndarray:
+    """fn over blocks of rows of x [..., V] -> [..., width]: fn's full-size temporaries
+    (a logits tap is positions x vocabulary) stay a block's size."""
+    flat = x.reshape(-1, x.shape[-1])
+    step = max(1, 2 ** 18 // max(1, flat.shape[-1]))
+    out = np.concatenate([fn(flat[a:a + step]) for a in range(0, len(flat), step)]) if len(flat) else \
+        np.empty((0, width))
+    return out.reshape(*x.shape[:-1], width)
+
+
 def _topk(x: np.ndarray, k: int) -> np.ndarray:
-    return np.argpartition(-x, k - 1, axis=-1)[..., :k].copy()   # not a view that keeps [.., V] alive
+    return _by_rows(lambda b: np.argpartition(-b, k - 1, axis=-1)[:, :k], x, k)
 
 
 def topk_overlap(a, b, k: int = 5) -> float:
@@ -225,7 +240,7 @@ def top_margin(logits) -> np.ndarray:
     x = as64(logits)
     if x.shape[-1] < 2:
         raise ValueError("top_margin needs at least two classes")
-    top2 = np.partition(x, -2, axis=-1)[..., -2:].copy()
+    top2 = _by_rows(lambda b: np.partition(b, -2, axis=-1)[:, -2:], x, 2)
     return top2[..., 1] - top2[..., 0]
 
 
@@ -308,9 +323,14 @@ def logits_agreement(ref, cand, oracle, mask=None) -> dict:
     top5 = {k: _topk(x, min(5, x.shape[-1])) for k, x in sides.items()}
     margin = {k: top_margin(x) for k, x in sides.items()}
 
-    def kl(p, q):   # KL(softmax(p) || softmax(q)) as kl_per_position
-        pp = np.exp(logp[p])
-        return np.maximum(np.where(pp == 0, 0.0, pp * (logp[p] - logp[q])).sum(-1), 0.0)
+    def kl(p, q):   # KL(softmax(p) || softmax(q)) as kl_per_position, in blocks of rows (no [T, V] temporaries)
+        lp, lq = logp[p], logp[q]
+        out = np.empty(lp.shape[:-1])
+        step = max(1, 2 ** 18 // max(1, lp.shape[-1]))
+        for a in range(0, len(lp), step):
+            pp = np.exp(lp[a:a + step])
+            out[a:a + step] = np.maximum(np.where(pp == 0, 0.0, pp * (lp[a:a + step] - lq[a:a + step])).sum(-1), 0.0)
+        return out
 
     pairs, kls = {}, {}
     for name, (x, y) in _PAIRS.items():
@@ -358,14 +378,23 @@ def _pair(c: np.ndarray, r: np.ndarray, dt: np.dtype) -> dict:
         nan = float("nan")
         return {"max_abs": nan, "max_ulp": nan, "cosine": nan, "frac_beyond": nan}
     ulp = _max_ulp_same_dtype(c, r) if c.dtype == r.dtype == dt else max_ulp(c, r, dt)
-    c64, r64 = c.astype(np.float64).ravel(), r.astype(np.float64).ravel()
-    diff = np.abs(c64 - r64)
-    nc, nr = math.sqrt(c64 @ c64), math.sqrt(r64 @ r64)
-    cos = (1.0 if nc == nr else 0.0) if nc == 0 or nr == 0 else float(c64 @ r64) / (nc * nr)
-    rms = nr / math.sqrt(r64.size)
-    tol = BEYOND_UNITS * unit_roundoff(dt) * np.maximum(np.abs(r64), rms)
-    return {"max_abs": float(diff.max()), "max_ulp": ulp, "cosine": min(cos, 1.0),
-            "frac_beyond": float((diff > tol).mean())}
+    c, r = c.ravel(), r.ravel()
+    # In blocks of 2^20 values: a logits tap is positions x vocabulary, and float64 copies
+    # and temporaries of it would cost hundreds of MB.
+    blocks = [slice(a, a + 2 ** 20) for a in range(0, c.size, 2 ** 20)]
+    cc = rr = cr = top = 0.0
+    for b in blocks:
+        c64, r64 = c[b].astype(np.float64), r[b].astype(np.float64)
+        cc, rr, cr = cc + float(c64 @ c64), rr + float(r64 @ r64), cr + float(c64 @ r64)
+        top = max(top, float(np.abs(c64 - r64).max()))
+    nc, nr = math.sqrt(cc), math.sqrt(rr)
+    cos = (1.0 if nc == nr else 0.0) if nc == 0 or nr == 0 else cr / (nc * nr)
+    rms = nr / math.sqrt(r.size)
+    beyond = 0
+    for b in blocks:
+        c64, r64 = c[b].astype(np.float64), r[b].astype(np.float64)
+        beyond += int((np.abs(c64 - r64) > BEYOND_UNITS * unit_roundoff(dt) * np.maximum(np.abs(r64), rms)).sum())
+    return {"max_abs": top, "max_ulp": ulp, "cosine": min(cos, 1.0), "frac_beyond": beyond / r.size}
 
 
 def _max_ulp_same_dtype(a: np.ndarray, b: np.ndarray) -> float:
@@ -379,4 +408,6 @@ def _max_ulp_same_dtype(a: np.ndarray, b: np.ndarray) -> float:
         return np.where(i < 0, -mag, mag)
     if bits == 64:   # int64 differences could overflow: the general path is exact
         return max_ulp(a, b, a.dtype)
-    return float(np.abs(line(a) - line(b)).max())
+    a, b = a.ravel(), b.ravel()
+    step = 2 ** 20      # in blocks: int64 copies of a logits tap would cost hundreds of MB
+    return float(max(np.abs(line(a[i:i + step]) - line(b[i:i + step])).max() for i in range(0, a.size, step)))

@@ -316,7 +316,8 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
         v = judge.verdict("logits", logits["r"], logits["c"], logits["o"], logits.pop("c64"), {})
         judge.metrics(v, logits["r"], logits["c"])
         # logits_agreement's own selection of the real positions, made here one side at a time
-        real_rows = {k: np.asarray(logits.pop(k)[real], np.float64)[None] for k in ("r", "c", "o")}
+        real_rows = {k: np.asarray(logits.pop(k)[real] if not real.all() else logits.pop(k), np.float64)
+                     .reshape(1, -1, cfg.vocab_size) for k in ("r", "c", "o")}
         _trim()
         agreement = logits_agreement(real_rows["r"], real_rows["c"], real_rows["o"])
     del logits

@@ -123,6 +123,13 @@ def _findings(tap, cand64, oracle, mask, keeps_f32, context) -> list:
     return found
 
 
+def _real(a, mask) -> np.ndarray:
+    """a[mask] ([B, T, ...] -> [real positions, ...]); a view, not a copy, when every
+    position is real (a logits tap is positions x vocabulary)."""
+    a, mask = np.asarray(a), np.asarray(mask, bool)
+    return a.reshape(-1, *a.shape[mask.ndim:]) if mask.all() else a[mask]
+
+
 class _RowErrors:
     """Squared norms per row (position) against one yardstick, so that the relative L2
     error of any set of rows is two sums: one pass over each array instead of one per
@@ -132,8 +139,7 @@ class _RowErrors:
     def __init__(self, yardstick):
         self.o = self._rows(yardstick)
         self.norm = np.einsum("ij,ij->i", self.o, self.o)
-        sq = self.o * self.o
-        self.norm4 = np.einsum("ij,ij->i", sq, sq)
+        self.norm4 = np.einsum("ij,ij,ij,ij->i", self.o, self.o, self.o, self.o)   # no [rows, width] temporary
 
     @staticmethod
     def _rows(x) -> np.ndarray:
@@ -141,9 +147,17 @@ class _RowErrors:
         return x.reshape(len(x), -1)
 
     def sq(self, x) -> np.ndarray:
+        """Per-row squared error, in blocks of rows (no full-size temporary: a logits tap is
+        positions x vocabulary)."""
+        x = np.asarray(x)
+        x = x.reshape(len(x), -1)
+        out = np.empty(len(x))
+        rows_at_once = max(1, 2 ** 20 // max(1, x.shape[1]))
         with np.errstate(invalid="ignore", over="ignore"):
-            d = self._rows(x) - self.o
-            return np.einsum("ij,ij->i", d, d)
+            for a in range(0, len(x), rows_at_once):
+                d = np.asarray(x[a:a + rows_at_once], np.float64) - self.o[a:a + rows_at_once]
+                out[a:a + rows_at_once] = np.einsum("ij,ij->i", d, d)
+        return out
 
     def rel(self, sq, rows=slice(None)) -> float:
         e, n = float(np.sum(sq[rows])), float(np.sum(self.norm[rows]))
@@ -284,7 +298,7 @@ def classify_without_twin(tap, ref, cand, oracle, mask, policy: Policy, context=
     rung was not run: a small change in the math and a lower-precision step can look
     alike at P, which only the twin tells apart."""
     t = tapnames.tap(tap)
-    r, c, o = (np.asarray(a)[mask] for a in (ref, cand, oracle))
+    r, c, o = (_real(a, mask) for a in (ref, cand, oracle))
     bad = nonfinite(r) + nonfinite(c)
     rows = _RowErrors(o)
     sq_r, sq_c = rows.sq(r), rows.sq(c)
@@ -348,7 +362,7 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
         return classify_without_twin(tap, ref, cand, oracle, mask, policy, context, hidden)
     t = tapnames.tap(tap)
     layer, component = t.layer, t.component
-    r, c, o, c64 = (np.asarray(a)[mask] for a in (ref, cand, oracle, cand64))
+    r, c, o, c64 = (_real(a, mask) for a in (ref, cand, oracle, cand64))
     bad = nonfinite(r) + nonfinite(c)
     rows = _RowErrors(o)
     sq_r, sq_c = rows.sq(r), rows.sq(c)
