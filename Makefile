@@ -10,7 +10,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch is pinned to the CPU build (2.13.0); an unpinned torch would pull CUDA wheels.
-	$(BIN)/python -m pip install --quiet -e ".[hf,test]"
+	$(BIN)/python -m pip install --quiet -e ".[hf,test,ports]"
+	# keras-hub and litgpt without their dependencies: keras-hub's pull tensorflow, litgpt's pin
+	# an older huggingface-hub than transformers 5 needs (docs/ports.md)
+	$(BIN)/python -m pip install --quiet --no-deps keras-hub==0.32.0 litgpt==0.5.13
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -120,6 +120,13 @@ NOISE = [n for n, c in CONTROLS.items() if "even in the float64 run" in " ".join
          or "computes at about" in " ".join(c.hint)]
 
 
+def padded(ids, side: str, n: int) -> np.ndarray:
+    """The mask of a batch whose second row has n padding slots on `side`."""
+    mask = np.ones_like(ids)
+    mask[1, slice(None, n) if side == "left" else slice(-n, None)] = 0
+    return mask
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("name", NOISE)
@@ -129,12 +136,7 @@ def test_dtype_noise_controls_on_padded_batches(name, side, folder):
     control = CONTROLS[name]
     if control.where == "transformers":
         pytest.importorskip("transformers")
-    mask = np.ones_like(SHORT)
-    if side == "left":
-        mask[1, :9] = 0
-    else:
-        mask[1, -9:] = 0
-    report = run_control(control, folder, SHORT, mask, teacher_forcing=False)
+    report = run_control(control, folder, SHORT, padded(SHORT, side, 9), teacher_forcing=False)
     assert check(control, report) == [], report.summary()
 
 
@@ -151,12 +153,7 @@ def test_position_and_hidden_classes_on_padded_batches(name, side, folder):
     control = CONTROLS[name]
     if control.where == "transformers":
         pytest.importorskip("transformers")
-    mask = np.ones_like(IDS)
-    if side == "left":
-        mask[1, :32] = 0
-    else:
-        mask[1, -32:] = 0
-    report = run_control(control, folder, IDS, mask)
+    report = run_control(control, folder, IDS, padded(IDS, side, 32))
     assert check(control, report) == [], report.summary()
     assert report.first_divergence.confirmed, report.first_divergence.evidence
 

@@ -209,6 +209,7 @@ SMOL_EPS = 9.999999747378752e-06    # SmolLM2's config.json (1e-5 as float32)
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow
 def test_smollm2_keras_hub_as_loaded_and_fixed(keras_hub, smollm2):
     from compare.adapters.ports import KerasHubLlama
     report = compare.compare_models("torchref", KerasHubLlama(smollm2, "fp32"), smollm2, policy="fp32")
@@ -222,6 +223,7 @@ def test_smollm2_keras_hub_as_loaded_and_fixed(keras_hub, smollm2):
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow
 def test_smollm2_penzai_old_attribute_and_fixed(penzai, smollm2):
     from compare.adapters.ports import PenzaiLlama
     report = compare.compare_models("torchref", PenzaiLlama(smollm2, "fp32", rope_theta=10000.0), smollm2,
@@ -236,6 +238,7 @@ def test_smollm2_penzai_old_attribute_and_fixed(penzai, smollm2):
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow
 def test_smollm2_litgpt(litgpt, smollm2):
     from compare.adapters.ports import LitGPTLlama
     report = compare.compare_models("torchref", LitGPTLlama(smollm2, "fp32", model_name="SmolLM2-135M-Instruct"),
