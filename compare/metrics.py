@@ -310,26 +310,27 @@ def logits_agreement(ref, cand, oracle, mask=None) -> dict:
 
     "reference vs oracle" is the yardstick: a candidate whose KL and top-1 agreement
     against the oracle are like the reference's loses no more than the reference does.
-    Each side's log-softmax, top-5 and margin are computed once (a [258, 49152] logits
-    tap is 100 MB in float64); the numbers are those of _logits_metrics.
+    Each side's top-5 and margin are computed once, the log-softmaxes block by block of
+    positions (a [258, 49152] logits tap is 100 MB in float64); the numbers are those of
+    _logits_metrics.
     """
     sides = {k: select(x, mask) for k, x in (("r", ref), ("c", cand), ("o", oracle))}
     if not all(np.isfinite(x).all() for x in sides.values()) or sides["r"].shape[0] == 0:
         pairs = {name: {"rel_l2": rel_l2(sides[a], sides[b]), "max_abs": max_abs(sides[a], sides[b]),
                         **_logits_metrics(sides[a], sides[b])} for name, (a, b) in _PAIRS.items()}
         return {"pairs": pairs, "positions": {}}
-    logp = {k: log_softmax(x) for k, x in sides.items()}
     top1 = {k: x.argmax(-1) for k, x in sides.items()}
     top5 = {k: _topk(x, min(5, x.shape[-1])) for k, x in sides.items()}
     margin = {k: top_margin(x) for k, x in sides.items()}
 
-    def kl(p, q):   # KL(softmax(p) || softmax(q)) as kl_per_position, in blocks of rows (no [T, V] temporaries)
-        lp, lq = logp[p], logp[q]
-        out = np.empty(lp.shape[:-1])
-        step = max(1, 2 ** 18 // max(1, lp.shape[-1]))
-        for a in range(0, len(lp), step):
-            pp = np.exp(lp[a:a + step])
-            out[a:a + step] = np.maximum(np.where(pp == 0, 0.0, pp * (lp[a:a + step] - lq[a:a + step])).sum(-1), 0.0)
+    def kl(p, q):   # KL(softmax(p) || softmax(q)) as kl_per_position, in blocks of rows: no [T, V] arrays held
+        x, y = sides[p], sides[q]
+        out = np.empty(x.shape[:-1])
+        step = max(1, 2 ** 18 // max(1, x.shape[-1]))
+        for a in range(0, len(x), step):
+            lp, lq = log_softmax(x[a:a + step]), log_softmax(y[a:a + step])
+            pp = np.exp(lp)
+            out[a:a + step] = np.maximum(np.where(pp == 0, 0.0, pp * (lp - lq)).sum(-1), 0.0)
         return out
 
     pairs, kls = {}, {}
