@@ -107,11 +107,17 @@ def test_smollm2_clean_runs(where, policy, smollm2, smol_ids):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("name", SMOL_BUGS)
 def test_smollm2_planted_bugs(name, smollm2, smol_ids):
+    found_and_confirmed(name, smollm2, smol_ids)
+
+
+def found_and_confirmed(name, folder, ids):
+    """The control's verdict, tap, layer, component and hint as expected, and teacher
+    forcing naming the same layer."""
     control = CONTROLS[name]
     if control.where == "transformers":
         pytest.importorskip("transformers")
-    report = run_control(control, smollm2, smol_ids)
-    print(f"\nMEASURED smollm2 {name}: {report.summary()}")
+    report = run_control(control, folder, ids)
+    print(f"\nMEASURED smollm2 {name} ({ids.shape[1]} tokens): {report.summary()}")
     assert check(control, report) == [], report.summary()
     assert report.first_divergence.confirmed, report.first_divergence.evidence
 
@@ -216,10 +222,4 @@ def test_smollm2_rope_angles_in_bf16_at_128_tokens(name, smollm2, smol_ids_128):
     """Issue 13's third class: RoPE angles in bf16 on a bf16 model at 128 tokens was drift;
     the precision check now also looks at each quarter of the RoPE frequencies at q_rope /
     k_rope (and transformers' q_rope is recomputed from its own tables)."""
-    control = CONTROLS[name]
-    if control.where == "transformers":
-        pytest.importorskip("transformers")
-    report = run_control(control, smollm2, smol_ids_128)
-    print(f"\nMEASURED smollm2 {name} 128 tokens: {report.summary()}")
-    assert check(control, report) == [], report.summary()
-    assert report.first_divergence.confirmed, report.first_divergence.evidence
+    found_and_confirmed(name, smollm2, smol_ids_128)
