@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.controls --smollm2       # the real SmolLM2-135M (minutes)
     .venv/bin/python -m bench.controls --only rope_layout clean --tokens 64
 
-Positive controls (compare/ladder/controls.py): one bug planted at layer 1 of torchref, of a
+Positive controls (compare/controls/prefill.py): one bug planted at layer 1 of torchref, of a
 transformers LlamaForCausalLM, or of a doctored checkpoint copy read by jaxmodel;
 precision controls change one policy knob of the candidate. Negative controls: clean
 jaxmodel vs torchref at fp64/fp32/bf16/fp16, clean transformers vs torchref at
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compare.ladder.controls import CONTROLS, check, clean, run_control
+from compare.controls import CONTROLS, check, clean, run_control
 from compare.vocabulary import FLOOR_ULPS, M
 
 TINY_HEAD_DIM = 32   # RoPE tables in bf16 need angles > ~30 rad to show: wide heads, 128 tokens

@@ -6,7 +6,7 @@ bench/controls.py prints the same suite as a table."""
 import numpy as np
 import pytest
 
-from compare.ladder.controls import CONTROLS, check, clean, run_control
+from compare.controls import CONTROLS, check, clean, run_control
 
 # Wide heads and 128 positions: RoPE tables rounded in bf16 need angles of tens of
 # radians to cost more than the bf16 policy's own rounding (bench/controls.py: ratio

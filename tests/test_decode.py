@@ -9,15 +9,8 @@ import numpy as np
 import pytest
 
 from compare.adapters import resolve_side
-from compare.ladder.controls import CONTROLS, clean
-from compare.ladder.decode import (
-    DECODE_CONTROLS,
-    LATE_SLOTS,
-    check_decode,
-    compare_decode,
-    run_decode,
-    run_decode_control,
-)
+from compare.controls import CONTROLS, DECODE_CONTROLS, LATE_SLOTS, check_decode, clean, run_decode_control
+from compare.ladder.decode import compare_decode, run_decode
 from compare.vocabulary import F32_STEPS_FLOOR
 from llamaspec import InputError, Policy
 

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 from compare import Dump, DumpError, capture, compare_models, fingerprint
 from compare.adapters import Side, resolve_side
 from compare.adapters.dump import bind_dumps
-from compare.ladder.controls import CONTROLS
+from compare.controls import CONTROLS
 from compare.ladder.engine import run_ladder
 from llama_parity.cli import main
 from llamaspec import Policy

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from compare.adapters import OurModel, Side
-from compare.ladder.controls import CONTROLS, clean
-from compare.ladder.decode import DECODE_CONTROLS, control_side
+from compare.controls import CONTROLS, DECODE_CONTROLS, clean, control_side
 from compare.ladder.greedy import GREEDY_KINDS, GreedyRow, compare_greedy, explain_split
 from llamaspec import Policy
 

@@ -26,7 +26,7 @@ from llamaspec import Policy
 from llamaspec import taps as tapnames
 
 from ..adapters import OurModel, Side, resolve_side
-from .engine import Report, run_ladder
+from ..ladder.engine import Report, run_ladder
 
 LAYER = 1
 
