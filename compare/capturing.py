@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -13,8 +15,9 @@ import numpy as np
 
 from llamaspec import LlamaConfig, Policy
 from llamaspec import taps as tapnames
+from llamaspec.files import atomic_write
 
-from .adapters import PACKAGES, OurModel, as_implementation
+from .adapters import PACKAGES, OurModel, as_implementation, inject_support
 from .adapters.dump import (
     FLOAT_DTYPES,
     FORMAT,
@@ -23,6 +26,7 @@ from .adapters.dump import (
     DumpError,
     expected_shape,
     file_for,
+    file_sha256,
     fingerprint,
     policy_differences,
 )
@@ -38,29 +42,52 @@ def _tool_version() -> str:
         return "unknown (not installed)"
 
 
-def _prepare_folder(out: Path, force: bool) -> None:
-    """An empty (or new) folder; a folder holding an earlier dump only with force (its files
-    are removed first); anything else is refused, so a capture never mixes with other files."""
+def _prepare_folder(out: Path, force: bool) -> bool:
+    """Checks `out`: new or empty (False), or holding an earlier dump and force (True: it is
+    replaced at the end, as a whole); anything else is refused, so a capture never mixes
+    with other files. Nothing in `out` is touched here."""
     if out.exists() and not out.is_dir():
         raise DumpError(f"--out {out}: is a file, not a folder")
-    out.mkdir(parents=True, exist_ok=True)
-    present = sorted(p.name for p in out.iterdir())
+    if out.is_symlink():
+        raise DumpError(f"--out {out}: is a symlink; give the dump's own folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if not present:
-        return
+        return False
     manifest = out / MANIFEST
-    ours = manifest.is_file() and FORMAT in manifest.read_text(errors="replace")[:200]
+    ours = manifest.is_file() and not manifest.is_symlink() and FORMAT in manifest.read_text(errors="replace")[:200]
     if not ours:
         raise DumpError(f"--out {out}: the folder is not empty and holds no dump ({', '.join(present[:5])}); "
                         "choose an empty or new folder")
     if not force:
         raise DumpError(f"--out {out}: holds a dump already; pass force=True (--force) to replace it")
-    m = json.loads(manifest.read_text())
-    forcing = m.get("teacher_forcing") or {}
-    old = [*m.get("files", {}), *forcing.get("files", {}), forcing.get("inputs_file", "")]
-    manifest.unlink()
-    for name in filter(None, old):
-        if Path(name).name == name and (out / name).is_file():
-            (out / name).unlink()
+    return True
+
+
+def _publish(staging: Path, out: Path, replace: bool) -> None:
+    """The finished dump (written in `staging`, a private folder beside `out`) takes the name
+    `out` in one rename: a new or empty `out` is replaced; an old dump (replace) is moved
+    aside first and removed after. A folder that another capture filled meanwhile is left
+    as it is, and this run is refused: one folder, one run's manifest and files."""
+    os.chmod(staging, 0o777 & ~_umask())
+    trash = None
+    if replace:
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, trash / "dump")
+    try:
+        os.rename(staging, out)
+    except OSError as e:
+        raise DumpError(f"--out {out}: another capture wrote into this folder while this one ran ({e.strerror}); "
+                        "this run's dump was discarded, the folder holds the other one") from None
+    finally:
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _resolve(impl, checkpoint, policy, batch_invariant):
@@ -90,7 +117,6 @@ def _resolve(impl, checkpoint, policy, batch_invariant):
 def _write_taps(out: Path, side, acts, names, cfg, shape, prefix: str, progress) -> dict:
     """The taps checked (present, float, the config's shape) and written one file per layer;
     returns {file name: [taps]}."""
-    from safetensors.numpy import save_file
     files: dict[str, list[str]] = {}
     for t in names:
         if t not in acts:
@@ -101,9 +127,18 @@ def _write_taps(out: Path, side, acts, names, cfg, shape, prefix: str, progress)
                             f"of shape {list(expected_shape(t, cfg, *shape))}")
         files.setdefault(prefix + file_for(t), []).append(t)
     for i, (name, ts) in enumerate(files.items()):
-        save_file({t: np.ascontiguousarray(acts[t]) for t in ts}, str(out / name), metadata={"format": FORMAT})
+        _save(out, name, {t: np.ascontiguousarray(acts[t]) for t in ts})
         progress(f"wrote {name} ({i + 1}/{len(files)})")
     return files
+
+
+def _save(folder: Path, name: str, tensors: dict) -> None:
+    """One tap file in the (private) staging folder; a full disk names the file."""
+    from safetensors.numpy import save_file
+    try:
+        save_file(tensors, str(folder / name), metadata={"format": FORMAT})
+    except OSError as e:
+        raise DumpError(f"{name}: cannot write the tap file ({e.strerror or e}); the dump was not written") from None
 
 
 def _manifest_text(manifest: dict) -> str:
@@ -122,8 +157,9 @@ def _forced(side, folder, cfg, ids, mask, names, progress):
     every layer fed the oracle's input (torchref at fp64, the default reference's oracle).
     Returns ({layer: injected input}, {tap: forced activation}) for the layer taps of the
     kinds in `names`, layers.<i>.out always."""
-    if not getattr(side, "supports_inject", True):
-        raise DumpError(f"{side.name} takes no inject, so it has no teacher-forced run to capture")
+    no_inject = inject_support(side)
+    if no_inject:
+        raise DumpError(f"{side.name}: {no_inject}, so it has no teacher-forced run to capture")
     n = cfg.num_hidden_layers
     progress("teacher forcing: the oracle (torchref at fp64)")
     _, o = stream_capture(CheckpointModel("torchref", str(folder), "fp64"), ids, mask, ["embed", "layers.*.out"])
@@ -152,46 +188,56 @@ def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, tap
     cfg = LlamaConfig.from_dict(cfg_dict, source=str(folder / "config.json"))
     ids, mask = parse_inputs(inputs, str(folder))
     ids, mask = np.asarray(ids, np.int64), np.asarray(mask, np.int64)
-    _prepare_folder(out, force)
+    replace = _prepare_folder(out, force)
     progress(f"loading {impl if isinstance(impl, str) else type(impl).__name__}")
     side, policy = _resolve(impl, str(folder), policy, batch_invariant)
-    names = tapnames.select(taps, cfg.num_hidden_layers, side.taps,
-                            lambda pattern, t: f"{side.name} cannot capture '{t}' (asked for as '{pattern}')")
+    try:
+        names = tapnames.select(taps, cfg.num_hidden_layers, side.taps,
+                                lambda pattern, t: f"{side.name} cannot capture '{t}' (asked for as '{pattern}')")
+    except KeyError as e:      # a tap this model lacks (layers.9.out of a 2-layer model): bad input
+        raise DumpError(f"--taps: {e.args[0]}") from None
     progress(f"capturing {len(names)} taps of {side.name} at {policy.name} on {ids.shape[0]} x {ids.shape[1]} tokens")
     t1 = time.perf_counter()
     # torchref / jaxmodel by name: one layer's weights in memory at a time (bitwise the whole model's capture)
     _, acts = stream_capture(side, ids, mask, names) if isinstance(side, CheckpointModel) else \
         side.capture(ids, mask, names)
     seconds = time.perf_counter() - t1
-    files = _write_taps(out, side, acts, names, cfg, ids.shape, "", progress)
+    # written into a private folder beside `out`, renamed to `out` when complete (_publish)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.capture-", dir=out.parent))
+    try:
+        manifest = _write_dump(staging, side, acts, names, cfg, ids, mask, folder, teacher_forcing, progress)
+        manifest.update({
+            "implementation": {"name": side.name, "package": impl if isinstance(impl, str) else None,
+                               "batch_invariant": bool(getattr(side, "batch_invariant", False))},
+            "policy": policy.to_dict(), "config": cfg_dict,
+            "checkpoint": {"path": str(folder.resolve()), "fingerprint": print_fp},
+            "environment": environment(policy, uses_jax=getattr(side, "package", None) == "jaxmodel"),
+            "capture_seconds": round(seconds, 3)})
+        atomic_write(staging / MANIFEST, _manifest_text(manifest), "dump manifest")
+        _publish(staging, out, replace)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    progress(f"dump written in {time.perf_counter() - t0:.1f} s: {out}")
+    return out
+
+
+def _write_dump(staging: Path, side, acts, names, cfg, ids, mask, folder, teacher_forcing, progress) -> dict:
+    """The tap files (and the teacher-forced run's) in `staging`; returns the manifest's
+    fields about them, the sha256 of every file included (Dump checks them when opened)."""
+    files = _write_taps(staging, side, acts, names, cfg, ids.shape, "", progress)
     forcing = None
     if teacher_forcing:
         inject, forced = _forced(side, folder, cfg, ids, mask, names, progress)
-        from safetensors.numpy import save_file
-        save_file({f"layers.{i}.input": np.ascontiguousarray(x, np.float64) for i, x in inject.items()},
-                  str(out / "forced-inputs.safetensors"), metadata={"format": FORMAT})
+        _save(staging, "forced-inputs.safetensors",
+              {f"layers.{i}.input": np.ascontiguousarray(x, np.float64) for i, x in inject.items()})
         forcing = {"oracle": "torchref at fp64", "inputs_file": "forced-inputs.safetensors", "taps": list(forced),
-                   "files": _write_taps(out, side, forced, tuple(forced), cfg, ids.shape, "forced-", progress)}
-    manifest = {
+                   "files": _write_taps(staging, side, forced, tuple(forced), cfg, ids.shape, "forced-", progress)}
+    written = sorted(p.name for p in staging.iterdir())
+    return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
-        # "package" only when loaded here by name: then the judging side may rebuild it (its float64 twin);
-        # an object given may be patched, so its stock package would be the wrong twin
-        "implementation": {"name": side.name, "package": impl if isinstance(impl, str) else None,
-                           "batch_invariant": bool(getattr(side, "batch_invariant", False))},
-        "policy": policy.to_dict(),
-        "config": cfg_dict,
         "inputs": {"input_ids": ids.tolist(), "attention_mask": mask.tolist()},
-        "taps": list(names),
-        "files": files,
-        "checkpoint": {"path": str(folder.resolve()), "fingerprint": print_fp},
-        "teacher_forcing": forcing,
+        "taps": list(names), "files": files, "teacher_forcing": forcing,
+        "sha256": {name: file_sha256(staging / name) for name in written},
         "tool": {"name": "llama-parity", "version": _tool_version()},
-        "environment": environment(policy, uses_jax=getattr(side, "package", None) == "jaxmodel"),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "capture_seconds": round(seconds, 3),
     }
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(_manifest_text(manifest))
-    os.replace(tmp, out / MANIFEST)   # last: a capture cut short leaves no manifest, so no dump to misread
-    progress(f"dump written in {time.perf_counter() - t0:.1f} s: {out}")
-    return out

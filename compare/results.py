@@ -31,6 +31,5 @@ class JsonResult:
         return jsonable(dataclasses.asdict(self))
 
     def to_json(self, path) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        return path
+        from llamaspec.files import atomic_write
+        return atomic_write(Path(path), json.dumps(self.to_dict(), indent=1), "JSON report")

@@ -108,9 +108,12 @@ def output_file(path, what: str, force: bool = False, say=print) -> Path:
     """A file the run will write, checked before the run: not a folder, its folder created
     and writable. An existing file is overwritten when this tool wrote it (said so), and
     otherwise only with force."""
+    from llamaspec.files import is_regular_or_absent
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"{what} {p}: is a folder; give a file path, e.g. {p / ('report' + (p.suffix or '.json'))}")
+    if not is_regular_or_absent(p):     # a pipe, FIFO or /dev/stdout: written to, never read (it would block)
+        return p
     _writable_folder(p.parent, f"{what} {p}")
     if p.exists():
         if not force and not _ours(p):
@@ -126,3 +129,40 @@ def output_folder(path, what: str) -> Path:
         raise UsageError(f"{what} {p}: is a file, not a folder")
     _writable_folder(p, f"{what} {p}")
     return p
+
+
+def check_target_folder(folder: Path, force: bool) -> None:
+    """make-checkpoint's folder: new, empty, or a checkpoint llama-parity wrote (its
+    llamaspec.shapes.MARKER file) and --force; a folder holding anything else (a user's
+    weights and notes) is refused even with --force, naming what is there."""
+    from llamaspec.shapes import MARKER
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    present = sorted(p.name for p in folder.iterdir())
+    if not present:
+        return
+    if not (folder / MARKER).is_file():
+        raise UsageError(f"{folder}: the folder is not empty ({', '.join(present[:5])}"
+                         f"{', ...' if len(present) > 5 else ''}) and llama-parity did not write it (no {MARKER}); "
+                         "choose a new or empty folder")
+    if not force:
+        raise UsageError(f"{folder}: holds a checkpoint already; pass --force to write it again")
+
+
+def check_token_budget(batch: int, length: int, max_positions: int, vocab: int) -> None:
+    """--random-tokens BxT checked before anything is allocated: T within the model's
+    max_position_embeddings, and one float64 logits array [B, T, vocab] (the ladder holds
+    several) within this machine's memory."""
+    if length > max_positions:
+        raise UsageError(f"--random-tokens {batch}x{length}: {length} tokens, the model's max_position_embeddings "
+                         f"is {max_positions}")
+    import os
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    need = batch * length * vocab * 8
+    if need > memory:
+        raise UsageError(f"--random-tokens {batch}x{length}: one float64 logits array [{batch}, {length}, {vocab}] "
+                         f"is {need / 2**30:.1f} GiB, more than this machine's {memory / 2**30:.1f} GiB of memory")

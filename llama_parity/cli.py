@@ -23,7 +23,18 @@ from pathlib import Path
 
 import numpy as np
 
-from .checks import UsageError, checkpoint_folder, output_file, output_folder, positive_int, shape
+from llamaspec.files import printable, refuse_inside, safe_name
+
+from .checks import (
+    UsageError,
+    check_target_folder,
+    check_token_budget,
+    checkpoint_folder,
+    output_file,
+    output_folder,
+    positive_int,
+    shape,
+)
 from .fetch import resolve_checkpoint
 
 EXIT_OK, EXIT_FINDING, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -49,19 +60,16 @@ def cmd_fetch(args) -> int:
 def cmd_make_checkpoint(args) -> int:
     """A synthetic checkpoint of a real shape (llamaspec.shapes) with SmolLM2's tokenizer,
     in the cache unless a folder is given (never inside this repository)."""
-    import shutil
-
     from llamaspec.cache import cache_root
-    from llamaspec.shapes import write_checkpoint
+    from llamaspec.files import atomic_write
+    from llamaspec.shapes import shape_config, write_checkpoint
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
+    shape_config(args.shape, args.layers)     # --layers within the shape's depth, before anything is written
     name = f"{args.shape}-{args.dtype}" + (f"-{args.layers}layers" if args.layers else "") + f"-seed{args.seed}"
     folder = Path(args.folder) if args.folder else cache_root() / "checkpoints" / name
-    repo = Path(__file__).resolve().parents[1]
-    if (repo / ".git").exists() and folder.resolve().is_relative_to(repo):
-        raise UsageError(f"{folder}: inside the llama-parity repository; synthetic weights go to the cache "
-                         f"(default {cache_root() / 'checkpoints'}) or a folder outside it")
-    if (folder / "config.json").exists() and not args.force:
-        raise UsageError(f"{folder}: holds a checkpoint already; pass --force to write it again")
+    refuse_inside(folder, "checkpoint folder", f"synthetic weights go to the cache (default "
+                  f"{cache_root() / 'checkpoints'}) or a folder outside it", UsageError)
+    check_target_folder(folder, args.force)
     output_folder(folder, "checkpoint folder")
     tokenizer = resolve_checkpoint(None)
     t0 = time.perf_counter()
@@ -69,7 +77,7 @@ def cmd_make_checkpoint(args) -> int:
                      progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr, flush=True))
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (Path(tokenizer) / f).is_file():
-            shutil.copyfile(Path(tokenizer) / f, folder / f)
+            atomic_write(folder / f, (Path(tokenizer) / f).read_bytes(), "tokenizer file")
     say(f"{args.shape} ({args.dtype}{f', {args.layers} layers' if args.layers else ''}, seed {args.seed}) "
         f"with SmolLM2's tokenizer, in {time.perf_counter() - t0:.1f} s:")
     say(str(folder))
@@ -157,8 +165,9 @@ def _inputs(args, folder):
         return args.prompt
     from llamaspec import LlamaConfig
     B, T = args.random_tokens
-    vocab = LlamaConfig.from_file(Path(folder) / "config.json").vocab_size
-    return np.random.default_rng(0).integers(0, vocab, (B, T))
+    cfg = LlamaConfig.from_file(Path(folder) / "config.json")
+    check_token_budget(B, T, cfg.max_position_embeddings, cfg.vocab_size)    # before allocating them
+    return np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T))
 
 
 def _dumps(args):
@@ -199,8 +208,9 @@ def cmd_compare(args) -> int:
     args.reference, args.candidate, args.policy = _label(ref_spec), _label(cand_spec), policy.name
     for side, d in dumps.items():
         env = d.manifest.get("environment") or {}
-        say(f"{side}: dump {d.path}, {d.implementation} at {d.policy.name}, captured {d.manifest.get('created', '?')} "
-            f"on {env.get('cpu', '?')} ({env.get('jax backend', env.get('torch cuda', '?'))})")
+        say(printable(f"{side}: dump {d.path}, {d.implementation} at {d.policy.name}, captured "
+                      f"{d.manifest.get('created', '?')} on {env.get('cpu', '?')} "
+                      f"({env.get('jax backend', env.get('torch cuda', '?'))})"))   # manifest strings: escaped
     json_path, html_path = _report_paths(args)
     decode_json = (output_file(json_path.with_name(json_path.stem + "-decode.json"), "--json", args.force, say)
                    if args.decode and json_path else None)
@@ -248,7 +258,7 @@ def cmd_compare(args) -> int:
 
 def _label(spec) -> str:
     """A side's name in report file names: 'jaxmodel', or 'jaxmodel-dump' for a dump of it."""
-    return spec if isinstance(spec, str) else f"{spec.implementation}-dump"
+    return spec if isinstance(spec, str) else f"{safe_name(spec.implementation)}-dump"
 
 
 def cmd_capture(args) -> int:
@@ -256,9 +266,7 @@ def cmd_capture(args) -> int:
     from compare.capturing import capture
     folder = _input_folder(args, args.checkpoint)
     out = Path(args.out)
-    repo = Path(__file__).resolve().parents[1]
-    if (repo / ".git").exists() and out.resolve().is_relative_to(repo):
-        raise UsageError(f"--out {out}: inside the llama-parity repository; dumps go to a folder outside it")
+    refuse_inside(out, "--out", "dumps go to a folder outside it", UsageError)
     t0 = time.perf_counter()
     capture(folder, args.impl, args.policy, inputs=_inputs(args, folder), out=out, taps=args.taps or "*",
             batch_invariant=args.batch_invariant, teacher_forcing=args.teacher_forcing, force=args.force,
@@ -272,7 +280,8 @@ def _report_paths(args):
     git-ignored), named after the comparison, unless --no-files. Checked before the run."""
     json_path, html_path = args.json, args.html
     if not args.no_files:
-        stem = f"{args.candidate}-vs-{args.reference}-{args.policy}"
+        # names from a dump's manifest: one safe file-name component, never a path
+        stem = safe_name(f"{args.candidate}-vs-{args.reference}-{args.policy}")
         if not (json_path and html_path):
             out = output_folder(args.out_dir, "--out-dir")
             json_path, html_path = json_path or out / f"{stem}.json", html_path or out / f"{stem}.html"
@@ -407,7 +416,7 @@ def run(func, args) -> int:
     try:
         return func(args)
     except LlamaParityError as e:   # UsageError included: bad argument, file, field or input
-        print(f"llama-parity: error: {e}", file=sys.stderr)
+        print(f"llama-parity: error: {printable(e)}", file=sys.stderr)
         return EXIT_USAGE
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
         if args.debug:
@@ -424,7 +433,7 @@ def run(func, args) -> int:
         while where.tb_next:
             where = where.tb_next
         at = f"{Path(where.tb_frame.f_code.co_filename).name}:{where.tb_lineno}"
-        print(f"llama-parity: internal error: {type(e).__name__}: {e} (at {at}); rerun with --debug "
+        print(f"llama-parity: internal error: {type(e).__name__}: {printable(e)} (at {at}); rerun with --debug "
               "for the traceback", file=sys.stderr)
         return EXIT_INTERNAL
 

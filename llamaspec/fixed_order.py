@@ -9,8 +9,9 @@ the thread count or the CPU. Why the batch-invariant mode needs this, and what i
 docs/invariance.md.
 
 The C++ source is compiled on first use with g++ (or $CXX) into the llama-parity cache
-(cache_root()/kernels, one file per source, compiler and flags, with its sha256 beside it:
-a damaged file is rebuilt, never loaded). $LLAMA_PARITY_KERNEL_ISA = scalar | avx2 |
+(cache_root()/kernels, created 0700, one file per source, compiler and flags, with its
+sha256 beside it: a damaged file is rebuilt, never loaded; a file or folder another user
+owns or can write is refused before dlopen, docs/threat-model.md). $LLAMA_PARITY_KERNEL_ISA = scalar | avx2 |
 avx512 | avx512_bf16 caps the code path (auto: the widest this CPU runs), so one machine can run every
 path; the results are the same bits on all of them.
 
@@ -26,6 +27,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import struct
 import subprocess
 import tempfile
@@ -56,21 +58,62 @@ def compiler() -> str:
     return cxx
 
 
+def kernel_dir() -> Path:
+    """cache_root()/kernels, created 0700: only this user may put a library there. When that
+    folder belongs to another user (two users sharing one LLAMA_PARITY_CACHE), this user's
+    libraries go to cache_root()/kernels-uid<uid> instead; neither user loads the other's."""
+    root = cache_root()
+    shared = root / "kernels"
+    try:
+        owner = shared.lstat().st_uid
+    except FileNotFoundError:
+        owner = os.geteuid()
+    except OSError as e:
+        raise InvarianceError(f"{shared}: cannot be read ({e.strerror or e}); " + cache_hint()) from None
+    folder = shared if owner == os.geteuid() else root / f"kernels-uid{os.geteuid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise InvarianceError(f"{folder}: cannot create the kernel folder ({e.strerror or e}); "
+                              + cache_hint()) from None
+    problem = _untrusted(folder.lstat(), "folder")
+    if problem:
+        raise InvarianceError(f"{folder}: {problem}, so a library in it could be someone else's code; nothing "
+                              "is loaded from it (remove it, or chmod go-w it if it is yours); " + cache_hint())
+    return folder
+
+
+def _untrusted(st: os.stat_result, what: str) -> str | None:
+    """Why a kernel folder or library (lstat / fstat) could hold code this user did not
+    build: not a real folder / regular file, another owner, or writable by group or others.
+    None when only this user (or root) can have written it."""
+    kind = stat.S_ISDIR if what == "folder" else stat.S_ISREG
+    if not kind(st.st_mode):
+        return f"is not a {'folder' if what == 'folder' else 'regular file'} (a symlink or a device)"
+    if st.st_uid != os.geteuid():
+        return f"the {what} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"the {what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
 def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key_parts: tuple[str, ...] = (),
           rebuild: bool = False) -> Path:
-    """Compiles `sources` (plus fixed_order.h) into cache_root()/kernels/<name>-<key>.so
-    once; the key covers the sources, compiler, flags and key_parts. The file's sha256 is
-    kept beside it, and the file is checked before every load, against that sha256 and for
-    an ELF layout whose segments all lie inside the file: a damaged or truncated library
-    (which dlopen would map and then die on with SIGBUS) is rebuilt, with one warning.
-    Writes are atomic (a temporary name in the same folder, then os.replace)."""
+    """Compiles `sources` (plus fixed_order.h) into kernel_dir()/<name>-<key>.so once; the
+    key covers the sources, compiler, flags and key_parts. The file's sha256 is kept beside
+    it, and the file is checked before every load (load_checked): owned by this user and
+    writable by nobody else (trust), that sha256 and an ELF layout whose segments all lie
+    inside the file (damage: dlopen would map a truncated file and die on it with SIGBUS).
+    A damaged library is rebuilt, with one warning; a foreign one is an error. Writes are
+    atomic (a private temp folder in the same folder, then os.replace)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise InvarianceError(f"the fixed-order kernels are written for x86-64; this machine is "
                               f"{platform.machine()}")
     cxx = compiler()
     texts = [p.read_text() for p in (*sources, HEADER)]
     key = hashlib.sha256("\n".join([*texts, cxx, *FLAGS, *extra_flags, *key_parts]).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"{name}-{key}.so"
+    target = kernel_dir() / f"{name}-{key}.so"
     digest = target.with_name(target.name + ".sha256")
     if not rebuild:
         problem = _cached_problem(target, digest)
@@ -79,48 +122,101 @@ def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key
         if problem:
             warnings.warn(f"{target}: {problem}; rebuilding it", RuntimeWarning, stacklevel=2)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             subprocess.run([cxx, *FLAGS, *extra_flags, "-I", str(HERE), *map(str, sources), "-o", str(built)],
                            check=True, capture_output=True, text=True)
-            (Path(tmp) / "sha").write_text(_sha256(built) + "\n")
+            os.chmod(built, 0o700)
+            sha = _sha256(built)
+            (Path(tmp) / "sha").write_text(sha + "\n")
             # The sidecar first: a reader that finds the new sidecar next to no file (or
             # the old, damaged one) rebuilds; the library itself appears in one rename.
             os.replace(Path(tmp) / "sha", digest)
             os.replace(built, target)
+            _BUILT[str(target)] = sha
     except subprocess.CalledProcessError as e:
-        errors = [line for line in e.stderr.splitlines() if "error" in line] or e.stderr.splitlines()[-20:]
+        errors = [line for line in e.stderr.splitlines() if any(w in line for w in ("error", "No space", "fatal"))]
         raise InvarianceError(f"compiling {', '.join(p.name for p in sources)} with {cxx} failed:\n"
-                              + "\n".join(errors[:20])) from None
+                              + "\n".join((errors or e.stderr.splitlines()[-20:])[:20])) from None
     except OSError as e:
         raise InvarianceError(f"{target.parent}: cannot write the compiled kernel there ({e}); "
                               + cache_hint()) from None
     return target
 
 
+_BUILT: dict[str, str] = {}   # library path -> sha256 of what this process compiled there
+
+
 def load(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key_parts: tuple[str, ...] = ()
          ) -> ctypes.CDLL:
-    """build(), then dlopen. A checked file that still fails to load is rebuilt once (one
-    warning); a fresh build that fails to load is an InvarianceError, never a crash."""
+    """build(), then dlopen of the checked file. A checked file that still fails to load is
+    rebuilt once (one warning); a fresh build that fails to load is an InvarianceError, never
+    a crash."""
     path = build(name, sources, extra_flags, key_parts)
     try:
-        return ctypes.CDLL(str(path))
+        return load_checked(path)
     except OSError as e:
         warnings.warn(f"{path}: cannot be loaded ({e}); rebuilding it", RuntimeWarning, stacklevel=2)
     path = build(name, sources, extra_flags, key_parts, rebuild=True)
     try:
-        return ctypes.CDLL(str(path))
+        return load_checked(path)
     except OSError as e:
         raise InvarianceError(f"{path}: freshly built, but cannot be loaded ({e})") from None
 
 
+def load_checked(path: Path) -> ctypes.CDLL:
+    """dlopen of `path` through a file descriptor opened without following symlinks and
+    checked (fstat) before: the bytes loaded are those of the file whose owner, mode and
+    sha256 were checked, whatever happens to the name meanwhile. InvarianceError for a
+    library someone else could have written (never loaded); OSError from dlopen."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        problem = _untrusted(os.fstat(fd), "library")
+        expected = _BUILT.get(str(path)) or _sidecar(path)
+        if problem is None and hashlib.sha256(_read_fd(fd)).hexdigest() != expected:
+            problem = f"its sha256 is not the one recorded when it was built ({path.name}.sha256)"
+        if problem:
+            raise InvarianceError(f"{path}: {problem}; not loaded (only a library this user built is run)")
+        return ctypes.CDLL(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path))
+    finally:
+        os.close(fd)
+
+
+def _read_fd(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _sidecar(path: Path) -> str | None:
+    """The sha256 recorded beside `path`, when the sidecar is this user's and nobody else's to write."""
+    digest = path.with_name(path.name + ".sha256")
+    try:
+        fd = os.open(digest, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        if _untrusted(os.fstat(fd), "library") is not None:
+            return None
+        return _read_fd(fd).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+
+
 def _cached_problem(target: Path, digest: Path) -> str | None:
     """None when the cached library can be loaded; "" when it must be built (absent, or
-    from before sha256 sidecars); else what is wrong with it."""
+    from before sha256 sidecars); else what is wrong with it. A library or sidecar that is
+    not this user's alone is an InvarianceError: rebuilding over it would hide the plant."""
     try:
-        if not target.is_file() or not digest.is_file():
+        if not os.path.lexists(target) or not os.path.lexists(digest):
             return ""
+        for p, what in ((target, "library"), (digest, "sidecar")):
+            problem = _untrusted(p.lstat(), what)
+            if problem:
+                raise InvarianceError(f"{p}: {problem}; not loaded (only a library this user built is run): "
+                                      f"remove it, or give LLAMA_PARITY_CACHE a folder of your own")
         size = target.stat().st_size
         if digest.read_text().strip() != _sha256(target):
             return f"sha256 differs from the one in {digest.name} (damaged or truncated: {size} bytes)"

@@ -25,6 +25,7 @@ import numpy as np
 from .checkpoint import expected_shapes
 from .config import LlamaConfig
 from .errors import ConfigError
+from .files import WriteError, atomic_write
 
 # The real configs (config.json of each model on the hub), without bookkeeping fields.
 _LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
@@ -50,6 +51,7 @@ SHARD_BYTES = 2 << 30
 _DTYPES = {"float32": (np.dtype(np.float32), "F32"), "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
            "float16": (np.dtype(np.float16), "F16")}
 _CHUNK = 1 << 24   # elements drawn at a time (64 MB of float32)
+MARKER = ".llama-parity-checkpoint"   # written last: this folder is a synthetic checkpoint of ours
 
 
 def shape_config(shape: str, layers: int | None = None, bos: int = 1, eos: int = 2) -> dict:
@@ -58,6 +60,9 @@ def shape_config(shape: str, layers: int | None = None, bos: int = 1, eos: int =
         raise ConfigError(f"unknown shape '{shape}' (one of {', '.join(SHAPES)})")
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
         raise ConfigError(f"layers={layers!r} must be a positive integer")
+    if layers is not None and layers > SHAPES[shape]["num_hidden_layers"]:    # a real shape, at most its depth
+        raise ConfigError(f"layers={layers}: {shape} has {SHAPES[shape]['num_hidden_layers']} decoder layers; "
+                          "give at most that many")
     cfg = dict(SHAPES[shape], model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
                bos_token_id=bos, eos_token_id=eos)
     if layers is not None:
@@ -108,6 +113,7 @@ def write_checkpoint(folder, shape: str, dtype: str = "bfloat16", layers: int | 
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     total = sum(int(np.prod(s)) for s in shapes.values())
+    _check_space(folder, total * np_dtype.itemsize)
     done = 0
     for name, keys in zip(names, shards):
         header, offset = {"__metadata__": {"format": "pt", "llama_parity_shape": shape, "seed": str(seed)}}, 0
@@ -117,17 +123,30 @@ def write_checkpoint(folder, shape: str, dtype: str = "bfloat16", layers: int | 
             offset += nbytes
         raw = json.dumps(header).encode()
         raw += b" " * (-len(raw) % 8)
-        tmp = folder / (name + ".partial")
-        with open(tmp, "wb") as f:
+
+        def write(f, keys=keys, name=name, raw=raw):
+            nonlocal done
             f.write(struct.pack("<Q", len(raw)) + raw)
             for key in keys:
                 f.write(_draw(key, tuple(shapes[key]), seed, np_dtype).tobytes())
                 done += int(np.prod(shapes[key]))
                 progress(f"{name}: {key} ({100 * done / total:.0f}% of {total / 1e9:.2f}B parameters)")
-        tmp.replace(folder / name)
+        atomic_write(folder / name, write, "checkpoint file")
     if len(shards) > 1:
         weight_map = {k: n for n, keys in zip(names, shards) for k in keys}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total * np_dtype.itemsize}, "weight_map": weight_map}, indent=1))
-    (folder / "config.json").write_text(json.dumps(cfg_dict, indent=1))
+        atomic_write(folder / "model.safetensors.index.json", json.dumps(
+            {"metadata": {"total_size": total * np_dtype.itemsize}, "weight_map": weight_map}, indent=1),
+            "checkpoint index")
+    atomic_write(folder / "config.json", json.dumps(cfg_dict, indent=1), "checkpoint config")
+    atomic_write(folder / MARKER, json.dumps({"shape": shape, "dtype": dtype, "layers": cfg.num_hidden_layers,
+                                              "seed": seed}) + "\n", "checkpoint marker")
     return folder
+
+
+def _check_space(folder: Path, nbytes: int) -> None:
+    """Refuses, before writing, a checkpoint that cannot fit the free space of its disk."""
+    import shutil
+    free = shutil.disk_usage(folder).free
+    if nbytes > free:
+        raise WriteError(f"checkpoint folder {folder}: the weights need {nbytes / 1e9:.2f} GB, the disk has "
+                         f"{free / 1e9:.2f} GB free; choose fewer --layers or another folder")

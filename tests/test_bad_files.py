@@ -511,7 +511,7 @@ def test_changed_cache_is_fetched_again_saying_why(tmp_path, monkeypatch, capsys
     _flip_one_float(folder / "model.safetensors", keep_mtime=True)
     assert fetch.is_complete(folder)  # the cheap check cannot see a change that kept size and mtime
     monkeypatch.setattr(fetch, "_check_hf_dependencies", lambda: (_ for _ in ()).throw(fetch.FetchError("stub")))
-    assert fetch.main(["--cache-dir", str(folder.parent), "--verify"]) == 1
+    assert fetch.main(["--cache-dir", str(folder.parent), "--verify"]) == 2   # bad input: 2
     out = capsys.readouterr()
     assert re.search(r"model\.safetensors: sha256 \w+ differs from \w+ recorded in \.complete .*; fetching it again",
                      out.out), out.out

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from compare import Dump, DumpError, capture, compare_models, fingerprint
 from compare.adapters import Side, resolve_side
-from compare.adapters.dump import bind_dumps
+from compare.adapters.dump import bind_dumps, file_sha256
 from compare.controls import CONTROLS
 from compare.ladder.engine import run_ladder
 from llama_parity.cli import main
@@ -183,10 +183,17 @@ def test_another_policy_is_refused(dumped):
     assert bind_dumps("torchref", Dump(out), ck, None, None)[2].name == "bf16"
 
 
-def _rewrite(path, change):
+def _rewrite(path, change, rebind=True):
+    """Changes a tap file; rebind: its new sha256 put in the manifest (a dump written wrong,
+    not one edited after the capture, which the checksum alone refuses)."""
     tensors = load_file(path)
     change(tensors)
     save_file(tensors, path)
+    if rebind:
+        manifest = path.parent / "manifest.json"
+        m = json.loads(manifest.read_text())
+        m["sha256"][path.name] = file_sha256(path)
+        manifest.write_text(json.dumps(m))
 
 
 def test_tampered_tap_layout_is_refused_by_file_and_tensor(dumped, tmp_path):
@@ -336,7 +343,8 @@ def test_a_dump_written_by_hand_as_documented(tiny_dir, tmp_path):
         files.setdefault(f"layer-{int(layer):04d}.safetensors" if layer else "head.safetensors", []).append(name)
     for fname, names in files.items():
         save_file({n: np.ascontiguousarray(taps[n]) for n in names}, str(out / fname))
-    manifest = {"format": "llama-parity-dump", "format_version": 1,
+    manifest = {"format": "llama-parity-dump", "format_version": 2,
+                "sha256": {fname: file_sha256(out / fname) for fname in files},
                 "implementation": {"name": "my-engine", "package": None}, "policy": "fp32",
                 "config": json.loads((ck / "config.json").read_text()),
                 "inputs": {"input_ids": ids.tolist(), "attention_mask": mask.tolist()},

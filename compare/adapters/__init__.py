@@ -7,18 +7,29 @@ The Implementation protocol: an object with
     capture(tokens, attention_mask, taps, inject=None) -> (logits, {tap: array})   # numpy
     float64() -> Implementation                   # optional: the same thing at float64
     keeps_f32: bool                               # optional: its float64 run keeps f32 steps
+    supports_inject: bool                         # optional: False says "no teacher forcing" up front
 
-torchref and jaxmodel (OurModel) and transformers (TransformersModel) follow it here; a
-user's object that has name, taps and capture is used as it is.
+The optional parts and their defaults are listed in docs/ports.md; the engine reads nothing
+else. torchref and jaxmodel (OurModel) and transformers (TransformersModel) follow it here;
+a user's object that has name, taps and capture is wrapped by `Checked` when a Side is made
+(resolve_side): what its capture returns is checked against what it promised, and a
+failure names the port and the tap (PortError). A capture without an `inject` parameter,
+or one raising NotImplementedError for it, means "no teacher forcing" (inject_support,
+forced_capture), which the report says.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from llamaspec import ConfigError, Policy
+import numpy as np
+
+from llamaspec import ConfigError, LlamaConfig, LlamaParityError, Policy
 
 from .generic import HF_LLAMA_TAPS, JaxFunction, LinenModule, NnxModule, TorchModule
 from .ours import PACKAGES, OurModel, fp64_policy, package_of
@@ -138,13 +149,138 @@ class Side:
 
 def resolve_side(spec, checkpoint, policy) -> Side:
     """A Side as given (e.g. a patched model and its twin, as the planted-bug controls
-    make them), or one made from anything `implementation` takes."""
+    make them), or one made from anything `implementation` takes; a user's port is wrapped
+    by Checked (its outputs checked, with the checkpoint's shapes when it has a config)."""
     if isinstance(spec, Side):
         return spec
-    return Side.of(implementation(spec, checkpoint, policy))
+    return Side.of(checked(implementation(spec, checkpoint, policy), checkpoint))
 
 
-__all__ = ["SHAPE_FIELDS", "VALUE_FIELDS", "Implementation", "OurModel", "Side", "TransformersModel",
+# ----- a port's promises, checked ----------------------------------------------------------
+
+class PortError(LlamaParityError, ValueError):
+    """A port's capture returned something other than what the protocol and its taps
+    promise, or raised; the message names the port, the tap, the expected and the actual."""
+
+
+class InjectUnsupported(Exception):
+    """A port's capture raised NotImplementedError for inject: no teacher forcing for it."""
+
+
+def inject_support(impl) -> str | None:
+    """None when `impl` takes inject (teacher forcing); else why not, as a phrase naming it:
+    a `supports_inject = False` attribute, or a capture without an `inject` parameter (the
+    protocol's two ways to say so; a NotImplementedError at the call is forced_capture's)."""
+    name = getattr(impl, "name", type(impl).__name__)
+    if getattr(impl, "supports_inject", True) is False:
+        return f"{name} takes no inject"
+    target = getattr(impl, "wrapped", impl)
+    try:
+        params = inspect.signature(target.capture).parameters
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if "inject" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return f"{name} takes no inject (its capture has no inject parameter)"
+
+
+def forced_capture(impl, tokens, attention_mask, taps, inject):
+    """impl.capture with inject (teacher forcing); a NotImplementedError from it is
+    InjectUnsupported, so the ladder reports "teacher forcing not run" instead of failing."""
+    try:
+        return impl.capture(tokens, attention_mask, taps, inject=inject)
+    except NotImplementedError as e:
+        name = getattr(impl, "name", type(impl).__name__)
+        raise InjectUnsupported(f"{name} takes no inject (its capture raised NotImplementedError: {e})") from None
+
+
+_OWN = ("compare.adapters.ours", "compare.adapters.transformers", "compare.adapters.dump", "compare.ladder.")
+
+
+def checked(impl, checkpoint=None):
+    """`impl` wrapped by Checked unless it is one of ours (OurModel, TransformersModel, a
+    Dump, a CheckpointModel), whose outputs are checked where they are made."""
+    if isinstance(impl, Checked) or type(impl).__module__.startswith(_OWN):
+        return impl
+    cfg = None
+    if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
+        try:
+            cfg = LlamaConfig.from_file(Path(checkpoint) / "config.json")
+        except (LlamaParityError, OSError, ValueError):
+            cfg = None
+    return Checked(impl, cfg)
+
+
+class Checked:
+    """A user's port whose capture results are checked: a pair (logits, dict), every asked
+    tap present, each numpy-convertible, of a float dtype, shaped [B, T, ...] (the
+    checkpoint's shape for the tap when a config is known). Other attributes are the port's."""
+
+    def __init__(self, impl, cfg: LlamaConfig | None = None):
+        self.wrapped, self.cfg_checked = impl, cfg
+        self.name, self.taps = str(impl.name), tuple(impl.taps)
+        if callable(getattr(impl, "float64", None)):
+            self.float64 = lambda: Checked(impl.float64(), cfg)
+
+    def __getattr__(self, key):
+        if key in ("wrapped", "cfg_checked"):
+            raise AttributeError(key)
+        return getattr(self.wrapped, key)
+
+    def capture(self, tokens, attention_mask, taps, inject=None):
+        try:
+            out = (self.wrapped.capture(tokens, attention_mask, taps) if inject is None else
+                   self.wrapped.capture(tokens, attention_mask, taps, inject=inject))
+        except (NotImplementedError, LlamaParityError):
+            raise
+        except Exception as e:  # noqa: BLE001 (a port's own failure: say whose)
+            raise PortError(f"{self.name}: capture raised {type(e).__name__}: {e}") from e
+        B, T = np.shape(tokens)[:2]
+        return check_capture(self.name, out, list(taps), B, T, self.cfg_checked)
+
+
+def check_capture(name: str, out, asked, batch: int, length: int, cfg=None):
+    """(logits, {tap: numpy array}) from what a port's capture returned, or a PortError."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        got = f"a {type(out).__name__}" + (f" of {len(out)} items" if isinstance(out, (tuple, list)) else "")
+        raise PortError(f"{name}: capture returned {got}; the protocol returns a pair (logits, {{tap: array}})")
+    logits, acts = out
+    if not isinstance(acts, Mapping):
+        raise PortError(f"{name}: capture's second value is a {type(acts).__name__}; expected a dict {{tap: array}}")
+    missing = [t for t in asked if t not in acts]
+    if missing:
+        raise PortError(f"{name}: capture returned no '{missing[0]}' ({len(missing)} of the {len(asked)} taps asked "
+                        f"for missing; it returned {', '.join(list(map(str, acts))[:6]) or 'none'})")
+    arrays = {t: _port_array(name, t, acts[t], batch, length, cfg) for t in asked}
+    if logits is not None:
+        logits = _port_array(name, "logits", logits, batch, length, cfg)
+    return logits, arrays
+
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def _port_array(name: str, tap: str, x, batch: int, length: int, cfg) -> np.ndarray:
+    try:
+        a = np.asarray(x)
+    except Exception as e:  # noqa: BLE001 (a torch tensor needing grad, a list of lists of different lengths)
+        raise PortError(f"{name}: tap '{tap}' is a {type(x).__name__} that numpy cannot convert ({e}); return numpy "
+                        "arrays (a torch tensor: t.detach().cpu().float().numpy())") from None
+    if a.dtype.name not in _FLOATS:
+        raise PortError(f"{name}: tap '{tap}' has dtype {a.dtype}; expected a float dtype ({', '.join(_FLOATS)})")
+    want = None
+    if cfg is not None:
+        from .dump import expected_shape
+        want = expected_shape(tap, cfg, batch, length)
+    if (want is not None and a.shape != want) or a.ndim < 3 or a.shape[:2] != (batch, length):
+        said = list(want) if want is not None else f"[{batch}, {length}, ...]"
+        raise PortError(f"{name}: tap '{tap}' has shape {list(a.shape)}; expected {said} ([B, T, ...] for "
+                        f"{batch} x {length} tokens)")
+    return a
+
+
+__all__ = ["SHAPE_FIELDS", "VALUE_FIELDS", "Checked", "Implementation", "InjectUnsupported", "OurModel", "PortError",
+           "Side", "TransformersModel", "check_capture", "checked", "forced_capture", "inject_support",
            "architecture", "as_implementation", "config_differences", "fp64_policy", "implementation",
            "is_transformers_llama", "package_of", "resolve_side"]
 __all__ += ["HF_LLAMA_TAPS", "JaxFunction", "LinenModule", "NnxModule", "TorchModule"]

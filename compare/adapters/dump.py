@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -21,14 +22,16 @@ import numpy as np
 
 from llamaspec import LlamaConfig, LlamaParityError, Policy
 from llamaspec import taps as tapnames
+from llamaspec.files import printable
 
 from ..metrics import rel_l2, unit_roundoff
 from .ours import PACKAGES, OurModel
 
-FORMAT, FORMAT_VERSION, MANIFEST = "llama-parity-dump", 1, "manifest.json"
+# version 2: the manifest's field 'sha256' binds every file of the dump (version 1 had none)
+FORMAT, FORMAT_VERSION, MANIFEST = "llama-parity-dump", 2, "manifest.json"
 FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 MANIFEST_FIELDS = ("format", "format_version", "implementation", "policy", "config", "inputs", "taps", "files",
-                   "checkpoint")
+                   "checkpoint", "sha256")
 
 
 class DumpError(LlamaParityError, ValueError):
@@ -67,6 +70,15 @@ FINGERPRINT_METHOD = ("v1: sha256 of config.json and of model.safetensors.index.
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in blocks (tap files can be large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _file_fingerprint(path: Path) -> dict:
@@ -198,8 +210,13 @@ class Dump:
             m = json.loads(where.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise DumpError(f"{where}: not readable JSON ({e})") from None
+        except RecursionError:
+            raise DumpError(f"{where}: nested too deeply to be a manifest") from None
         if not isinstance(m, dict):
             raise DumpError(f"{where}: must hold a JSON object")
+        if m.get("format") == FORMAT and m.get("format_version") == 1:
+            raise DumpError(f"{where}: a version 1 dump, whose manifest holds no checksums of its tap files, so "
+                            "they cannot be bound to it; capture it again with this version")
         missing = [f for f in MANIFEST_FIELDS if f not in m]
         if missing:
             raise DumpError(f"{where}: missing field(s) {', '.join(missing)}")
@@ -222,7 +239,8 @@ class Dump:
         if self.package not in (None, *PACKAGES):
             raise DumpError(f"{where}: field 'implementation.package' is {self.package!r}: one of "
                             f"{', '.join(PACKAGES)} (a dump this tool can rebuild at float64), or null")
-        self.name = f"{self.implementation} (dump)"
+        self.name = f"{printable(self.implementation)} (dump)"    # the manifest's string, escaped for terminals
+        self.sha256 = self._checksums(m["sha256"])
         self.taps, self.file_of = self._check_taps(m["taps"], m["files"])
         self.supports_inject = m.get("teacher_forcing") is not None
         if self.supports_inject:
@@ -277,9 +295,7 @@ class Dump:
     def _check_file(self, name: str, expect: dict, listed: str) -> None:
         """expect: {tensor key: (shape, dtype or None for any float, how to say the dtype)}."""
         from safetensors import safe_open
-        path = self.path / name
-        if Path(name).name != name or not path.is_file():
-            raise DumpError(f"{path}: tap file not found ({listed} for {', '.join(expect)[:200]})")
+        path = self._bound(name, f"{listed} for {', '.join(expect)[:200]}")
         B, T = self.inputs[0].shape
         try:
             with safe_open(path, "np") as f:
@@ -299,6 +315,34 @@ class Dump:
             raise
         except Exception as e:  # noqa: BLE001 (safetensors' own errors: name the file)
             raise DumpError(f"{path}: cannot read as safetensors ({e})") from None
+
+    def _checksums(self, sums) -> dict:
+        if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+            raise DumpError(f"{self.where}: field 'sha256' must be an object {{file name: sha256 hex}}")
+        return sums
+
+    def _bound(self, name, listed: str) -> Path:
+        """The dump's file `name`, checked: a plain file name in the dump's folder, a regular
+        file (no symlink, no device), with the sha256 the manifest records for it."""
+        path = self.path / str(name)
+        if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+            raise DumpError(f"{self.where}: {name!r} is a path, not a file name in the dump's folder ({listed}); "
+                            "a dump's files all lie in its folder")
+        if path.is_symlink():
+            raise DumpError(f"{path}: is a symlink (to {os.readlink(path)}); a dump's files are its own regular "
+                            f"files ({listed})")
+        if not path.exists():
+            raise DumpError(f"{path}: tap file not found ({listed})")
+        if not path.is_file():
+            raise DumpError(f"{path}: not a regular file ({listed})")
+        want = self.sha256.get(name)
+        if want is None:
+            raise DumpError(f"{self.where}: field 'sha256' holds no checksum for {name} ({listed})")
+        got = file_sha256(path)
+        if got != want:
+            raise DumpError(f"{path}: sha256 {got} differs from {want} in {MANIFEST}: the file was changed after "
+                            "the capture (or belongs to another one); capture the dump again")
+        return path
 
     def _check_forced(self, forcing) -> None:
         """The optional teacher-forced capture: every layer fed the oracle's input (stored,

@@ -16,7 +16,7 @@ import numpy as np
 from llamaspec import InputError, Policy
 from llamaspec import taps as tapnames
 
-from ..adapters import PACKAGES, Side, config_differences, resolve_side
+from ..adapters import PACKAGES, InjectUnsupported, Side, config_differences, inject_support, resolve_side
 from ..environment import environment
 from ..metrics import logits_agreement, pair_metrics
 from ..results import JsonResult
@@ -110,15 +110,18 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     worst, divergence = first_divergence(verdicts)
     t0 = _lap(seconds, "judging", t0)
     local, forcing = [], "off"
-    no_inject = [s.name for s in (ref, cand) if not getattr(s.at_policy, "supports_inject", True)]
+    no_inject = [why for why in map(inject_support, (ref.at_policy, cand.at_policy)) if why]
     if teacher_forcing and no_inject:
-        forcing = f"not run: {', '.join(no_inject)} takes no inject (teacher forcing needs it)"
+        forcing = f"not run: {'; '.join(no_inject)} (teacher forcing needs it)"
     elif teacher_forcing:
         progress("teacher forcing: every layer fed the oracle's input")
-        local = local_errors(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32)
-        _lap(seconds, "teacher forcing", t0)
-        amplification(local, verdicts)
-        forcing = "run"
+        try:
+            local = local_errors(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32)
+            _lap(seconds, "teacher forcing", t0)
+            amplification(local, verdicts)
+            forcing = "run"
+        except InjectUnsupported as e:     # the port said so at the call (NotImplementedError)
+            local, forcing = [], f"not run: {e} (teacher forcing needs it)"
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
     rung = "run" if c64 is not None else f"not run: {cand.name} has no float64() (the same implementation at float64)"
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,

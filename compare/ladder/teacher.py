@@ -13,7 +13,7 @@ import numpy as np
 from llamaspec import Policy, positions_from_mask
 from llamaspec import taps as tapnames
 
-from ..adapters import Side
+from ..adapters import Side, forced_capture
 from ..metrics import rel_l2
 from ..vocabulary import FLOOR_ULPS, FP64_FLOOR, STRUCT_F32_FLOOR, drift_factor, precision_floor
 from .verdicts import Divergence, TapVerdict, precision_ratio
@@ -52,8 +52,7 @@ def local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None
     rows = [{"layer": i} for i in range(n)]
     forced = {}
     for side, key in ((ref, "ref"), (cand, "cand")):
-        _, forced[key] = side.at_policy.capture(ids, mask, list(dict.fromkeys(outs + at)),
-                                                inject=inject)
+        _, forced[key] = forced_capture(side.at_policy, ids, mask, list(dict.fromkeys(outs + at)), inject)
         for i, t in enumerate(outs):
             rows[i][f"{key}_local"] = rel_l2(forced[key][t][real], oracle[t][real])
     # Without the candidate's twin a semantic divergence is judged at P (classify_without_twin),
@@ -68,7 +67,7 @@ def local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None
             row["tap_local_ratio"] = precision_ratio(fr, fc, o, pos, precision_floor(policy, oracle["embed"].shape[-1]),
                                                      drift_factor(policy))[0]
     if divergence and divergence.kind == "semantic" and not at_policy:
-        _, forced = cand.at_fp64.capture(ids, mask, list(dict.fromkeys(outs + at)), inject=inject)
+        _, forced = forced_capture(cand.at_fp64, ids, mask, list(dict.fromkeys(outs + at)), inject)
         for t in at:
             rows[tapnames.tap(t).layer]["cand64_tap_local"] = rel_l2(forced[t][real], oracle[t][real])
     if divergence:

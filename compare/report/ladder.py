@@ -377,7 +377,7 @@ def render_html(report_dict: dict) -> str:
 def write_html(report, path) -> Path:
     """Writes the page for a Report (or its to_dict()) to `path`; returns the path."""
     d = report if isinstance(report, dict) else report.to_dict()
+    from llamaspec.files import atomic_write
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_html(d), encoding="utf-8")
-    return path
+    return atomic_write(path, render_html(d), "HTML report")   # temp name + rename: never half a page

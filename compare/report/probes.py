@@ -71,10 +71,10 @@ def to_document(results, meta: dict | None = None) -> dict:
 
 
 def write_json(results, path, meta: dict | None = None) -> Path:
+    from llamaspec.files import atomic_write
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_document(results, meta), indent=1))
-    return path
+    return atomic_write(path, json.dumps(to_document(results, meta), indent=1), "JSON report")
 
 
 # ---------------------------------------------------------------- plots
@@ -290,7 +290,7 @@ def render_html(doc: dict) -> str:
 
 
 def write_html(results, path, meta: dict | None = None) -> Path:
+    from llamaspec.files import atomic_write
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_html(to_document(results, meta)), encoding="utf-8")
-    return path
+    return atomic_write(path, render_html(to_document(results, meta)), "HTML report")
