@@ -1,0 +1,544 @@
+"""Where does the circumstance get in? One implementation, two circumstances, every tap.
+
+    from compare.probes.where import probe_where
+    r = probe_where("torchref", "padding", checkpoint=folder, policy="bf16")
+    r.verdict                       # exact | drift | precision | semantic (the worst tap of any pair)
+    c = r.worst                     # the comparison (Pair) that shows it
+    c.first_difference              # Parting: the first tap not bitwise equal (tap, layer, component, op)
+    c.first_beyond                  # Parting: the first tap beyond drift, with teacher forcing's answer
+    explain_where(r)                # the sentences (compare.probes.where_text), made last
+
+The target row is captured at every tap in circumstance A (alone, unpadded, without the
+appended tokens, the first run, default mode) and in circumstance B (inside a batch,
+padded, with tokens appended, a rerun, invariant mode); only A's positions are compared.
+Per tap, with a = A, b = B, oa and ob the model's own float64 twin (the same rounded
+weights computing in float64) in A's and in B's circumstance:
+
+    exact      b is bitwise equal to a;
+    semantic   NaN/Inf, or the fp64 rung differs: rel_l2(ob, oa) > the fp64 floor (1e-12; a
+               model that keeps f32 steps in its float64 run: F32_STEPS_FLOOR). In float64
+               another summation order moves a result by ~1e-16; a difference the twin keeps
+               is a difference in the math (pads attended, a position shift, a cache slot,
+               a leak from another row);
+    precision  the twin agrees, but err_b = rel_l2(b, ob) > m err_a + floor, err_a =
+               rel_l2(a, oa): in B the model loses more precision than in A (bf16 partials
+               chosen by batch shape);
+    drift      anything else: b is as close to the exact result as a is.
+
+m and floor are the ladder's (compare.vocabulary.drift_factor, precision_floor): they hold
+err(cand) <= m err(ref) + floor for two independent correct implementations of one
+policy, which differ by more than two summation orders of one implementation do. Both
+errors include what earlier taps handed on, so the bound follows the depth. Without an own
+twin for B (rerun, invariant-mode: B has A's input) ob is oa and a working-rung excess is
+semantic.
+
+StreamSource walks our models layer by layer (memory does not grow with depth); anything
+else is captured whole (CaptureSource). Teacher forcing: at the layer of the first parting,
+B's run is fed A's input for the target row (the protocol's inject) and that layer alone
+is judged again: does it make the difference (the op depends on the circumstance) or only
+inherit it? Records are data; where_text makes every sentence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from llamaspec import Policy
+from llamaspec import taps as tapnames
+
+from ..metrics import max_ulp, nonfinite, rel_l2
+from ..results import JsonResult
+from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
+from .where_plan import CIRCUMSTANCES, Pair, plan
+from .where_sources import input_tap, stage_taps, stages
+
+BEYOND = ("precision", "semantic")
+
+
+# ----------------------------------------------------------------- records
+
+@dataclasses.dataclass
+class Op:
+    """The operation a tap is the result of, as a kernel author names it."""
+    name: str               # q_proj, k_proj, ..., rope, attention, rms_norm, lm_head
+    family: str             # gather | norm | product | rope | attention | elementwise | residual
+    k: int | None = None    # a product's inner (summed) dimension
+    n: int | None = None    # a product's output width
+
+
+@dataclasses.dataclass
+class TapDiff:
+    """B vs A at one tap (the target's compared positions)."""
+    tap: str
+    layer: int | None
+    component: str
+    name: str               # the tap's kind within its layer: q, attn_ctx, ... or embed, logits
+    kind: str               # exact | drift | precision | semantic
+    bitwise_equal: bool
+    max_ulp: float          # in the tap's dtype
+    max_abs: float
+    rel_l2: float           # ||b - a|| / ||a||
+    err_a: float            # rel_l2(a, twin in A)
+    err_b: float            # rel_l2(b, twin in B, or in A without an own twin)
+    bound: float            # m err_a + floor
+    twin_rel: float | None  # rel_l2(twin in B, twin in A); None without an own twin
+    twin_floor: float
+    nonfinite: int
+    first_position: int | None = None   # first compared position that differs
+    worst_position: int | None = None   # position with the largest relative difference
+    pad_fit: float | None = None        # attn_ctx: dist(b, pads attended) / dist(b, pads masked)
+
+    @property
+    def ratio(self) -> float:
+        return self.err_b / self.bound if self.bound > 0 else (0.0 if self.err_b == 0 else math.inf)
+
+
+@dataclasses.dataclass
+class Forced:
+    """Teacher forcing at a parting's layer: B fed A's input for the target row."""
+    layer: int | None
+    ran: bool
+    reason: str | None = None    # why not run: input_equal | outside_layers | fresh | no_inject
+    kind: str | None = None      # the parting tap's verdict with the same input
+    rel_l2: float | None = None
+    local: bool | None = None    # True: this layer alone makes the difference
+
+
+@dataclasses.dataclass
+class Parting:
+    """Where A and B part: the tap, as data."""
+    tap: str
+    layer: int | None
+    component: str
+    name: str
+    op: Op
+    kind: str
+    position: int | None
+    before_exact: bool           # every earlier tap bitwise equal
+    rows_a: int                  # rows of A's and B's products (batch x slots)
+    rows_b: int
+    forced: Forced | None = None
+
+
+@dataclasses.dataclass
+class Comparison:
+    """One pair of circumstances, every tap."""
+    name: str
+    group: str
+    a_run: str
+    b_run: str
+    a_row: int
+    b_row: int
+    a_shape: list                # [rows, slots] of A's and B's calls
+    b_shape: list
+    positions: int
+    b_padded: bool
+    verdict: str = "exact"
+    taps: list = dataclasses.field(default_factory=list)
+    first_difference: Parting | None = None
+    first_beyond: Parting | None = None
+    findings: list = dataclasses.field(default_factory=list)   # codes: where_text.FINDINGS
+
+
+@dataclasses.dataclass
+class WhereResult(JsonResult):
+    probe: str
+    circumstance: str
+    model: str
+    impl: str
+    policy: str
+    mode: str
+    streamed: bool
+    target_length: int
+    verdict: str
+    comparisons: list
+    drift_factor: float
+    floor: float
+    twin_floor: float
+    seconds: dict = dataclasses.field(default_factory=dict)
+    cost: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict != "semantic"
+
+    @property
+    def worst(self) -> Comparison:
+        return max(self.comparisons, key=_severity)
+
+    def to_dict(self) -> dict:
+        from .where_text import explain_where, hint
+        return {**super().to_dict(), "hint": hint(self), "explanation": explain_where(self)}
+
+
+def _severity(c: Comparison):
+    beyond = c.first_beyond
+    first = c.first_difference
+    depth = -len(c.taps) if first is None else -c.taps.index(next(t for t in c.taps if t.tap == first.tap))
+    return (KINDS.index(c.verdict), beyond is not None, depth)
+
+
+# ----------------------------------------------------------------- ops
+
+def op_of(tap: str, cfg) -> Op:
+    """The operation behind a tap, with a product's dimensions from the config."""
+    t = tapnames.tap(tap)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    products = {"q": ("q_proj", d, q), "k": ("k_proj", d, kv), "v": ("v_proj", d, kv), "attn_out": ("o_proj", q, d),
+                "gate": ("gate_proj", d, f), "up": ("up_proj", d, f), "mlp_out": ("down_proj", f, d),
+                "logits": ("lm_head", d, cfg.vocab_size)}
+    if t.kind in products:
+        name, k, n = products[t.kind]
+        return Op(name, "product", k, n)
+    other = {"embed": ("embedding", "gather"), "attn_norm": ("input rms_norm", "norm"),
+             "mlp_norm": ("post-attention rms_norm", "norm"), "final_norm": ("final rms_norm", "norm"),
+             "q_rope": ("rope on q", "rope"), "k_rope": ("rope on k", "rope"), "attn_ctx": ("attention", "attention"),
+             "resid_mid": ("residual add", "residual"), "out": ("residual add", "residual"),
+             "act": ("silu(gate) * up", "elementwise")}
+    return Op(*other[t.kind])
+
+
+# ----------------------------------------------------------------- judging
+
+@dataclasses.dataclass(frozen=True)
+class Yardstick:
+    policy: Policy
+    m: float
+    floor: float
+    twin_floor: float
+
+    @classmethod
+    def of(cls, policy: Policy, hidden: int, keeps_f32: bool) -> "Yardstick":
+        return cls(policy, drift_factor(policy), precision_floor(policy, hidden),
+                   F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR)
+
+
+def _positions(a: np.ndarray, b: np.ndarray) -> tuple[int | None, int | None]:
+    """First differing compared position, and the one with the largest relative difference."""
+    a64, b64 = a.reshape(len(a), -1).astype(np.float64), b.reshape(len(b), -1).astype(np.float64)
+    differ = np.flatnonzero(~(a64 == b64).all(1))
+    if not differ.size:
+        return None, None
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.linalg.norm(b64 - a64, axis=1) / np.maximum(np.linalg.norm(a64, axis=1), np.finfo(float).tiny)
+    return int(differ[0]), int(np.nanargmax(np.where(np.isfinite(rel), rel, np.inf)))
+
+
+def judge_tap(tap: str, a, b, oa, ob, yard: Yardstick) -> TapDiff:
+    """B (b) vs A (a) at one tap, against the twin in A (oa) and in B (ob, or None)."""
+    a, b = np.asarray(a), np.asarray(b)
+    t = tapnames.tap(tap)
+    bad = nonfinite(b) + nonfinite(a)
+    equal = bool(np.array_equal(a, b)) and not bad
+    err_a = rel_l2(a, oa)
+    err_b = rel_l2(b, oa if ob is None else ob)
+    twin_rel = None if ob is None else rel_l2(ob, oa)
+    ulp = max_ulp(b, a, tapnames.dtype_of(tap, yard.policy)) if not bad else math.nan
+    diff = TapDiff(tap, t.layer, t.component, t.kind, "exact", equal, ulp,
+                   float(np.abs(b.astype(np.float64) - a.astype(np.float64)).max()) if not bad else math.nan,
+                   rel_l2(b, a), err_a, err_b, yard.m * err_a + yard.floor, twin_rel, yard.twin_floor, bad)
+    if equal:
+        return diff
+    diff.first_position, diff.worst_position = _positions(a, b) if not bad else (None, None)
+    if bad or (twin_rel is not None and not twin_rel <= yard.twin_floor):
+        diff.kind = "semantic"
+    elif not diff.err_b <= diff.bound:
+        diff.kind = "precision" if twin_rel is not None else "semantic"
+    else:
+        diff.kind = "drift"
+    return diff
+
+
+def pad_fit(q, k, v, ctx, mask_row, slots) -> tuple[float, float]:
+    """B's attn_ctx at the compared slots against two float64 recomputes from B's own q_rope,
+    k_rope, v of the target row: keys at real slots only (pads masked) and keys at every
+    earlier slot (pads attended): (distance to the first, distance to the second)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    W, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)        # head h reads kv head h // G
+    scores = np.einsum("thd,shd->hts", q[slots], k) * D ** -0.5       # [Hq, T', W]
+    causal = np.arange(W)[None, :] <= np.asarray(slots)[:, None]
+    out = []
+    for allowed in (causal & np.asarray(mask_row, bool)[None, :], causal):
+        s = np.where(allowed[None], scores, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out.append(rel_l2(ctx, np.einsum("hts,shd->thd", p, v).reshape(len(slots), Hq * D)))
+    return out[0], out[1]
+
+
+# ----------------------------------------------------------------- the walk
+
+@dataclasses.dataclass
+class _Pairing:
+    pair: Pair
+    comparison: Comparison
+    mask_row: np.ndarray         # B's row of its mask (the pad recompute's key slots)
+    last_exact: bool = True
+
+
+def _comparison(pair: Pair, runs: dict) -> Comparison:
+    ra, rb = runs[pair.a.run], runs[pair.b.run]
+    return Comparison(pair.name, pair.group, ra.key, rb.key, pair.a.row, pair.b.row, [ra.rows, ra.width],
+                      [rb.rows, rb.width], len(pair.a.slots), not bool(rb.mask[pair.b.row].all()))
+
+
+def _rows(got: dict, s, twin: bool):
+    return got.get((s.run, twin, s.row))
+
+
+def _judge_stage(p: _Pairing, stage, got: dict, yard: Yardstick, available) -> list[TapDiff]:
+    a, b = p.pair.a, p.pair.b
+    ra, rb, oa = _rows(got, a, False), _rows(got, b, False), _rows(got, a, True)
+    ob = _rows(got, b, True) if p.pair.own_twin else None
+    if oa is None:
+        raise ValueError(f"where: no float64 twin run for '{a.run}': the probe judges against the model's own twin")
+    out = []
+    for tap in stage_taps(stage, available):
+        d = judge_tap(tap, ra[tap][a.slots], rb[tap][b.slots], oa[tap][a.slots],
+                      None if ob is None else ob[tap][b.slots], yard)
+        if d.name == "attn_ctx" and d.kind in BEYOND and p.comparison.b_padded and all(
+                f"layers.{d.layer}.{n}" in rb for n in ("q_rope", "k_rope", "v")):
+            masked, attended = pad_fit(*(rb[f"layers.{d.layer}.{n}"] for n in ("q_rope", "k_rope", "v")),
+                                       rb[tap][b.slots], p.mask_row, b.slots)
+            d.pad_fit = attended / masked if masked > 0 else math.inf
+        out.append(d)
+    return out
+
+
+def _parting(d: TapDiff, before_exact: bool, cfg, c: Comparison) -> Parting:
+    return Parting(d.tap, d.layer, d.component, d.name, op_of(d.tap, cfg), d.kind, d.first_position,
+                   before_exact, c.a_shape[0] * c.a_shape[1], c.b_shape[0] * c.b_shape[1])
+
+
+def _force(p: _Pairing, part: Parting, source, prev: dict, got: dict, yard: Yardstick, runs) -> Forced:
+    """Teacher forcing at a parting's layer (see the module docstring)."""
+    a, b = p.pair.a, p.pair.b
+    if part.layer is None:
+        return Forced(None, False, "input_equal" if part.before_exact else "outside_layers")
+    into = input_tap(part.layer)
+    before = next((t for t in p.comparison.taps if t.tap == into), None)
+    if before is not None and before.bitwise_equal:
+        return Forced(part.layer, False, "input_equal", part.kind, None, True)
+    if runs[b.run].fresh:
+        return Forced(part.layer, False, "fresh")
+    if not source.can_force(b.run, False):
+        return Forced(part.layer, False, "no_inject")
+
+    def forced(twin, a_rows):
+        h = np.array(source.layer_input(b.run, twin, part.layer))
+        h[b.row, b.slots] = np.asarray(a_rows[into])[a.slots].astype(h.dtype)
+        return np.asarray(source.force(b.run, twin, part.layer, h)[part.tap])[b.row][b.slots]
+
+    try:
+        fb = forced(False, _rows(prev, a, False))
+        fob = forced(True, _rows(prev, a, True)) if p.pair.own_twin and source.can_force(b.run, True) else None
+    except NotImplementedError:
+        return Forced(part.layer, False, "no_inject")
+    d = judge_tap(part.tap, _rows(got, a, False)[part.tap][a.slots], fb, _rows(got, a, True)[part.tap][a.slots],
+                  fob, yard)
+    local = (not d.bitwise_equal) if part.kind not in BEYOND else d.kind in BEYOND
+    return Forced(part.layer, True, None, d.kind, d.rel_l2, local)
+
+
+def _walk(source, pairings: list[_Pairing], runs: dict, cfg, yard: Yardstick, available, progress) -> None:
+    prev: dict = {}
+    n = cfg.num_hidden_layers
+    for stage in stages(n):
+        got = source.rows(stage)
+        for p in pairings:
+            c = p.comparison
+            for d in _judge_stage(p, stage, got, yard, available):
+                if not d.bitwise_equal and c.first_difference is None:
+                    c.first_difference = _parting(d, p.last_exact, cfg, c)
+                    c.first_difference.forced = _force(p, c.first_difference, source, prev, got, yard, runs)
+                if d.kind in BEYOND and c.first_beyond is None:
+                    c.first_beyond = _parting(d, p.last_exact, cfg, c)
+                    c.first_beyond.forced = _force(p, c.first_beyond, source, prev, got, yard, runs)
+                p.last_exact = p.last_exact and d.bitwise_equal
+                c.taps.append(d)
+        prev = got
+        if progress and stage not in ("embed", "final"):
+            progress(f"where: layer {stage + 1}/{n} judged")
+    for p in pairings:
+        c = p.comparison
+        c.verdict = max((d.kind for d in c.taps), key=KINDS.index, default="exact")
+        c.findings = findings(c)
+
+
+def findings(c: Comparison) -> list[str]:
+    """What the records say about the cause (codes; where_text.FINDINGS words them)."""
+    out = []
+    first = c.first_beyond
+    by_tap = {d.tap: d for d in c.taps}
+    if first is not None:
+        if first.name == "attn_ctx" and (by_tap[first.tap].pad_fit or math.inf) < 1:
+            out.append("pad_keys")
+        if first.name in ("q_rope", "k_rope"):
+            pre = by_tap.get(f"layers.{first.layer}.{first.name[0]}")
+            if pre is None or pre.kind not in BEYOND:
+                out.append("positions")
+            ctx = by_tap.get(f"layers.{first.layer}.attn_ctx")
+            if ctx is not None and ctx.kind not in BEYOND:
+                out.append("absorbed")
+        if c.group == "equal":
+            out.append("rows")
+        if c.group == "append":
+            out.append("later_positions")
+        if first.forced is not None and first.forced.ran and not first.forced.local:
+            out.append("inherited")
+    if c.group in ("repeat", "fresh") and c.verdict != "exact":
+        out.append("nondeterministic")
+    return out
+
+
+# ----------------------------------------------------------------- the probe
+
+STREAMED = ("batch", "padding", "append")   # circumstances our models walk layer by layer
+PACKAGES = ("torchref", "jaxmodel")
+
+
+@dataclasses.dataclass
+class _Setup:
+    name: str
+    impl: str
+    policy: Policy
+    mode: str
+    keeps_f32: bool
+    cfg: object
+    impls: dict                  # main, twin, other: Implementations (capture path)
+    taps: tuple
+    package: str | None = None   # stream path: torchref | jaxmodel over `folder`
+    folder: str | None = None
+    spec: object = None          # a ModelSpec: fresh processes
+
+
+def _policy_of(impl, policy) -> Policy:
+    pol = policy or getattr(impl, "policy", None)
+    if pol is None:
+        raise TypeError(f"{getattr(impl, 'name', type(impl).__name__)}: probe where judges against the policy's "
+                        "rounding and this model states none: pass policy= (fp32, bf16, fp16, fp64)")
+    return Policy.get(pol) if isinstance(pol, str) else pol
+
+
+def _load(spec):
+    from ..adapters import as_implementation
+    return as_implementation(spec.load(), spec.checkpoint)
+
+
+def _by_name(name, circumstance, checkpoint, policy, stream, other, hf):
+    from llamaspec.checkpoint import check_checkpoint
+
+    from .models import ModelSpec
+    if checkpoint is None:
+        raise ValueError(f"probe where '{name}': checkpoint= (a Hugging Face folder) is needed to load it")
+    pol = Policy.get(policy or "fp32")
+    spec = ModelSpec(name, str(checkpoint), pol.name, **(hf if name == "transformers" else {}))
+    if name in PACKAGES and circumstance in STREAMED and stream is not False:
+        cfg = check_checkpoint(checkpoint).config
+        return _Setup(f"{name} {pol.name} default", name, pol, "default", False, cfg, {},
+                      tuple(tapnames.all_taps(cfg.num_hidden_layers)), name, str(checkpoint), spec)
+    main = _load(spec)
+    impls = {"main": main, "twin": main.float64(rounded_weights=True)}
+    if circumstance == "invariant-mode":
+        impls["other"] = other if other is not None else _load(dataclasses.replace(spec, batch_invariant=True))
+    cfg = getattr(main, "config", None) or main.cfg
+    return _Setup(f"{getattr(main, 'name', name)} {pol.name} default", name, pol, "default",
+                  bool(getattr(main, "keeps_f32", False)), cfg, impls, tuple(main.taps), spec=spec)
+
+
+def _of_object(model, circumstance, checkpoint, policy, oracle, other):
+    from ..adapters import as_implementation
+    from .models import ProbeModel, fp64_twin
+    spec = name = None
+    if isinstance(model, ProbeModel):
+        spec, name, oracle = model.spec, model.name, oracle or model.oracle()
+        policy, model = policy or model.policy, model.model
+    impl = as_implementation(model, checkpoint)
+    twin = oracle if oracle is not None else fp64_twin(model)
+    if twin is None:
+        raise TypeError(f"{getattr(impl, 'name', type(model).__name__)}: probe where needs the model's float64 twin "
+                        "(the same implementation computing in float64): pass oracle=")
+    impls = {"main": impl, "twin": as_implementation(twin)}
+    if circumstance == "invariant-mode":
+        if other is None:
+            raise TypeError("probe where, invariant-mode: pass other= (the same model in batch-invariant mode)")
+        impls["other"] = as_implementation(other)
+    pol = _policy_of(impl, policy)
+    mode = "invariant" if getattr(impl, "batch_invariant", False) else "default"
+    cfg = getattr(impl, "config", None) or getattr(impl, "cfg", None)
+    if cfg is None or getattr(cfg, "hidden_size", None) is None:
+        raise TypeError(f"{getattr(impl, 'name', type(model).__name__)}: probe where needs the model's config "
+                        "(a cfg or config attribute with hidden_size, vocab_size, num_hidden_layers, ...)")
+    return _Setup(name or f"{getattr(impl, 'name', type(model).__name__)} {pol.name} {mode}",
+                  getattr(impl, "package", None) or getattr(impl, "name", type(model).__name__), pol, mode,
+                  bool(getattr(impl, "keeps_f32", False)), cfg, impls, tuple(impl.taps), spec=spec)
+
+
+def _target(cfg, ids, length: int, seed: int) -> np.ndarray:
+    if ids is None:
+        return np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, length)).astype(np.int64)
+    a = np.asarray(ids, np.int64)
+    return a[None] if a.ndim == 1 else a[:1]
+
+
+def _source(setup: _Setup, runs, pairs, rows_of, progress):
+    from .where_sources import CaptureSource, StreamSource
+    if setup.package is not None:
+        return StreamSource(setup.package, setup.folder, setup.policy, runs, rows_of)
+    if any(r.fresh for r in runs) and setup.spec is None:
+        raise ValueError("probe where, rerun in a fresh process: the model must be loadable in another process "
+                         "(give it by name, or load it with compare.probes.load_model); or pass processes=0")
+    forced = {(p.b.run, twin) for p in pairs for twin in ((False, True) if p.own_twin else (False,))}
+    return CaptureSource(setup.impls, runs, rows_of, setup.taps, setup.spec, forced, progress)
+
+
+def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None, policy=None, oracle=None,
+                other=None, stream=None, length: int = 24, seed: int = 0, attn_implementation: str = "eager",
+                progress=None, **options) -> WhereResult:
+    """The layerwise circumstance comparison. model: "torchref" | "jaxmodel" | "transformers"
+    (loaded from checkpoint= at policy=; ours stream for batch/padding/append unless
+    stream=False), a ProbeModel, a model object or an Implementation-protocol port (its
+    float64 twin from float64(), else oracle=; invariant-mode: other= the invariant-mode
+    model). options go to where_plan.plan (batch_sizes, kinds, side, pad, appended, batch,
+    repeats, processes)."""
+    if circumstance not in CIRCUMSTANCES:
+        raise ValueError(f"unknown circumstance '{circumstance}' (one of {', '.join(CIRCUMSTANCES)})")
+    t0 = time.perf_counter()
+    if isinstance(model, str):
+        setup = _by_name(model, circumstance, checkpoint, policy, stream, other,
+                         {"attn_implementation": attn_implementation})
+    else:
+        setup = _of_object(model, circumstance, checkpoint, policy, oracle, other)
+    target = _target(setup.cfg, ids, length, seed)
+    pad = getattr(setup.cfg, "pad_token_id", None)
+    runs, pairs = plan(circumstance, target, int(setup.cfg.vocab_size), 0 if pad is None else int(pad), seed,
+                       **options)
+    by_key = {r.key: r for r in runs}
+    rows_of = {r.key: sorted({s.row for p in pairs for s in (p.a, p.b) if s.run == r.key}) for r in runs}
+    source = _source(setup, runs, pairs, rows_of, progress)
+    yard = Yardstick.of(setup.policy, int(setup.cfg.hidden_size), setup.keeps_f32)
+    pairings = [_Pairing(p, _comparison(p, by_key), by_key[p.b.run].mask[p.b.row]) for p in pairs]
+    t_walk = time.perf_counter()
+    _walk(source, pairings, by_key, setup.cfg, yard, setup.taps, progress)
+    comps = [p.comparison for p in pairings]
+    seconds = {k: round(v, 3) for k, v in source.seconds.items()}
+    seconds.update(reading=round(getattr(source, "read_seconds", 0.0), 3),
+                   judging=round(time.perf_counter() - t_walk - sum(source.seconds.values()), 3),
+                   total=round(time.perf_counter() - t0, 3))
+    n_runs = sum(2 if r.twin else 1 for r in runs)
+    cost = {"runs": n_runs, "runs_at_policy": len(runs), "twin_runs": sum(r.twin for r in runs),
+            "rows_x_slots": int(sum(r.rows * r.width * (2 if r.twin else 1) for r in runs)),
+            "teacher_forced_layers": sum(1 for c in comps for p in (c.first_difference, c.first_beyond)
+                                         if p is not None and p.forced is not None and p.forced.ran)}
+    return WhereResult("where", circumstance, setup.name, setup.impl, setup.policy.name, setup.mode,
+                       setup.package is not None, int(target.shape[1]),
+                       max((c.verdict for c in comps), key=KINDS.index, default="exact"), comps, yard.m, yard.floor,
+                       yard.twin_floor, seconds, cost)

@@ -1,0 +1,197 @@
+"""The circumstances of `probe where` as data: which forward calls to make (Run) and which
+target rows to compare (Pair of Samples). No model is touched here.
+
+    runs, pairs = plan("padding", target, vocab_size=..., pad_id=...)
+
+A Run is one forward call (ids, mask) of one model ("main", or "other": the invariant-mode
+model of the invariant-mode circumstance), made in this process or in a fresh one. A
+Sample is the target inside a run: its row and the slots of the positions compared. A
+Pair compares sample A with sample B; own_twin says whether B's circumstance gets its own
+float64 twin run (batch, padding, append: the twin run in B's circumstance is the fp64
+rung of the comparison) or is judged against A's (rerun, invariant-mode: same input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+CIRCUMSTANCES = ("batch", "padding", "append", "rerun", "invariant-mode")
+ALONE = "alone"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Run:
+    key: str
+    ids: np.ndarray          # [B, W] int64
+    mask: np.ndarray         # [B, W] 0/1
+    model: str = "main"      # main | other (the invariant-mode model)
+    fresh: bool = False      # made in a fresh Python process (rerun)
+    twin: bool = True        # its float64 twin run is needed
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.ids.shape[1])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sample:
+    run: str
+    row: int
+    slots: np.ndarray        # caller slots of the compared target positions, in order
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pair:
+    name: str                # "B=8 mixed lengths, row 4"
+    group: str               # equal | mixed | right | left | left-noise | interior | append | repeat | fresh | mode
+    a: Sample
+    b: Sample
+    own_twin: bool = True
+
+
+def _tokens(rng, vocab: int, n: int) -> np.ndarray:
+    return rng.integers(0, vocab, n).astype(np.int64)
+
+
+def pack(rows: list[np.ndarray], side: str, width: int | None = None, pad_id: int = 0):
+    """Rows of different lengths -> ids, mask [B, width], padded on `side` (right | left)."""
+    width = width or max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_id, np.int64)
+    mask = np.zeros((len(rows), width), np.int64)
+    for b, r in enumerate(rows):
+        sl = slice(0, len(r)) if side == "right" else slice(width - len(r), width)
+        ids[b, sl], mask[b, sl] = r, 1
+    return ids, mask
+
+
+def target_rows(B: int) -> list[int]:
+    """First, middle and last row."""
+    return sorted({0, B // 2, B - 1})
+
+
+def _alone(target) -> tuple[Run, Sample]:
+    T = target.shape[1]
+    return Run(ALONE, target, np.ones_like(target)), Sample(ALONE, 0, np.arange(T))
+
+
+def plan_batch(target, rng, vocab, pad_id, batch_sizes=(2, 8), kinds=("equal", "mixed"), side="right"):
+    """The target alone vs inside batches: companions of its length (equal) or of random
+    lengths T/4..2T padded on `side` (mixed); the target at the first, middle and last row."""
+    run_a, a = _alone(target)
+    T = target.shape[1]
+    runs, pairs = [run_a], []
+    for kind in kinds:
+        for B in batch_sizes:
+            rows = target_rows(B)
+            seqs = [target[0] if b in rows else
+                    _tokens(rng, vocab, T if kind == "equal" else int(rng.integers(max(1, T // 4), 2 * T + 1)))
+                    for b in range(B)]
+            ids, mask = pack(seqs, side, pad_id=pad_id)
+            key = f"B={B} {kind}"
+            runs.append(Run(key, ids, mask))
+            for r in rows:
+                pairs.append(Pair(f"B={B} {kind} lengths, row {r}", kind, a,
+                                  Sample(key, r, np.flatnonzero(mask[r]))))
+    return runs, pairs
+
+
+def plan_padding(target, rng, vocab, pad_id, pad=5):
+    """Unpadded vs right padding (random pad tokens), left padding (pad id, then random pad
+    tokens: if these two differ, pad content reaches real positions) and interior padding
+    (pad slots in the middle of the row), each B=1, and left padding in a B=2 batch whose
+    other row is longer (the last-token, CLS-style readout sits at the last slot)."""
+    run_a, a = _alone(target)
+    T = target.shape[1]
+    noise = _tokens(rng, vocab, pad)
+    right = pack([target[0]], "right", T + pad, pad_id)
+    right[0][0, T:] = noise
+    left = pack([target[0]], "left", T + pad, pad_id)
+    left_noise = (left[0].copy(), left[1])
+    left_noise[0][0, :pad] = noise
+    cut = T // 2
+    inner = (np.concatenate([target[:, :cut], np.full((1, pad), pad_id), target[:, cut:]], 1),
+             np.concatenate([np.ones((1, cut)), np.zeros((1, pad)), np.ones((1, T - cut))], 1).astype(np.int64))
+    cls = pack([target[0], _tokens(rng, vocab, T + pad)], "left", pad_id=pad_id)
+    cases = [("right", f"right padding (+{pad}, random pad tokens)", right),
+             ("left", f"left padding (+{pad}, pad id)", left),
+             ("left-noise", f"left padding (+{pad}, random pad tokens)", left_noise),
+             ("interior", f"interior padding ({pad} pad slots after position {cut - 1})", inner),
+             ("cls-left", f"left padding in a B=2 batch (+{pad}), row 0", cls)]
+    runs, pairs = [run_a], []
+    for group, name, (ids, mask) in cases:
+        runs.append(Run(group, ids, mask))
+        pairs.append(Pair(name, group, a, Sample(group, 0, np.flatnonzero(mask[0]))))
+    return runs, pairs
+
+
+def plan_append(target, rng, vocab, appended=(1, 8)):
+    """A sequence vs the same sequence with tokens appended: positions < T must not change."""
+    run_a, a = _alone(target)
+    T = target.shape[1]
+    runs, pairs = [run_a], []
+    for k in appended:
+        ids = np.concatenate([target, _tokens(rng, vocab, k)[None]], 1)
+        key = f"+{k}"
+        runs.append(Run(key, ids, np.ones_like(ids)))
+        pairs.append(Pair(f"{k} token(s) appended: positions 0-{T - 1}", "append", a, Sample(key, 0, np.arange(T))))
+    return runs, pairs
+
+
+def _mixed_batch(target, rng, vocab, pad_id, batch):
+    T = target.shape[1]
+    seqs = [target[0]] + [_tokens(rng, vocab, int(rng.integers(max(1, T // 2), 2 * T))) for _ in range(batch - 1)]
+    return pack(seqs, "right", pad_id=pad_id)
+
+
+def plan_rerun(target, rng, vocab, pad_id, batch=4, repeats=1, processes=1):
+    """One batch (the target at row 0, companions of mixed lengths) run again in this
+    process `repeats` times and once in each of `processes` fresh processes."""
+    ids, mask = _mixed_batch(target, rng, vocab, pad_id, batch)
+    slots = np.flatnonzero(mask[0])
+    first = Run("first run", ids, mask)
+    a = Sample(first.key, 0, slots)
+    runs, pairs = [first], []
+    for i in range(repeats):
+        runs.append(Run(f"repeat {i + 1}", ids, mask, twin=False))
+        pairs.append(Pair(f"repeat {i + 1} in this process", "repeat", a, Sample(runs[-1].key, 0, slots), False))
+    for i in range(processes):
+        runs.append(Run(f"fresh {i + 1}", ids, mask, fresh=True, twin=False))
+        pairs.append(Pair(f"fresh process {i + 1}", "fresh", a, Sample(runs[-1].key, 0, slots), False))
+    return runs, pairs
+
+
+def plan_invariant_mode(target, rng, vocab, pad_id, batch=4):
+    """Default vs batch-invariant mode on the same input: the target alone and in a batch."""
+    run_a, a = _alone(target)
+    ids, mask = _mixed_batch(target, rng, vocab, pad_id, batch)
+    slots = np.flatnonzero(mask[0])
+    runs = [run_a, Run(f"B={batch} mixed", ids, mask),
+            Run("invariant alone", run_a.ids, run_a.mask, "other", twin=False),
+            Run(f"invariant B={batch} mixed", ids, mask, "other", twin=False)]
+    pairs = [Pair("target alone: default vs invariant mode", "mode", a, Sample("invariant alone", 0, a.slots), False),
+             Pair(f"B={batch} mixed, row 0: default vs invariant mode", "mode", Sample(runs[1].key, 0, slots),
+                  Sample(runs[3].key, 0, slots), False)]
+    return runs, pairs
+
+
+def plan(circumstance: str, target, vocab_size: int, pad_id: int = 0, seed: int = 0, **options):
+    """(runs, pairs) of one circumstance; options: batch_sizes, kinds, side (batch); pad
+    (padding); appended (append); batch, repeats, processes (rerun); batch (invariant-mode)."""
+    rng = np.random.default_rng(seed + 11)
+    if circumstance == "batch":
+        return plan_batch(target, rng, vocab_size, pad_id, **options)
+    if circumstance == "padding":
+        return plan_padding(target, rng, vocab_size, pad_id, **options)
+    if circumstance == "append":
+        return plan_append(target, rng, vocab_size, **options)
+    if circumstance == "rerun":
+        return plan_rerun(target, rng, vocab_size, pad_id, **options)
+    if circumstance == "invariant-mode":
+        return plan_invariant_mode(target, rng, vocab_size, pad_id, **options)
+    raise ValueError(f"unknown circumstance '{circumstance}' (one of {', '.join(CIRCUMSTANCES)})")

@@ -1,0 +1,243 @@
+"""Where `probe where` gets its activations: stage by stage (embed, each layer, final norm
+and logits), the target rows of every run, at the policy and from the float64 twin.
+
+StreamSource walks torchref / jaxmodel over a checkpoint folder with the models' public
+LayerRunner (start, embed, block, final_norm, logits), as compare.ladder.stream does: each
+layer's tensors are read once and handed to every run; only the runs' hidden states and
+the target rows of the current stage are held, so memory does not grow with depth.
+CaptureSource runs anything under the Implementation protocol (ours loaded, transformers,
+a port, the batch-invariant mode) one whole capture per run, keeping the target rows and
+the layer inputs of the runs that teacher forcing may need.
+
+Both give rows(stage) -> {(run key, twin?, row): {tap: the row at every slot}} and
+force(run key, twin?, layer, h) -> the layer's taps of that run with its input replaced by
+h [B, W, hidden] (the protocol's inject), as {tap: [B, W, ...]}.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from llamaspec import taps as tapnames
+from llamaspec.checkpoint import Checkpoint, check_checkpoint, check_finite_tensor
+
+from ..adapters import fp64_policy
+from ..metrics import resolve_dtype
+
+# The lm_head is multiplied in chunks of at most this many bytes of float64 weights.
+HEAD_CHUNK_BYTES = 256 << 20
+
+
+def stages(num_layers: int) -> list:
+    return ["embed", *range(num_layers), "final"]
+
+
+def stage_taps(stage, available) -> list[str]:
+    """The tap names of one stage, in execution order, that the implementation gives."""
+    if stage == "embed":
+        names = ["embed"]
+    elif stage == "final":
+        names = ["final_norm", "logits"]
+    else:
+        names = [f"layers.{stage}.{k}" for k in tapnames.LAYER_TAPS]
+    have = set(available)
+    return [n for n in names if n in have]
+
+
+def input_tap(layer: int) -> str:
+    return "embed" if layer == 0 else f"layers.{layer - 1}.out"
+
+
+class _Timed:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def timed(self, what: str, fn, *args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds[what] = self.seconds.get(what, 0.0) + time.perf_counter() - t
+
+
+class StreamSource(_Timed):
+    """torchref / jaxmodel (package) at `policy` over `folder`, layer by layer, for every run
+    and its float64 twin (the same rounded weights computing in float64). patch(runner),
+    when given, is applied to each LayerRunner at the policy (a planted op on its modules'
+    .ops namespace)."""
+
+    def __init__(self, package: str, folder, policy, runs, rows_of: dict, patch=None):
+        super().__init__()
+        self.cfg = check_checkpoint(folder).config
+        self.ckpt = Checkpoint(folder)
+        self.runs = {r.key: r for r in runs}
+        self.rows_of = rows_of
+        mod = importlib.import_module(f"{package}.model")
+        self.runners, self.h, self.h_in = {}, {}, {}
+        for r in runs:
+            for twin in ((False, True) if r.twin else (False,)):
+                runner = mod.LayerRunner(self.cfg, fp64_policy(policy) if twin else policy)
+                if patch is not None and not twin:
+                    patch(runner)
+                runner.start(r.ids, r.mask)
+                self.runners[(r.key, twin)] = runner
+        self.taps = tuple(tapnames.all_taps(self.cfg.num_hidden_layers))
+        self.weights: dict = {}
+        self.read_seconds = 0.0
+
+    def _read(self, keys) -> dict:
+        t = time.perf_counter()
+        out = {}
+        for k in keys:
+            out[k] = self.ckpt.read_rows(k)
+            check_finite_tensor(self.ckpt, k, out[k])
+        self.read_seconds += time.perf_counter() - t
+        return out
+
+    def _embed_rows(self, ids) -> np.ndarray:
+        key, used = "model.embed_tokens.weight", np.unique(ids)
+        table = np.stack([self.ckpt.read_rows(key, int(t), int(t) + 1)[0] for t in used])
+        check_finite_tensor(self.ckpt, key, table)
+        return table[np.searchsorted(used, ids)]
+
+    def _rows(self, acts_by_run: dict) -> dict:
+        out = {}
+        for (key, twin), acts in acts_by_run.items():
+            for row in self.rows_of[key]:
+                out[(key, twin, row)] = {t: a[row] for t, a in acts.items()}
+        return out
+
+    def rows(self, stage) -> dict:
+        acts = {}
+        if stage == "embed":
+            for k, runner in self.runners.items():
+                h = self.timed(_label(k), runner.embed, self._embed_rows(self.runs[k[0]].ids))
+                self.h[k] = h
+                acts[k] = {"embed": h}
+        elif stage == "final":
+            return self._final()
+        else:
+            prefix = f"model.layers.{stage}."
+            self.weights = self._read([k for k in self.ckpt.keys() if k.startswith(prefix)])
+            names = stage_taps(stage, self.taps)
+            for k, runner in self.runners.items():
+                self.h_in[k] = self.h[k]
+                acts[k] = self.timed(_label(k), runner.block, stage, self.weights, self.h[k], names)
+                self.h[k] = acts[k][f"layers.{stage}.out"]
+        return self._rows(acts)
+
+    def _final(self) -> dict:
+        self.weights = {}
+        norm = self._read(["model.norm.weight"])["model.norm.weight"]
+        xs = {k: self.timed(_label(k), r.final_norm, norm, self.h[k]) for k, r in self.runners.items()}
+        self.h = {}
+        key = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+        step = max(1, min(self.cfg.vocab_size, HEAD_CHUNK_BYTES // (8 * self.cfg.hidden_size)))
+        parts = {k: [] for k in self.runners}
+        for start in range(0, self.cfg.vocab_size, step):
+            head = self._read_rows(key, start, start + step)
+            for k, r in self.runners.items():
+                rows = self.rows_of[k[0]]
+                parts[k].append(self.timed(_label(k), r.logits, xs[k][rows], head))
+        out = {}
+        for k in self.runners:
+            logits = np.concatenate(parts[k], -1)
+            for j, row in enumerate(self.rows_of[k[0]]):
+                out[(k[0], k[1], row)] = {"final_norm": xs[k][row], "logits": logits[j]}
+        return out
+
+    def _read_rows(self, key, start, stop):
+        t = time.perf_counter()
+        rows = self.ckpt.read_rows(key, start, stop)
+        check_finite_tensor(self.ckpt, key, rows)
+        self.read_seconds += time.perf_counter() - t
+        return rows
+
+    def layer_input(self, key, twin, layer) -> np.ndarray:
+        return self.h_in[(key, twin)]
+
+    def force(self, key, twin, layer, h) -> dict:
+        names = stage_taps(layer, self.taps)
+        return self.timed("teacher forcing", self.runners[(key, twin)].block, layer, self.weights, h, names)
+
+    def can_force(self, key, twin) -> bool:
+        return (key, twin) in self.runners
+
+
+def _label(k) -> str:
+    return f"{k[0]}{' (fp64 twin)' if k[1] else ''}"
+
+
+class CaptureSource(_Timed):
+    """Whole captures of an Implementation (and of its float64 twin, of `other` for runs of
+    the other model, of fresh processes from `spec`), target rows kept per stage."""
+
+    def __init__(self, impls: dict, runs, rows_of: dict, taps, spec=None, forced_rows=(), progress=None):
+        super().__init__()
+        self.impls, self.runs, self.rows_of, self.taps = impls, {r.key: r for r in runs}, rows_of, tuple(taps)
+        self.kept: dict = {}      # (key, twin, row) -> {tap: row}
+        self.inputs: dict = {}    # (key, twin) -> {layer input tap: [B, W, hidden]}, for teacher forcing
+        for r in runs:
+            for twin in ((False, True) if r.twin else (False,)):
+                if progress:
+                    progress(f"where: capturing {_label((r.key, twin))} ({r.rows} x {r.width})")
+                if r.fresh:
+                    rows = self.timed(_label((r.key, twin)), fresh_capture, spec, r, rows_of[r.key], self.taps)
+                    self.kept.update({(r.key, twin, row): acts for row, acts in rows.items()})
+                    continue
+                impl = impls[("twin" if twin else r.model)]
+                _, acts = self.timed(_label((r.key, twin)), impl.capture, r.ids, r.mask, list(self.taps))
+                for row in rows_of[r.key]:
+                    self.kept[(r.key, twin, row)] = {t: np.asarray(a)[row] for t, a in acts.items()}
+                if (r.key, twin) in forced_rows:
+                    self.inputs[(r.key, twin)] = {t: np.asarray(a) for t, a in acts.items()
+                                                  if t == "embed" or t.endswith(".out")}
+                del acts
+
+    def rows(self, stage) -> dict:
+        names = stage_taps(stage, self.taps)
+        return {k: {t: acts[t] for t in names if t in acts} for k, acts in self.kept.items()}
+
+    def layer_input(self, key, twin, layer) -> np.ndarray:
+        return self.inputs[(key, twin)][input_tap(layer)]
+
+    def can_force(self, key, twin) -> bool:
+        return (key, twin) in self.inputs and input_tap(0) in self.inputs[(key, twin)]
+
+    def force(self, key, twin, layer, h) -> dict:
+        r = self.runs[key]
+        impl = self.impls["twin" if twin else r.model]
+        names = stage_taps(layer, self.taps)
+        _, acts = self.timed("teacher forcing", impl.capture, r.ids, r.mask, names, {layer: h})
+        return acts
+
+
+def fresh_capture(spec, run, rows, taps, timeout=900) -> dict:
+    """The target rows of `run` captured by spec's model in a fresh Python process
+    (python -m compare.probes.where_worker): {row: {tap: array}}."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory(prefix="llama-parity-where-") as tmp:
+        tmp = Path(tmp)
+        np.save(tmp / "ids.npy", run.ids)
+        np.save(tmp / "mask.npy", run.mask)
+        job = {"spec": spec.to_dict(), "ids": str(tmp / "ids.npy"), "mask": str(tmp / "mask.npy"),
+               "rows": [int(r) for r in rows], "taps": list(taps), "out": str(tmp / "rows.npz")}
+        (tmp / "job.json").write_text(json.dumps(job))
+        proc = subprocess.run([sys.executable, "-m", "compare.probes.where_worker", str(tmp / "job.json")],
+                              env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"where: the fresh process for '{run.key}' failed (exit {proc.returncode}):\n"
+                               f"{proc.stderr[-2000:]}")
+        dtypes = json.loads((tmp / "dtypes.json").read_text())
+        with np.load(tmp / "rows.npz") as z:
+            return {int(r): {t: z[f"{r}|{t}"].astype(resolve_dtype(dtypes[t])) for t in taps} for r in rows}

@@ -1,0 +1,114 @@
+"""Every sentence of `probe where`, made from its records (compare.probes.where) and
+nothing else: no decision anywhere reads a string made here.
+
+    hint(result)            one line a kernel author can act on
+    explain_where(result)   the hint, then one paragraph per comparison
+"""
+
+from __future__ import annotations
+
+import math
+
+FINDINGS = {
+    "pad_keys": "the pad keys are attended (B's attention output matches a float64 recompute that attends "
+                "the pad slots, not the one that masks them)",
+    "positions": "the RoPE positions or tables differ (the projections before RoPE agree)",
+    "absorbed": "attention absorbs it (scores see only position differences): the layer's attention output "
+                "is back within rounding",
+    "rows": "the companions' values reach the target (no padding in this batch): a leak across rows in a "
+            "batched op",
+    "later_positions": "a later token is visible to earlier positions (a causal-mask or position error)",
+    "inherited": "with A's input the layer agrees: the difference is inherited from earlier drift, amplified "
+                 "here",
+    "nondeterministic": "the same input gives other bits on another run (atomics, threads, or a setting that "
+                        "differs by process)",
+}
+_FORCED_WHY = {"input_equal": "its input is bitwise equal in A and B",
+               "outside_layers": "it is outside the layers",
+               "fresh": "B ran in another process",
+               "no_inject": "the implementation cannot replace a layer's input (inject)"}
+_FAMILY = {"product": "product", "norm": "reduction (mean of squares)", "attention": "scores q.k^T, masked "
+           "softmax or P@V (no tap between them)", "rope": "elementwise rotation by position",
+           "residual": "elementwise add", "elementwise": "elementwise op", "gather": "table lookup"}
+
+
+def _g(x, spec=".1e") -> str:
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _op(part) -> str:
+    op = part.op
+    if op.family == "product":
+        rows = part.rows_b if part.rows_a == part.rows_b else f"{part.rows_a} vs {part.rows_b}"
+        return f"{op.name}, a [{rows} rows, {op.k}] x [{op.k}, {op.n}] product"
+    return f"{op.name} ({_FAMILY.get(op.family, op.family)})"
+
+
+def _forced(f) -> str:
+    if f is None:
+        return ""
+    if not f.ran:
+        why = _FORCED_WHY.get(f.reason, f.reason)
+        return f"; teacher forcing not needed: {why}" if f.reason == "input_equal" else \
+            f"; teacher forcing not run: {why}"
+    if f.local:
+        return (f"; fed A's input, layer {f.layer} still differs ({f.kind}, {_g(f.rel_l2)} relative): "
+                "this layer itself depends on the circumstance")
+    return f"; fed A's input, layer {f.layer} agrees ({f.kind}): it only inherits the difference"
+
+
+def _where_at(c, part) -> str:
+    pos = "" if part.position is None else f" (first at target position {part.position})"
+    return f"{part.tap} [{part.component}]{pos}, {_op(part)}"
+
+
+def explain_comparison(c) -> str:
+    """One comparison in a few sentences."""
+    head = f"{c.name}: {c.verdict}"
+    if c.first_difference is None:
+        return f"{head}, bitwise equal at all {len(c.taps)} taps."
+    fd, fb = c.first_difference, c.first_beyond
+    by_tap = {d.tap: d for d in c.taps}
+    d = by_tap[fd.tap]
+    text = (f"{head}. The first difference is at {_where_at(c, fd)}: {d.kind}, {_g(d.rel_l2)} relative, "
+            f"{_g(d.max_ulp, '.0f')} ulp"
+            + ("; everything before it is bitwise equal" if fd.before_exact else "") + _forced(fd.forced) + ".")
+    if fb is None:
+        worst = max(c.taps, key=lambda t: t.ratio)
+        return text + (f" Every difference is within drift (largest: {_g(worst.ratio, '.2f')} of the bound at "
+                       f"{worst.tap}): another summation order, not a bug.")
+    b = by_tap[fb.tap]
+    rung = (f"the float64 twin differs too ({_g(b.twin_rel)} relative, floor {_g(b.twin_floor)})"
+            if b.twin_rel is not None and not b.twin_rel <= b.twin_floor else
+            f"{_g(b.err_b)} error vs the twin against A's {_g(b.err_a)} (bound {_g(b.bound)})")
+    text += f" It goes beyond drift ({fb.kind}) at {_where_at(c, fb)}: {rung}" + _forced(fb.forced) + "."
+    return text + "".join(f" Finding: {FINDINGS[f]}." for f in c.findings if f in FINDINGS)
+
+
+def hint(result) -> str:
+    """The one line for the kernel author: the worst comparison's first parting and why."""
+    if result.verdict == "exact":
+        return (f"bitwise equal at every tap in all {len(result.comparisons)} comparisons: "
+                f"{result.circumstance} does not reach the target row")
+    c = result.worst
+    fd, fb = c.first_difference, c.first_beyond
+    if fb is None:
+        row = f"row {c.b_row}" if c.b_shape[0] > 1 else "the target"
+        return (f"the first difference is at {fd.tap}, {_op(fd)}: its result for {row} changes with the "
+                f"circumstance ({c.name}; another blocking or summation order)"
+                + ("; everything before it is bitwise equal" if fd.before_exact else "")
+                + f"; every tap stays within drift. For bitwise invariance use the batch-invariant mode.")
+    why = next((FINDINGS[f] for f in c.findings if f in FINDINGS and f != "absorbed"), None)
+    local = fb.forced is not None and fb.forced.ran and fb.forced.local
+    return (f"{c.name} changes {fb.tap} beyond rounding ({fb.kind})"
+            + ("" if fb.position is None else f" at the target's position {fb.position}")
+            + f": {_op(fb)}" + (f"; {why}" if why else "")
+            + ("; this layer does it with the same input" if local else "") + ".")
+
+
+def explain_where(result) -> str:
+    """The hint, then a paragraph per comparison (worst first)."""
+    order = sorted(result.comparisons, key=lambda c: c is not result.worst)
+    lines = [f"probe where [{result.model}], {result.circumstance}: {result.verdict}: {hint(result)}"]
+    lines += [explain_comparison(c) for c in order]
+    return "\n".join(lines)
