@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import time
 
@@ -64,6 +65,7 @@ from llamaspec.inputs import left_align
 
 from ..adapters import OurModel, Side, config_differences
 from ..environment import environment
+from ..evidence import ONSET, POOLED_DRIFT, POOLED_NO_STRUCTURE, DecodePath, Pooled
 from ..metrics import pair_metrics, rel_l2
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
@@ -207,11 +209,25 @@ def _prefill_ahead(pool, impl, ids, mask, taps, total_len):
     return pool.submit(run)
 
 
-# ----- the comparison -------------------------------------------------------------------------
+# ----- the comparison: run, judge, report -----------------------------------------------------
 
-def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32, tokens=None,
-               progress=lambda msg: None, slack: int = 0) -> DecodeReport:
-    """compare_decode on two prepared Sides and a left-aligned prompt (ids, mask) [B, T]."""
+@dataclasses.dataclass
+class _Runs:
+    """The four decode runs of one comparison, [B, N, ...] per tap (the oracle's: all taps)."""
+    r: dict
+    c: dict
+    c64: dict
+    o: dict
+    fed: np.ndarray             # [B, N] the tokens both sides were fed
+    source: str                 # where the tokens came from
+    oracle: str                 # FULL_RECOMPUTE or _oracle_kind's other answer
+    full_ids: np.ndarray        # prompt + fed tokens, and its mask
+    full_mask: np.ndarray
+
+
+def _check_decode_inputs(ref: Side, cand: Side, ids, mask, steps: int, tokens):
+    """(ids, mask) left-aligned, tokens [B, N] or None, and the number of steps; refuses what
+    the oracle cannot judge."""
     ref.needs_twin("reference", "the decode comparison (its float64 recompute is the oracle)")
     cand.needs_twin("candidate", "the decode comparison (its float64 decode is the semantic rung)")
     ids, mask = left_align(np.asarray(ids, np.int64), np.asarray(mask, np.int64))
@@ -220,17 +236,6 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
         steps = tokens.shape[1]
     if steps < 1:
         raise InputError(f"steps={steps} must be >= 1")
-    differences = config_differences(ref.at_policy, cand.at_policy)
-    taps = tuple(t for t in ref.taps if t in set(cand.taps))
-    B, T = ids.shape
-    timing, clock = {}, time.perf_counter()
-
-    def lap(name):
-        nonlocal clock
-        now = time.perf_counter()
-        timing[name] = round(now - clock, 3)
-        clock = now
-
     lengths = np.asarray(mask).sum(1)
     if _oracle_kind(ref, int(lengths.max()) + steps) != FULL_RECOMPUTE and len(set(lengths.tolist())) > 1:
         by_rows = [s.name for s in (ref, cand) if getattr(s.at_fp64, "unpadded_rows", False)]
@@ -241,12 +246,19 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
                 "(transformers' eager float64 attention and left padding: EAGER_F64_LEFT_PADDING), and dynamic "
                 "RoPE's frequencies follow the longest row of the call, so its semantic rung would run other "
                 "frequencies than the batch. Decode rows of one length, or one row per call.")
+    return ids, mask, steps, tokens
+
+
+def _run_sides(ref: Side, cand: Side, ids, mask, taps, policy: Policy, steps: int, tokens, slack: int,
+               progress, lap) -> _Runs:
+    """Reference, candidate and candidate at fp64 through their caches on the same tokens, then
+    the oracle (module docstring)."""
+    T = ids.shape[1]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         ahead = {id(impl): _prefill_ahead(pool, impl, ids, mask, taps, T + steps + slack)
                  for impl in (cand.at_policy, cand.at_fp64)}
         progress(f"reference {ref.name} at {policy.name}: prefill + {steps} decode steps")
         r, fed = _decode_run(ref.at_policy, ids, mask, taps, tokens, steps, slack)
-        source = "reference greedy at P" if tokens is None else "given"
         lap("reference")
         progress(f"candidate {cand.name} at {policy.name}: the same tokens through its cache")
         c, _ = _decode_run(cand.at_policy, ids, mask, taps, fed, slack=slack, prefilled=ahead[id(cand.at_policy)])
@@ -265,162 +277,158 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
         progress(f"oracle: {oracle}")
         o, _ = _decode_run(ref.at_fp64, ids, mask, ref.taps, fed, slack=slack)
     lap("oracle")
+    source = "reference greedy at P" if tokens is None else "given"
+    return _Runs(r, c, c64, o, fed, source, oracle, full_ids, full_mask)
 
-    keeps_f32 = ref.keeps_f32 or cand.keeps_f32
-    hidden = np.shape(o["embed"])[-1] if "embed" in o else None
-    real = np.ones((B, 1), bool)
-    per_step, step_taps = [], []
-    cand64_full = {}
-    floor64 = F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR
-    agreed = {}     # tap -> the first step where cand64's decode agreed with the oracle to fp64 rounding
-    pooled_ratio = {}
 
-    pooled_verdicts = {}
+class _StepJudge:
+    """classify on each step's one position, with evidence pooled over the steps where one
+    position is too few (module docstring; _pool says which rung pools what)."""
 
-    def pooled_verdict(t):
-        """classify over every step at once (N positions per batch row)."""
-        if t not in pooled_verdicts:
-            every = np.ones((B, steps), bool)
-            ctx = context_for(t, c64, o)
-            ctx.pop("qkv", None)
-            pooled_verdicts[t] = classify(t, r[t], c[t], o[t], c64[t], every, policy, keeps_f32, ctx, hidden)
-        return pooled_verdicts[t]
+    def __init__(self, runs: _Runs, taps, policy: Policy, keeps_f32: bool, own_full):
+        self.runs, self.taps, self.policy, self.keeps_f32 = runs, taps, policy, keeps_f32
+        self.hidden = np.shape(runs.o["embed"])[-1] if "embed" in runs.o else None
+        self.floor64 = F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR
+        self.steps = runs.fed.shape[1]
+        self.agreed = {}    # tap -> the first step where cand64's decode agreed with the oracle to fp64 rounding
+        self.own_full = own_full    # () -> the candidate's fp64 full recompute, captured on first use
 
-    def pooled(t):
-        """The precision rung over every step at once (one row per step and batch row;
-        quarters of the steps when there are >= 16)."""
-        if t not in pooled_ratio:
-            pos = np.broadcast_to(np.arange(1, steps + 1), (B, steps)).ravel()
-            rows = [np.asarray(x[t], np.float64).reshape(B * steps, -1) for x in (r, c, o)]
-            pooled_ratio[t] = (*precision_ratio(*rows, pos, precision_floor(policy, hidden), drift_factor(policy)),
-                               steps)
-        return pooled_ratio[t]
-
-    def own_full():
-        if not cand64_full:
-            progress(f"candidate {cand.name} at fp64 on the full sequence (is it the cache or the math?)")
-            _, x = cand.at_fp64.capture(full_ids, full_mask, taps)
-            cand64_full.update({t: np.asarray(a)[:, T:] for t, a in x.items()})
-            lap("candidate_fp64_full")
-        return cand64_full
-
-    for s in range(steps):
-        at = slice(s, s + 1)
-        rs, cs, c64s = ({t: x[t][:, at] for t in taps} for x in (r, c, c64))
-        os_ = {t: x[:, at] for t, x in o.items()}
+    def step(self, s: int) -> tuple[StepVerdict, list[TapVerdict]]:
+        """Step s + 1: every tap judged in execution order, then the step's verdict."""
+        at, runs = slice(s, s + 1), self.runs
+        rs, cs, c64s = ({t: x[t][:, at] for t in self.taps} for x in (runs.r, runs.c, runs.c64))
+        os_ = {t: x[:, at] for t, x in runs.o.items()}
+        real = np.ones((len(runs.fed), 1), bool)
         verdicts, noise_from = [], None
-        for t in taps:
+        for t in self.taps:
             ctx = context_for(t, c64s, os_)
             ctx.pop("qkv", None)    # explain_attention needs every query of a sequence
-            v = classify(t, rs[t], cs[t], os_[t], c64s[t], real, policy, keeps_f32, ctx, hidden, noise_from)
-            if v.kind == "precision" and v.noise_dtype and t in agreed:
-                v = _onset(v, s + 1, agreed[t])
-            if v.kind == "precision" and not math.isnan(v.precision_ratio):
-                v = _persists(v, pooled(t))
-            if v.kind == "semantic" and v.err_fp64 <= floor64:
-                v = _structure_persists(v, pooled_verdict(t))
+            v = classify(t, rs[t], cs[t], os_[t], c64s[t], real, self.policy, self.keeps_f32, ctx, self.hidden,
+                         noise_from)
+            v = self._pool(v, s + 1)
             if v.noise_dtype and v.kind == "precision" and noise_from is None:
                 noise_from = v
-            if v.err_fp64 <= floor64:
-                agreed.setdefault(t, s + 1)
+            if v.err_fp64 <= self.floor64:
+                self.agreed.setdefault(t, s + 1)
             verdicts.append(v)
         worst, div = first_divergence(verdicts)
         rated = [v.precision_ratio for v in verdicts if not math.isnan(v.precision_ratio)]
-        st = StepVerdict(s + 1, T + s, fed[:, s].tolist(), worst, div,
+        st = StepVerdict(s + 1, runs.full_ids.shape[1] - self.steps + s, runs.fed[:, s].tolist(), worst, div,
                          {k: sum(v.kind == k for v in verdicts) for k in KINDS if any(v.kind == k for v in verdicts)},
                          max(rated, default=float("nan")))
-        if "logits" in taps:
+        if "logits" in self.taps:
             st.top1_agree = bool((rs["logits"][:, 0].argmax(-1) == cs["logits"][:, 0].argmax(-1)).all())
             st.logits_rel_l2 = rel_l2(np.asarray(cs["logits"], np.float64), np.asarray(rs["logits"], np.float64))
-        if div is not None and div.kind == "semantic" and oracle == FULL_RECOMPUTE:
-            _which_path(st, div, c64s, own_full(), os_, at, keeps_f32)
-        per_step.append(st)
-        step_taps.append(verdicts)
+        if div is not None and div.kind == "semantic" and runs.oracle == FULL_RECOMPUTE:
+            _which_path(st, div, c64s[div.tap], self.own_full()[div.tap][:, at], os_[div.tap], self.keeps_f32)
+        return st, verdicts
 
-    kinds = [st.verdict for st in per_step]
-    worst = max(kinds, key=KINDS.index)
+    def _pool(self, v: TapVerdict, step: int) -> TapVerdict:
+        """One step's record, checked against the steps pooled where one position is too few:
+        - dtype noise at a tap that agreed with the oracle at an earlier step is no rounding:
+          every step runs the same code, so a step that rounds to a narrower dtype rounds from
+          step 1 on; an fp64 difference that starts later is a change in the math (a cache
+          that wraps, a mask that goes stale past some slot). One position per step is also
+          too few values for the noise test to tell a small unstructured bug from rounding;
+        - a precision ratio over the bound stands when the tap also loses precision over all
+          steps (or a quarter of them): one position's ratio scatters far more than a
+          prefill tap's over hundreds (docs/method.md, "The decode path");
+        - a semantic verdict that rests on structure alone (fp64 difference below the floor)
+          stands when the structure is also there over all steps: on one position a per-row
+          pattern is a global one."""
+        ev = v.record
+        if v.kind == "precision" and v.noise_dtype and v.tap in self.agreed:
+            return v.judged(dataclasses.replace(ev, kind="semantic", reason=ONSET, noise=None, step=step,
+                                                agreed_step=self.agreed[v.tap], looks_like=v.noise_dtype))
+        if v.kind == "precision" and not math.isnan(v.precision_ratio):
+            pooled = self._pooled_ratio(v.tap)
+            if pooled.ratio <= 1:
+                return v.judged(dataclasses.replace(ev, kind="drift", reason=POOLED_DRIFT, pooled=pooled))
+        if v.kind == "semantic" and v.err_fp64 <= self.floor64:
+            kind = self._pooled_kind(v.tap)
+            if kind != "semantic":
+                return v.judged(dataclasses.replace(ev, kind="drift", reason=POOLED_NO_STRUCTURE,
+                                                    pooled=Pooled(self.steps, kind=kind)))
+        return v
+
+    @functools.cache
+    def _pooled_ratio(self, t: str) -> Pooled:
+        """The precision rung over every step at once (one row per step and batch row;
+        quarters of the steps when there are >= 16)."""
+        B, n = self.runs.fed.shape
+        pos = np.broadcast_to(np.arange(1, n + 1), (B, n)).ravel()
+        rows = [np.asarray(x[t], np.float64).reshape(B * n, -1) for x in (self.runs.r, self.runs.c, self.runs.o)]
+        ratio, where = precision_ratio(*rows, pos, precision_floor(self.policy, self.hidden),
+                                       drift_factor(self.policy))
+        return Pooled(n, ratio, where.as_steps())
+
+    @functools.cache
+    def _pooled_kind(self, t: str) -> str:
+        """classify's kind over every step at once (N positions per batch row)."""
+        runs = self.runs
+        ctx = context_for(t, runs.c64, runs.o)
+        ctx.pop("qkv", None)
+        return classify(t, runs.r[t], runs.c[t], runs.o[t], runs.c64[t], np.ones(runs.fed.shape, bool), self.policy,
+                        self.keeps_f32, ctx, self.hidden).kind
+
+
+def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32, tokens=None,
+               progress=lambda msg: None, slack: int = 0) -> DecodeReport:
+    """compare_decode on two prepared Sides and a left-aligned prompt (ids, mask) [B, T]:
+    run the four decodes, judge every step, report."""
+    ids, mask, steps, tokens = _check_decode_inputs(ref, cand, ids, mask, steps, tokens)
+    taps = tuple(t for t in ref.taps if t in set(cand.taps))
+    timing, clock = {}, [time.perf_counter()]
+
+    def lap(name):
+        now = time.perf_counter()
+        timing[name], clock[0] = round(now - clock[0], 3), now
+
+    runs = _run_sides(ref, cand, ids, mask, taps, policy, steps, tokens, slack, progress, lap)
+
+    @functools.cache
+    def own_full():
+        progress(f"candidate {cand.name} at fp64 on the full sequence (is it the cache or the math?)")
+        _, x = cand.at_fp64.capture(runs.full_ids, runs.full_mask, taps)
+        lap("candidate_fp64_full")
+        return {t: np.asarray(a)[:, ids.shape[1]:] for t, a in x.items()}
+
+    judge = _StepJudge(runs, taps, policy, ref.keeps_f32 or cand.keeps_f32, own_full)
+    judged = [judge.step(s) for s in range(steps)]
+    return _decode_report(ref, cand, policy, runs, ids.shape[1], judged, timing)
+
+
+def _decode_report(ref: Side, cand: Side, policy: Policy, runs: _Runs, T: int, judged, timing) -> DecodeReport:
+    """The worst step, its first divergence, and every tap of the step the report lists (the
+    first divergent one, or for a clean run the step nearest the precision bound)."""
+    per_step = [st for st, _ in judged]
+    worst = max((st.verdict for st in per_step), key=KINDS.index)
     first = next((st for st in per_step if st.verdict == worst), None) if worst in ("precision", "semantic") else None
-    if first is not None:
-        listed = first.step
-    else:       # a clean run lists the step nearest the precision bound
-        listed = max(per_step, key=lambda st: -1 if math.isnan(st.max_precision_ratio)
-                     else st.max_precision_ratio).step
-    listed_taps = step_taps[listed - 1]
+    listed = first.step if first is not None else max(
+        per_step, key=lambda st: -1 if math.isnan(st.max_precision_ratio) else st.max_precision_ratio).step
+    listed_taps = judged[listed - 1][1]
+    B, at = len(runs.fed), slice(listed - 1, listed)
     for v in listed_taps:
-        at = slice(listed - 1, listed)
-        v.metrics = pair_metrics(c[v.tap][:, at].reshape(B, -1), r[v.tap][:, at].reshape(B, -1),
+        v.metrics = pair_metrics(runs.c[v.tap][:, at].reshape(B, -1), runs.r[v.tap][:, at].reshape(B, -1),
                                  tapnames.dtype_of(v.tap, policy))
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
-    return DecodeReport(ref.name, cand.name, policy.to_dict(), steps, T, fed.tolist(), source, worst,
-                        None if first is None else first.step, None if first is None else first.first_divergence,
-                        per_step, listed, listed_taps, timing, environment(policy, uses_jax), differences, oracle)
+    return DecodeReport(ref.name, cand.name, policy.to_dict(), len(per_step), T, runs.fed.tolist(), runs.source,
+                        worst, None if first is None else first.step,
+                        None if first is None else first.first_divergence, per_step, listed, listed_taps, timing,
+                        environment(policy, uses_jax), config_differences(ref.at_policy, cand.at_policy),
+                        runs.oracle)
 
 
-def _onset(v: TapVerdict, step: int, agreed_at: int) -> TapVerdict:
-    """A dtype-noise verdict (verdicts.dtype_noise: an unstructured fp64 difference sized
-    like one rounding) at a tap that agreed with the oracle to fp64 rounding at an earlier
-    step. Every step runs the same code, so a step that rounds to a narrower dtype rounds
-    from the first step on; an fp64 difference that starts at a later step is no rounding
-    but a change in the math (a cache that wraps, a mask that goes stale past some slot).
-    One position per step is also too few values for the noise test to tell a small
-    unstructured bug from rounding: the onset is the better witness."""
-    return dataclasses.replace(
-        v, kind="semantic", noise_dtype=None,
-        hint=(f"differs at fp64 (rel L2 {v.err_fp64:.1e}) at step {step}, where this tap agreed with the oracle to "
-              f"fp64 rounding at step {agreed_at}: a step rounded to {v.noise_dtype} would round at every step, so "
-              f"this is a difference in the math that starts here, not rounding (it looks like {v.noise_dtype} "
-              "noise: unbiased, unstructured)"))
-
-
-def _persists(v: TapVerdict, pooled) -> TapVerdict:
-    """A working-rung precision verdict at one step stands when the tap also loses
-    precision over all steps pooled (or a quarter of them). A step computed in lower
-    precision runs at every step; one position's error ratio scatters far more than a
-    prefill tap's over hundreds of positions (measured: clean jaxmodel vs torchref at bf16
-    on SmolLM2, one step's logits at 1.01x the bound, every other step <= 0.8x)."""
-    ratio, where, n = pooled
-    where = where.replace("positions", "steps")
-    if ratio > 1:
-        return v
-    return dataclasses.replace(
-        v, kind="drift",
-        hint=(f"rounding: {v.err_cand:.1e} vs the reference's own {v.err_ref:.1e} at this one position is "
-              f"{v.precision_ratio:.2f}x the drift bound, but {ratio:.2f}x over all {n} steps ({where}): a step "
-              "computed in lower precision would lose precision at every step; one position's ratio scatters"))
-
-
-def _structure_persists(v: TapVerdict, over_all: TapVerdict) -> TapVerdict:
-    """A semantic verdict that rests on structure alone (the fp64 difference is below the
-    floor, e.g. a transformers float64 model's f32 steps) stands when the structure is
-    also found over all steps pooled. On one position a per-row pattern is a global one
-    (measured: clean transformers eager vs torchref on SmolLM2, one step's layers.9.act
-    read as a global scale 0.999999 at 1.4e-6; its f32 RMSNorm gives each row its own
-    factor), and the detectors' floors were measured on whole prompts."""
-    if over_all.kind == "semantic":
-        return v
-    return dataclasses.replace(
-        v, kind="drift",
-        hint=(f"fp64 difference {v.err_fp64:.1e} (below the floor) with a pattern at this one position that "
-              f"is not there over all steps ({over_all.kind} pooled): one row is too few for the structure "
-              "detectors; rounding"))
-
-
-def _which_path(st: StepVerdict, div: Divergence, c64s, full, os_, at, keeps_f32):
-    """Says in the divergence's hint whether the decode path or the model's math is wrong."""
-    t = div.tap
-    dec, own, orc = (np.asarray(x, np.float64) for x in (c64s[t], full[t][:, at], os_[t]))
+def _which_path(st: StepVerdict, div: Divergence, dec, own, orc, keeps_f32) -> None:
+    """Records in the divergence whether the decode path or the model's math is wrong: the
+    candidate's fp64 decode (dec) vs its own fp64 full recompute (own), and own vs the oracle."""
+    dec, own, orc = (np.asarray(x, np.float64) for x in (dec, own, orc))
     st.own_recompute, st.full_vs_oracle = rel_l2(dec, own), rel_l2(own, orc)
     floor = F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR
-    if st.own_recompute > floor and st.own_recompute >= st.full_vs_oracle:
-        div.hint += (f"; the candidate's fp64 decode differs from its own fp64 full recompute here (rel L2 "
-                     f"{st.own_recompute:.1e}; full recompute vs oracle {st.full_vs_oracle:.1e}): the decode "
-                     "path is wrong, not the model's math: its KV cache (write slot, positions of cached keys, "
-                     "mask over the cache)" + (" or the key written at this step" if tapnames.tap(t).kind in
-                                                ("k", "k_rope", "q_rope", "q") else ""))
-    else:
-        div.hint += (f"; the candidate's fp64 full recompute differs from the oracle as much (rel L2 "
-                     f"{st.full_vs_oracle:.1e}; decode vs own full recompute {st.own_recompute:.1e}): the model's "
-                     "math, not its cache; compare_models localises it on the prompt")
+    wrong = st.own_recompute > floor and st.own_recompute >= st.full_vs_oracle
+    div.path = DecodePath(st.own_recompute, st.full_vs_oracle, wrong,
+                          tapnames.tap(div.tap).kind in ("k", "k_rope", "q_rope", "q"))
+    div.explain()
 
 
 def compare_decode(reference="torchref", candidate="jaxmodel", checkpoint=None, inputs=None, steps: int = 32,

@@ -58,9 +58,9 @@ class Report(JsonResult):
                 lines.append(d.evidence)
         if self.config_differences:
             lines.append("the configs differ: " + "; ".join(self.config_differences))
-        if self.teacher_forcing.startswith("not run"):
+        if self.teacher_forcing not in ("run", "off"):     # "not run: <why>"
             lines.append(f"teacher forcing {self.teacher_forcing}")
-        if self.semantic_rung.startswith("not run"):
+        if self.semantic_rung != "run":
             lines.append(f"fp64 rung {self.semantic_rung}: verdicts judged at {self.policy['name']} by structure "
                          "alone, a lower-precision step and a small change in the math can look alike")
         return "\n".join(lines)
@@ -247,6 +247,7 @@ def assert_parity(reference, candidate, checkpoint=None, policy=None, inputs=Non
                   **kw) -> Report:
     """For users' own pytest suites: fails with the report's summary unless the verdict is
     in `allow` (by default: exact or drift, i.e. no precision or semantic difference)."""
+    _check_parity_args(checkpoint, allow)     # named before any model loads
     report = compare_models(reference, candidate, checkpoint, inputs=inputs, policy=policy, **kw)
     if report.verdict not in allow:
         worst = [v for v in report.taps if v.kind == report.verdict][:5]
@@ -254,3 +255,17 @@ def assert_parity(reference, candidate, checkpoint=None, policy=None, inputs=Non
                                       f"{v.err_ref:.2e}, fp64 {v.err_fp64:.2e}" for v in worst]
         raise AssertionError("\n".join(lines))
     return report
+
+
+def _check_parity_args(checkpoint, allow) -> None:
+    """assert_parity's own arguments, named: a checkpoint folder path, and `allow` a
+    collection of verdict kinds."""
+    from ..vocabulary import KINDS
+    if checkpoint is not None and not isinstance(checkpoint, (str, Path)):
+        raise TypeError(f"assert_parity: checkpoint must be a folder path (str or Path), got "
+                        f"{type(checkpoint).__name__} {checkpoint!r}")
+    if isinstance(allow, str) or not isinstance(allow, (tuple, list, set, frozenset)):
+        raise TypeError(f"assert_parity: allow must be a tuple of verdict kinds ({', '.join(KINDS)}), got {allow!r}")
+    unknown = [k for k in allow if k not in KINDS]
+    if unknown:
+        raise ValueError(f"assert_parity: allow holds {unknown!r}, not verdict kinds ({', '.join(KINDS)})")

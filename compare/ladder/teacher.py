@@ -14,8 +14,9 @@ from llamaspec import Policy, positions_from_mask
 from llamaspec import taps as tapnames
 
 from ..adapters import Side, forced_capture
+from ..evidence import Forcing
 from ..metrics import rel_l2
-from ..vocabulary import FLOOR_ULPS, FP64_FLOOR, STRUCT_F32_FLOOR, drift_factor, precision_floor
+from ..vocabulary import FP64_FLOOR, STRUCT_F32_FLOOR, drift_factor, precision_floor
 from .verdicts import Divergence, TapVerdict, precision_ratio
 
 
@@ -81,35 +82,22 @@ def _confirm(d: Divergence, rows, at, policy, keeps_f32, at_policy=False) -> Non
     what = tapnames.tap(d.tap).kind if d.layer is not None else "out"
     if d.kind == "semantic" and not at_policy:
         gate = STRUCT_F32_FLOOR if keeps_f32 else FP64_FLOOR
-        local = {r["layer"]: r.get("cand64_tap_local") for r in rows}
-        adds = [i for i, e in local.items() if e is not None and not e <= gate]
-        rule = f"fp64 local error of layers.i.{what} > {gate:.0e}"
+        adds = [r["layer"] for r in rows if r.get("cand64_tap_local") is not None and not r["cand64_tap_local"] <= gate]
+        measured = dict(rule="fp64", gate=gate)
+        if d.layer is not None:
+            before = rows[d.layer - 1].get("cand64_tap_local") if d.layer > 0 else None
+            measured.update(here=rows[d.layer].get("cand64_tap_local"), before=before)
     else:
-        local = {r["layer"]: (r.get("ref_tap_local"), r.get("cand_tap_local")) for r in rows}
         adds = [r["layer"] for r in rows if r.get("tap_local_ratio", 0) > 1]
-        rule = (f"local error of layers.i.{what} > {drift_factor(policy):g}x the reference's "
-                f"+ {FLOOR_ULPS} ulp")
+        measured = dict(rule="policy", m=drift_factor(policy))
+        if d.layer is not None:
+            row = rows[d.layer]
+            measured.update(ref_local=row.get("ref_tap_local"), cand_local=row.get("cand_tap_local"),
+                            ratio=row.get("tap_local_ratio", float("nan")))
     first = adds[0] if adds else None
-    if d.layer is None:
-        d.confirmed = first is None
-        d.evidence = (f"teacher forcing: no layer adds the difference on its own ({rule}), so it "
-                      f"starts outside the layers, in {d.component}" if first is None else
-                      f"teacher forcing: layer {first} adds a difference on its own ({rule})")
-        return
-    d.confirmed = first == d.layer
-    if d.kind == "semantic" and not at_policy:
-        e = rows[d.layer].get("cand64_tap_local")
-        nums = f"{e:.1e} there" + (f", {rows[d.layer - 1]['cand64_tap_local']:.1e} in layer "
-                                   f"{d.layer - 1}" if d.layer > 0 and
-                                   rows[d.layer - 1].get("cand64_tap_local") is not None else "")
-    else:
-        e_r, e_c = local[d.layer]
-        nums = (f"{e_c:.1e} vs the reference's {e_r:.1e} there, "
-                f"{rows[d.layer].get('tap_local_ratio', float('nan')):.1f}x the bound")
-    d.evidence = (f"teacher forcing (oracle input forced into every layer): layer {first} is the "
-                  f"first to add it on its own ({rule}; {nums})" if first is not None else
-                  f"teacher forcing: no layer adds it on its own ({rule}); the difference is "
-                  "inherited or too small to isolate")
+    d.confirmed = first is None if d.layer is None else first == d.layer
+    d.forcing = Forcing(first, what=what, layer=d.layer, component=d.component, **measured)
+    d.explain()
 
 
 def confirm_divergence(d: Divergence, rows, at, policy, keeps_f32) -> None:

@@ -26,10 +26,29 @@ import numpy as np
 from llamaspec import Policy, positions_from_mask
 from llamaspec import taps as tapnames
 
+from ..evidence import (
+    DRIFT,
+    EXACT,
+    FP64_MATH,
+    FP64_NOISE,
+    NO_TWIN_DRIFT,
+    NO_TWIN_NONFINITE,
+    NO_TWIN_PRECISION,
+    NO_TWIN_SEMANTIC,
+    NONFINITE,
+    PRECISION,
+    WHOLE_TAP,
+    DecodePath,
+    Evidence,
+    Forcing,
+    Noise,
+    Span,
+    Trend,
+)
+from ..explain import ladder as explain
 from ..metrics import nonfinite, unit_roundoff
 from ..vocabulary import (
     F32_STEPS_FLOOR,
-    FLOOR_ULPS,
     FP64_FLOOR,
     KINDS,
     NOISE_BAND,
@@ -48,28 +67,8 @@ from ..vocabulary import (
 )
 from .conventions import explain_attention
 from .structure import analyse, spearman
-from .structure import hint as structure_hint
 
 _F32_STEP_KINDS = ("position_trend", "head_confinement", "half_confinement", "sign_bias")
-# Where a precision deviation first shows, the step that most likely lost it.
-_PRECISION_STEP = {
-    "q_rope": "RoPE tables (angles, cos/sin) computed in lower precision",
-    "k_rope": "RoPE tables (angles, cos/sin) computed in lower precision",
-    "attn_ctx": "attention (scores, softmax or P@V) computed in lower precision",
-    "attn_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
-    "mlp_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
-    "final_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
-    "logits": "lm_head output kept in lower precision",
-}
-# Where a semantic difference with no simple structure first shows: what sits there.
-_COMPONENT_HINT = {
-    "embed": "the embedding table or token ids",
-    "attn_norm": "the input RMSNorm (epsilon, weight convention, normalisation)",
-    "mlp_norm": "the post-attention RMSNorm (epsilon, weight convention, normalisation)",
-    "final_norm": "the final RMSNorm",
-    "lm_head": "the lm_head matrix: everything before the logits agrees (tied vs untied "
-               "embeddings, a transposed or another matrix)",
-}
 
 
 @dataclasses.dataclass
@@ -82,7 +81,7 @@ class TapVerdict:
     err_cand: float     # cand at P vs oracle
     err_fp64: float     # cand at fp64 vs oracle
     nonfinite: int
-    hint: str
+    hint: str           # explain.tap_hint(record): the record in one sentence
     # err(cand) / (M * err(ref) + floor), the worse of the whole tap and its quarters of
     # positions: > 1 is a precision deviation (when fp64 agrees)
     precision_ratio: float = float("nan")
@@ -91,6 +90,18 @@ class TapVerdict:
     metrics: dict = dataclasses.field(default_factory=dict)
     # the dtype whose rounding the fp64-rung difference looks like (dtype_noise), if any
     noise_dtype: str | None = None
+    record: Evidence | None = None      # what the deciding rung saw (compare.evidence)
+
+    @classmethod
+    def of(cls, tap: str, ev: Evidence) -> "TapVerdict":
+        t = tapnames.tap(tap)
+        noise = ev.noise.dtype if ev.noise is not None else None
+        return cls(tap, t.layer, t.component, ev.kind, ev.err_ref, ev.err_cand, ev.err_fp64, sum(ev.nonfinite[:2]),
+                   explain.tap_hint(tap, ev), ev.ratio, noise_dtype=noise, record=ev)
+
+    def judged(self, ev: Evidence) -> "TapVerdict":
+        """This tap with another rung's record (decode pools steps), metrics kept."""
+        return dataclasses.replace(TapVerdict.of(self.tap, ev), metrics=self.metrics)
 
 
 @dataclasses.dataclass
@@ -99,11 +110,22 @@ class Divergence:
     layer: int | None
     component: str
     kind: str
-    hint: str
+    hint: str           # explain.divergence_hint: the tap's record, where it starts, the decode path
     # Teacher forcing's word on the layer: True when the layer that adds the error on its
     # own (oracle input forced) is this one, False when it is another, None when not run.
     confirmed: bool | None = None
-    evidence: str = ""
+    evidence: str = ""  # explain.forcing_sentence(forcing)
+    record: Evidence | None = None      # the first divergent tap's record
+    forcing: Forcing | None = None      # teacher forcing's measurement (teacher.py)
+    path: DecodePath | None = None      # decode: which path is wrong (decode.py)
+
+    def explain(self) -> "Divergence":
+        """(Re)renders hint and evidence from the records."""
+        if self.record is not None:
+            self.hint = explain.divergence_hint(self)
+        if self.forcing is not None:
+            self.evidence = explain.forcing_sentence(self.forcing)
+        return self
 
 
 def _findings(tap, cand64, oracle, mask, keeps_f32, context) -> list:
@@ -170,20 +192,20 @@ class _RowErrors:
         return float(np.sum(self.norm[rows])) ** 2 / n4 if n4 else 0.0
 
 
-def precision_ratio(r, c, o, pos, floor, m=M, rows: _RowErrors | None = None
-                    ) -> tuple[float, str]:
+def precision_ratio(r, c, o, pos, floor, m=M, rows: _RowErrors | None = None) -> tuple[float, Span]:
     """err(c) / (M err(r) + floor) over the whole tap and over each quarter of positions
     (when there are >= QUARTER_POSITIONS): the worst, and where. A step whose rounding
     grows with position (RoPE angles in low precision) hides in a whole-tap average. A
     quarter whose values are carried by a few huge ones (fewer than SUBSET_MIN_VALUES
-    effective values) is skipped. r, c may be given as per-row squared errors with `rows` (the oracle's _RowErrors)."""
+    effective values) is skipped. r, c may be given as per-row squared errors with `rows`
+    (the oracle's _RowErrors)."""
     if rows is None:
         rows = _RowErrors(o)
         r, c = rows.sq(r), rows.sq(c)
 
     def ratio(sel):
         return rows.rel(c, sel) / (m * rows.rel(r, sel) + floor)
-    best, where = ratio(slice(None)), "whole tap"
+    best, where = ratio(slice(None)), WHOLE_TAP
     distinct = np.unique(pos)
     if len(distinct) >= QUARTER_POSITIONS:
         edges = distinct[np.linspace(0, len(distinct), 5).astype(int)[1:-1]]
@@ -193,30 +215,28 @@ def precision_ratio(r, c, o, pos, floor, m=M, rows: _RowErrors | None = None
                 continue    # a few huge values carry this quarter: their error is no statistic
             x = ratio(quarter == q)
             if x > best:
-                lo, hi = pos[quarter == q].min(), pos[quarter == q].max()
-                best, where = x, f"positions {lo}-{hi}"
+                best, where = x, Span("positions", int(pos[quarter == q].min()), int(pos[quarter == q].max()))
     return best, where
 
 
-def rope_band_ratio(r, c, o, floor, m=M) -> tuple[float, str]:
+def rope_band_ratio(r, c, o, floor, m=M) -> tuple[float, Span | None]:
     """At a q_rope / k_rope tap ([N, heads, head_dim], real positions only, Hugging Face
     half-split layout: pair i is dims i and i + D/2, its frequency theta^(-2i/D) falling
     with i): the precision ratio err(c) / (M err(r) + floor) over each quarter of the
     pairs, from the highest frequencies down; the worst, and where. A RoPE angle rounded
     to a narrower dtype has an error proportional to the angle (position x frequency), so
-    it sits in the high-frequency pairs, where a whole-tap average dilutes it: on SmolLM2
-    at bf16, angles in bf16, 128 tokens: 3.6x the bound in the top quarter, 2.4x over the
-    tap (docs/method.md, "Position and frequency structure")."""
+    it sits in the high-frequency pairs, where a whole-tap average dilutes it
+    (docs/method.md, "Position and frequency structure")."""
     r, c, o = (np.asarray(a, np.float64) for a in (r, c, o))
     D = o.shape[-1]
     if o.ndim != 3 or D % 8:
-        return float("nan"), ""
+        return float("nan"), None
     half = D // 2
 
     def band(x, q):
         lo, hi = q * half // 4, (q + 1) * half // 4
         return np.concatenate([x[..., lo:hi], x[..., half + lo:half + hi]], -1)
-    best, where = float("nan"), ""
+    best, where = float("nan"), None
     for q in range(4):
         ob = band(o, q)
         n = float(np.sum(ob * ob))
@@ -225,17 +245,15 @@ def rope_band_ratio(r, c, o, floor, m=M) -> tuple[float, str]:
         er, ec = (math.sqrt(float(np.sum((band(x, q) - ob) ** 2)) / n) if n else 0.0 for x in (r, c))
         x = ec / (m * er + floor)
         if not x <= best:
-            lo, hi = q * half // 4, (q + 1) * half // 4 - 1
-            best, where = x, (f"RoPE pairs {lo}-{hi} of {half} (the {('highest', 'second', 'third', 'lowest')[q]} "
-                              "quarter of frequencies)")
+            best, where = x, Span("rope_pairs", q * half // 4, (q + 1) * half // 4 - 1, half, q)
     return best, where
 
 
-def dtype_noise(c64, o, err64: float, keeps_f32: bool) -> tuple[str, float] | None:
-    """(dtype, err64 in its unit roundoffs) when the fp64-rung difference c64 - o looks like
-    one dtype's rounding noise: unbiased, uncorrelated with the values, and sized like
-    one rounding (ONE_ROUNDING u) within NOISE_BAND; the dtype whose size fits best. f32
-    is not a candidate for a side that keeps f32 steps (that noise is its normal)."""
+def dtype_noise(c64, o, err64: float, keeps_f32: bool) -> Noise | None:
+    """The dtype whose rounding the fp64-rung difference c64 - o looks like: unbiased,
+    uncorrelated with the values, and sized like one rounding (ONE_ROUNDING u) within
+    NOISE_BAND; the dtype whose size fits best, with err64 in its unit roundoffs. f32 is
+    not a candidate for a side that keeps f32 steps (that noise is its normal)."""
     d = np.asarray(c64, np.float64) - np.asarray(o, np.float64)
     o = np.asarray(o, np.float64).ravel()
     d = d.ravel()
@@ -249,20 +267,14 @@ def dtype_noise(c64, o, err64: float, keeps_f32: bool) -> tuple[str, float] | No
     fits = [(abs(math.log(err64 / unit_roundoff(dt) / ONE_ROUNDING)), dt, err64 / unit_roundoff(dt))
             for dt in NOISE_DTYPES if not (keeps_f32 and dt == "float32")]
     fits = [f for f in fits if NOISE_BAND[0] <= f[2] <= NOISE_BAND[1]]
-    return min(fits)[1:] if fits else None
+    return Noise(*min(fits)[1:]) if fits else None
 
 
-def _where(t) -> str:
-    part = {"attn": "attention", "mlp": "MLP", "attn_norm": "input RMSNorm", "mlp_norm": "post-attention RMSNorm",
-            "embed": "embedding", "final_norm": "final RMSNorm", "lm_head": "lm_head"}[t.component]
-    return f"layer {t.layer}'s {part}" if t.layer is not None else f"the {part}"
-
-
-def position_trend(sq_r, sq_c, pos) -> tuple[float, float, float, str] | None:
-    """(rho, first, last, where): the candidate's error over the reference's (per-row
-    squared errors sq_c, sq_r) in TREND_BUCKETS equal runs of the distinct positions, its
-    rank correlation with position, and the first and last runs' ratios; None with fewer
-    than 4 positions per run or no reference error to compare with."""
+def ratio_trend(sq_r, sq_c, pos) -> Trend | None:
+    """The candidate's error over the reference's (per-row squared errors sq_c, sq_r) in
+    TREND_BUCKETS equal runs of the distinct positions: its rank correlation with position
+    and the first and last runs' ratios; None with fewer than 4 positions per run or no
+    reference error to compare with. Rising: rho >= TREND_RHO and last >= TREND_GROWTH x first."""
     distinct = np.unique(pos)
     if len(distinct) < 4 * TREND_BUCKETS:
         return None
@@ -274,8 +286,9 @@ def position_trend(sq_r, sq_c, pos) -> tuple[float, float, float, str] | None:
         return None
     ratio = np.sqrt(ec / er)
     last = pos[run == TREND_BUCKETS - 1]
-    return spearman(np.arange(TREND_BUCKETS), ratio), float(ratio[0]), float(ratio[-1]), \
-        f"positions {last.min()}-{last.max()}"
+    rho, first, final = spearman(np.arange(TREND_BUCKETS), ratio), float(ratio[0]), float(ratio[-1])
+    return Trend(rho, first, final, Span("positions", int(last.min()), int(last.max())),
+                 rho >= TREND_RHO and final >= TREND_GROWTH * first)
 
 
 # Structure that rounding itself can have (a step in a narrower dtype concentrates its
@@ -283,69 +296,128 @@ def position_trend(sq_r, sq_c, pos) -> tuple[float, float, float, str] | None:
 _ROUNDING_PATTERNS = _F32_STEP_KINDS + ("per_row_scale",)
 
 
+@dataclasses.dataclass
+class _Tap:
+    """One tap's real rows on every side and their errors against the oracle: what every rung reads."""
+    name: str
+    kind: str
+    r: np.ndarray
+    c: np.ndarray
+    o: np.ndarray
+    c64: np.ndarray | None
+    mask: np.ndarray
+    policy: Policy
+    full: dict          # the [B, T, ...] arrays as given ("c", "o", "c64"): the structure detectors' input
+    given_mask: object
+    rows: _RowErrors = None
+    sq_r: np.ndarray = None
+    sq_c: np.ndarray = None
+    errors: tuple = ()          # rel L2 against the oracle: ref, cand, cand at fp64 (NaN without a twin)
+    nonfinite: tuple = ()       # NaN/Inf counts: ref, cand, cand at fp64
+
+    @classmethod
+    def of(cls, tap, ref, cand, oracle, cand64, mask, policy) -> "_Tap":
+        r, c, o = (_real(a, mask) for a in (ref, cand, oracle))
+        c64 = None if cand64 is None else _real(cand64, mask)
+        t = cls(tap, tapnames.tap(tap).kind, r, c, o, c64, np.asarray(mask, bool), policy,
+                {"c": cand, "o": oracle, "c64": cand64}, mask)
+        t.rows = _RowErrors(o)
+        t.sq_r, t.sq_c = t.rows.sq(r), t.rows.sq(c)
+        err64 = t.rows.rel(t.rows.sq(c64)) if c64 is not None else float("nan")
+        t.errors = (t.rows.rel(t.sq_r), t.rows.rel(t.sq_c), err64)
+        t.nonfinite = (nonfinite(r), nonfinite(c), nonfinite(c64) if c64 is not None else 0)
+        return t
+
+    def evidence(self, kind: str, reason: str, **kw) -> Evidence:
+        return Evidence(kind, reason, self.policy.name, *self.errors, m=drift_factor(self.policy),
+                        nonfinite=self.nonfinite, **kw)
+
+    def working_ratio(self, hidden) -> tuple[float, Span]:
+        """The precision rung's ratio: the worst of the whole tap, its quarters of positions
+        and (q_rope / k_rope) its quarters of RoPE frequencies."""
+        pos = positions_from_mask(self.mask)[self.mask]
+        floor, m = precision_floor(self.policy, hidden), drift_factor(self.policy)
+        ratio, where = precision_ratio(self.sq_r, self.sq_c, None, pos, floor, m, self.rows)
+        if self.kind in ("q_rope", "k_rope"):
+            band, in_band = rope_band_ratio(self.r, self.c, self.o, floor, m)
+            if band > ratio:
+                ratio, where = band, in_band
+        return ratio, where
+
+
+def _nonfinite_rung(t: _Tap, twin: bool) -> Evidence | None:
+    e = t.evidence("", "")
+    finite = all(math.isfinite(x) for x in (e.err_ref, e.err_cand, e.err_fp64 if twin else 0.0))
+    if not (sum(e.nonfinite[:2]) or not finite):
+        return None
+    r, c, c64 = e.nonfinite
+    if twin:
+        return dataclasses.replace(e, kind="semantic" if c64 else "precision", reason=NONFINITE)
+    return dataclasses.replace(e, kind="semantic" if c and not r else "precision", reason=NO_TWIN_NONFINITE)
+
+
+def _fp64_rung(t: _Tap, keeps_f32: bool, context, noise_from: TapVerdict | None, equal: bool):
+    """The semantic check on the fp64 rung: (a decided record or None, the dtype noise the
+    fp64 difference carries, for the rungs below)."""
+    floor64, gate = (F32_STEPS_FLOOR, STRUCT_F32_FLOOR) if keeps_f32 else (FP64_FLOOR, FP64_FLOOR)
+    e = t.evidence("", "", floor64=floor64, gate=gate)
+    if not e.err_fp64 > gate:
+        return None, None
+    found = _findings(t.name, t.full["c64"], t.full["o"], t.given_mask, keeps_f32, context)
+    noise = None
+    if not found and e.err_fp64 > floor64:
+        noise = (Noise(noise_from.noise_dtype, None, noise_from.tap) if noise_from is not None
+                 else dtype_noise(t.c64, t.o, e.err_fp64, keeps_f32))
+    if noise is not None:
+        if not equal and unit_roundoff(noise.dtype) > unit_roundoff(t.policy.compute_dtype):
+            return dataclasses.replace(e, kind="precision", reason=FP64_NOISE, noise=noise), noise
+        return None, noise      # rounding the policy does not see here, or at/below its precision
+    if e.err_fp64 > floor64 or found:
+        return dataclasses.replace(e, kind="semantic", reason=FP64_MATH, findings=found, hidden_by_policy=equal), None
+    return None, None
+
+
+def _working_rung(t: _Tap, hidden, noise: Noise | None) -> Evidence:
+    """The precision check at the policy: precision beyond the drift bound, else drift."""
+    ratio, where = t.working_ratio(hidden)
+    if ratio > 1:
+        pos = positions_from_mask(t.mask)[t.mask]
+        return t.evidence("precision", PRECISION, ratio=ratio, span=where, noise=noise,
+                          trend=ratio_trend(t.sq_r, t.sq_c, pos))
+    return t.evidence("drift", DRIFT, ratio=ratio, span=where, noise=noise)
+
+
+def _no_twin_rung(t: _Tap, hidden, context) -> Evidence:
+    """Beyond the bound without a twin: semantic when the difference has a structure rounding
+    does not make, or is larger than a bf16 step could make; precision otherwise."""
+    ratio, where = t.working_ratio(hidden)
+    if ratio <= 1:
+        return t.evidence("drift", NO_TWIN_DRIFT, ratio=ratio, span=where)
+    # RoPE pair analysis needs rotations exact to ~1e-4 (structure.ROPE_NORM_TOL): the
+    # twin's, not the policy's (at fp32 it reads frequency noise as a scaling).
+    found = [f for f in _findings(t.name, t.full["c"], t.full["o"], t.given_mask, False,
+                                  {k: v for k, v in (context or {}).items() if k != "pre"})
+             if f.kind not in _ROUNDING_PATTERNS]
+    e = t.evidence("", "", ratio=ratio, span=where, findings=found)
+    # A rounded RoPE angle is the one step whose rounding is not bounded by a few roundings
+    # of the values: its error is position x frequency x u, largest in the top pairs.
+    big = e.err_cand > NOISE_BAND[1] * unit_roundoff("bfloat16") and not where.highest_frequencies
+    if found or big:
+        return dataclasses.replace(e, kind="semantic", reason=NO_TWIN_SEMANTIC, too_big_for_rounding=big)
+    return dataclasses.replace(e, kind="precision", reason=NO_TWIN_PRECISION)
+
+
 def classify_without_twin(tap, ref, cand, oracle, mask, policy: Policy, context=None,
                           hidden: int | None = None) -> TapVerdict:
     """The ladder for one tap when the candidate has no float64 twin (a port without
     float64(), a dump from another engine): judged at the policy alone, by size and
     structure (docs/method.md, "Without a float64 twin"). context: context_for(tap,
-    cand at P, oracle), the candidate's own pre-RoPE q/k standing in for its twin's.
-
-    exact / drift as usual (cand against the oracle, bounded by the reference's own
-    error). Beyond the bound: semantic when the candidate's difference from the oracle has
-    a structure rounding does not make (a RoPE layout or frequency, a causal edge, an
-    epsilon, a permutation, a scale...), or when it is larger than a bf16 step could make
-    (NOISE_BAND[1] bf16 roundings, relative); precision otherwise. Both say that the fp64
-    rung was not run: a small change in the math and a lower-precision step can look
-    alike at P, which only the twin tells apart."""
-    t = tapnames.tap(tap)
-    r, c, o = (_real(a, mask) for a in (ref, cand, oracle))
-    bad = nonfinite(r) + nonfinite(c)
-    rows = _RowErrors(o)
-    sq_r, sq_c = rows.sq(r), rows.sq(c)
-    err_ref, err_cand = rows.rel(sq_r), rows.rel(sq_c)
-    nan = float("nan")
-    if bad or not math.isfinite(err_ref) or not math.isfinite(err_cand):
-        return TapVerdict(tap, t.layer, t.component, "semantic" if nonfinite(c) and not nonfinite(r) else "precision",
-                          err_ref, err_cand, nan, bad, f"NaN/Inf: {nonfinite(r)} in the reference, {nonfinite(c)} "
-                          "in the candidate (no float64 twin to tell math from overflow)")
-    if np.array_equal(r, c):
-        return TapVerdict(tap, t.layer, t.component, "exact", err_ref, err_cand, nan, 0, "bitwise equal")
-    pos = positions_from_mask(np.asarray(mask))[np.asarray(mask, bool)]
-    m, floor = drift_factor(policy), precision_floor(policy, hidden)
-    ratio, where = precision_ratio(sq_r, sq_c, None, pos, floor, m, rows)
-    if t.kind in ("q_rope", "k_rope"):
-        band, in_band = rope_band_ratio(r, c, o, floor, m)
-        if band > ratio:
-            ratio, where = band, in_band
-    if ratio <= 1:
-        return TapVerdict(tap, t.layer, t.component, "drift", err_ref, err_cand, nan, 0,
-                          f"rounding: {err_cand:.1e} vs the reference's own {err_ref:.1e} (within {m:g}x + "
-                          f"{FLOOR_ULPS} ulp; no float64 twin: judged at {policy.name} only)", ratio)
-    # RoPE pair analysis needs rotations exact to ~1e-4 (structure.ROPE_NORM_TOL): the
-    # twin's, not the policy's (at fp32 it reads frequency noise as a scaling).
-    found = [f for f in _findings(tap, cand, oracle, mask, False,
-                                  {k: v for k, v in (context or {}).items() if k != "pre"})
-             if f.kind not in _ROUNDING_PATTERNS]
-    # A rounded RoPE angle is the one step whose rounding is not bounded by a few roundings
-    # of the values: its error is position x frequency x u, largest in the top pairs.
-    angle = "highest quarter of frequencies" in where
-    big = err_cand > NOISE_BAND[1] * unit_roundoff("bfloat16") and not angle
-    base = (f"the candidate's error is {err_cand:.1e} against the reference's {err_ref:.1e} ({ratio:.1f}x the drift "
-            f"bound over the {where}); no float64 twin, so judged at {policy.name} by structure alone")
-    if found or big:
-        why = (structure_hint(found) if found else
-               f"larger than rounding in bf16 or any wider dtype makes ({err_cand:.1e} > {NOISE_BAND[1]:g} bf16 "
-               "unit roundoffs)")
-        return TapVerdict(tap, t.layer, t.component, "semantic", err_ref, err_cand, nan, 0,
-                          f"{base}: most likely a difference in the math: {why}", ratio)
-    step = _PRECISION_STEP.get(t.kind, "a step computed in lower precision")
-    if angle:
-        step += ("; the excess sits in the highest-frequency pairs, where the angle (position x frequency) is "
-                 "largest")
-    return TapVerdict(tap, t.layer, t.component, "precision", err_ref, err_cand, nan, 0,
-                      f"{base}: no structure of different math{'' if angle else ' and rounding-sized'}, most likely "
-                      f"precision: {step} (a small "
-                      "change in the math can look the same without the twin)", ratio)
+    cand at P, oracle), the candidate's own pre-RoPE q/k standing in for its twin's."""
+    t = _Tap.of(tap, ref, cand, oracle, None, mask, policy)
+    ev = (_nonfinite_rung(t, twin=False)
+          or (t.evidence("exact", EXACT) if np.array_equal(t.r, t.c) else None)
+          or _no_twin_rung(t, hidden, context))
+    return TapVerdict.of(tap, ev)
 
 
 def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bool,
@@ -357,96 +429,21 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
     before RoPE), {"qkv": (q_rope, k_rope, v)} of the oracle at attn_ctx: they let the
     structure analysis name RoPE and attention-convention differences. noise_from: the
     earlier tap where dtype noise entered the fp64 run (run_ladder passes it on): an
-    unstructured fp64 difference after it is that noise, carried along."""
+    unstructured fp64 difference after it is that noise, carried along.
+
+    The rungs, in order: NaN/Inf; the fp64 rung (first even where the policy's values are
+    bitwise equal: a difference in the math that the policy rounds away here is localised
+    where it starts); exact; the working rung (precision or drift)."""
     if cand64 is None:
         return classify_without_twin(tap, ref, cand, oracle, mask, policy, context, hidden)
-    t = tapnames.tap(tap)
-    layer, component = t.layer, t.component
-    r, c, o, c64 = (_real(a, mask) for a in (ref, cand, oracle, cand64))
-    bad = nonfinite(r) + nonfinite(c)
-    rows = _RowErrors(o)
-    sq_r, sq_c = rows.sq(r), rows.sq(c)
-    err_ref, err_cand, err64 = rows.rel(sq_r), rows.rel(sq_c), rows.rel(rows.sq(c64))
-    if bad or not all(math.isfinite(e) for e in (err_ref, err_cand, err64)):
-        kind = "semantic" if nonfinite(c64) else "precision"
-        return TapVerdict(tap, layer, component, kind, err_ref, err_cand, err64, bad,
-                          f"NaN/Inf: {nonfinite(r)} in the reference, {nonfinite(c)} in the "
-                          f"candidate ({nonfinite(c64)} at fp64)")
-    equal = np.array_equal(r, c)
-    floor64 = F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR
-    gate = STRUCT_F32_FLOOR if keeps_f32 else FP64_FLOOR
-    noise = None
-    # The fp64 rung comes first even where the policy's values are bitwise equal: a
-    # difference in the math that the policy rounds away here is localised where it starts.
-    if err64 > gate:
-        found = _findings(tap, cand64, oracle, mask, keeps_f32, context or {})
-        if not found and err64 > floor64:
-            if noise_from is not None:
-                noise = (noise_from.noise_dtype, None)
-            else:
-                noise = dtype_noise(c64, o, err64, keeps_f32)
-        if noise is not None and equal:
-            pass    # rounding noise the policy does not see here: exact, below
-        elif noise is not None:
-            dtype, size = noise
-            if unit_roundoff(dtype) > unit_roundoff(policy.compute_dtype):
-                step = _PRECISION_STEP.get(t.kind, "a step rounded to a narrower dtype")
-                why = (f"it carries the {dtype} rounding that enters at {noise_from.tap}" if noise_from else
-                       f"{_where(t)} computes at about {dtype} precision even in the float64 run (rel error "
-                       f"{err64:.1e} = {size:.2f} {dtype} unit roundoffs; one rounding gives {ONE_ROUNDING:.2f}; "
-                       f"unbiased and uncorrelated with the values): {step}")
-                return TapVerdict(tap, layer, component, "precision", err_ref, err_cand, err64, 0, why,
-                                  noise_dtype=dtype)
-            # noise at or below the working precision: judged at the policy, below
-        elif err64 > floor64 or found:
-            why = structure_hint(found) if found else "no simple structure"
-            hidden_here = (f" (bitwise equal at {policy.name} here: the policy rounds it away, it shows "
-                           "further on)" if equal else "")
-            return TapVerdict(tap, layer, component, "semantic", err_ref, err_cand, err64, 0,
-                              f"differs at fp64 (rel L2 {err64:.1e}"
-                              + (f" > {floor64:.0e}" if err64 > floor64 else
-                                 f", structured above {gate:.0e}")
-                              + f"){hidden_here}: a difference in the math, not rounding; {why}")
-    if equal:
-        return TapVerdict(tap, layer, component, "exact", err_ref, err_cand, err64, 0, "bitwise equal",
-                          noise_dtype=noise[0] if noise else None)
-    pos = positions_from_mask(np.asarray(mask))[np.asarray(mask, bool)]
-    m = drift_factor(policy)
-    floor = precision_floor(policy, hidden)
-    ratio, where = precision_ratio(sq_r, sq_c, None, pos, floor, m, rows)
-    if t.kind in ("q_rope", "k_rope"):
-        band, in_band = rope_band_ratio(r, c, o, floor, m)
-        if band > ratio:
-            ratio, where = band, in_band
-    noise_dtype = noise[0] if noise else None
-    # The shape of a precision finding's excess over positions names its likely step; on its
-    # own (under the drift bound) it is not a finding: a reference that is unusually exact
-    # at the first positions makes a clean candidate's ratio rise too (SmolLM2, jaxmodel at
-    # fp32, 64 tokens: 0.09x to 1.71x, rank correlation 0.90).
-    trend = position_trend(sq_r, sq_c, pos) if ratio > 1 else None
-    rising = trend is not None and trend[0] >= TREND_RHO and trend[2] >= TREND_GROWTH * trend[1]
-    grows = (f"the candidate's error over the reference's grows with position, steadily (rank correlation "
-             f"{trend[0]:.2f}), from {trend[1]:.2f}x in the first {TREND_BUCKETS}th of the positions to "
-             f"{trend[2]:.2f}x at {trend[3]}" if rising else "")
-    rope_step = ("a step whose rounding grows with position, most often RoPE angles (position x frequency) "
-                 "or tables computed in lower precision")
-    if ratio > 1:
-        step = _PRECISION_STEP.get(t.kind, "a step computed in lower precision "
-                                   "(matmul accumulation, norm, softmax, RoPE tables)")
-        if rising:
-            step = f"{step}; {grows}: {rope_step}"
-        if "highest quarter of frequencies" in where:
-            step += ("; the excess sits in the highest-frequency pairs, where the angle (position x "
-                     "frequency) is largest: angles or their inputs rounded to a narrower dtype")
-        times = f"{err_cand / err_ref:.1f}x" if err_ref else "more than"
-        return TapVerdict(tap, layer, component, "precision", err_ref, err_cand, err64, 0,
-                          f"the candidate loses {times} the reference's precision here "
-                          f"({err_cand:.1e} vs {err_ref:.1e}; {ratio:.1f}x the drift bound "
-                          f"{m:g}x + {FLOOR_ULPS} ulp over the {where}) while fp64 agrees: {step}",
-                          ratio, noise_dtype=noise_dtype)
-    return TapVerdict(tap, layer, component, "drift", err_ref, err_cand, err64, 0,
-                      f"rounding: {err_cand:.1e} vs the reference's own {err_ref:.1e} "
-                      f"(within {m:g}x + {FLOOR_ULPS} ulp)", ratio, noise_dtype=noise_dtype)
+    t = _Tap.of(tap, ref, cand, oracle, cand64, mask, policy)
+    ev = _nonfinite_rung(t, twin=True)
+    if ev is None:
+        equal = np.array_equal(t.r, t.c)
+        ev, noise = _fp64_rung(t, keeps_f32, context or {}, noise_from, equal)
+        if ev is None:
+            ev = t.evidence("exact", EXACT, noise=noise) if equal else _working_rung(t, hidden, noise)
+    return TapVerdict.of(tap, ev)
 
 
 def context_for(tap, c64, o) -> dict:
@@ -474,10 +471,4 @@ def first_divergence(verdicts: list[TapVerdict]) -> tuple[str, Divergence | None
     if worst in ("exact", "drift"):
         return worst, None
     first = next(v for v in verdicts if v.kind == worst)
-    hint = first.hint
-    # Where a difference starts says what sits there; for the embedding and the lm_head
-    # (a table and one matrix) that is the best hint whatever pattern the values show.
-    if first.component in _COMPONENT_HINT and (
-            "no simple structure" in hint or first.component in ("embed", "lm_head")):
-        hint += f"; it starts in {_COMPONENT_HINT[first.component]}"
-    return worst, Divergence(first.tap, first.layer, first.component, first.kind, hint)
+    return worst, Divergence(first.tap, first.layer, first.component, first.kind, "", record=first.record).explain()

@@ -1,0 +1,206 @@
+"""Sentences for the ladder's records (compare.evidence): a tap's hint, a divergence's hint,
+teacher forcing's evidence. Every word the terminal, JSON, HTML and assert_parity show
+about a verdict is made here, from numbers; nothing decides on what is written here."""
+
+from __future__ import annotations
+
+from llamaspec import taps as tapnames
+
+from .. import evidence as ev
+from ..vocabulary import FLOOR_ULPS, NOISE_BAND, ONE_ROUNDING, TREND_BUCKETS
+from .findings import hint as findings_hint
+
+# Where a precision deviation first shows, the step that most likely lost it.
+PRECISION_STEP = {
+    "q_rope": "RoPE tables (angles, cos/sin) computed in lower precision",
+    "k_rope": "RoPE tables (angles, cos/sin) computed in lower precision",
+    "attn_ctx": "attention (scores, softmax or P@V) computed in lower precision",
+    "attn_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
+    "mlp_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
+    "final_norm": "RMSNorm (mean of squares, rsqrt) computed in lower precision",
+    "logits": "lm_head output kept in lower precision",
+}
+# Where a semantic difference with no simple structure first shows: what sits there.
+COMPONENT_HINT = {
+    "embed": "the embedding table or token ids",
+    "attn_norm": "the input RMSNorm (epsilon, weight convention, normalisation)",
+    "mlp_norm": "the post-attention RMSNorm (epsilon, weight convention, normalisation)",
+    "final_norm": "the final RMSNorm",
+    "lm_head": "the lm_head matrix: everything before the logits agrees (tied vs untied "
+               "embeddings, a transposed or another matrix)",
+}
+_PART = {"attn": "attention", "mlp": "MLP", "attn_norm": "input RMSNorm", "mlp_norm": "post-attention RMSNorm",
+         "embed": "embedding", "final_norm": "final RMSNorm", "lm_head": "lm_head"}
+_QUARTERS = ("highest", "second", "third", "lowest")
+_ROPE_STEP = ("a step whose rounding grows with position, most often RoPE angles (position x frequency) "
+              "or tables computed in lower precision")
+
+
+def span(s: ev.Span) -> str:
+    if s.unit == "tap":
+        return "whole tap"
+    if s.unit == "rope_pairs":
+        return f"RoPE pairs {s.lo}-{s.hi} of {s.of} (the {_QUARTERS[s.quarter]} quarter of frequencies)"
+    return f"{s.unit} {s.lo}-{s.hi}"
+
+
+def _part_of(tap: str) -> str:
+    t = tapnames.tap(tap)
+    return f"layer {t.layer}'s {_PART[t.component]}" if t.layer is not None else f"the {_PART[t.component]}"
+
+
+def _bound(e: ev.Evidence) -> str:
+    return f"{e.m:g}x + {FLOOR_ULPS} ulp"
+
+
+def _nonfinite(tap, e):
+    r, c, c64 = e.nonfinite
+    return f"NaN/Inf: {r} in the reference, {c} in the candidate ({c64} at fp64)"
+
+
+def _fp64_noise(tap, e):
+    n = e.noise
+    if n.inherited_from is not None:
+        return f"it carries the {n.dtype} rounding that enters at {n.inherited_from}"
+    step = PRECISION_STEP.get(tapnames.tap(tap).kind, "a step rounded to a narrower dtype")
+    return (f"{_part_of(tap)} computes at about {n.dtype} precision even in the float64 run (rel error "
+            f"{e.err_fp64:.1e} = {n.size:.2f} {n.dtype} unit roundoffs; one rounding gives {ONE_ROUNDING:.2f}; "
+            f"unbiased and uncorrelated with the values): {step}")
+
+
+def _fp64_math(tap, e):
+    why = findings_hint(e.findings) if e.findings else "no simple structure"
+    hidden = (f" (bitwise equal at {e.policy} here: the policy rounds it away, it shows further on)"
+              if e.hidden_by_policy else "")
+    over = f" > {e.floor64:.0e}" if e.err_fp64 > e.floor64 else f", structured above {e.gate:.0e}"
+    return f"differs at fp64 (rel L2 {e.err_fp64:.1e}{over}){hidden}: a difference in the math, not rounding; {why}"
+
+
+def _grows(tr: ev.Trend) -> str:
+    return (f"the candidate's error over the reference's grows with position, steadily (rank correlation "
+            f"{tr.rho:.2f}), from {tr.first:.2f}x in the first {TREND_BUCKETS}th of the positions to "
+            f"{tr.last:.2f}x at {span(tr.last_span)}")
+
+
+def _precision(tap, e):
+    step = PRECISION_STEP.get(tapnames.tap(tap).kind, "a step computed in lower precision "
+                              "(matmul accumulation, norm, softmax, RoPE tables)")
+    if e.trend is not None and e.trend.rising:
+        step = f"{step}; {_grows(e.trend)}: {_ROPE_STEP}"
+    if e.span.highest_frequencies:
+        step += ("; the excess sits in the highest-frequency pairs, where the angle (position x "
+                 "frequency) is largest: angles or their inputs rounded to a narrower dtype")
+    times = f"{e.err_cand / e.err_ref:.1f}x" if e.err_ref else "more than"
+    return (f"the candidate loses {times} the reference's precision here ({e.err_cand:.1e} vs {e.err_ref:.1e}; "
+            f"{e.ratio:.1f}x the drift bound {_bound(e)} over the {span(e.span)}) while fp64 agrees: {step}")
+
+
+def _drift(tap, e):
+    return f"rounding: {e.err_cand:.1e} vs the reference's own {e.err_ref:.1e} (within {_bound(e)})"
+
+
+def _no_twin_base(e) -> str:
+    return (f"the candidate's error is {e.err_cand:.1e} against the reference's {e.err_ref:.1e} ({e.ratio:.1f}x the "
+            f"drift bound over the {span(e.span)}); no float64 twin, so judged at {e.policy} by structure alone")
+
+
+def _no_twin_semantic(tap, e):
+    why = (findings_hint(e.findings) if e.findings else
+           f"larger than rounding in bf16 or any wider dtype makes ({e.err_cand:.1e} > {NOISE_BAND[1]:g} bf16 "
+           "unit roundoffs)")
+    return f"{_no_twin_base(e)}: most likely a difference in the math: {why}"
+
+
+def _no_twin_precision(tap, e):
+    angle = e.span.highest_frequencies
+    step = PRECISION_STEP.get(tapnames.tap(tap).kind, "a step computed in lower precision")
+    if angle:
+        step += ("; the excess sits in the highest-frequency pairs, where the angle (position x frequency) is "
+                 "largest")
+    return (f"{_no_twin_base(e)}: no structure of different math{'' if angle else ' and rounding-sized'}, most "
+            f"likely precision: {step} (a small change in the math can look the same without the twin)")
+
+
+def _no_twin_drift(tap, e):
+    return (f"rounding: {e.err_cand:.1e} vs the reference's own {e.err_ref:.1e} (within {_bound(e)}; no float64 "
+            f"twin: judged at {e.policy} only)")
+
+
+def _no_twin_nonfinite(tap, e):
+    r, c, _ = e.nonfinite
+    return f"NaN/Inf: {r} in the reference, {c} in the candidate (no float64 twin to tell math from overflow)"
+
+
+def _onset(tap, e):
+    dtype = e.looks_like
+    return (f"differs at fp64 (rel L2 {e.err_fp64:.1e}) at step {e.step}, where this tap agreed with the oracle to "
+            f"fp64 rounding at step {e.agreed_step}: a step rounded to {dtype} would round at every step, so "
+            f"this is a difference in the math that starts here, not rounding (it looks like {dtype} "
+            "noise: unbiased, unstructured)")
+
+
+def _pooled_drift(tap, e):
+    p = e.pooled
+    return (f"rounding: {e.err_cand:.1e} vs the reference's own {e.err_ref:.1e} at this one position is "
+            f"{e.ratio:.2f}x the drift bound, but {p.ratio:.2f}x over all {p.steps} steps ({span(p.span)}): a step "
+            "computed in lower precision would lose precision at every step; one position's ratio scatters")
+
+
+def _pooled_no_structure(tap, e):
+    return (f"fp64 difference {e.err_fp64:.1e} (below the floor) with a pattern at this one position that "
+            f"is not there over all steps ({e.pooled.kind} pooled): one row is too few for the structure "
+            "detectors; rounding")
+
+
+_TAP = {ev.NONFINITE: _nonfinite, ev.EXACT: lambda tap, e: "bitwise equal", ev.FP64_NOISE: _fp64_noise,
+        ev.FP64_MATH: _fp64_math, ev.PRECISION: _precision, ev.DRIFT: _drift,
+        ev.NO_TWIN_SEMANTIC: _no_twin_semantic, ev.NO_TWIN_PRECISION: _no_twin_precision,
+        ev.NO_TWIN_DRIFT: _no_twin_drift, ev.NO_TWIN_NONFINITE: _no_twin_nonfinite,
+        ev.ONSET: _onset, ev.POOLED_DRIFT: _pooled_drift, ev.POOLED_NO_STRUCTURE: _pooled_no_structure}
+
+
+def tap_hint(tap: str, e: ev.Evidence) -> str:
+    """One tap's verdict in one sentence, from its record."""
+    return _TAP[e.reason](tap, e)
+
+
+def _path(p: ev.DecodePath) -> str:
+    if p.decode_wrong:
+        return (f"; the candidate's fp64 decode differs from its own fp64 full recompute here (rel L2 "
+                f"{p.own_recompute:.1e}; full recompute vs oracle {p.full_vs_oracle:.1e}): the decode "
+                "path is wrong, not the model's math: its KV cache (write slot, positions of cached keys, "
+                "mask over the cache)" + (" or the key written at this step" if p.key_tap else ""))
+    return (f"; the candidate's fp64 full recompute differs from the oracle as much (rel L2 "
+            f"{p.full_vs_oracle:.1e}; decode vs own full recompute {p.own_recompute:.1e}): the model's "
+            "math, not its cache; compare_models localises it on the prompt")
+
+
+def divergence_hint(d) -> str:
+    """A first divergence (verdicts.Divergence): its tap's sentence; where the difference has
+    no simple structure, or starts in the embedding or the lm_head (a table, one matrix),
+    what sits there; on decode, which path is wrong."""
+    text = tap_hint(d.tap, d.record)
+    if d.component in COMPONENT_HINT and (d.record.unstructured or d.component in ("embed", "lm_head")):
+        text += f"; it starts in {COMPONENT_HINT[d.component]}"
+    return text + (_path(d.path) if d.path is not None else "")
+
+
+def forcing_sentence(f: ev.Forcing) -> str:
+    """Teacher forcing's word on a divergence's layer."""
+    if f.rule == "fp64":
+        rule = f"fp64 local error of layers.i.{f.what} > {f.gate:.0e}"
+    else:
+        rule = f"local error of layers.i.{f.what} > {f.m:g}x the reference's + {FLOOR_ULPS} ulp"
+    if f.layer is None:
+        return (f"teacher forcing: no layer adds the difference on its own ({rule}), so it starts outside the "
+                f"layers, in {f.component}" if f.first is None else
+                f"teacher forcing: layer {f.first} adds a difference on its own ({rule})")
+    if f.first is None:
+        return (f"teacher forcing: no layer adds it on its own ({rule}); the difference is inherited or too small "
+                "to isolate")
+    if f.rule == "fp64":
+        nums = f"{f.here:.1e} there" + (f", {f.before:.1e} in layer {f.layer - 1}" if f.before is not None else "")
+    else:
+        nums = f"{f.cand_local:.1e} vs the reference's {f.ref_local:.1e} there, {f.ratio:.1f}x the bound"
+    return (f"teacher forcing (oracle input forced into every layer): layer {f.first} is the first to add it on "
+            f"its own ({rule}; {nums})")
