@@ -120,7 +120,32 @@ def output_file(path, what: str, force: bool = False, say=print) -> Path:
             raise UsageError(f"{what} {p}: the file exists and was not written by llama-parity; pass "
                              "--force to overwrite it, or choose another path")
         say(f"{what}: {p} exists; it will be overwritten")
+    _CHECKED[str(p)] = _state(p)
     return p
+
+
+_CHECKED: dict[str, tuple | None] = {}   # output path -> (inode, mtime, size) when output_file checked it
+
+
+def _state(p: Path) -> tuple | None:
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def unchanged_or_beside(path, say=print) -> Path:
+    """Where to write a report output_file checked: `path` when nobody wrote it since the
+    check; else (another run wrote it meanwhile) a sibling name with this process's id, said
+    so, so that neither run's report is silently lost."""
+    p = Path(path)
+    if str(p) not in _CHECKED or _CHECKED[str(p)] == _state(p) or not p.is_file():
+        return p
+    import os
+    other = p.with_name(f"{p.stem}.{os.getpid()}{p.suffix}")
+    say(f"warning: {p} was written by another run while this one ran; this run's report goes to {other}")
+    return other
 
 
 def output_folder(path, what: str) -> Path:

@@ -34,6 +34,7 @@ from .checks import (
     output_folder,
     positive_int,
     shape,
+    unchanged_or_beside,
 )
 from .fetch import resolve_checkpoint
 
@@ -231,9 +232,9 @@ def cmd_compare(args) -> int:
     say(f"measured on: {env.get('cpu')} ({env.get('cpu isa')}; caps: {env.get('isa caps')}); "
         f"GPU: {env.get('gpu', 'none')}")
     if json_path:
-        say(f"JSON report: {report.to_json(json_path)}")
+        say(f"JSON report: {report.to_json(unchanged_or_beside(json_path, say))}")
     if html_path:
-        say(f"HTML report: {report.to_html(html_path)}")
+        say(f"HTML report: {report.to_html(unchanged_or_beside(html_path, say))}")
     verdict = report.verdict
     if args.decode:
         from compare.ladder.decode import run_decode

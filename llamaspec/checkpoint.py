@@ -197,8 +197,11 @@ class Checkpoint:
     def _open(self, name: str, index: Path | None = None, key: str | None = None) -> _SafetensorsFile:
         if name not in self._files:
             path = self.folder / name
+            named = "" if index is None else f" (named by {index.name} for tensor '{key}')"
+            if path.exists() and not path.is_file():    # a folder, or a symlink to /dev/zero: not "not found"
+                target = f" (a symlink to {os.readlink(path)})" if path.is_symlink() else ""
+                raise CheckpointError(f"{path}: not a regular file{target}, so not a safetensors file{named}")
             if not path.is_file():
-                named = "" if index is None else f" (named by {index.name} for tensor '{key}')"
                 raise CheckpointError(f"{path}: safetensors shard not found{named}")
             self._files[name] = _SafetensorsFile(path)
         return self._files[name]

@@ -101,9 +101,9 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 def safe_name(text, fallback: str = "unnamed", limit: int = 80) -> str:
     """One file-name component from an untrusted string: runs of anything but letters,
-    digits, '.', '_', '+', '-' become '-', leading dots and dashes are dropped (no '..',
-    no hidden file, no option-like name), and the result is at most `limit` characters."""
-    name = _UNSAFE.sub("-", str(text)).strip("-")
+    digits, '.', '_', '+', '-' become '-', as do runs of dots; leading dots and dashes are
+    dropped (no '..', no hidden file, no option-like name); at most `limit` characters."""
+    name = re.sub(r"-{2,}", "-", re.sub(r"\.{2,}", "-", _UNSAFE.sub("-", str(text))))   # no "..", no "--"
     name = name.lstrip(".-")[:limit].rstrip(".-")
     return name or fallback
 

@@ -111,9 +111,7 @@ def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key
         raise InvarianceError(f"the fixed-order kernels are written for x86-64; this machine is "
                               f"{platform.machine()}")
     cxx = compiler()
-    texts = [p.read_text() for p in (*sources, HEADER)]
-    key = hashlib.sha256("\n".join([*texts, cxx, *FLAGS, *extra_flags, *key_parts]).encode()).hexdigest()[:16]
-    target = kernel_dir() / f"{name}-{key}.so"
+    target = library_path(name, sources, extra_flags, key_parts)
     digest = target.with_name(target.name + ".sha256")
     if not rebuild:
         problem = _cached_problem(target, digest)
@@ -142,6 +140,14 @@ def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key
         raise InvarianceError(f"{target.parent}: cannot write the compiled kernel there ({e}); "
                               + cache_hint()) from None
     return target
+
+
+def library_path(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (),
+                 key_parts: tuple[str, ...] = ()) -> Path:
+    """kernel_dir()/<name>-<key>.so, the key a sha256 of the sources, compiler and flags."""
+    texts = [p.read_text() for p in (*sources, HEADER)]
+    key = hashlib.sha256("\n".join([*texts, compiler(), *FLAGS, *extra_flags, *key_parts]).encode()).hexdigest()[:16]
+    return kernel_dir() / f"{name}-{key}.so"
 
 
 _BUILT: dict[str, str] = {}   # library path -> sha256 of what this process compiled there
