@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from compare import metrics as M
+from compare.explain import findings as E
 from compare.ladder import structure as S
 
 DTYPES = [np.float64, np.float32, ml_dtypes.bfloat16, np.float16]
@@ -157,7 +158,7 @@ def test_rounding_noise_gives_no_finding(eps, shape, per_head):
         for cand in (relative, absolute):
             found = S.analyse(cand, ref, per_head=per_head)
             assert found == [], (seed, found)
-            assert S.hint(found).startswith("noise-like")
+            assert E.hint(found).startswith("noise-like")
 
 
 @pytest.mark.parametrize("dt", [np.float32, ml_dtypes.bfloat16, np.float16])
@@ -194,13 +195,13 @@ def test_rmsnorm_epsilon_is_a_per_row_scale():
     w = 1 + 0.1 * rng.standard_normal(64)
     f = top(rms_norm(x, 1e-5, w), rms_norm(x, 1e-6, w))
     assert f.kind == "per_row_scale" and f.score > 0.99
-    assert "RMSNorm epsilon" in f.hint
+    assert "RMSNorm epsilon" in E.cause(f)
 
 
 def test_global_scale():
     ref = activations(np.random.default_rng(5), (2, 32, 64))
     f = top(ref * 1.02, ref)
-    assert f.kind == "global_scale" and "1.02" in f.hint
+    assert f.kind == "global_scale" and "1.02" in E.cause(f)
     assert f.size == pytest.approx(0.02)
 
 
@@ -224,7 +225,7 @@ def test_position_dependent_rotation_is_a_position_trend():
     cand = rotate_pairs(ref, 0.01 * np.arange(32))
     cand += 1e-7 * ref * rng.standard_normal(ref.shape)       # plus some rounding
     f = top(cand, ref, per_head=True)
-    assert f.kind == "position_trend" and "grows" in f.hint and "RoPE" in f.hint
+    assert f.kind == "position_trend" and "grows" in E.cause(f) and "RoPE" in E.cause(f)
 
 
 def test_position_trend_follows_rope_positions_under_left_padding():
@@ -245,7 +246,7 @@ def test_two_perturbed_heads_are_head_confinement():
     cand = ref * (1 + 1e-7 * rng.standard_normal(ref.shape))
     cand[:, :, [2, 5]] += 1e-2 * rng.standard_normal((2, 32, 2, 16))
     f = top(cand, ref, per_head=True)
-    assert f.kind == "head_confinement" and "heads 2, 5 of 8" in f.hint
+    assert f.kind == "head_confinement" and "heads 2, 5 of 8" in E.cause(f)
 
 
 def test_wrong_gqa_grouping_is_head_confinement():
@@ -261,39 +262,39 @@ def test_wrong_gqa_grouping_is_head_confinement():
         return np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), v[:, :, kv_of_head])
 
     f = top(attention(np.arange(H) % KV), attention(np.arange(H) // (H // KV)), per_head=True)
-    assert f.kind == "head_confinement" and "GQA" in f.hint
+    assert f.kind == "head_confinement" and "GQA" in E.cause(f)
 
 
 def test_interleaved_vs_half_split_is_a_permutation():
     ref = activations(np.random.default_rng(11), (2, 32, 4, 16))
     to_interleaved = np.stack([np.arange(8), np.arange(8, 16)], -1).ravel()  # 0, 8, 1, 9, ...
     f = top(ref[..., to_interleaved], ref, per_head=True)
-    assert f.kind == "permutation" and "half-split -> interleaved" in f.detail
-    assert "RoPE layout" in f.hint
+    assert f.kind == "permutation" and "half-split -> interleaved" in E.detail(f)
+    assert "RoPE layout" in E.cause(f)
     back = top(ref[..., np.argsort(to_interleaved)], ref, per_head=True)
-    assert "interleaved -> half-split" in back.detail
+    assert "interleaved -> half-split" in E.detail(back)
     flat = top(ref[..., to_interleaved].reshape(2, 32, 64), ref.reshape(2, 32, 64))
-    assert flat.kind == "permutation" and "in each block of 16" in flat.detail
+    assert flat.kind == "permutation" and "in each block of 16" in E.detail(flat)
 
 
 def test_swapped_heads_are_a_permutation():
     ref = activations(np.random.default_rng(12), (2, 32, 8, 16))
     f = top(ref[:, :, [0, 5, 2, 3, 4, 1, 6, 7]], ref, per_head=True)
-    assert f.kind == "permutation" and "heads permuted" in f.hint and "1<-5" in f.detail
+    assert f.kind == "permutation" and "heads permuted" in E.cause(f) and "1<-5" in E.detail(f)
 
 
 def test_constant_offset():
     rng = np.random.default_rng(13)
     ref = activations(rng, (2, 32, 64))
     f = top(ref + 0.1 * rng.standard_normal(64), ref)
-    assert f.kind == "offset" and "bias" in f.hint
+    assert f.kind == "offset" and "bias" in E.cause(f)
 
 
 def test_one_sided_error_is_a_sign_bias():
     rng = np.random.default_rng(14)
     ref = activations(rng, (2, 32, 64))
     f = top(ref + np.abs(ref) * 1e-3 * (rng.standard_normal(ref.shape) + 0.5), ref)
-    assert f.kind == "sign_bias" and "above" in f.hint
+    assert f.kind == "sign_bias" and "above" in E.cause(f)
 
 
 def test_half_confinement():
@@ -302,7 +303,7 @@ def test_half_confinement():
     cand = ref * (1 + 1e-9 * rng.standard_normal(ref.shape))
     cand[..., 8:] += 1e-3 * rng.standard_normal((2, 32, 4, 8))   # e.g. partial rotary
     f = top(cand, ref, per_head=True)
-    assert f.kind == "half_confinement" and "second half" in f.hint
+    assert f.kind == "half_confinement" and "second half" in E.cause(f)
 
 
 # ----- structure: plumbing --------------------------------------------------------------
@@ -344,9 +345,10 @@ def test_public_detectors_and_hint():
     assert S.per_row_scale(ref * 1.5, ref) is None          # a global factor is not per-row
     assert S.per_feature_scale(ref * 1.5, ref) is None
     assert S.offset(ref, ref) is None and S.analyse(ref, ref) == []
-    found = [S.Finding("position_trend", 0.99, "", "error grows with position: RoPE"),
-             S.Finding("sign_bias", 0.2, "", "one-sided")]
-    assert S.hint(found) == "error grows with position: RoPE (also: sign_bias)"
+    found = [S.Finding("position_trend", 0.99, 0.5, dict(rho=0.99, early=0.01, late=0.5, positions=32)),
+             S.Finding("sign_bias", 0.2, 0.5, dict(effect=0.2, z=7.0, t=7.0))]
+    assert E.hint(found) == "error grows with position: RoPE (theta, layout, scaling) or mask (also: sign_bias)"
+    assert S.hint(found) == E.hint(found)
 
 
 def test_ulps_are_counted_in_the_taps_own_dtype():

@@ -48,14 +48,14 @@ def attention64(q, k, v, mask=None, scale=None, group="grouped", shift=0) -> np.
 
 
 def _alternatives(D: int, Hq: int, Hkv: int):
-    yield "no attention scale (scores not divided by sqrt(head_dim))", dict(scale=1.0)
-    yield "attention scale 1/head_dim instead of 1/sqrt(head_dim)", dict(scale=1.0 / D)
+    """(name, attention64 keywords); compare.explain.findings says each name in words."""
+    yield "no_scale", dict(scale=1.0)
+    yield "scale_1_over_d", dict(scale=1.0 / D)
     if 1 < Hkv < Hq:
-        yield "GQA grouping: query head h reads kv head h % n_kv (tiled) instead of h // G", \
-            dict(group="tiled")
-    yield "causal mask off by one: each query also sees the next token", dict(shift=1)
-    yield "causal mask off by one: each query misses its own token", dict(shift=-1)
-    yield "no causal mask: every query sees the whole sequence", dict(shift=10 ** 9)
+        yield "tiled_gqa", dict(group="tiled")   # query head h reads kv head h % n_kv
+    yield "sees_next", dict(shift=1)             # causal mask off by one, either way
+    yield "misses_self", dict(shift=-1)
+    yield "no_causal_mask", dict(shift=10 ** 9)
 
 
 # The scale search: a grid over e^-4..e^4 times 1/sqrt(D) (wide enough for 1/D, sqrt(D),
@@ -98,16 +98,10 @@ def explain_attention(cand, q, k, v, mask=None) -> Finding | None:
     for name, kw in _alternatives(D, Hq, Hkv):
         e = rel_l2(c, attention64(q, k, v, mask, **kw))
         if ok(e):
-            return Finding("attention_convention", 1.0 - e / base,
-                           f"the candidate's attention output equals attention of the oracle's "
-                           f"q/k/v with {name} (rel L2 {e:.1e}; {base:.1e} with the reference's "
-                           "conventions)", name, base)
+            return Finding("attention_convention", 1.0 - e / base, base,
+                           dict(convention=name, rel_l2=e, base=base))
     scale, e = _fit_scale(c, q, k, v, mask, D)
     if ok(e):
-        return Finding("attention_convention", 1.0 - e / base,
-                       f"the candidate's attention output equals attention of the oracle's q/k/v "
-                       f"with softmax scale {scale:.6g} (rel L2 {e:.1e}); the reference uses "
-                       f"1/sqrt({D}) = {D ** -0.5:.6g}",
-                       f"wrong attention scale: {scale:.6g} = {scale * D ** 0.5:.4g} / sqrt(head_dim)",
-                       base)
+        return Finding("attention_convention", 1.0 - e / base, base,
+                       dict(convention="scale", scale=scale, rel_l2=e, base=base, head_dim=int(D)))
     return None

@@ -2,8 +2,8 @@
 
 Rounding noise is unbiased and uncorrelated with the values; a semantic difference is
 systematic. Each detector here looks for one kind of system in d = cand - ref at one
-tap and returns a Finding or None; `analyse` runs them all and `hint` says the result
-in one line.
+tap and returns a Finding (data: kind, score, size and the numbers behind it) or None;
+`analyse` runs them all. compare.explain.findings says them in words (`hint`: one line).
 
 Shapes: cand/ref are [B, T, ...] (per-head taps [B, T, H, D]); a [B, T] mask selects
 the real positions. Rows are positions, features are the trailing axes flattened.
@@ -25,7 +25,8 @@ import numpy as np
 
 from llamaspec.inputs import positions_from_mask
 
-from ..metrics import as64
+from ..explain import findings as explain_findings
+from ..metrics import as64, rel_l2
 
 # --- thresholds ------------------------------------------------------------------------
 
@@ -60,8 +61,8 @@ REF_VARIES = 0.1
 # The absolute error per position (see "measured twice" below) must agree, more
 # loosely: rho >= 0.5 and a 2x ratio, since row norms that differ by position scatter
 # it; a flat absolute error means the relative one only follows shrinking rows.
-TREND_RHO = 0.9
-TREND_RHO_SHORT = 0.95
+ERROR_POSITION_RHO = 0.9          # (vocabulary.TREND_RHO is another test: of precision ratios)
+ERROR_POSITION_RHO_SHORT = 0.95
 TREND_POSITIONS = 16
 TREND_LONG = 32
 TREND_RATIO = 4.0
@@ -143,14 +144,15 @@ _MODELS = ("permutation", "global_scale", "per_feature_scale", "per_row_scale", 
 
 @dataclasses.dataclass
 class Finding:
-    """One systematic pattern in d = cand - ref (dataclasses.asdict gives its JSON)."""
+    """One systematic pattern in d = cand - ref, as data (dataclasses.asdict gives its JSON;
+    compare.explain.findings its sentences: detail, cause, hint)."""
     kind: str
     score: float          # 0..1: share of the error the pattern explains, or its strength
-    detail: str           # the numbers behind it
-    hint: str = ""        # plain-language likely cause
     # ||d|| / ||ref|| where the pattern lives (whole tap; confined heads / half; the worse
     # quarter of positions): compare it with a dtype's unit roundoff.
     size: float = float("nan")
+    # the numbers, indices and names behind it, plain values (per kind: see the detector)
+    data: dict = dataclasses.field(default_factory=dict)
 
 
 # --- the selected rows of one tap --------------------------------------------------------
@@ -191,19 +193,8 @@ def _tap(cand, ref, mask=None) -> _Tap:
     return _Tap(c[keep], r[keep], pos[keep])
 
 
-def _rel_of(d: np.ndarray, r: np.ndarray) -> float:
-    dd, rr = float((d * d).sum()), float((r * r).sum())
-    return math.sqrt(dd / rr) if rr else math.inf
-
-
 def _rel(t: _Tap) -> float:
-    return _rel_of(t.d, t.r)
-
-
-def _fmt_idx(idx, limit=8) -> str:
-    idx = [int(i) for i in idx]
-    more = f", ... ({len(idx)} in all)" if len(idx) > limit else ""
-    return ", ".join(map(str, idx[:limit])) + more
+    return rel_l2(t.c, t.r)
 
 
 # --- scale factors ----------------------------------------------------------------------
@@ -228,12 +219,8 @@ def _scale_fits(t: _Tap) -> dict:
 def _global_scale(t: _Tap, fits: dict) -> Finding | None:
     if fits["dd"] == 0 or fits["G"] < EXPLAINED:
         return None
-    c = fits["c_all"]
-    return Finding("global_scale", fits["G"],
-                   f"cand ≈ {1 + c:.6g} × ref over the whole tap (fit explains {fits['G']:.1%} "
-                   "of the error)",
-                   f"global scale factor {1 + c:.6g}: a missing or extra constant factor "
-                   "(attention scale, (1+w) norm weight, logit scaling)", _rel(t))
+    return Finding("global_scale", fits["G"], _rel(t),
+                   dict(factor=1 + fits["c_all"], explained=fits["G"]))
 
 
 def _per_row_scale(t: _Tap, fits: dict) -> Finding | None:
@@ -249,11 +236,9 @@ def _per_row_scale(t: _Tap, fits: dict) -> Finding | None:
     share = float((tstat > ROW_T).mean())
     if share < ROW_SHARE:
         return None
-    return Finding("per_row_scale", R,
-                   f"d ≈ c_row × ref per position (fit explains {R:.1%}, one global factor "
-                   f"{G:.1%}); c_row from {c.min():.3g} to {c.max():.3g}, non-zero in "
-                   f"{share:.0%} of {n_rows} rows",
-                   "per-row scale factor: RMSNorm epsilon or normalisation", _rel(t))
+    return Finding("per_row_scale", R, _rel(t),
+                   dict(explained=R, global_explained=G, min=float(c.min()), max=float(c.max()),
+                        share=share, rows=int(n_rows)))
 
 
 def _per_feature_scale(t: _Tap, fits: dict) -> Finding | None:
@@ -261,11 +246,8 @@ def _per_feature_scale(t: _Tap, fits: dict) -> Finding | None:
     if len(t.r) < MIN_VALUES or S < EXPLAINED or S - G < EXTRA_EXPLAINED:
         return None
     c = fits["c_col"]
-    return Finding("per_feature_scale", S,
-                   f"d ≈ s_f × ref per feature (fit explains {S:.1%}, one global factor "
-                   f"{G:.1%}); s_f from {c.min():.3g} to {c.max():.3g}",
-                   "per-feature scale factor: a weight vector applied differently "
-                   "(norm weight w vs 1+w, wrong or missing weight)", _rel(t))
+    return Finding("per_feature_scale", S, _rel(t),
+                   dict(explained=S, global_explained=G, min=float(c.min()), max=float(c.max())))
 
 
 def _offset(t: _Tap) -> Finding | None:
@@ -279,11 +261,8 @@ def _offset(t: _Tap) -> Finding | None:
     ref_const = N * float((mr * mr).sum()) / rr
     if E < EXPLAINED or 1 - ref_const < REF_VARIES:
         return None
-    return Finding("offset", E,
-                   f"d ≈ the same vector at every position (its mean explains {E:.1%} of the "
-                   f"error; |mean d| / rms ref = {np.linalg.norm(m) / math.sqrt(rr / N):.3g})",
-                   "constant offset: a bias term added or missing (attention/MLP bias, "
-                   "embedding or norm bias)", _rel(t))
+    return Finding("offset", E, _rel(t),
+                   dict(explained=E, mean_over_rms=float(np.linalg.norm(m) / math.sqrt(rr / N))))
 
 
 # --- where the error sits -------------------------------------------------------------
@@ -340,19 +319,14 @@ def _position_trend(t: _Tap) -> Finding | None:
     err = np.sqrt(dd / _floored(rr))
     rel = _trend(positions, err)
     absolute = _trend(positions, np.sqrt(dd / count))
-    min_rho = TREND_RHO if len(positions) >= TREND_LONG else TREND_RHO_SHORT
+    min_rho = ERROR_POSITION_RHO if len(positions) >= TREND_LONG else ERROR_POSITION_RHO_SHORT
     if not (_trending(*rel, min_rho, TREND_RATIO)
             and _trending(*absolute, TREND_ABS_RHO, TREND_ABS_RATIO)
             and rel[0] * absolute[0] > 0):
         return None
     rho, early, late = rel
-    way = "grows" if rho > 0 else "shrinks"
-    return Finding("position_trend", abs(rho),
-                   f"relative error per position {way} from {early:.3g} (first quarter) to "
-                   f"{late:.3g} (last quarter) over {len(positions)} positions; Spearman "
-                   f"rho = {rho:.2f}",
-                   f"error {way} with position: RoPE (theta, layout, scaling) or mask",
-                   max(early, late))
+    return Finding("position_trend", abs(rho), max(early, late),
+                   dict(rho=rho, early=early, late=late, positions=len(positions)))
 
 
 def _confined(dE: np.ndarray, rE: np.ndarray) -> tuple[int, np.ndarray, float]:
@@ -379,11 +353,8 @@ def _head_confinement(t: _Tap) -> Finding | None:
     if k > H // 2:
         return None
     size = math.sqrt(dE[heads].sum() / rE[heads].sum()) if rE[heads].sum() else math.inf
-    return Finding("head_confinement", share,
-                   f"{share:.1%} of the error energy (relative and absolute) in head(s) "
-                   f"{_fmt_idx(heads)} of {H}",
-                   f"confined to heads {_fmt_idx(heads)} of {H}: GQA grouping / head order",
-                   size)
+    return Finding("head_confinement", share, size,
+                   dict(share=share, heads=[int(h) for h in heads], of=int(H)))
 
 
 def _half_confinement(t: _Tap) -> Finding | None:
@@ -405,11 +376,8 @@ def _half_confinement(t: _Tap) -> Finding | None:
     if best is None or best[0] < CONFINED:
         return None
     share, label, half = best
-    return Finding("half_confinement", share,
-                   f"{share:.1%} of the error energy (relative and absolute) in the {label} "
-                   f"of head_dim ({D})",
-                   f"confined to the {label} of each head: RoPE layout or partial rotary",
-                   _rel_of(d[..., half], r[..., half]))
+    return Finding("half_confinement", share, rel_l2(t.c[..., half], r[..., half]),
+                   dict(share=share, half=label, head_dim=int(D)))
 
 
 # --- permutation ------------------------------------------------------------------------
@@ -429,6 +397,11 @@ def _match_columns(X: np.ndarray, Y: np.ndarray) -> np.ndarray:
     return np.where(self_cos > PERM_COS, np.arange(len(perm)), perm)
 
 
+# Named permutations, in the order they are tried; the two RoPE layout conversions are
+# what a q/k weight permutation on conversion gives.
+ROPE_PERMUTATIONS = ("to_interleaved", "to_half_split")
+
+
 def _named_perm(perm: np.ndarray) -> str | None:
     D = len(perm)
     i = np.arange(D)
@@ -437,34 +410,28 @@ def _named_perm(perm: np.ndarray) -> str | None:
         h = D // 2
         to_interleaved = np.empty(D, int)
         to_interleaved[0::2], to_interleaved[1::2] = i[:h], i[h:]
-        named.update({
-            "half-split -> interleaved (RoPE layout)": to_interleaved,
-            "interleaved -> half-split (RoPE layout)": np.argsort(to_interleaved),
-            "swap of halves": (i + h) % D,
-            "swap within pairs (2i <-> 2i+1)": i ^ 1,
-        })
+        named.update({"to_interleaved": to_interleaved, "to_half_split": np.argsort(to_interleaved),
+                      "swap_halves": (i + h) % D, "swap_pairs": i ^ 1})
     for name, p in named.items():
         if np.array_equal(perm, p):
             return name
     return None
 
 
-def _describe_perm(perm: np.ndarray) -> str:
-    """Name the pattern, on the whole axis or repeated in equal blocks (heads)."""
+def _perm_pattern(perm: np.ndarray) -> tuple[str | None, int | None]:
+    """(named pattern, block size): on the whole axis (block None) or repeated in equal
+    blocks (heads); (None, None) when it has no name."""
     D = len(perm)
     name = _named_perm(perm)
     if name:
-        return name
+        return name, None
     for b in range(2, D // 2 + 1):
         if D % b:
             continue
         blocks = perm.reshape(-1, b) - np.arange(0, D, b)[:, None]
         if (blocks == blocks[0]).all() and _named_perm(blocks[0]):
-            return f"{_named_perm(blocks[0])} in each block of {b}"
-    moved = np.flatnonzero(perm != np.arange(D))
-    pairs = [f"{j}<-{perm[j]}" for j in moved[:6]]
-    more = f", ... ({len(moved)} moved)" if len(moved) > 6 else ""
-    return "cand[j] = ref[k]: " + ", ".join(pairs) + more
+            return _named_perm(blocks[0]), b
+    return None, None
 
 
 def _perm_on(X: np.ndarray, Y: np.ndarray, what: str) -> Finding | None:
@@ -482,15 +449,10 @@ def _perm_on(X: np.ndarray, Y: np.ndarray, what: str) -> Finding | None:
     explained = 1 - float(((X - Y[:, full]) ** 2).sum()) / dd
     if explained < EXPLAINED:
         return None
-    desc = _describe_perm(full)
-    layout = "RoPE" in desc
-    return Finding("permutation", explained,
-                   f"cand ≈ ref with its {what} permuted: {desc} (explains {explained:.1%} of "
-                   f"the error, {int(moved.sum())} of {len(perm)} moved)",
-                   f"{what} permuted ({desc}): " + ("q/k weight permutation or RoPE layout "
-                   "(interleaved vs half-split)" if layout else "head order / GQA grouping"
-                   if what == "heads" else "a layout or ordering mismatch"),
-                   _rel_of(X - Y, Y))
+    pattern, block = _perm_pattern(full)
+    return Finding("permutation", explained, rel_l2(X, Y),
+                   dict(axis=what, perm=[int(k) for k in full], explained=explained, moved=int(moved.sum()),
+                        pattern=pattern, block=block, rope_layout=pattern in ROPE_PERMUTATIONS))
 
 
 def _permutation(t: _Tap) -> Finding | None:
@@ -530,11 +492,7 @@ def _sign_bias(t: _Tap) -> Finding | None:
     effect = float((pos - neg).sum()) / n         # 2p - 1
     if abs(z) <= SIGN_Z or tstat <= SIGN_Z or abs(effect) < SIGN_EFFECT:
         return None
-    return Finding("sign_bias", abs(effect),
-                   f"{(1 + effect) / 2:.1%} of the non-zero differences are positive (z = {z:.1f} "
-                   f"over all elements, t = {tstat:.1f} over rows); rounding noise is 50/50",
-                   "one-sided error (cand mostly " + ("above" if effect > 0 else "below")
-                   + " ref): a missing or extra term, or biased rounding", _rel(t))
+    return Finding("sign_bias", abs(effect), _rel(t), dict(effect=effect, z=z, t=float(tstat)))
 
 
 # --- public API ---------------------------------------------------------------------------
@@ -554,7 +512,8 @@ def per_feature_scale(cand, ref, mask=None) -> Finding | None:
     return _per_feature_scale(t, _scale_fits(t))
 
 
-def position_trend(cand, ref, mask=None) -> Finding | None:
+def error_position_trend(cand, ref, mask=None) -> Finding | None:
+    """Does the relative error of cand grow (or shrink) steadily with position?"""
     return _position_trend(_tap(cand, ref, mask))
 
 
@@ -632,21 +591,14 @@ def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     c, r, cp, rp = c[m], r[m], cp[m], rp[m]
     if not np.all(np.isfinite(c)) or not np.all(np.isfinite(r)):
         return None
-    size = _rel_of(c - r, r)
+    size = rel_l2(c, r)
     layouts = ("half-split", "interleaved")
     c_lay = [lay for lay in layouts if _rotates(c, cp, lay)]
     r_lay = [lay for lay in layouts if _rotates(r, rp, lay)]
     if not c_lay or not r_lay:
         return None
     if c_lay[0] != r_lay[0] and len(c_lay) == 1 and len(r_lay) == 1:
-        name = {"half-split": "(i, i + D/2): half-split, HF rotate_half",
-                "interleaved": "(2i, 2i + 1): interleaved, GPT-J / Meta style"}
-        return Finding("rope_layout", 1.0,
-                       f"the candidate keeps the norm of pairs {name[c_lay[0]]}, the reference "
-                       f"of pairs {name[r_lay[0]]}: both rotate, different pairs",
-                       f"RoPE layout: rotates pairs {name[c_lay[0]].split(':')[0]} instead of "
-                       f"{name[r_lay[0]].split(':')[0]} (interleaved vs half-split; a missing "
-                       "or extra q/k permutation on conversion)", size)
+        return Finding("rope_layout", 1.0, size, dict(cand=c_lay[0], ref=r_lay[0]))
     lay = r_lay[0] if r_lay[0] in c_lay else c_lay[0]
     fc, fr = _frequencies(c, cp, pos, lay), _frequencies(r, rp, pos, lay)
     if fc is None or fr is None:
@@ -661,17 +613,10 @@ def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     typical = max(float(np.median(np.abs(wrap(pred)))), 1e-300)
     linear = float(np.median(np.abs(wrap(dphi - pred)))) <= ROPE_LINEAR_TOL * typical
     tc, tr = _implied_theta(fc), _implied_theta(fr)
-    const = np.allclose(ratio, ratio[0], rtol=ROPE_CONST_RATIO)
-    what = (f"all frequencies scaled by {ratio[0]:.6g} (linear position scaling)" if const else
-            f"implied theta {tc:.6g} (candidate) vs {tr:.6g} (reference)")
-    return Finding("rope_frequency", 1.0,
-                   f"same pairs rotated ({lay}), at other frequencies: omega_cand / omega_ref "
-                   f"from {ratio.min():.4g} to {ratio.max():.4g}; "
-                   + ("angle error = position x frequency error at every row"
-                      if linear else "angle error not proportional to position"),
-                   f"RoPE frequencies: {what}; the angle error grows linearly with position "
-                   "(rope_theta or rope scaling)" if linear else
-                   f"RoPE angles differ ({what}): positions or scaling", size)
+    const = bool(np.allclose(ratio, ratio[0], rtol=ROPE_CONST_RATIO))
+    return Finding("rope_frequency", 1.0, size,
+                   dict(layout=lay, ratio_min=float(ratio.min()), ratio_max=float(ratio.max()), linear=linear,
+                        constant_ratio=const, ratio_first=float(ratio[0]), theta_cand=tc, theta_ref=tr))
 
 
 # --- RMSNorm epsilon ------------------------------------------------------------------------
@@ -698,11 +643,8 @@ def norm_epsilon(cand, ref, norm_input, mask=None) -> Finding | None:
     spread = float(np.median(np.abs(est - mid))) / abs(mid) if mid else math.inf
     if explained < EPS_EXPLAINED or spread > EPS_SPREAD:
         return None
-    return Finding("norm_epsilon", explained,
-                   f"cand = k_row x ref with ms x (1/k^2 - 1) = {mid:.3g} in every row (spread "
-                   f"{spread:.1e}; fit explains {explained:.1%}); ms = mean square of the norm input",
-                   f"per-row scale factor of an RMSNorm epsilon difference: eps(candidate) - "
-                   f"eps(reference) = {mid:.3g}", _rel_of(d, r))
+    return Finding("norm_epsilon", explained, rel_l2(c, r),
+                   dict(eps_diff=mid, spread=spread, explained=explained))
 
 
 def norm_weight_offset(cand, ref, norm_input, mask=None) -> Finding | None:
@@ -723,13 +665,9 @@ def norm_weight_offset(cand, ref, norm_input, mask=None) -> Finding | None:
     explained = 1 - float(((d - a * xhat) ** 2).sum()) / dd
     if explained < EPS_EXPLAINED:
         return None
-    what = ("(1 + w) instead of w" if abs(a - 1) < OFFSET_NAMED else "w instead of (1 + w)"
-            if abs(a + 1) < OFFSET_NAMED else f"w + {a:.4g} instead of w")
-    return Finding("norm_weight_offset", explained,
-                   f"cand - ref = {a:.4g} x the normalised input, in every row and feature (fit "
-                   f"explains {explained:.1%})",
-                   f"norm weight convention: applied as {what} (a per-feature offset of the "
-                   "norm weight)", _rel_of(c[m] - r[m], r[m]))
+    named = "one_plus_w" if abs(a - 1) < OFFSET_NAMED else "w" if abs(a + 1) < OFFSET_NAMED else None
+    return Finding("norm_weight_offset", explained, rel_l2(c[m], r[m]),
+                   dict(a=a, explained=explained, convention=named))
 
 
 # --- causal edge ------------------------------------------------------------------------
@@ -758,20 +696,15 @@ def causal_edge(cand, ref, mask=None) -> Finding | None:
     differ = float((others > EDGE_RATIO * typical).mean())
     if not typical > 0 or max(last) > EDGE_RATIO * typical or differ < EDGE_OTHERS:
         return None
-    return Finding("causal_edge", 1.0,
-                   f"the last real position of each sequence agrees (rel error <= {max(last):.1e}) "
-                   f"while the others differ (median {typical:.1e})",
-                   "all positions but the last differ: queries see a later token (causal mask "
-                   "off by one, future leak)", _rel_of(d[m], r.reshape(d.shape)[m]))
+    return Finding("causal_edge", 1.0, rel_l2(c.reshape(d.shape)[m], r.reshape(d.shape)[m]),
+                   dict(last_max=float(max(last)), typical=typical))
 
 
 def _nonfinite(c: np.ndarray, r: np.ndarray) -> Finding | None:
     bad_c, bad_r = int((~np.isfinite(c)).sum()), int((~np.isfinite(r)).sum())
     if not (bad_c or bad_r):
         return None
-    return Finding("nonfinite", 1.0, f"NaN/Inf: {bad_c} in cand, {bad_r} in ref",
-                   "NaN/Inf: overflow, a fully masked softmax row, or a division by zero",
-                   math.inf)
+    return Finding("nonfinite", 1.0, math.inf, dict(cand=bad_c, ref=bad_r))
 
 
 def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0, pre=None,
@@ -815,8 +748,5 @@ def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0, pre=None,
 
 
 def hint(findings: list[Finding]) -> str:
-    """One plain-language line: the top finding's hint, naming the others."""
-    if not findings:
-        return "noise-like: no systematic pattern (consistent with rounding)"
-    others = [f.kind for f in findings[1:]]
-    return findings[0].hint + (f" (also: {', '.join(others)})" if others else "")
+    """compare.explain.findings.hint, for callers that still import it from here."""
+    return explain_findings.hint(findings)

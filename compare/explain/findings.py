@@ -1,0 +1,225 @@
+"""What a structure Finding says, in words: one explainer for every finding kind.
+
+A Finding (compare.ladder.structure) is data: kind, score, size and `data`, the plain
+numbers, indices and names behind it. `detail(f)` gives the numbers as a sentence,
+`cause(f)` the likely cause, `hint(findings)` the one line a report shows. Nothing
+decides on these strings: a caller asks the data (`findings == []`, `f.kind`, `f.data`).
+"""
+
+from __future__ import annotations
+
+# Pair layouts as RoPE implementations write them (data["cand"], data["ref"], data["layout"]).
+_PAIRS = {"half-split": "(i, i + D/2): half-split, HF rotate_half",
+          "interleaved": "(2i, 2i + 1): interleaved, GPT-J / Meta style"}
+# Named permutations (structure.PERMUTATIONS' keys).
+_PERMUTATION = {"reversed": "reversed",
+                "to_interleaved": "half-split -> interleaved (RoPE layout)",
+                "to_half_split": "interleaved -> half-split (RoPE layout)",
+                "swap_halves": "swap of halves",
+                "swap_pairs": "swap within pairs (2i <-> 2i+1)"}
+# Attention conventions (conventions.alternatives' names).
+_CONVENTION = {
+    "no_scale": "no attention scale (scores not divided by sqrt(head_dim))",
+    "scale_1_over_d": "attention scale 1/head_dim instead of 1/sqrt(head_dim)",
+    "tiled_gqa": "GQA grouping: query head h reads kv head h % n_kv (tiled) instead of h // G",
+    "sees_next": "causal mask off by one: each query also sees the next token",
+    "misses_self": "causal mask off by one: each query misses its own token",
+    "no_causal_mask": "no causal mask: every query sees the whole sequence",
+}
+NOISE_LIKE = "noise-like: no systematic pattern (consistent with rounding)"
+
+
+def indices(idx, limit=8) -> str:
+    """'0, 3, 5' (and '... (n in all)' past `limit`)."""
+    idx = [int(i) for i in idx]
+    more = f", ... ({len(idx)} in all)" if len(idx) > limit else ""
+    return ", ".join(map(str, idx[:limit])) + more
+
+
+def _way(d) -> str:
+    return "grows" if d["rho"] > 0 else "shrinks"
+
+
+def _permutation_name(d) -> str:
+    if d["pattern"] is not None:
+        name = _PERMUTATION[d["pattern"]]
+        return name if d["block"] is None else f"{name} in each block of {d['block']}"
+    perm = d["perm"]
+    moved = [j for j in range(len(perm)) if perm[j] != j]
+    pairs = [f"{j}<-{perm[j]}" for j in moved[:6]]
+    more = f", ... ({len(moved)} moved)" if len(moved) > 6 else ""
+    return "cand[j] = ref[k]: " + ", ".join(pairs) + more
+
+
+def _rope_what(d) -> str:
+    if d["constant_ratio"]:
+        return f"all frequencies scaled by {d['ratio_first']:.6g} (linear position scaling)"
+    return f"implied theta {d['theta_cand']:.6g} (candidate) vs {d['theta_ref']:.6g} (reference)"
+
+
+def _norm_convention(d) -> str:
+    return {"one_plus_w": "(1 + w) instead of w", "w": "w instead of (1 + w)"}.get(
+        d["convention"], f"w + {d['a']:.4g} instead of w")
+
+
+def _detail_scales(kind, d) -> str | None:
+    if kind == "global_scale":
+        return (f"cand ≈ {d['factor']:.6g} × ref over the whole tap (fit explains {d['explained']:.1%} "
+                "of the error)")
+    if kind == "per_row_scale":
+        return (f"d ≈ c_row × ref per position (fit explains {d['explained']:.1%}, one global factor "
+                f"{d['global_explained']:.1%}); c_row from {d['min']:.3g} to {d['max']:.3g}, non-zero in "
+                f"{d['share']:.0%} of {d['rows']} rows")
+    if kind == "per_feature_scale":
+        return (f"d ≈ s_f × ref per feature (fit explains {d['explained']:.1%}, one global factor "
+                f"{d['global_explained']:.1%}); s_f from {d['min']:.3g} to {d['max']:.3g}")
+    if kind == "offset":
+        return (f"d ≈ the same vector at every position (its mean explains {d['explained']:.1%} of the "
+                f"error; |mean d| / rms ref = {d['mean_over_rms']:.3g})")
+    if kind == "norm_epsilon":
+        return (f"cand = k_row x ref with ms x (1/k^2 - 1) = {d['eps_diff']:.3g} in every row (spread "
+                f"{d['spread']:.1e}; fit explains {d['explained']:.1%}); ms = mean square of the norm input")
+    if kind == "norm_weight_offset":
+        return (f"cand - ref = {d['a']:.4g} x the normalised input, in every row and feature (fit "
+                f"explains {d['explained']:.1%})")
+    return None
+
+
+def _detail_places(kind, d) -> str | None:
+    if kind == "position_trend":
+        return (f"relative error per position {_way(d)} from {d['early']:.3g} (first quarter) to "
+                f"{d['late']:.3g} (last quarter) over {d['positions']} positions; Spearman "
+                f"rho = {d['rho']:.2f}")
+    if kind == "head_confinement":
+        return (f"{d['share']:.1%} of the error energy (relative and absolute) in head(s) "
+                f"{indices(d['heads'])} of {d['of']}")
+    if kind == "half_confinement":
+        return (f"{d['share']:.1%} of the error energy (relative and absolute) in the {d['half']} "
+                f"of head_dim ({d['head_dim']})")
+    if kind == "permutation":
+        return (f"cand ≈ ref with its {d['axis']} permuted: {_permutation_name(d)} (explains "
+                f"{d['explained']:.1%} of the error, {d['moved']} of {len(d['perm'])} moved)")
+    if kind == "sign_bias":
+        return (f"{(1 + d['effect']) / 2:.1%} of the non-zero differences are positive (z = {d['z']:.1f} "
+                f"over all elements, t = {d['t']:.1f} over rows); rounding noise is 50/50")
+    if kind == "causal_edge":
+        return (f"the last real position of each sequence agrees (rel error <= {d['last_max']:.1e}) "
+                f"while the others differ (median {d['typical']:.1e})")
+    if kind == "nonfinite":
+        return f"NaN/Inf: {d['cand']} in cand, {d['ref']} in ref"
+    return None
+
+
+def _detail_rope_attention(kind, d) -> str | None:
+    if kind == "rope_layout":
+        return (f"the candidate keeps the norm of pairs {_PAIRS[d['cand']]}, the reference "
+                f"of pairs {_PAIRS[d['ref']]}: both rotate, different pairs")
+    if kind == "rope_frequency":
+        return (f"same pairs rotated ({d['layout']}), at other frequencies: omega_cand / omega_ref "
+                f"from {d['ratio_min']:.4g} to {d['ratio_max']:.4g}; "
+                + ("angle error = position x frequency error at every row"
+                   if d["linear"] else "angle error not proportional to position"))
+    if kind == "attention_convention" and d["convention"] == "scale":
+        return (f"the candidate's attention output equals attention of the oracle's q/k/v "
+                f"with softmax scale {d['scale']:.6g} (rel L2 {d['rel_l2']:.1e}); the reference uses "
+                f"1/sqrt({d['head_dim']}) = {d['head_dim'] ** -0.5:.6g}")
+    if kind == "attention_convention":
+        return (f"the candidate's attention output equals attention of the oracle's "
+                f"q/k/v with {_CONVENTION[d['convention']]} (rel L2 {d['rel_l2']:.1e}; {d['base']:.1e} "
+                "with the reference's conventions)")
+    return None
+
+
+def _cause_rope_attention(kind, d) -> str | None:
+    if kind == "rope_layout":
+        return (f"RoPE layout: rotates pairs {_PAIRS[d['cand']].split(':')[0]} instead of "
+                f"{_PAIRS[d['ref']].split(':')[0]} (interleaved vs half-split; a missing "
+                "or extra q/k permutation on conversion)")
+    if kind == "rope_frequency":
+        return (f"RoPE frequencies: {_rope_what(d)}; the angle error grows linearly with position "
+                "(rope_theta or rope scaling)" if d["linear"] else
+                f"RoPE angles differ ({_rope_what(d)}): positions or scaling")
+    if kind == "attention_convention" and d["convention"] == "scale":
+        return (f"wrong attention scale: {d['scale']:.6g} = {d['scale'] * d['head_dim'] ** 0.5:.4g} "
+                "/ sqrt(head_dim)")
+    if kind == "attention_convention":
+        return _CONVENTION[d["convention"]]
+    return None
+
+
+def _cause_other(kind, d) -> str | None:
+    if kind == "global_scale":
+        return (f"global scale factor {d['factor']:.6g}: a missing or extra constant factor "
+                "(attention scale, (1+w) norm weight, logit scaling)")
+    if kind == "permutation":
+        what = d["axis"]
+        return (f"{what} permuted ({_permutation_name(d)}): " + (
+            "q/k weight permutation or RoPE layout (interleaved vs half-split)" if d["rope_layout"]
+            else "head order / GQA grouping" if what == "heads" else "a layout or ordering mismatch"))
+    if kind == "position_trend":
+        return f"error {_way(d)} with position: RoPE (theta, layout, scaling) or mask"
+    if kind == "head_confinement":
+        return f"confined to heads {indices(d['heads'])} of {d['of']}: GQA grouping / head order"
+    if kind == "half_confinement":
+        return f"confined to the {d['half']} of each head: RoPE layout or partial rotary"
+    if kind == "sign_bias":
+        return ("one-sided error (cand mostly " + ("above" if d["effect"] > 0 else "below")
+                + " ref): a missing or extra term, or biased rounding")
+    if kind == "norm_epsilon":
+        return (f"per-row scale factor of an RMSNorm epsilon difference: eps(candidate) - "
+                f"eps(reference) = {d['eps_diff']:.3g}")
+    if kind == "norm_weight_offset":
+        return (f"norm weight convention: applied as {_norm_convention(d)} (a per-feature offset of the "
+                "norm weight)")
+    return None
+
+
+_FIXED_CAUSE = {
+    "per_row_scale": "per-row scale factor: RMSNorm epsilon or normalisation",
+    "per_feature_scale": ("per-feature scale factor: a weight vector applied differently "
+                          "(norm weight w vs 1+w, wrong or missing weight)"),
+    "offset": ("constant offset: a bias term added or missing (attention/MLP bias, "
+               "embedding or norm bias)"),
+    "causal_edge": ("all positions but the last differ: queries see a later token (causal mask "
+                    "off by one, future leak)"),
+    "nonfinite": "NaN/Inf: overflow, a fully masked softmax row, or a division by zero",
+}
+
+
+def detail(f) -> str:
+    """The numbers behind a finding, as one sentence."""
+    for part in (_detail_scales, _detail_places, _detail_rope_attention, _detail_new):
+        text = part(f.kind, f.data)
+        if text is not None:
+            return text
+    raise ValueError(f"no sentence for finding kind {f.kind!r}")
+
+
+def cause(f) -> str:
+    """The likely cause a finding points to, in plain language."""
+    if f.kind in _FIXED_CAUSE:
+        return _FIXED_CAUSE[f.kind]
+    for part in (_cause_rope_attention, _cause_other, _cause_new):
+        text = part(f.kind, f.data)
+        if text is not None:
+            return text
+    raise ValueError(f"no sentence for finding kind {f.kind!r}")
+
+
+def hint(findings) -> str:
+    """One plain-language line: the top finding's cause, naming the others."""
+    if not findings:
+        return NOISE_LIKE
+    others = [f.kind for f in findings[1:]]
+    return cause(findings[0]) + (f" (also: {', '.join(others)})" if others else "")
+
+
+# --- the issue-21 detectors (structure: partial rotary, activation, transposed projection,
+# residual, q/k swap) -------------------------------------------------------------------------
+
+def _detail_new(kind, d) -> str | None:
+    return None
+
+
+def _cause_new(kind, d) -> str | None:
+    return None
