@@ -373,6 +373,20 @@ def _walk(source, pairings: list[_Pairing], runs: dict, cfg, yard: Yardstick, av
         c.findings = findings(c)
 
 
+def _row_findings(comps: list[Comparison]) -> None:
+    """Within one batch run the target goes beyond drift at some rows and not at others:
+    the result depends on the target's row index ("row_position")."""
+    by_run: dict = {}
+    for c in comps:
+        by_run.setdefault(c.b_run, []).append(c)
+    for group in by_run.values():
+        beyond = [c.first_beyond is not None for c in group]
+        if any(beyond) and not all(beyond):
+            for c in group:    # more specific than a value leak ("rows"), which it replaces
+                if c.first_beyond is not None:
+                    c.findings = [f for f in c.findings if f != "rows"] + ["row_position"]
+
+
 def findings(c: Comparison) -> list[str]:
     """What the records say about the cause (codes; where_text.FINDINGS words them)."""
     out = []
@@ -529,6 +543,7 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
     t_walk = time.perf_counter()
     _walk(source, pairings, by_key, setup.cfg, yard, setup.taps, progress)
     comps = [p.comparison for p in pairings]
+    _row_findings(comps)
     seconds = {k: round(v, 3) for k, v in source.seconds.items()}
     seconds.update(reading=round(getattr(source, "read_seconds", 0.0), 3),
                    judging=round(time.perf_counter() - t_walk - sum(source.seconds.values()), 3),

@@ -17,6 +17,8 @@ FINDINGS = {
                 "is back within rounding",
     "rows": "the companions' values reach the target (no padding in this batch): a leak across rows in a "
             "batched op",
+    "row_position": "the result depends on the target's row in the batch (other rows of the same call are "
+                    "clean): an index computed per row (a cache slot, a key offset) is wrong",
     "later_positions": "a later token is visible to earlier positions (a causal-mask or position error)",
     "inherited": "with A's input the layer agrees: the difference is inherited from earlier drift, amplified "
                  "here",
@@ -97,7 +99,7 @@ def hint(result) -> str:
         return (f"the first difference is at {fd.tap}, {_op(fd)}: its result for {row} changes with the "
                 f"circumstance ({c.name}; another blocking or summation order)"
                 + ("; everything before it is bitwise equal" if fd.before_exact else "")
-                + f"; every tap stays within drift. For bitwise invariance use the batch-invariant mode.")
+                + "; every tap stays within drift. For bitwise invariance use the batch-invariant mode.")
     why = next((FINDINGS[f] for f in c.findings if f in FINDINGS and f != "absorbed"), None)
     local = fb.forced is not None and fb.forced.ran and fb.forced.local
     return (f"{c.name} changes {fb.tap} beyond rounding ({fb.kind})"
