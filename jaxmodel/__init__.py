@@ -10,7 +10,9 @@ import jax
 # Every dtype in jaxmodel is explicit (from the policy), so this changes nothing else.
 jax.config.update("jax_enable_x64", True)
 
-from . import dtypes, ops  # noqa: E402
+from . import compile_cache, dtypes, ops  # noqa: E402
 from .model import Llama, LlamaModel, from_pretrained, from_weights  # noqa: E402
+
+compile_cache.enable()   # compiled programs persist across processes (LLAMA_PARITY_JAX_CACHE=0: off)
 
 __all__ = ["from_pretrained", "from_weights", "LlamaModel", "Llama", "ops", "dtypes"]

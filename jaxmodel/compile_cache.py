@@ -1,0 +1,80 @@
+"""JAX's persistent compilation cache, pointed at llama-parity's cache folder.
+
+Without it every process compiles jaxmodel's forward and decode step again (on 2 cores,
+seconds per shape: most of the demo's jaxmodel time). With it a second process loads the
+compiled programs from disk. LLAMA_PARITY_JAX_CACHE=0 turns it off; a cache folder chosen
+by the user for JAX itself (JAX_COMPILATION_CACHE_DIR / jax.config) is left alone.
+
+The cached files are machine code that JAX loads, so the folder is made 0700 and used only
+when it belongs to this user and nobody else can write to it; and it is one folder per CPU
+(model and instruction-set flags, and the XLA:CPU cap), since XLA:CPU's cache key names the
+platform, not the CPU, and a program compiled for AMX must not be loaded on an AVX2 laptop
+sharing the same home folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import sys
+from pathlib import Path
+
+ENV = "LLAMA_PARITY_JAX_CACHE"
+
+
+def cpu_fingerprint() -> str:
+    """A short hash of the CPU's model name and feature flags (Linux /proc/cpuinfo; the
+    platform string elsewhere)."""
+    text = ""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        text = "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        pass
+    import platform
+    text += platform.machine() + platform.processor()
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_folder() -> Path:
+    """<cache root>/jax-compile/<cpu fingerprint>."""
+    from llamaspec.cache import cache_root
+    return cache_root() / "jax-compile" / cpu_fingerprint()
+
+
+def _safe(folder: Path) -> str | None:
+    """Why the folder cannot hold code JAX will load, or None when it can."""
+    st = folder.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"{folder} belongs to uid {st.st_uid}, not to this user"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{folder} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def enable(jax_config=None) -> Path | None:
+    """Points jax.config's compilation cache at cache_folder() (created 0700) and caches every
+    program, however small or quick to compile. Returns the folder, or None when it is off
+    (LLAMA_PARITY_JAX_CACHE=0, a cache dir the user set for JAX, or an unusable folder: then
+    a one-line warning on stderr and JAX compiles as without it)."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if jax_config is None:
+        import jax
+        jax_config = jax.config
+    if jax_config.jax_compilation_cache_dir:
+        return None
+    folder = cache_folder()
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        why = _safe(folder)
+    except OSError as e:
+        why = f"{folder}: {e.strerror or e}"
+    if why:
+        print(f"jaxmodel: compilation cache off: {why} (set {ENV}=0 to silence this)", file=sys.stderr)
+        return None
+    jax_config.update("jax_compilation_cache_dir", str(folder))
+    jax_config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax_config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return folder
