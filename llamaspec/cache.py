@@ -45,6 +45,7 @@ def ensure_dir(path: Path, chosen_by: str | None = None) -> Path:
 
 
 def _probe_write(folder: Path) -> None:
-    probe = folder / f".write-test-{os.getpid()}"
-    probe.write_bytes(b"")
-    probe.unlink()
+    # a fresh random name (O_EXCL): a planted ".write-test-<pid>" symlink is never followed
+    import tempfile
+    with tempfile.TemporaryFile(dir=folder):
+        pass
