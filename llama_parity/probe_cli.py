@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ import numpy as np
 from .checks import UsageError, checkpoint_folder, count, output_file, positive_int, positive_ints
 
 PROBE_KINDS = ("batch", "padding", "determinism", "divergence", "all")
+WHERE = "where"   # the layerwise circumstance comparison (cmd_where), not part of "all"
+CIRCUMSTANCES = ("batch", "padding", "append", "rerun", "invariant-mode")
 IMPLS = ("torchref", "jaxmodel", "transformers")
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -41,9 +44,9 @@ def _list(values, default, allowed=None, what="value") -> list[str]:
 
 def add_parser(sub, common) -> None:
     p = sub.add_parser("probe", parents=[common],
-                       help="invariance probes: batch, padding, run-to-run, greedy divergence",
+                       help="invariance: batch, padding, run-to-run, greedy",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kind", choices=PROBE_KINDS)
+    p.add_argument("kind", choices=(*PROBE_KINDS, WHERE))
     p.add_argument("checkpoint_pos", nargs="?", default=None, metavar="CHECKPOINT",
                    help="HF folder (or --checkpoint); default: cached SmolLM2, fetched if missing")
     p.add_argument("--checkpoint", default=None)
@@ -67,6 +70,11 @@ def add_parser(sub, common) -> None:
     p.add_argument("--html", help="write the HTML report here")
     p.add_argument("--force", action="store_true", help="overwrite --json/--html files llama-parity did not write")
     p.add_argument("--no-colour", action="store_true")
+    w = p.add_argument_group("probe where (layer by layer: the first tap where two circumstances part)")
+    w.add_argument("--circumstance", default="batch", choices=CIRCUMSTANCES)
+    w.add_argument("--attn", default="eager", choices=("eager", "sdpa"), help="transformers' attention")
+    w.add_argument("--pad", type=positive_int, default=5, help="pad slots (padding)")
+    w.add_argument("--no-stream", action="store_true", help="capture whole runs instead of layer by layer")
     p.set_defaults(func=cmd_probe)
 
 
@@ -125,6 +133,8 @@ def cmd_probe(args) -> int:
     from compare.report.probes import format_table, write_html, write_json
     from llamaspec import Policy
 
+    if args.kind == WHERE:
+        return cmd_where(args)
     t0 = time.perf_counter()
     say = _log(t0)
     impls = _list(args.impl, "torchref,jaxmodel", IMPLS, "implementation")
@@ -168,5 +178,69 @@ def cmd_probe(args) -> int:
     say(f"done: {len(results)} results")
     if not results:
         print("llama-parity probe: nothing ran (every implementation/mode was skipped)", file=sys.stderr)
+        return 2
+    return 1 if any(r.verdict == "semantic" for r in results) else 0
+
+
+def _where_options(args) -> dict:
+    c = args.circumstance
+    if c == "batch":
+        return {"batch_sizes": tuple(b for b in args.batch_sizes if b > 1)[:3] or (2,)}
+    if c == "padding":
+        return {"pad": args.pad}
+    if c == "rerun":
+        return {"repeats": args.repeats, "processes": args.processes}
+    return {}
+
+
+def _where_one(impl, folder, policy, mode, target, args, say):
+    from compare.probes import load_model
+    from compare.probes.where import probe_where
+    kw = dict(circumstance=args.circumstance, ids=target, seed=args.seed, progress=say, **_where_options(args))
+    if mode == "invariant":
+        return probe_where(load_model(impl, folder, policy, batch_invariant=True), **kw)
+    return probe_where(impl, checkpoint=folder, policy=policy, stream=False if args.no_stream else None,
+                       attn_implementation=args.attn, **kw)
+
+
+def cmd_where(args) -> int:
+    """`probe where`: per implementation x policy x mode, the table; --json all, --html one."""
+    from compare.environment import environment
+    from compare.report.where import format_table, write_html
+    from llamaspec import Policy
+
+    say = _log(time.perf_counter())
+    impls = _list(args.impl, "torchref", IMPLS, "implementation")
+    policies = [Policy.get(p).name for p in _list(args.policy, "fp32")]
+    modes = _list(args.mode, "invariant" if args.batch_invariant else "default", ("default", "invariant"), "mode")
+    if args.html and len(impls) * len(policies) * len(modes) > 1:
+        raise UsageError("probe where --html draws one result: give one --impl, --policy and --mode (--json "
+                         "takes several)")
+    from .fetch import resolve_checkpoint
+    json_path = output_file(args.json, "--json", args.force, say) if args.json else None
+    html_path = output_file(args.html, "--html", args.force, say) if args.html else None
+    folder = checkpoint_folder(resolve_checkpoint(args.checkpoint or args.checkpoint_pos, say))
+    target, how = target_tokens(folder, args.prompt, args.length, args.seed)
+    results, skipped = [], []
+    for impl in impls:
+        for policy in policies:
+            for mode in modes:
+                say(f"probe where: {impl} at {policy} ({mode} mode), {args.circumstance}; target: {how}")
+                try:
+                    results.append(_where_one(impl, folder, policy, mode, target, args, say))
+                except NotImplementedError as e:
+                    skipped.append(f"{impl} {policy} {mode}: {e}")
+                    print(f"skipped {skipped[-1]}")
+                    continue
+                print(format_table(results[-1], colour=sys.stdout.isatty() and not args.no_colour))
+    meta = {"checkpoint": folder, "target": how, "circumstance": args.circumstance, "argv": sys.argv[1:],
+            "skipped": skipped, "environment": environment(policies[0])}
+    if json_path:
+        from llamaspec.files import atomic_write
+        doc = {"meta": meta, "results": [r.to_dict() for r in results]}
+        print(f"JSON: {atomic_write(json_path, json.dumps(doc, indent=1, default=str), 'probe where JSON')}")
+    if html_path and results:
+        print(f"HTML: {write_html(results[0], html_path, meta)}")
+    if not results:
         return 2
     return 1 if any(r.verdict == "semantic" for r in results) else 0

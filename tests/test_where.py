@@ -290,3 +290,46 @@ def test_a_model_without_a_twin_or_policy_gets_a_clear_error(tiny):
         probe_where(port, "batch")
     with pytest.raises(ValueError, match="checkpoint="):
         probe_where("torchref", "batch")
+
+
+# ----- CLI and report ------------------------------------------------------------------------------
+
+def test_cli_probe_where_prints_the_table_and_writes_json_and_html(tiny, tmp_path, capsys):
+    import json
+
+    from llama_parity.cli import main
+    out, page = tmp_path / "where.json", tmp_path / "where.html"
+    rc = main(["probe", "where", str(tiny), "--circumstance", "padding", "--policy", "bf16", "--no-colour",
+               "--json", str(out), "--html", str(page)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "per layer and component" in text and "left padding (+5, pad id)" in text
+    doc = json.loads(out.read_text())
+    (res,) = doc["results"]
+    assert res["circumstance"] == "padding" and res["streamed"] and len(res["comparisons"]) == 5
+    assert res["comparisons"][0]["taps"][0]["tap"] == "embed"
+    html = page.read_text()
+    assert html.count("data:image/png") == 2 and "Per layer and component" in html
+
+
+def test_cli_probe_where_refuses_one_page_for_several_results(tiny, capsys):
+    from llama_parity.cli import main
+    rc = main(["probe", "where", str(tiny), "--policy", "fp32,bf16", "--html", "/tmp/x.html"])
+    assert rc == 2 and "draws one result" in capsys.readouterr().err
+
+
+def test_a_probe_that_is_not_exact_points_to_probe_where(tiny):
+    from compare.probes import probe_padding
+    model, twin = pair(tiny, "fp32", attends_pads)
+    r = probe_padding(model, oracle=twin)
+    assert r.verdict == "semantic"
+    assert r.details["where"].endswith("--circumstance padding") and "probe where" in r.hint
+
+
+def test_report_table_marks_the_first_differing_tap_per_component(tiny):
+    from compare.report.where import component_rows, format_table
+    model, twin = pair(tiny, "fp32", batch_mean_norm)
+    r = probe_where(model, "batch", oracle=twin, batch_sizes=(4,), kinds=("equal",))
+    rows = component_rows(r.to_dict()["comparisons"][0])
+    first = next(x for x in rows if x["kind"] != "exact")
+    assert (first["layer"], first["component"], first["first"]) == (0, "attn_norm", "attn_norm")
+    assert "semantic" in format_table(r)

@@ -486,3 +486,92 @@ def check(control: Control, report: Report) -> list[str]:
     if missing:
         problems.append(f"hint lacks {missing}: {d.hint}")
     return problems
+
+
+# ----- issue 21 part 3: structure the hints name (transformers, patched on its public seams) ---
+# Each control's first divergence, layer and component are asserted with the others. The words
+# its hint will hold once the ladder passes structure.tap_inputs to analyse (the step's own
+# inputs) are in STRUCTURE_HINTS; tests/test_structure.py checks them on the control's taps.
+
+def _hf_partial_rotary(hf):
+    """rotary_emb's cos/sin cover only the first half of head_dim (cos 1, sin 0 on the rest):
+    the second half of each head is left unrotated, every layer."""
+    def half(module, args, out):
+        cos, sin = (t.clone() for t in out)
+        D = cos.shape[-1]
+        cos[..., D // 2:], sin[..., D // 2:] = 1.0, 0.0
+        return cos, sin
+    hf.model.rotary_emb.register_forward_hook(half)
+
+
+def _hf_activation(name):
+    """Layer LAYER's MLP activation replaced by transformers' ACT2FN[name]."""
+    def patch(hf):
+        from transformers.activations import ACT2FN
+        hf.model.layers[LAYER].mlp.act_fn = ACT2FN[name]
+    return patch
+
+
+def _hf_o_proj_transposed(layer):
+    w = layer.self_attn.o_proj.weight
+    if w.shape[0] != w.shape[1]:
+        raise ValueError(f"hf_o_proj_transposed needs a square o_proj (hidden_size = heads x head_dim), "
+                         f"this checkpoint's is {tuple(w.shape)}")
+    w.copy_(w.T.clone())
+
+
+def _hf_q_heads_swapped(layer):
+    """q_proj's rows of heads 0 and 1 exchanged (a head order mixed up on conversion)."""
+    attn = layer.self_attn
+    w, D = attn.q_proj.weight, attn.head_dim
+    w[:2 * D].copy_(w[:2 * D].view(2, D, -1).flip(0).reshape(2 * D, -1).clone())
+
+
+def _hf_residual(where: str, factor: float):
+    """Layer LAYER's residual scaled by `factor` (0: missing, 2: added twice): "attn" scales
+    the residual of the attention block (resid_mid = factor x input + attn_out), "mlp" that
+    of the MLP block (out = factor x resid_mid + mlp_out), by hooks on the layer's modules."""
+    def patch(hf):
+        layer = hf.model.layers[LAYER]
+        seen = {}
+        # the inputs are read at the norms, so that teacher forcing's replaced input is the one seen
+        if where == "attn":    # self_attn's output gets (factor - 1) x the layer input added
+            layer.input_layernorm.register_forward_pre_hook(lambda mod, args: seen.update(x=args[0]))
+            layer.self_attn.register_forward_hook(
+                lambda mod, args, out: (out[0] + (factor - 1) * seen["x"],) + tuple(out[1:]))
+        else:                  # the layer's output gets (factor - 1) x resid_mid added
+            layer.post_attention_layernorm.register_forward_pre_hook(lambda mod, args: seen.update(x=args[0]))
+            layer.register_forward_hook(lambda mod, args, out: out + (factor - 1) * seen["x"])
+    return patch
+
+
+CONTROLS.update({c.name: c for c in [
+    _c("hf_partial_rotary", "transformers", "fp32", "semantic", "layers.0.q_rope", "attn",
+       ["RoPE applied to", "partial rotary"], hf_side(_hf_partial_rotary),
+       "RoPE tables cover half of head_dim: the other half of each head is not rotated"),
+    _c("hf_q_heads_swapped", "transformers", "fp32", "semantic", A + "q", "attn", ["heads permuted"],
+       hf_side(_hf_weights(_hf_q_heads_swapped)), "q_proj rows of heads 0 and 1 exchanged"),
+    _c("hf_gelu_tanh", "transformers", "fp32", "semantic", A + "act", "mlp", [],
+       hf_side(_hf_activation("gelu_pytorch_tanh")), "MLP activation GELU (tanh) instead of SiLU"),
+    _c("hf_quick_gelu", "transformers", "fp32", "semantic", A + "act", "mlp", [],
+       hf_side(_hf_activation("quick_gelu")), "MLP activation quick GELU instead of SiLU"),
+    _c("hf_attn_residual_doubled", "transformers", "fp32", "semantic", A + "resid_mid", "attn", [],
+       hf_side(_hf_residual("attn", 2.0)), "the attention block's residual added twice"),
+    _c("hf_mlp_residual_missing", "transformers", "fp32", "semantic", A + "out", "mlp", [],
+       hf_side(_hf_residual("mlp", 0.0)), "the MLP block's residual dropped: the layer returns mlp_out"),
+    # Informational (verdict None): needs a square o_proj, which tests/test_controls.py's
+    # checkpoint (head_dim 32 x 4 heads, hidden 32) has not; tests/test_structure.py runs it
+    # on a square one. SmolLM2's is square (9 x 64 = 576).
+    _c("hf_o_proj_transposed", "transformers", "fp32", None, A + "attn_out", "attn", [],
+       hf_side(_hf_weights(_hf_o_proj_transposed)), "o_proj weight transposed (square)"),
+]})
+
+# Words each control's hint holds once the ladder passes structure.tap_inputs (see above).
+STRUCTURE_HINTS = {
+    "silu_to_gelu": ("MLP activation: GELU (exact, erf) instead of SiLU",),
+    "hf_gelu_tanh": ("MLP activation: GELU (tanh approximation) instead of SiLU",),
+    "hf_quick_gelu": ("MLP activation: quick GELU",),
+    "hf_attn_residual_doubled": ("residual (skip connection) is added twice",),
+    "hf_mlp_residual_missing": ("residual (skip connection) is missing",),
+    "hf_o_proj_transposed": ("projection weight transposed",),
+}

@@ -217,9 +217,70 @@ def hint(findings) -> str:
 # --- the issue-21 detectors (structure: partial rotary, activation, transposed projection,
 # residual, q/k swap) -------------------------------------------------------------------------
 
+ACTIVATION_NAMES = {"silu": "SiLU", "gelu": "GELU (exact, erf)", "gelu_tanh": "GELU (tanh approximation)",
+                    "quick_gelu": "quick GELU (x sigmoid(1.702 x))", "relu": "ReLU"}
+_RESIDUAL = {"missing": "is missing", "doubled": "is added twice"}
+
+
+def ranges(idx) -> str:
+    """[0, 1, 2, 5, 6] -> '0-2, 5-6'."""
+    idx = sorted(int(i) for i in idx)
+    runs, start = [], None
+    for k, i in enumerate(idx):
+        if start is None:
+            start = i
+        if k + 1 == len(idx) or idx[k + 1] != i + 1:
+            runs.append(f"{start}-{i}" if i > start else f"{i}")
+            start = None
+    return ", ".join(runs) or "none"
+
+
+def _activations(names) -> str:
+    return " or ".join(ACTIVATION_NAMES[n] for n in names) or "none of the listed ones"
+
+
+def _residual_part(what: str, how: str, coefficient: float) -> str | None:
+    if how == "kept":
+        return None
+    return f"the {what} " + (_RESIDUAL[how] if how in _RESIDUAL else f"is scaled by {coefficient:.4g}")
+
+
 def _detail_new(kind, d) -> str | None:
+    if kind == "partial_rotary":
+        return (f"the candidate leaves dims {ranges(d['cand_identity'])} of each head's {d['head_dim']} as they "
+                f"were (not rotated), the reference dims {ranges(d['ref_identity'])}")
+    if kind == "activation":
+        return (f"act = f(gate) x up with f = {_activations(d['cand'])} on the candidate's own gate and up "
+                f"(exact to rounding); the reference's act fits {_activations(d['ref'])}")
+    if kind == "transposed_projection":
+        return (f"the candidate's output y' and input x satisfy y' x^T = (y x^T)^T of the reference's "
+                f"(rel L2 {d['rel_l2']:.1e}; {d['as_is']:.1e} untransposed): y' = x W where the "
+                f"reference computes x W^T ({d['width']} x {d['width']})")
+    if kind == "residual":
+        (a, b), (ra, rb) = d["cand"], d["ref"]
+        return (f"cand = {a:.4g} x residual + {b:.4g} x branch, exact to rounding (reference: {ra:.4g} x "
+                f"residual + {rb:.4g} x branch)")
+    if kind == "swapped_projection":
+        mine = "q" if d["other"] == "k" else "k"
+        return f"the candidate's {mine} equals the reference's {d['other']} (exact to rounding)"
     return None
 
 
 def _cause_new(kind, d) -> str | None:
+    if kind == "partial_rotary":
+        D = d["head_dim"]
+        return (f"RoPE applied to {D - len(d['cand_identity'])} of {D} dims of each head where the reference "
+                f"rotates {D - len(d['ref_identity'])} (partial rotary: rotary_dim / partial_rotary_factor)")
+    if kind == "activation":
+        return f"MLP activation: {_activations(d['cand'])} instead of {_activations(d['ref'])} (hidden_act)"
+    if kind == "transposed_projection":
+        return ("projection weight transposed: the square matrix is applied as W instead of W^T (a "
+                "conversion that wrote [in, out] where [out, in] belongs)")
+    if kind == "residual":
+        parts = [p for p in (_residual_part("residual (skip connection)", d["residual"], d["cand"][0]),
+                             _residual_part("branch output", d["branch"], d["cand"][1])) if p]
+        return "residual connection: " + " and ".join(parts)
+    if kind == "swapped_projection":
+        return "q_proj and k_proj swapped (the candidate's q is the reference's k)" if d["other"] == "k" else \
+            "q_proj and k_proj swapped (the candidate's k is the reference's q)"
     return None

@@ -131,7 +131,8 @@ EPS_SPREAD = 0.1
 OFFSET_NAMED = 1e-2
 
 # Tie-break when scores are equal (to 1e-3): the more specific description first.
-PRIORITY = ("nonfinite", "rope_layout", "rope_frequency", "attention_convention",
+PRIORITY = ("nonfinite", "partial_rotary", "activation", "transposed_projection", "residual",
+            "swapped_projection", "rope_layout", "rope_frequency", "attention_convention",
             "causal_edge", "norm_weight_offset", "norm_epsilon", "permutation", "global_scale", "head_confinement",
             "per_feature_scale", "per_row_scale", "offset", "half_confinement",
             "position_trend", "sign_bias")
@@ -139,7 +140,8 @@ PRIORITY = ("nonfinite", "rope_layout", "rope_frequency", "attention_convention"
 # then a consequence, not a separate finding.
 _MODELS = ("permutation", "global_scale", "per_feature_scale", "per_row_scale", "offset",
            "rope_layout", "rope_frequency", "causal_edge", "attention_convention", "norm_epsilon",
-           "norm_weight_offset")
+           "norm_weight_offset", "partial_rotary", "activation", "transposed_projection", "residual",
+           "swapped_projection")
 
 
 @dataclasses.dataclass
@@ -592,6 +594,9 @@ def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     if not np.all(np.isfinite(c)) or not np.all(np.isfinite(r)):
         return None
     size = rel_l2(c, r)
+    partial = _partial_rotary(c, cp, r, rp, pos, size)
+    if partial is not None:
+        return partial
     layouts = ("half-split", "interleaved")
     c_lay = [lay for lay in layouts if _rotates(c, cp, lay)]
     r_lay = [lay for lay in layouts if _rotates(r, rp, lay)]
@@ -708,7 +713,7 @@ def _nonfinite(c: np.ndarray, r: np.ndarray) -> Finding | None:
 
 
 def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0, pre=None,
-            norm_input=None) -> list[Finding]:
+            norm_input=None, inputs=None) -> list[Finding]:
     """All findings for one tap, best first; [] means noise-like.
 
     per_head=True: the tap is [B, T, H, D]; an int H reshapes a [B, T, H*D] tap (attn_ctx)
@@ -720,6 +725,8 @@ def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0, pre=None,
     pre=(cand_pre, ref_pre): at a q_rope / k_rope tap, both sides' q / k before RoPE, so
     rope_finding can say which pairs each side rotates and at which frequencies.
     norm_input: at a norm tap, the norm's input (so norm_epsilon can test an epsilon).
+    inputs: {name: (cand's, ref's)} of the step that made the tap (tap_inputs): the
+    activation, transposed-projection, residual and swapped-projection tests.
     """
     c, r = as64(cand), as64(ref)
     if per_head and not isinstance(per_head, bool) and c.ndim == 3:
@@ -741,6 +748,7 @@ def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0, pre=None,
                          _per_feature_scale(t, fits), _offset(t), _position_trend(t),
                          _head_confinement(t) if per_head else None,
                          _half_confinement(t) if per_head else None) if f]
+    found = _input_findings(c, r, mask, inputs or {}) + found
     if not any(f.kind in _MODELS for f in found):
         found += [f for f in (_sign_bias(t),) if f]
     found = [f for f in found if not f.size < floor]
@@ -750,3 +758,189 @@ def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0, pre=None,
 def hint(findings: list[Finding]) -> str:
     """compare.explain.findings.hint, for callers that still import it from here."""
     return explain_findings.hint(findings)
+
+
+# --- issue 21: structure named from the step's own inputs --------------------------------
+# Each test below asks whether the candidate computes, exactly, a known wrong variant of the
+# step from its own inputs (tap_inputs: each side's taps that feed this one). "Exactly" is
+# at fp64-rung rounding: a side that keeps f32 steps lands ~1e-7 from its own variant, and
+# every listed variant sits >= 1e-4 from the others on real inputs, so a match to ATOL_VARIANT
+# cannot happen by rounding, and the reference's own step must not match the same variant.
+ATOL_VARIANT = 1e-6
+# The closest pair of activations below, GELU exact vs tanh, differs by 2e-4 rel L2 on
+# standard-normal inputs (200x ATOL_VARIANT); on tiny inputs they agree to O(x^4) and both
+# match: then both are named.
+ACTIVATIONS = {
+    "silu": lambda x: x / (1 + np.exp(-x)),
+    "gelu": lambda x: 0.5 * x * (1 + _erf(x / math.sqrt(2))),
+    "gelu_tanh": lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+    "quick_gelu": lambda x: x / (1 + np.exp(-1.702 * x)),
+    "relu": lambda x: np.maximum(x, 0.0),
+}
+# A transposed square projection: with y = x A (reference) and y' = x A^T, the [N, N] Gram
+# products satisfy y' x^T = (y x^T)^T whatever A is, so no weight is needed. A correct
+# candidate gives y' x^T = y x^T instead, which differs from its transpose by O(1) unless A
+# is symmetric (then transposing changes nothing). At most TRANSPOSE_ROWS rows (a
+# deterministic spread) keep the products small; the identity holds for any subset.
+TRANSPOSE_ROWS = 512
+# Residual: cand = alpha x residual + beta x branch, fitted by least squares; it names
+# (alpha, beta) != (1, 1) when the fit leaves <= ATOL_VARIANT of the tap (rounding of the
+# add is 1e-16, f32 steps 1e-7) and a coefficient moved by > RESIDUAL_MOVED (noise moves
+# them by ~1e-7). A pair of inputs whose Gram matrix has condition > 1e8 tells nothing.
+RESIDUAL_MOVED = 1e-3
+RESIDUAL_COND = 1e8
+# Partial rotary (at q_rope / k_rope): a dim one side leaves exactly as it was (relative
+# change <= ROPE_IDENTITY: an identity moves nothing, while a rotation at position >= 1 by
+# omega >= 1e-7, theta up to 1e7, moves a dim by ~omega) where the other side rotates it
+# visibly (> ROPE_ROTATED: 100 f32 table roundings). No theta or scaling difference brings a
+# rotated dim to an exact identity.
+ROPE_IDENTITY = 1e-9
+ROPE_ROTATED = 1e-5
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    return np.vectorize(math.erf, otypes=[float])(x)
+
+
+def _flat_rows(x, mask) -> np.ndarray:
+    x = as64(x)
+    m = np.ones(x.shape[:2], bool) if mask is None else np.asarray(mask, bool)
+    return x[m].reshape(int(m.sum()), -1)
+
+
+def _matching_variants(out: np.ndarray, variants: dict) -> list[str]:
+    return [name for name, pred in variants.items() if rel_l2(out, pred) <= ATOL_VARIANT]
+
+
+def activation_fit(cand, ref, gate, up, mask=None) -> Finding | None:
+    """At the act tap (act = f(gate) * up) with each side's gate and up: which activation
+    f does each side apply? A finding when the candidate's is another one."""
+    c, r = _flat_rows(cand, mask), _flat_rows(ref, mask)
+    (gc, gr), (uc, ur) = ((_flat_rows(a, mask), _flat_rows(b, mask)) for a, b in (gate, up))
+    if c.shape != gc.shape or c.shape != uc.shape or not np.isfinite(c).all():
+        return None
+    mine = _matching_variants(c, {n: f(gc) * uc for n, f in ACTIVATIONS.items()})
+    theirs = _matching_variants(r, {n: f(gr) * ur for n, f in ACTIVATIONS.items()})
+    if not mine or set(mine) & set(theirs):
+        return None
+    return Finding("activation", 1.0, rel_l2(c, r), dict(cand=mine, ref=theirs))
+
+
+def transposed_projection(cand, ref, x_cand, x_ref, mask=None) -> Finding | None:
+    """At a square projection's output (q from attn_norm, attn_out from attn_ctx) with each
+    side's input: is the candidate's weight the transpose of the reference's?"""
+    yc, yr, xc, xr = (_flat_rows(a, mask) for a in (cand, ref, x_cand, x_ref))
+    if not (yc.shape == yr.shape == xc.shape == xr.shape) or not np.isfinite(yc).all():
+        return None
+    if len(yc) > TRANSPOSE_ROWS:
+        rows = np.linspace(0, len(yc) - 1, TRANSPOSE_ROWS).astype(int)
+        yc, yr, xc, xr = yc[rows], yr[rows], xc[rows], xr[rows]
+    p_ref, p_cand = yr @ xr.T, yc @ xc.T
+    as_transposed, as_is = rel_l2(p_cand, p_ref.T), rel_l2(p_cand, p_ref)
+    if not as_transposed <= ATOL_VARIANT or as_is <= ATOL_VARIANT:
+        return None
+    return Finding("transposed_projection", 1.0, rel_l2(yc, yr),
+                   dict(rel_l2=as_transposed, as_is=as_is, width=int(yc.shape[1])))
+
+
+def _residual_coefficients(out, res, branch) -> tuple[float, float, float] | None:
+    """(alpha, beta, rel L2 of the rest) of out ≈ alpha res + beta branch."""
+    a = np.stack([res.ravel(), branch.ravel()], 1)
+    gram = a.T @ a
+    if not np.isfinite(gram).all() or np.linalg.cond(gram) > RESIDUAL_COND:
+        return None
+    alpha, beta = np.linalg.solve(gram, a.T @ out.ravel())
+    return float(alpha), float(beta), rel_l2(out.ravel(), a @ np.array([alpha, beta]))
+
+
+def residual_fit(cand, ref, residual, branch, mask=None) -> Finding | None:
+    """At resid_mid (layer input + attn_out) or out (resid_mid + mlp_out) with each side's
+    residual and branch: is the residual or the branch missing, doubled or scaled?"""
+    c, r = _flat_rows(cand, mask), _flat_rows(ref, mask)
+    (xc, xr), (bc, br) = ((_flat_rows(a, mask), _flat_rows(b, mask)) for a, b in (residual, branch))
+    if not (c.shape == xc.shape == bc.shape) or not np.isfinite(c).all():
+        return None
+    mine, theirs = _residual_coefficients(c, xc, bc), _residual_coefficients(r, xr, br)
+    if mine is None or theirs is None or mine[2] > ATOL_VARIANT or theirs[2] > ATOL_VARIANT:
+        return None
+    if max(abs(mine[0] - theirs[0]), abs(mine[1] - theirs[1])) <= RESIDUAL_MOVED:
+        return None
+    return Finding("residual", 1.0, rel_l2(c, r),
+                   dict(cand=[mine[0], mine[1]], ref=[theirs[0], theirs[1]],
+                        residual=_how(mine[0], theirs[0]), branch=_how(mine[1], theirs[1])))
+
+
+def _how(coefficient: float, reference: float) -> str:
+    """A coefficient against the reference's (1 in a Llama): kept, missing, doubled, scaled."""
+    for name, value in (("kept", reference), ("missing", 0.0), ("doubled", 2 * reference)):
+        if abs(coefficient - value) <= RESIDUAL_MOVED:
+            return name
+    return "scaled"
+
+
+def swapped_projection(cand, ref, other_ref, mask=None, other="k") -> Finding | None:
+    """At q (or k) with the reference's other projection of the same shape (MHA): is the
+    candidate's q the reference's k (q_proj and k_proj swapped)?"""
+    c, r, o = (_flat_rows(a, mask) for a in (cand, ref, other_ref))
+    if not (c.shape == r.shape == o.shape) or not np.isfinite(c).all():
+        return None
+    if not rel_l2(c, o) <= ATOL_VARIANT or rel_l2(r, o) <= ATOL_VARIANT:
+        return None
+    return Finding("swapped_projection", 1.0, rel_l2(c, r), dict(other=other))
+
+
+def _rotation_per_dim(out: np.ndarray, pre: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Relative change of each head dim between pre and out over rows at position >= 1."""
+    moved = pos > 0
+    o, p = out[moved].reshape(-1, out.shape[-1]), pre[moved].reshape(-1, pre.shape[-1])
+    den = np.sqrt((p * p).sum(0))
+    return np.sqrt(((o - p) ** 2).sum(0)) / np.where(den > 0, den, np.inf)
+
+
+def _partial_rotary(c, cp, r, rp, pos, size) -> Finding | None:
+    """Dims one side leaves exactly as they were while the other rotates them."""
+    if not (pos > 0).any():
+        return None
+    ch_c, ch_r = _rotation_per_dim(c, cp, pos), _rotation_per_dim(r, rp, pos)
+    lost = (ch_c <= ROPE_IDENTITY) & (ch_r > ROPE_ROTATED)
+    gained = (ch_r <= ROPE_IDENTITY) & (ch_c > ROPE_ROTATED)
+    if not (lost.any() or gained.any()):
+        return None
+    still = lambda ch: [int(j) for j in np.flatnonzero(ch <= ROPE_IDENTITY)]  # noqa: E731
+    return Finding("partial_rotary", 1.0, size,
+                   dict(cand_identity=still(ch_c), ref_identity=still(ch_r), head_dim=int(c.shape[-1])))
+
+
+def tap_inputs(tap: str, cand_taps, ref_taps) -> dict:
+    """{name: (cand's, ref's)} of the taps feeding `tap` that analyse(inputs=...) tests
+    against: gate/up at act, the projection input at q and attn_out, residual/branch at
+    resid_mid and out, the other projection at q / k. Taps either side lacks are left out."""
+    from llamaspec import taps as tapnames
+    t = tapnames.tap(tap)
+    if t.layer is None:
+        return {}
+    p = f"layers.{t.layer}."
+    before = "embed" if t.layer == 0 else f"layers.{t.layer - 1}.out"
+    wanted = {"act": {"gate": p + "gate", "up": p + "up"},
+              "q": {"x": p + "attn_norm", "other_k": p + "k"},
+              "k": {"other_q": p + "q"},
+              "attn_out": {"x": p + "attn_ctx"},
+              "resid_mid": {"residual": before, "branch": p + "attn_out"},
+              "out": {"residual": p + "resid_mid", "branch": p + "mlp_out"}}.get(t.kind, {})
+    return {name: (cand_taps[src], ref_taps[src]) for name, src in wanted.items()
+            if src in cand_taps and src in ref_taps}
+
+
+def _input_findings(c, r, mask, inputs: dict) -> list[Finding]:
+    """The tests above that `inputs` (tap_inputs) makes possible."""
+    found = []
+    if "gate" in inputs and "up" in inputs:
+        found.append(activation_fit(c, r, inputs["gate"], inputs["up"], mask))
+    if "x" in inputs:
+        found.append(transposed_projection(c, r, *inputs["x"], mask))
+    if "residual" in inputs and "branch" in inputs:
+        found.append(residual_fit(c, r, inputs["residual"], inputs["branch"], mask))
+    for other in ("q", "k"):
+        if f"other_{other}" in inputs:
+            found.append(swapped_projection(c, r, inputs[f"other_{other}"][1], mask, other))
+    return [f for f in found if f is not None]

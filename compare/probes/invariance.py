@@ -211,7 +211,15 @@ def _result(probe, pm: ProbeModel, cases: list[Case], judge: Judge, hint_fn, det
     res.hint = hint_fn(worst, judge, res)
     if judge.note:
         res.hint += f" ({judge.note})"
+    if verdict != "exact" and probe in WHERE_CIRCUMSTANCE:
+        res.details["where"] = (f"llama-parity probe where CHECKPOINT --impl {pm.impl} --policy {pm.policy} "
+                                f"--circumstance {WHERE_CIRCUMSTANCE[probe]}")
+        res.hint += f"; which layer and op: {res.details['where']}"
     return res
+
+
+# The probe where circumstance that looks at a probe's question layer by layer.
+WHERE_CIRCUMSTANCE = {"batch": "batch", "padding": "padding", "determinism": "rerun", "divergence": "batch"}
 
 
 def _drift_hint(res: ProbeResult, judge: Judge, what: str) -> str:
