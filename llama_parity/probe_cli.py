@@ -44,7 +44,7 @@ def _list(values, default, allowed=None, what="value") -> list[str]:
 
 def add_parser(sub, common) -> None:
     p = sub.add_parser("probe", parents=[common],
-                       help="invariance: batch, padding, run-to-run, greedy",
+                       help="invariance: batch, padding, run-to-run, greedy; where",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=(*PROBE_KINDS, WHERE))
     p.add_argument("checkpoint_pos", nargs="?", default=None, metavar="CHECKPOINT",

@@ -1,6 +1,7 @@
 """The command line on a tiny checkpoint: exit codes and report files."""
 
 import json
+from pathlib import Path
 
 from llama_parity.cli import main
 
@@ -50,3 +51,52 @@ def test_compare_generate_reports_where_greedy_parts_and_writes_its_json(tiny_di
     assert rc == 0, printed
     greedy = json.loads((tmp_path / "r-greedy.json").read_text())
     assert greedy["verdict"] in ("exact", "drift") and len(greedy["rows"]) == 3
+
+
+def test_help_lists_every_verb_on_one_line_and_each_verb_has_an_example(capsys):
+    import pytest
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert done.value.code == 0
+    verbs = ("demo", "compare", "capture", "fetch-smollm2", "make-checkpoint", "probe")
+    for verb in verbs:
+        line = next(ln for ln in top.splitlines() if ln.strip().startswith(verb + " "))
+        assert len(line.split(None, 1)) == 2, f"{verb}: its summary is not on its line: {line!r}"
+        assert f"llama-parity {verb}" in top          # an example per verb in the top-level help
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        examples = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(" ")
+                    and ln.strip().startswith(f"llama-parity {verb}")]
+        assert examples, f"{verb} --help shows no example"
+
+
+def _tokenized_tiny(smollm2, folder):
+    """A tiny random checkpoint whose vocabulary fits SmolLM2's tokenizer, with that tokenizer."""
+    import shutil
+
+    from llamaspec.testing import make_checkpoint
+    make_checkpoint(folder, vocab_size=49152, tie_word_embeddings=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2 / name).is_file():
+            shutil.copyfile(smollm2 / name, folder / name)
+    return folder
+
+
+def test_demo_explains_every_split_or_shows_the_nearest_tie(smollm2, tmp_path, capsys):
+    folder = _tokenized_tiny(smollm2, tmp_path / "tiny")
+    rc = main(["demo", str(folder), "--policy", "fp32", "bf16", "--max-new-tokens", "4", "--prompt", "Hi",
+               "--prompt", "What is 2 + 2?", "--out-dir", str(tmp_path / "rep")])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    summary = json.loads((tmp_path / "rep" / "demo.json").read_text())
+    for pol in summary["policies"]:
+        a = pol["answers"]
+        same = all(x == a["torchref"]["alone"] for impl in a for x in a[impl].values())
+        # every difference has its explanation; the nearest tie exactly when none differs
+        assert same == (not pol["batching"] and not pol["models"]) == ("nearest_tie" in pol), pol
+        for f in pol["batching"]:
+            assert pol["invariant"][f["impl"]][str(f["prompt"])] is True     # invariant mode: alone == batched
+        assert pol["verdict"] in ("exact", "drift") and (tmp_path / "rep" / Path(pol["html"]).name).is_file()
+        assert f"cost at {pol['policy']}:" in printed
+    assert "where the answers differ, and why:" in printed
