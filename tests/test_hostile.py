@@ -471,6 +471,29 @@ def _assert_parity_arg(**kw):
     return plant
 
 
+def _cache_probe_symlink(tmp, request):
+    """Found beyond the issue: the cache's write probe was .write-test-<pid>, a name anyone
+    sharing the cache could plant as a symlink to truncate a file of the victim's."""
+    from llamaspec.cache import ensure_dir
+    victim = tmp / "victim.txt"
+    victim.write_text("precious\n")
+    root = tmp / "shared"
+    root.mkdir()
+    os.symlink(victim, root / f".write-test-{os.getpid()}")
+
+    def run():
+        ensure_dir(root)
+        assert victim.read_text() == "precious\n"
+        return victim.read_text()
+    return run
+
+
+def _dump_version_1(tmp, request):
+    ck, d = _copy(request, tmp)
+    _edit_manifest(d, lambda m: (m.update(format_version=1), m.pop("sha256")))
+    return lambda: _raises(DumpError, lambda: Dump(d))
+
+
 @dataclasses.dataclass
 class Case:
     id: str
@@ -514,6 +537,10 @@ CASES = [
     Case("dump-tap-file-edited", "bad", _edited_tap_file,
          r"layer-0001\.safetensors: sha256 [0-9a-f]{64} differs from [0-9a-f]{64} in manifest\.json: the file was "
          r"changed after the capture"),
+    # beyond the issue
+    Case("cache-write-probe-planted-symlink", "bad", _cache_probe_symlink, r"^precious$"),
+    Case("dump-format-version-1-no-checksums", "poor", _dump_version_1,
+         r"manifest\.json: a version 1 dump, whose manifest holds no checksums of its tap files"),
     # poor: the protocol's escape hatches
     Case("port-capture-without-inject", "poor", _port_teacher_forcing(_NoInjectParam),
          r"teacher forcing not run: my-port takes no inject \(its capture has no inject parameter\)"),
