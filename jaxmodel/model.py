@@ -5,20 +5,22 @@ transposed) under Hugging Face names, so a checkpoint key maps to one attribute 
 (model.layers.3.self_attn.q_proj.weight -> layers[3].self_attn.q_proj.weight).
 torchref/model.py is the same file in PyTorch: same classes, arguments and tap names.
 
-`LlamaModel` is the user-facing object. It splits the module once into a static
-graphdef and a state of arrays and jit-compiles pure functions of (state, inputs):
-nnx.jit would walk the module graph on every decode step, and passing the state as an
-argument keeps the weights inputs of the compiled program, never constants in it.
+`Llama` is the network and `LlamaModel` the loaded model (forward, capture, prefill/decode,
+generate), as in torchref; nnx modules are built from the weights, torch's shape-first.
+LlamaModel splits the network once into a static graphdef and a state of arrays and
+jit-compiles pure functions of (state, inputs): nnx.jit would walk the module graph on
+every decode step, and passing the state as an argument keeps the weights inputs of the
+compiled program, never constants in it.
 
-The KV cache is a plain dict passed in and returned: k, v [L, B, S, Hkv, D] in
-compute_dtype, mask [B, S] (slots holding a real token), pos [B] (next position per row)
-and index (the slot the next token is written to). With dynamic NTK RoPE past
-max_position_embeddings, cached keys keep the rotation they were written with, as in
-transformers.
+The KV cache is a plain dict passed in and returned, with torchref's keys: k, v [L, B, S,
+Hkv, D] in compute_dtype, mask [B, S] (slots holding a real token), next_pos [B] (next
+position per row) and index (the slot the next token is written to). With dynamic NTK
+RoPE past max_position_embeddings, cached keys keep the rotation they were written with,
+as in transformers.
 
 batch_invariant=True hands every module invariant.py instead of ops.py (ops_for; same
 function names, docs/invariance.md says why) and runs every call in the canonical layout
-of llamaspec.inputs.layout. Its cache has lens [B] in place of mask/pos/index: row b's
+of llamaspec.inputs.layout. Its cache has lens [B] in place of mask/next_pos/index: row b's
 tokens fill slots [0, lens[b]) and a decode step writes each row at its own lens[b].
 """
 
@@ -121,19 +123,42 @@ class Attention(nnx.Module):
         """cache: None (keys are this call's tokens), or this call's keys and values go to
         slots index[b] + t of row b in layer `layer`, and attention reads the cache."""
         B, T, _ = x.shape
+        # a Linear each, each packed on its own in batch-invariant mode (torchref: one ops.linears call)
         q = rec("q", self.q_proj(x, ctx.policy).reshape(B, T, self.heads, self.head_dim))
         k = rec("k", self.k_proj(x, ctx.policy).reshape(B, T, self.kv_heads, self.head_dim))
         v = rec("v", self.v_proj(x, ctx.policy).reshape(B, T, self.kv_heads, self.head_dim))
         q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
-        k = rec("k_rope", self.ops.apply_rope(k, ctx.cos, ctx.sin))
+        k = rec("k_rope", self.ops.apply_rope(k, *self.key_tables(ctx, cache)))
+        allowed = ctx.allowed
         if cache is not None:
+            # one [L, B, S, Hkv, D] array, updated functionally in the donated buffer: attention's
+            # own key layout (torchref: a [B, Hkv, S, D] tensor per layer, read as strided views)
             rows = jnp.arange(B)[:, None]
-            slots = cache.index[:, None] + jnp.arange(T)
-            cache = cache._replace(k=cache.k.at[layer, rows, slots].set(k.astype(cache.k.dtype)),
-                                   v=cache.v.at[layer, rows, slots].set(v.astype(cache.v.dtype)))
+            slots = self.write_slots(cache.index, T, cache.k.shape[2])
+            cache = cache._replace(k=cache.k.at[layer, rows, slots].set(self.stored(k).astype(cache.k.dtype)),
+                                   v=cache.v.at[layer, rows, slots].set(self.stored(v).astype(cache.v.dtype)))
+            allowed = self.cache_allowed(ctx.allowed, cache.index)
             k, v = cache.k[layer], cache.v[layer]
-        out = rec("attn_ctx", self.ops.attention(q, k, v, ctx.allowed, ctx.policy).reshape(B, T, -1))
+        out = rec("attn_ctx", self.ops.attention(q, k, v, allowed, ctx.policy).reshape(B, T, -1))
         return self.o_proj(out, ctx.policy), cache
+
+    # Seams: one step each of the cache path, which a planted-bug control may replace on one
+    # layer (compare/controls); torchref's Attention has the same four.
+    def key_tables(self, ctx: Context, cache: KV | None):
+        """The cos, sin tables this call's keys are rotated with: the call's own."""
+        return ctx.cos, ctx.sin
+
+    def write_slots(self, index, T: int, S: int):
+        """The cache slots [B, T] of this call's keys in a cache of S slots: index[b] + t."""
+        return index[:, None] + jnp.arange(T)
+
+    def stored(self, x):
+        """A key or value as the cache keeps it: as computed (the cache is in compute_dtype)."""
+        return x
+
+    def cache_allowed(self, allowed, index):
+        """The mask [B, T, S] over the cache this call attends with: the call's own."""
+        return allowed
 
 
 class MLP(nnx.Module):
@@ -144,6 +169,7 @@ class MLP(nnx.Module):
         self.ops = ops
 
     def __call__(self, x, policy: Policy, rec: Recorder):
+        # a Linear each (torchref: gate and up in one ops.linears call)
         gate = rec("gate", self.gate_proj(x, policy))
         up = rec("up", self.up_proj(x, policy))
         act = rec("act", self.ops.silu(gate) * up)
@@ -204,7 +230,7 @@ class Llama(nnx.Module):
         residual = of(policy.residual_dtype)
         rec = Recorder(taps)
         h = rec("embed", self.embed_tokens(ids).astype(residual))
-        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy)
+        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions)
         if scan:
             h, acts = self._scan_layers(h, ctx, taps, inject)
             rec.acts.update(acts)
@@ -213,9 +239,9 @@ class Llama(nnx.Module):
                 if inject and i in inject:
                     h = inject[i].astype(residual)
                 h, cache = block(h, ctx, rec.layer(i), cache, i)
-        if last is not None:
-            h = h[jnp.arange(h.shape[0]), last][:, None]
         x = rec("final_norm", self.norm(h, policy))
+        if last is not None:
+            x = x[jnp.arange(x.shape[0]), last][:, None]
         logits = rec("logits", head_logits(x, self.head_weight(), self.ops, policy))
         return logits, rec.acts, cache
 
@@ -250,6 +276,11 @@ class Llama(nnx.Module):
 
         h, acts = lax.scan(step, h, (jnp.arange(n_layers), stacked, jnp.asarray(forced_on), forced))
         return h, {f"layers.*.{name}": stack for name, stack in acts.items()}
+
+
+def checkpoint_key(name: str) -> str:
+    """A Llama parameter's checkpoint key: "model." + its name, lm_head's as they are."""
+    return name if name.startswith("lm_head.") else "model." + name
 
 
 def to_residual(x, policy: Policy) -> np.ndarray:
@@ -367,7 +398,7 @@ def _prefill(graphdef, state, ids, mask, positions, *, cache_len):
     slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
     logits, _, kv = model(ids, positions, causal_allowed(slots, T), cache=_empty_cache(model, B, cache_len),
                           last=jnp.full(B, T - 1))
-    cache = {"k": kv.k, "v": kv.v, "mask": slots, "pos": mask.sum(1).astype(jnp.int32), "index": jnp.int32(T)}
+    cache = {"k": kv.k, "v": kv.v, "mask": slots, "next_pos": mask.sum(1).astype(jnp.int32), "index": jnp.int32(T)}
     return logits[:, 0], cache
 
 
@@ -384,9 +415,9 @@ def _decode_taps(graphdef, state, cache, next_ids, *, taps):
     slots = cache["mask"].at[:, index].set(True)
     B = slots.shape[0]
     kv = KV(cache["k"], cache["v"], jnp.full(B, index))
-    logits, acts, kv = model(next_ids[:, None], cache["pos"][:, None], causal_allowed(slots, 1, index), taps=taps,
-                             cache=kv)
-    cache = {"k": kv.k, "v": kv.v, "mask": slots, "pos": cache["pos"] + 1, "index": index + 1}
+    logits, acts, kv = model(next_ids[:, None], cache["next_pos"][:, None], causal_allowed(slots, 1, index),
+                             taps=taps, cache=kv)
+    cache = {"k": kv.k, "v": kv.v, "mask": slots, "next_pos": cache["next_pos"] + 1, "index": index + 1}
     return logits[:, 0], cache, acts
 
 
@@ -454,16 +485,18 @@ class LlamaModel:
         self._forward, self._prefill, self._decode = _programs(self.graphdef, self.batch_invariant)
 
     @property
-    def module(self) -> Llama:
+    def model(self) -> Llama:
+        """The network (a Llama, merged from graphdef and state: a copy, as nnx gives it)."""
         return nnx.merge(self.graphdef, self.state)
+
+    module = model   # the same, under the name earlier code used
 
     def weights(self) -> dict[str, np.ndarray]:
         """The parameters under their checkpoint keys, as numpy in param_dtype (no lm_head
         when tied): the values the model computes with, ready for from_weights."""
         out = {}
         for path, var in nnx.to_flat_state(nnx.filter_state(self.state, nnx.Param)):
-            key = ".".join(map(str, path))
-            out[key if path[0] == "lm_head" else "model." + key] = np.asarray(var[...])
+            out[checkpoint_key(".".join(map(str, path)))] = np.asarray(var[...])
         return out
 
     def _layout(self, ids, mask, extra_length=0) -> Layout:

@@ -35,13 +35,14 @@ class Context(NamedTuple):
     sin: Any
     allowed: Any  # [B, T, S]: query slot t may attend to key slot s
     policy: Policy
+    positions: Any = None   # [B, T] ints, the tables' positions (for a seam that rebuilds them)
 
 
 class KV(NamedTuple):
-    """The KV cache a call writes to: keys and values of every layer (each model's layout:
-    torchref a [B, Hkv, S, D] tensor per layer, written in place; jaxmodel one stacked
-    [L, B, S, Hkv, D] array, updated functionally); index [B] int, the slot of each row's
-    first new token."""
+    """The KV cache a call writes to: keys and values of every layer (each model's layout,
+    on purpose: torchref a [B, Hkv, S, D] tensor per layer, written in place and read as
+    strided views; jaxmodel one stacked [L, B, S, Hkv, D] array, updated functionally in a
+    donated buffer); index [B] int, the slot of each row's first new token."""
     k: Any
     v: Any
     index: Any

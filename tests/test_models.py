@@ -207,13 +207,14 @@ def test_every_preset_runs_and_knobs_matter(framework, tiny_dir):
 def test_weights_keep_checkpoint_names_shapes_and_param_dtype(framework, tiny_dir):
     m = load(framework, tiny_dir("bias"), "bf16")
     want = {k: tuple(s) for k, s in expected_shapes(m.cfg).items()}
+    key = importlib.import_module(f"{framework}.model").checkpoint_key
     if framework == "torchref":
-        got = {k: tuple(v.shape) for k, v in m.state_dict().items()}
-        assert all(str(v.dtype) == "torch.bfloat16" for v in m.state_dict().values())
+        got = {key(k): tuple(v.shape) for k, v in m.model.state_dict().items()}
+        assert all(str(v.dtype) == "torch.bfloat16" for v in m.model.state_dict().values())
     else:
         from flax import nnx
         flat = nnx.to_flat_state(m.state)
-        got = {"model." * (p[0] != "lm_head") + ".".join(map(str, p)): tuple(v.shape) for p, v in flat}
+        got = {key(".".join(map(str, p))): tuple(v.shape) for p, v in flat}
         assert all(v.dtype == ml_dtypes.bfloat16 for _, v in flat)
     assert got == want
 
@@ -284,3 +285,29 @@ def test_teacher_forcing_replaces_layer_inputs(framework, tiny_dir):
         m64.capture(ids, inject={7: ref["embed"]})
     with pytest.raises(InputError, match=r"inject\[0\]: shape"):
         m64.capture(ids, inject={0: ref["embed"][:, :3]})
+
+
+MIRRORED_CLASSES = ("Linear", "Embedding", "RMSNorm", "Attention", "MLP", "Block", "Llama", "LlamaModel", "LayerRunner")
+MIRRORED_FUNCTIONS = ("ops_for", "rope_tables", "head_logits", "causal_allowed", "checkpoint_key", "from_weights",
+                      "from_pretrained")
+CACHE_SEAMS = ("key_tables", "write_slots", "stored", "cache_allowed")
+
+
+def test_the_two_models_mirror_each_other(tiny_dir):
+    """One name, one role in both files: the same classes, public functions and Attention
+    seams, `model` the network (a Llama) with head_weight() a method, the same cache keys."""
+    import jaxmodel.model as jm
+    import torchref.model as tm
+    for name in MIRRORED_CLASSES + MIRRORED_FUNCTIONS:
+        assert hasattr(tm, name) and hasattr(jm, name), name
+    for seam in CACHE_SEAMS:
+        assert callable(getattr(tm.Attention, seam)) and callable(getattr(jm.Attention, seam)), seam
+    ids, mask = tokens(2, 6), np.ones((2, 6), np.int64)
+    keys = []
+    for framework, mod in (("torchref", tm), ("jaxmodel", jm)):
+        m = load(framework, tiny_dir(), "fp32")
+        assert isinstance(m, mod.LlamaModel) and isinstance(m.model, mod.Llama) and callable(m.model.head_weight)
+        _, cache = m.prefill(ids, mask, 8)
+        _, cache = m.decode(cache, ids[:, 0])
+        keys.append(sorted(cache))
+    assert keys[0] == keys[1] == ["index", "k", "mask", "next_pos", "v"]

@@ -269,15 +269,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
 
 # ----- the self-check -------------------------------------------------------------------
 
-def self_check(model) -> None:
+def self_check(module) -> None:
     """Verifies on this machine, once per process, configuration and policy, that every
     op the invariant model runs gives a row the same bits alone and inside batches of
     several sizes (llamaspec.selfcheck.check_rows); raises InvarianceError naming the op
-    otherwise. Uses the model's own weights for the linears, random rows for the rest."""
-    key = (model.cfg, model.policy.name, model.policy)
+    otherwise. Uses the network's (a model.Llama) own weights for the linears, random rows
+    for the rest."""
+    key = (module.cfg, module.policy.name, module.policy)
     if key in _CHECKED:
         return
-    cfg, policy = model.cfg, model.policy
+    cfg, policy = module.cfg, module.policy
     compute = dt(policy.compute_dtype)
     gen = torch.Generator().manual_seed(0)
     # Values spread over 2^-8..2^8: with bf16 operands of similar size every order sums
@@ -286,7 +287,7 @@ def self_check(model) -> None:
         scale = torch.exp2(torch.randint(-8, 9, shape, generator=gen).float())
         return (torch.randn(*shape, generator=gen) * scale).to(compute)
     pool = 24
-    layer = model.model.layers[0]
+    layer = module.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     x_d, x_f, x_o = rand(pool, 1, d), rand(pool, 1, f), rand(pool, 1, cfg.num_attention_heads * hd)
@@ -295,18 +296,18 @@ def self_check(model) -> None:
             return lambda idx: fn(x[torch.as_tensor(idx)]).float().numpy()
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         checks = {
-            "linear q/k/v": rows_of(lambda x: torch.cat(model.ops.linears(
+            "linear q/k/v": rows_of(lambda x: torch.cat(module.ops.linears(
                 x, [m.weight for m in qkv], [m.bias for m in qkv], policy), -1), x_d),
             "linear o_proj": rows_of(lambda x: attn.o_proj(x, policy), x_o),
-            "linear gate/up": rows_of(lambda x: torch.cat(model.ops.linears(
+            "linear gate/up": rows_of(lambda x: torch.cat(module.ops.linears(
                 x, [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias],
                 policy), -1), x_d),
             "linear down_proj": rows_of(lambda x: mlp.down_proj(x, policy), x_f),
-            "lm_head": rows_of(lambda x: model.ops.linear(x, model.head_weight, None, policy,
+            "lm_head": rows_of(lambda x: module.ops.linear(x, module.head_weight(), None, policy,
                                                           policy.logits_dtype), x_d),
             "rms_norm": rows_of(lambda x: layer.input_layernorm(x, policy), x_d),
-            "silu": rows_of(model.ops.silu, x_f),
-            "attention": _attention_rows(model, gen),
+            "silu": rows_of(module.ops.silu, x_f),
+            "attention": _attention_rows(module, gen),
         }
         check_rows(checks, pool)
     _CHECKED.add(key)

@@ -1,9 +1,11 @@
 """A plain PyTorch Llama: the reference implementation.
 
-Module and parameter names mirror Hugging Face's, so `state_dict()` keys are the
-checkpoint keys and loading is one-to-one. The math lives in ops.py; modules only
-hold weights and wire ops together. Every step follows the precision policy.
-jaxmodel/model.py is the same file in JAX: same classes, arguments and tap names.
+`Llama` is the network and `LlamaModel` the loaded model (forward, capture, prefill/decode,
+generate) that holds it as `model`. Module and parameter names mirror Hugging Face's, so a
+parameter's name is its checkpoint key less "model." (checkpoint_key) and loading is
+one-to-one. The math lives in ops.py; modules only hold weights and wire ops together.
+Every step follows the precision policy. jaxmodel/model.py is the same file in JAX: same
+classes, arguments, cache and tap names.
 
 batch_invariant=True hands every module invariant.py instead of ops.py (ops_for; same
 function names, docs/invariance.md says why) and runs every call in the canonical layout
@@ -36,7 +38,7 @@ def ops_for(batch_invariant: bool):
 
 
 def _weight(*shape) -> nn.Parameter:
-    # Shape-only placeholder: real tensors are installed by LlamaModel.load_numpy.
+    # Shape-only placeholder: real tensors are installed by Llama._load.
     return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
 
 
@@ -86,22 +88,46 @@ class Attention(nn.Module):
         """cache: None (keys are this call's tokens), or this call's keys and values go to
         slots index[b] + t of row b in layer `layer`, and attention reads the cache."""
         B, T, _ = x.shape
-        projs = (self.q_proj, self.k_proj, self.v_proj)  # one product for the three (ops.linears)
+        # q, k, v in one ops.linears call: batch-invariant mode packs the three as one product
+        # (speed; jaxmodel packs a Linear each)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], ctx.policy)
         q = rec("q", q.view(B, T, self.heads, self.head_dim))
         k = rec("k", k.view(B, T, self.kv_heads, self.head_dim))
         v = rec("v", v.view(B, T, self.kv_heads, self.head_dim))
         q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
-        k = rec("k_rope", self.ops.apply_rope(k, ctx.cos, ctx.sin))
+        k = rec("k_rope", self.ops.apply_rope(k, *self.key_tables(ctx, cache)))
+        allowed = ctx.allowed
         if cache is not None:
+            # a [B, Hkv, S, D] tensor per layer, written in place: attention reads each kv head's
+            # keys as a strided view, no copy (jaxmodel: one [L, B, S, Hkv, D] array)
             k_all, v_all = cache.k[layer], cache.v[layer]
             rows = torch.arange(B, device=x.device)[:, None]
-            slots = cache.index[:, None] + torch.arange(T, device=x.device)
-            k_all[rows, :, slots], v_all[rows, :, slots] = k, v
-            S = ctx.allowed.shape[-1]  # the slots this call may see (all of them by default)
+            slots = self.write_slots(cache.index, T, k_all.shape[2])
+            k_all[rows, :, slots], v_all[rows, :, slots] = self.stored(k), self.stored(v)
+            allowed = self.cache_allowed(ctx.allowed, cache.index)
+            S = allowed.shape[-1]  # the slots this call may see (all of them by default)
             k, v = k_all[:, :, :S].transpose(1, 2), v_all[:, :, :S].transpose(1, 2)
-        out = rec("attn_ctx", self.ops.attention(q, k, v, ctx.allowed, ctx.policy).reshape(B, T, -1))
+        out = rec("attn_ctx", self.ops.attention(q, k, v, allowed, ctx.policy).reshape(B, T, -1))
         return self.o_proj(out, ctx.policy), cache
+
+    # Seams: one step each of the cache path, which a planted-bug control may replace on one
+    # layer (compare/controls); jaxmodel's Attention has the same four.
+    def key_tables(self, ctx: Context, cache: KV | None):
+        """The cos, sin tables this call's keys are rotated with: the call's own."""
+        return ctx.cos, ctx.sin
+
+    def write_slots(self, index: torch.Tensor, T: int, S: int) -> torch.Tensor:
+        """The cache slots [B, T] of this call's keys in a cache of S slots: index[b] + t."""
+        return index[:, None] + torch.arange(T, device=index.device)
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """A key or value as the cache keeps it: as computed (the cache is in compute_dtype)."""
+        return x
+
+    def cache_allowed(self, allowed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The mask [B, T, S] over the cache this call attends with: the call's own."""
+        return allowed
 
 
 class MLP(nn.Module):
@@ -112,6 +138,7 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x, policy: Policy, rec: Recorder):
+        # gate and up in one ops.linears call (speed, as q/k/v; jaxmodel: a Linear each)
         projs = (self.gate_proj, self.up_proj)
         gate, up = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], policy)
         rec("gate", gate), rec("up", up)
@@ -137,42 +164,38 @@ class Block(nn.Module):
         return h, cache
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: LlamaConfig, ops):
+class Llama(nn.Module):
+    """The network. cfg, policy and ops are plain attributes; parameter names are the
+    checkpoint keys without the "model." prefix (lm_head keeps its own). torch modules are
+    built shape-first, so weights are installed after (weights=None: shapes only)."""
+
+    def __init__(self, cfg: LlamaConfig, policy: Policy, weights: dict[str, np.ndarray] | None = None,
+                 batch_invariant: bool = False, device: str | torch.device = "cpu"):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, ops) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-
-
-class LlamaModel(nn.Module):
-    """Llama for causal LM. Call it on [B, T] token ids; see the README for the API."""
-
-    def __init__(self, cfg: LlamaConfig, policy: Policy, device: str | torch.device = "cpu",
-                 batch_invariant: bool = False):
-        super().__init__()
-        self.cfg, self.policy, self.device = cfg, policy, torch.device(device)
-        self.batch_invariant = batch_invariant
+        self.cfg, self.policy, self.batch_invariant = cfg, policy, batch_invariant
+        self.device = torch.device(device)
         self.ops = ops_for(batch_invariant)
-        self.model = Backbone(cfg, self.ops)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, self.ops) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, self.ops)
+        self._head = None   # (the weight head_weight last prepared, its version, the prepared matrix)
+        if weights is not None:
+            self._load(weights)
 
-    # ----- loading -------------------------------------------------------------------
-
-    def load_numpy(self, weights: dict[str, np.ndarray]) -> "LlamaModel":
+    def _load(self, weights: dict[str, np.ndarray]) -> None:
         """Rounds each checkpoint tensor to param_dtype and installs it under its HF key.
 
         When compute_dtype is wider than param_dtype (bf16w-f32) the rounded weights are
         kept widened, once, rather than on every matmul: identical values, less work.
         """
-        params = dict(self.named_parameters())
-        if set(params) != set(weights):
-            raise KeyError(f"weights do not match the model: missing {sorted(set(params) - set(weights))}, "
-                           f"unexpected {sorted(set(weights) - set(params))}")
+        shapes = {checkpoint_key(name): p.shape for name, p in self.named_parameters()}
+        if set(shapes) != set(weights):
+            raise KeyError(f"weights do not match the model: missing {sorted(set(shapes) - set(weights))}, "
+                           f"unexpected {sorted(set(weights) - set(shapes))}")
         for key, arr in weights.items():
-            self._install(key, arr, params[key].shape)
-        self.head_weight = self._lm_head_weight().detach()  # a plain tensor: not a second parameter
-        return self
+            self._install(key, arr, shapes[key])
+        self.head_weight()   # prepared once here, outside inference mode
 
     def _param(self, arr: np.ndarray) -> torch.Tensor:
         """A checkpoint tensor as the model keeps it: rounded to param_dtype, then widened to
@@ -185,70 +208,100 @@ class LlamaModel(nn.Module):
         t = self._param(arr)
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"{key}: shape {tuple(t.shape)} != model's {tuple(shape)}")
-        owner, _, name = key.rpartition(".")
-        self.get_submodule(owner)._parameters[name] = nn.Parameter(t, requires_grad=False)
+        self._set(key, nn.Parameter(t, requires_grad=False))
+
+    def _set(self, key: str, p: nn.Parameter) -> None:
+        owner, _, name = key.removeprefix("model.").rpartition(".")
+        self.get_submodule(owner)._parameters[name] = p
+
+    def head_weight(self) -> torch.Tensor:
+        """The lm_head as the ops take it (the embedding table when tied), prepared once per
+        weight: bf16/fp16 policies keep logits in f32, and ops.linear would widen this
+        [vocab, hidden] matrix on every call, so it is widened here (exact)."""
+        w = (self.embed_tokens if self.lm_head is None else self.lm_head).weight
+        if self._head is None or self._head[0] is not w or self._head[1] != w._version:
+            with torch.inference_mode(False):
+                self._head = (w, w._version, _head_matrix(w, self.policy).detach())
+        return self._head[2]
+
+    def forward(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None):
+        """Embedding -> blocks -> final norm -> lm_head; returns (logits, {tap: activation}, cache).
+
+        ids, positions [B, T]; allowed [B, T, S]. last [B]: logits for slot last[b] of each
+        row only. inject {i: h}: teacher forcing, layer i's input is replaced by h.
+        """
+        policy = self.policy
+        residual = dt(policy.residual_dtype)
+        rec = Recorder(taps)
+        h = rec("embed", self.embed_tokens(ids).to(residual))
+        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions)
+        for i, block in enumerate(self.layers):
+            if inject and i in inject:
+                h = inject[i].to(residual)
+            h, cache = block(h, ctx, rec.layer(i), cache, i)
+        x = rec("final_norm", self.norm(h, policy))
+        if last is not None:
+            x = _take_slots(x, last)
+        logits = rec("logits", head_logits(x, self.head_weight(), self.ops, policy))
+        return logits, rec.acts, cache
+
+
+def checkpoint_key(name: str) -> str:
+    """A Llama parameter's checkpoint key: "model." + its name, lm_head's as they are."""
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions: torch.Tensor):
+    """cos, sin [B, T, head_dim] for positions [B, T] (dynamic NTK reads the longest)."""
+    rope = dt(policy.rope_dtype)
+    inv_freq = ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, int(positions.max()) + 1,
+                                 rope).to(positions.device)
+    return ops.rope_cos_sin(inv_freq, positions, rope)
+
+
+def head_logits(x: torch.Tensor, head: torch.Tensor, ops, policy: Policy) -> torch.Tensor:
+    """The lm_head: final_norm output x times the [vocab, hidden] matrix (or a chunk of its rows)."""
+    return ops.linear(x, head, None, policy, policy.logits_dtype)
+
+
+def _head_matrix(w: torch.Tensor, policy: Policy) -> torch.Tensor:
+    """w widened to logits_dtype when the logits are accumulated there and w is narrower."""
+    wide = dt(policy.logits_dtype)
+    if wide == dt(policy.accum_dtype) and torch.finfo(wide).bits > torch.finfo(w.dtype).bits:
+        return w.to(wide)
+    return w
+
+
+class LlamaModel(nn.Module):
+    """A loaded model: forward, activation capture, prefill/decode and generation (the
+    README has the API). `model` is the network (a Llama)."""
+
+    def __init__(self, module: Llama):
+        super().__init__()
+        self.cfg, self.policy, self.batch_invariant = module.cfg, module.policy, module.batch_invariant
+        self.device = module.device
+        self.model = module
+
+    @property
+    def ops(self):
+        """The network's op namespace (its RoPE tables read it; each module holds its own)."""
+        return self.model.ops
+
+    @ops.setter
+    def ops(self, namespace) -> None:
+        self.model.ops = namespace
 
     def weights(self) -> dict[str, np.ndarray]:
         """The parameters under their checkpoint keys, as numpy in param_dtype (no lm_head
         when tied): the values the model computes with, ready for from_weights."""
         store = dt(self.policy.param_dtype)
-        return {key: to_numpy(p.to(store)) for key, p in self.named_parameters()}
-
-    # ----- forward -------------------------------------------------------------------
-
-    def _lm_head_weight(self) -> torch.Tensor:
-        """The lm_head matrix as ops.linear will use it, prepared once at load.
-
-        bf16/fp16 policies keep logits in f32: ops.linear then multiplies in f32 and would
-        widen this [vocab, hidden] matrix on every call, so it is widened here instead
-        (exact: every bf16/fp16 value is an f32 value).
-        """
-        return self._head_matrix(self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
-
-    def _head_matrix(self, w: torch.Tensor) -> torch.Tensor:
-        wide = dt(self.policy.logits_dtype)
-        if wide == dt(self.policy.accum_dtype) and torch.finfo(wide).bits > torch.finfo(w.dtype).bits:
-            return w.to(wide)
-        return w
-
-    def _rope(self, positions: torch.Tensor):
-        cfg, rope_dtype = self.cfg, dt(self.policy.rope_dtype)
-        seq_len = int(positions.max()) + 1
-        inv_freq = self.ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
-                                          seq_len, rope_dtype).to(self.device)
-        return self.ops.rope_cos_sin(inv_freq, positions, rope_dtype)
-
-    def _run(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None):
-        """Embedding -> blocks -> final norm -> lm_head; returns (logits, {tap: activation}).
-
-        ids, positions [B, T]; allowed [B, T, S]. last [B]: logits for slot last[b] of each
-        row only. inject {i: h}: teacher forcing, layer i's input is replaced by h.
-        """
-        rec = Recorder(taps)
-        h = rec("embed", self._residual(self.model.embed_tokens(ids)))
-        ctx = Context(*self._rope(positions), allowed, self.policy)
-        for i, block in enumerate(self.model.layers):
-            if inject and i in inject:
-                h = self._residual(inject[i])
-            h, cache = block(h, ctx, rec.layer(i), cache, i)
-        x = rec("final_norm", self.model.norm(h, self.policy))
-        if last is not None:
-            x = _take_slots(x, last)
-        logits = rec("logits", self._logits(x, self.head_weight))
-        return logits, rec.acts
-
-    # The steps of _run that LayerRunner also takes, one definition each.
-    def _residual(self, h: torch.Tensor) -> torch.Tensor:
-        return h.to(dt(self.policy.residual_dtype))
-
-    def _logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, head, None, self.policy, self.policy.logits_dtype)
+        return {checkpoint_key(name): to_numpy(p.to(store)) for name, p in self.model.named_parameters()}
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return from_numpy(np.asarray(a)).to(self.device)
 
     def _layout(self, ids, mask, extra_length=0) -> Layout:
-        """The batch as _run runs it: canonical in batch-invariant mode."""
+        """The batch as the network runs it: canonical in batch-invariant mode."""
         return layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE if self.batch_invariant else None,
                       extra_length)
 
@@ -258,8 +311,8 @@ class LlamaModel(nn.Module):
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
         with matmul_settings(self.policy):
-            logits, _ = self._run(self._tensor(run.ids), self._tensor(run.positions).long(),
-                                  causal_allowed(self._tensor(run.mask), run.ids.shape[1]))
+            logits, _, _ = self.model(self._tensor(run.ids), self._tensor(run.positions).long(),
+                                      causal_allowed(self._tensor(run.mask), run.ids.shape[1]))
         return self._tensor(run.restore(to_numpy(logits))) if self.batch_invariant else logits
 
     @torch.inference_mode()
@@ -274,11 +327,15 @@ class LlamaModel(nn.Module):
         run = self._layout(ids, mask)
         forced = {i: self._tensor(run.place(x)) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
         with matmul_settings(self.policy):
-            logits, acts = self._run(self._tensor(run.ids), self._tensor(run.positions).long(),
-                                     causal_allowed(self._tensor(run.mask), run.ids.shape[1]), names, inject=forced)
+            logits, acts, _ = self.model(self._tensor(run.ids), self._tensor(run.positions).long(),
+                                         causal_allowed(self._tensor(run.mask), run.ids.shape[1]), names,
+                                         inject=forced)
         return run.restore(to_numpy(logits)), {n: run.restore(to_numpy(acts[n])) for n in names}
 
     # ----- generation ----------------------------------------------------------------
+    # The cache is a dict: k, v (see KV), then mask [B, S] (slots holding a real token),
+    # next_pos [B] (the next position per row) and index (the next write slot), as in
+    # jaxmodel; batch-invariant mode keeps lens [B] in place of the last three.
 
     def _empty_cache(self, B: int, S: int) -> KV:
         cfg, compute = self.cfg, dt(self.policy.compute_dtype)
@@ -295,13 +352,13 @@ class LlamaModel(nn.Module):
             return self._prefill_invariant(ids, mask, total_len)
         B, T = ids.shape
         kv = self._empty_cache(B, total_len)
-        cache = {"k": kv.k, "v": kv.v, "mask": torch.zeros((B, total_len), dtype=torch.int32, device=self.device),
+        cache = {"k": kv.k, "v": kv.v, "mask": torch.zeros((B, total_len), dtype=torch.bool, device=self.device),
                  "next_pos": self._tensor(mask.sum(1).astype(np.int64)), "index": T}
-        cache["mask"][:, :T] = self._tensor(mask)
+        cache["mask"][:, :T] = self._tensor(mask.astype(bool))
         last = torch.full((B,), T - 1, device=self.device)
         with matmul_settings(self.policy):
-            logits, _ = self._run(self._tensor(ids), self._tensor(positions_from_mask(mask)).long(),
-                                  causal_allowed(cache["mask"], T), cache=kv, last=last)
+            logits, _, _ = self.model(self._tensor(ids), self._tensor(positions_from_mask(mask)).long(),
+                                      causal_allowed(cache["mask"], T), cache=kv, last=last)
         return to_numpy(logits[:, -1]), cache
 
     @torch.inference_mode()
@@ -325,11 +382,11 @@ class LlamaModel(nn.Module):
         i = cache["index"]
         B, S = cache["mask"].shape
         next_ids = check_next_ids(self.cfg, next_ids, B, i, S)
-        cache["mask"][:, i] = 1
+        cache["mask"][:, i] = True
         kv = KV(cache["k"], cache["v"], torch.full((B,), i, device=self.device))
         with matmul_settings(self.policy):
-            logits, acts = self._run(self._tensor(next_ids)[:, None], cache["next_pos"][:, None],
-                                     causal_allowed(cache["mask"], 1, i), names, cache=kv)
+            logits, acts, _ = self.model(self._tensor(next_ids)[:, None], cache["next_pos"][:, None],
+                                         causal_allowed(cache["mask"], 1, i), names, cache=kv)
         cache["index"] = i + 1
         cache["next_pos"] = cache["next_pos"] + 1
         return to_numpy(logits[:, -1]), cache, {n: to_numpy(acts[n]).copy() for n in names}
@@ -344,8 +401,8 @@ class LlamaModel(nn.Module):
         visible = torch.zeros((B, -(-W // Kb) * Kb), dtype=torch.int32, device=self.device)
         visible[:, :W] = self._tensor(run.mask)
         with matmul_settings(self.policy):
-            logits, _ = self._run(self._tensor(run.ids), self._tensor(run.positions).long(),
-                                  causal_allowed(visible, W), cache=kv, last=cache["lens"] - 1)
+            logits, _, _ = self.model(self._tensor(run.ids), self._tensor(run.positions).long(),
+                                      causal_allowed(visible, W), cache=kv, last=cache["lens"] - 1)
         return to_numpy(logits[:, -1]), cache
 
     def _decode_invariant(self, cache, next_ids: np.ndarray):
@@ -356,8 +413,8 @@ class LlamaModel(nn.Module):
         width = min(S, -(-(longest + 1) // Kb) * Kb)
         allowed = (torch.arange(width, device=self.device)[None, :] <= lens[:, None])[:, None, :]
         with matmul_settings(self.policy):
-            logits, _ = self._run(self._tensor(next_ids)[:, None], lens[:, None], allowed,
-                                  cache=KV(cache["k"], cache["v"], lens))
+            logits, _, _ = self.model(self._tensor(next_ids)[:, None], lens[:, None], allowed,
+                                      cache=KV(cache["k"], cache["v"], lens))
         cache["lens"] = lens + 1
         return to_numpy(logits[:, -1]), cache
 
@@ -373,37 +430,44 @@ class LlamaModel(nn.Module):
 class LayerRunner:
     """The model run one piece at a time over weights handed in as numpy (checkpoint keys
     and storage dtype), for a comparison that never holds the whole model
-    (compare.ladder.stream). The same modules and steps as LlamaModel._run: a weightless
-    LlamaModel whose one block, final norm and lm_head chunk get their weights installed
-    (rounded as load_numpy rounds them) for the call and dropped after it. Arrays in and
+    (compare.ladder.stream). The same modules and steps as Llama.forward: a weightless
+    Llama whose one block, final norm and lm_head chunk get their weights installed
+    (rounded as Llama rounds them) for the call and dropped after it. Arrays in and
     out are numpy; a hidden state given back to `block` is used as is (the residual dtype).
     Not in batch-invariant mode."""
 
     def __init__(self, cfg: LlamaConfig, policy: str | Policy, device: str | None = None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = LlamaModel(cfg, Policy.get(policy), device)
-        self.cfg, self.policy = cfg, self.model.policy
+        self.module = Llama(cfg, Policy.get(policy), device=device)
+        self.cfg, self.policy = cfg, self.module.policy
         self.ctx: Context | None = None
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return from_numpy(np.asarray(a)).to(self.module.device)
+
+    def _residual(self, h: torch.Tensor) -> torch.Tensor:
+        return h.to(dt(self.policy.residual_dtype))
 
     @torch.inference_mode()
     def start(self, ids: np.ndarray, mask: np.ndarray) -> None:
         """The RoPE tables and the causal mask of one batch, for every later call."""
         ids, mask = check_tokens(self.cfg, ids, mask)
-        m = self.model
-        allowed = causal_allowed(m._tensor(mask), ids.shape[1])
-        self.ctx = Context(*m._rope(m._tensor(positions_from_mask(mask)).long()), allowed, self.policy)
+        positions = self._tensor(positions_from_mask(mask)).long()
+        allowed = causal_allowed(self._tensor(mask), ids.shape[1])
+        self.ctx = Context(*rope_tables(self.cfg, self.policy, self.module.ops, positions), allowed, self.policy,
+                           positions)
 
     @torch.inference_mode()
     def embed(self, rows: np.ndarray) -> np.ndarray:
         """The embedding tap from the table's rows of the batch's ids ([B, T, hidden]):
         gathering then rounding equals rounding the table then gathering."""
-        return to_numpy(self.model._residual(self.model._param(rows)))
+        return to_numpy(self._residual(self.module._param(rows)))
 
     @torch.inference_mode()
     def block(self, i: int, weights: dict[str, np.ndarray], h: np.ndarray, taps=()) -> dict[str, np.ndarray]:
         """Layer i on the hidden state h (layer i's input); {tap name: numpy} for the
         requested per-layer tap names ("layers.i.<name>") plus "layers.i.out" always."""
-        m, block = self.model, self.model.model.layers[i]
+        m, block = self.module, self.module.layers[i]
         prefix = f"model.layers.{i}."
         shapes = {prefix + k: p.shape for k, p in block.named_parameters()}
         for key in shapes:
@@ -411,26 +475,26 @@ class LayerRunner:
         rec = Recorder({*taps, f"layers.{i}.out"})
         try:
             with matmul_settings(self.policy):
-                block(m._residual(m._tensor(h)), self.ctx, rec.layer(i))
+                block(self._residual(self._tensor(h)), self.ctx, rec.layer(i))
         finally:
             for key in shapes:
-                owner, _, name = key.rpartition(".")
-                m.get_submodule(owner)._parameters[name] = _weight(*shapes[key])
+                m._set(key, _weight(*shapes[key]))
         return {n: to_numpy(a) for n, a in rec.acts.items()}
 
     @torch.inference_mode()
     def final_norm(self, weight: np.ndarray, h: np.ndarray) -> np.ndarray:
-        m = self.model
+        m = self.module
         m._install("model.norm.weight", weight, (self.cfg.hidden_size,))
         with matmul_settings(self.policy):
-            return to_numpy(m.model.norm(m._residual(m._tensor(h)), self.policy))
+            return to_numpy(m.norm(self._residual(self._tensor(h)), self.policy))
 
     @torch.inference_mode()
     def logits(self, x: np.ndarray, head_rows: np.ndarray) -> np.ndarray:
         """The logits of final_norm output x for the lm_head rows given (a vocabulary chunk)."""
-        m = self.model
+        m = self.module
         with matmul_settings(self.policy):
-            return to_numpy(m._logits(m._tensor(x), m._head_matrix(m._param(head_rows))))
+            head = _head_matrix(m._param(head_rows), self.policy)
+            return to_numpy(head_logits(self._tensor(x), head, m.ops, self.policy))
 
 
 def _take_slots(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -457,10 +521,10 @@ def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str |
     batch_invariant=True: a sequence's logits and greedy completions are bitwise the same
     whatever the rest of the batch, its row and its padding (see invariant.py)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = LlamaModel(cfg, Policy.get(policy), device, batch_invariant).load_numpy(weights).eval()
+    module = Llama(cfg, Policy.get(policy), weights, batch_invariant, device).eval()
     if batch_invariant:
-        invariant.self_check(model)
-    return model
+        invariant.self_check(module)
+    return LlamaModel(module).eval()
 
 
 def from_pretrained(path: str | Path, policy: str | Policy = "fp32", batch_invariant: bool = False,

@@ -1,7 +1,8 @@
 """Planted cache bugs on the decode path (positive controls for compare.ladder.decode).
 
-Each DecodeControl patches one cache bug into layer LAYER of torchref (or of a transformers
-LlamaForCausalLM, through its own DynamicCache), at P and in the float64 twin, and says at
+Each DecodeControl patches one cache bug into layer LAYER of torchref (on its Attention's
+cache seams: write_slots, cache_allowed, key_tables, stored) or of a transformers
+LlamaForCausalLM (through its own DynamicCache), at P and in the float64 twin, and says at
 which step, tap and component the decode comparison must find it. tests/test_decode.py
 asserts them.
 """
@@ -9,7 +10,6 @@ asserts them.
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import numpy as np
 
@@ -50,60 +50,42 @@ class DecodeControl:
                     tuple(tapnames.all_taps(at_p.cfg.num_hidden_layers)))
 
 
-def _cached_attention(model, slot=None, hide_newest=False, key_shift=0, store=None):
-    """torchref's Attention.forward with a cache bug planted on the decode path (T == 1):
-    slot(index [B], S) -> the slot the new key/value is written to; hide_newest: the mask
-    over the cache misses the slot just written; key_shift: the new key is rotated at its
-    position + key_shift (the positions of cached keys); store: keys and values are
-    rounded to this dtype when cached (prefill too: a cache kept in bf16 whatever the
-    policy). Capture (no cache) is as in torchref."""
-    import torch
+def _cache_bug(slot=None, hide_newest=False, key_shift=0, store=None):
+    """A cache bug planted on the seams of layer LAYER's torchref Attention, on decode steps
+    (one new position): slot(index [B], S) -> the slot the new key/value is written to;
+    hide_newest: the mask over the cache misses the slot just written; key_shift: the new key
+    is rotated at its position + key_shift; store: keys and values are rounded to this dtype
+    when cached (prefill too: a cache kept in bf16 whatever the policy)."""
+    def patch(m):
+        import torch
 
-    def forward(self, x, ctx, rec, cache=None, layer=0):
-        B, T, _ = x.shape
-        decoding = cache is not None and T == 1
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], ctx.policy)
-        q = rec("q", q.view(B, T, self.heads, self.head_dim))
-        k = rec("k", k.view(B, T, self.kv_heads, self.head_dim))
-        v = rec("v", v.view(B, T, self.kv_heads, self.head_dim))
-        q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
-        kcos, ksin = ctx.cos, ctx.sin
-        if decoding and key_shift:
-            kcos, ksin = model._planted_rope(model._planted_positions + key_shift)
-        k = rec("k_rope", self.ops.apply_rope(k, kcos, ksin))
-        allowed = ctx.allowed
-        if cache is not None:
-            k_all, v_all = cache.k[layer], cache.v[layer]
-            S_all = k_all.shape[2]
-            rows = torch.arange(B, device=x.device)[:, None]
-            slots = cache.index[:, None] + torch.arange(T, device=x.device)
-            if decoding and slot is not None:
-                slots = slot(cache.index, S_all)[:, None]
-            if store is not None:
-                k, v = (x.to(getattr(torch, store)).to(x.dtype) for x in (k, v))
-            k_all[rows, :, slots], v_all[rows, :, slots] = k, v
-            S = allowed.shape[-1]
-            if decoding and hide_newest:
-                allowed = allowed & (torch.arange(S, device=x.device)[None, :] != cache.index[:, None])[:, None, :]
-            k, v = k_all[:, :, :S].transpose(1, 2), v_all[:, :, :S].transpose(1, 2)
-        out = rec("attn_ctx", self.ops.attention(q, k, v, allowed, ctx.policy).reshape(B, T, -1))
-        return self.o_proj(out, ctx.policy), cache
+        from torchref.model import rope_tables
+        attn = m.model.layers[LAYER].self_attn
+        own_slots, own_tables = attn.write_slots, attn.key_tables
 
-    if key_shift:
-        run_rope = model._rope
-        model._planted_rope = run_rope
+        def write_slots(index, T, S):
+            return slot(index, S)[:, None] if T == 1 else own_slots(index, T, S)
 
-        def rope(positions):
-            model._planted_positions = positions
-            return run_rope(positions)
-        model._rope = rope
-    attn = model.model.layers[LAYER].self_attn
-    attn.forward = types.MethodType(forward, attn)
+        def cache_allowed(allowed, index):
+            if allowed.shape[1] != 1:
+                return allowed
+            newest = torch.arange(allowed.shape[-1], device=allowed.device)[None, :] == index[:, None]
+            return allowed & ~newest[:, None, :]
 
+        def key_tables(ctx, cache):
+            if cache is None or ctx.cos.shape[1] != 1:
+                return own_tables(ctx, cache)
+            return rope_tables(m.cfg, ctx.policy, attn.ops, ctx.positions + key_shift)
 
-def _patch(**kw):
-    return lambda m: _cached_attention(m, **kw)
+        if slot is not None:
+            attn.write_slots = write_slots
+        if hide_newest:
+            attn.cache_allowed = cache_allowed
+        if key_shift:
+            attn.key_tables = key_tables
+        if store is not None:
+            attn.stored = lambda x: x.to(getattr(torch, store)).to(x.dtype)
+    return patch
 
 
 def _on_decode_steps(change):
@@ -149,17 +131,17 @@ LATE_SLOTS = 4      # the wrapping control: right for the prompt and this many d
 
 DECODE_CONTROLS: dict[str, DecodeControl] = {c.name: c for c in [
     DecodeControl("write_slot_off_by_one", "decode writes the new key/value one slot late (index + 1)",
-                  _patch(slot=lambda index, S: _clamp(index + 1, S - 1))),
+                  _cache_bug(slot=lambda index, S: _clamp(index + 1, S - 1))),
     DecodeControl("stale_mask", "the mask over the cache misses the slot just written (updated after the step)",
-                  _patch(hide_newest=True)),
+                  _cache_bug(hide_newest=True)),
     DecodeControl("key_position_off_by_one", "the new key is rotated at position + 1 (the position counter "
-                  "advanced before the key is cached)", _patch(key_shift=1), tap="layers.1.k_rope"),
+                  "advanced before the key is cached)", _cache_bug(key_shift=1), tap="layers.1.k_rope"),
     # Informational (verdict None: reported, not asserted). Not a bug in the math: a cache
     # kept in bf16 (in the float64 run too) rounds from step 1 on and should read as
     # precision. The dtype-noise test sees one row per step, too few values: measured, it
     # says precision at 6 of 8 steps on SmolLM2 and semantic ("no simple structure") at 2.
     DecodeControl("cache_in_bf16", "keys and values rounded to bfloat16 when cached, whatever the policy",
-                  _patch(store="bfloat16"), verdict=None,
+                  _cache_bug(store="bfloat16"), verdict=None,
                   hint="layer 1's attention computes at about bfloat16 precision even in the float64 run"),
     # transformers LlamaForCausalLM (eager), through its own DynamicCache, patched on decode steps
     DecodeControl("hf_stale_mask", "transformers: layer 1's attention mask over the cache misses the newest "
@@ -180,7 +162,7 @@ def _clamp(a, top: int):
 def control_side(control: DecodeControl, folder, policy, prompt_width: int) -> Side:
     """The candidate Side of a control (the wrapping one is sized from the prompt)."""
     if control.patch is None:
-        control = dataclasses.replace(control, patch=_patch(slot=_wrapping(prompt_width + LATE_SLOTS)))
+        control = dataclasses.replace(control, patch=_cache_bug(slot=_wrapping(prompt_width + LATE_SLOTS)))
     return control.side(folder, Policy.get(policy))
 
 

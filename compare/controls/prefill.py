@@ -4,8 +4,10 @@ Each Control builds a candidate Side with one bug planted at one layer of one mo
 patched torchref, a patched transformers LlamaForCausalLM, or jaxmodel loading a
 doctored copy of the checkpoint) and says what the ladder must answer: verdict, first
 tap, layer, component, and words the hint must contain. Code-level bugs patch the
-module at LAYER only; precision controls change one policy knob of the candidate's
-working model, its fp64 twin stays clean. tests/test_controls.py asserts them;
+module at LAYER only, through torchref's public seams (a module's `ops` namespace, its
+parameters and attributes, the network's lm_head, a forward pre-hook on the context),
+never its private names or a copy of its forward; precision controls change one policy
+knob of the candidate's working model, its fp64 twin stays clean. tests/test_controls.py asserts them;
 bench/controls.py prints the table for a checkpoint.
 
     side = CONTROLS["rope_layout"].side(folder)      # a Side to pass as candidate
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
-import types
 from pathlib import Path
 from typing import Callable
 
@@ -71,28 +72,31 @@ def _torch_side(patch, knobs=None):
     return build
 
 
-def _attn_forward(rope=None, attention=None, allowed_fn=None):
-    """torchref Attention.forward (no KV cache) with one step replaced."""
-    def forward(self, x, ctx, rec, cache=None, layer=0):
-        if cache is not None:
-            raise NotImplementedError("planted attention bugs are for capture, not generation")
-        B, T, _ = x.shape
-        q = rec("q", self.q_proj(x, ctx.policy).view(B, T, self.heads, self.head_dim))
-        k = rec("k", self.k_proj(x, ctx.policy).view(B, T, self.kv_heads, self.head_dim))
-        v = rec("v", self.v_proj(x, ctx.policy).view(B, T, self.kv_heads, self.head_dim))
-        apply = rope or self.ops.apply_rope
-        q, k = rec("q_rope", apply(q, ctx.cos, ctx.sin)), rec("k_rope", apply(k, ctx.cos, ctx.sin))
-        allowed = allowed_fn(ctx.allowed) if allowed_fn is not None else ctx.allowed
-        out = (attention or self.ops.attention)(q, k, v, allowed, ctx.policy).reshape(B, T, -1)
-        return self.o_proj(rec("attn_ctx", out), ctx.policy), cache
-    return forward
+class _Ops:
+    """An op namespace: `base`'s functions, some replaced (set as a module's `ops` seam)."""
+
+    def __init__(self, base, **replaced):
+        self.base = base
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
 
 
-def _patch_attn(**kw):
+def _layer_ops(module: str, **replaced):
+    """Layer LAYER's `module` ("self_attn" or "mlp") computes with some ops replaced."""
     def patch(m):
-        attn = m.model.layers[LAYER].self_attn
-        attn.forward = types.MethodType(_attn_forward(**kw), attn)
+        target = m.model.layers[LAYER].get_submodule(module)
+        target.ops = _Ops(target.ops, **replaced)
     return patch
+
+
+def _attn_bug(**replaced):
+    return _torch_side(_layer_ops("self_attn", **replaced))
+
+
+def _mlp_bug(**replaced):
+    return _torch_side(_layer_ops("mlp", **replaced))
 
 
 def _rope_interleaved(x, cos, sin):
@@ -106,27 +110,17 @@ def _rope_interleaved(x, cos, sin):
 
 
 def _rope_theta(theta):
-    """Layer LAYER's RoPE tables built with another rope_theta (e.g. Llama 3's 500000)."""
+    """Layer LAYER's RoPE tables built with another rope_theta (e.g. Llama 3's 500000): a
+    forward pre-hook on its attention rebuilds the context's tables at its positions."""
     def patch(m):
-        from torchref import ops
-        from torchref.dtypes import dt
-        run_rope = m._rope
+        from torchref.model import rope_tables
+        cfg = dataclasses.replace(m.cfg, rope=dataclasses.replace(m.cfg.rope, theta=theta))
 
-        def rope(positions):
-            m._planted_positions = positions
-            return run_rope(positions)
-        m._rope = rope
-        block = m.model.layers[LAYER]
-        forward = block.forward
-
-        def block_forward(h, ctx, *a, **kw):
-            pos = m._planted_positions
-            dtype = dt(m.policy.rope_dtype)
-            inv = ops.rope_inv_freq(dataclasses.replace(m.cfg.rope, theta=theta), m.cfg.head_dim,
-                                    m.cfg.max_position_embeddings, int(pos.max()) + 1, dtype)
-            cos, sin = ops.rope_cos_sin(inv.to(ctx.cos.device), pos, dtype)
-            return forward(h, ctx._replace(cos=cos, sin=sin), *a, **kw)
-        block.forward = block_forward
+        def retabled(attn, args):
+            x, ctx, *rest = args
+            cos, sin = rope_tables(cfg, ctx.policy, attn.ops, ctx.positions)
+            return (x, ctx._replace(cos=cos, sin=sin), *rest)
+        m.model.layers[LAYER].self_attn.register_forward_pre_hook(retabled)
     return patch
 
 
@@ -158,6 +152,14 @@ def _tiled_gqa(q, k, v, allowed, policy):
     return ops.attention(q, k.repeat(1, 1, G, 1), v.repeat(1, 1, G, 1), allowed, policy)
 
 
+def _masked(change):
+    """Attention over the mask change(allowed) instead of the call's own."""
+    def attention(q, k, v, allowed, policy):
+        from torchref import ops
+        return ops.attention(q, k, v, change(allowed), policy)
+    return attention
+
+
 def _sees_next(allowed):
     nxt = allowed.clone()
     nxt[:, :, 1:] |= allowed[:, :, :-1]
@@ -170,20 +172,15 @@ def _misses_self(allowed):
     return allowed & ~torch.eye(T, allowed.shape[2], dtype=torch.bool, device=allowed.device)
 
 
-def _mlp_with(act_fn_name, swap=False):
-    def forward(self, x, policy, rec):
-        import torch
-        act_fn = getattr(torch.nn.functional, act_fn_name)
-        gate, up = self.gate_proj(x, policy), self.up_proj(x, policy)
-        if swap:
-            gate, up = up, gate
-        rec("gate", gate), rec("up", up)
-        return self.down_proj(rec("act", act_fn(gate) * up), policy)
+def _gelu(x):
+    import torch
+    return torch.nn.functional.gelu(x)
 
-    def patch(m):
-        mlp = m.model.layers[LAYER].mlp
-        mlp.forward = types.MethodType(forward, mlp)
-    return patch
+
+def _swapped_linears(x, ws, bs, policy, out_dtype=None):
+    """ops.linears with its projections in reverse order (MLP: gate and up swapped)."""
+    from torchref import ops
+    return ops.linears(x, ws[::-1], bs[::-1], policy, out_dtype)
 
 
 def _set_eps(eps, attr="eps"):
@@ -221,13 +218,17 @@ def _tied_head(m):
     lm_head.weight dropped and the embedding used instead; a tied checkpoint's head
     "newly initialized" by a loader that unties it (transformers warns, many ignore it)."""
     import torch
-    if m.lm_head is not None:
-        m.lm_head = None
-        m.head_weight = m._lm_head_weight().detach()
+
+    from torchref.model import Linear
+    net = m.model
+    if net.lm_head is not None:
+        net.lm_head = None       # head_weight() now gives the embedding table
         return
-    w = m.head_weight
+    w = net.head_weight()
     fresh = np.random.default_rng(0).standard_normal(tuple(w.shape)) * float(w.float().std())
-    m.head_weight = torch.from_numpy(fresh).to(dtype=w.dtype, device=w.device)
+    head = Linear(w.shape[1], w.shape[0], False, net.ops)
+    head.weight = torch.nn.Parameter(torch.from_numpy(fresh).to(dtype=w.dtype, device=w.device), requires_grad=False)
+    net.lm_head = head
 
 
 def _none(m):
@@ -360,29 +361,29 @@ CONTROLS: dict[str, Control] = {c.name: c for c in [
     _c("norm_one_plus_w", "torchref", "fp32", "semantic", A + "mlp_norm", "mlp_norm",
        ["norm weight", "(1 + w)"], _torch_side(_one_plus_w), "post-attention norm weight applied as (1 + w)"),
     _c("silu_to_gelu", "torchref", "fp32", "semantic", A + "act", "mlp", [],
-       _torch_side(_mlp_with("gelu")), "MLP activation GELU instead of SiLU"),
+       _mlp_bug(silu=_gelu), "MLP activation GELU instead of SiLU"),
     _c("gate_up_swapped", "torchref", "fp32", "semantic", A + "gate", "mlp", [],
-       _torch_side(_mlp_with("silu", swap=True)), "gate and up projections swapped"),
+       _mlp_bug(linears=_swapped_linears), "gate and up projections swapped"),
     _c("qk_permutation", "torchref", "fp32", "semantic", A + "q", "attn", ["permuted", "RoPE layout"],
        _torch_side(_qk_permuted), "q/k weight rows permuted (half-split -> interleaved, per head)"),
     _c("rope_layout", "torchref", "fp32", "semantic", A + "q_rope", "attn", ["RoPE layout"],
-       _torch_side(_patch_attn(rope=_rope_interleaved)), "RoPE rotates pairs (2i, 2i+1): interleaved"),
+       _attn_bug(apply_rope=_rope_interleaved), "RoPE rotates pairs (2i, 2i+1): interleaved"),
     _c("rope_theta", "torchref", "fp32", "semantic", A + "q_rope", "attn",
        ["RoPE frequencies", "theta", "linearly with position"],
        _torch_side(_rope_theta(500000.0)), "rope_theta 500000 (config 10000 / 100000)"),
     _c("attn_scale_missing", "torchref", "fp32", "semantic", A + "attn_ctx", "attn",
-       ["no attention scale"], _torch_side(_patch_attn(attention=_scaled_attention("missing"))),
+       ["no attention scale"], _attn_bug(attention=_scaled_attention("missing")),
        "scores not divided by sqrt(head_dim)"),
     _c("attn_scale_wrong", "torchref", "fp32", "semantic", A + "attn_ctx", "attn",
-       ["1/head_dim"], _torch_side(_patch_attn(attention=_scaled_attention("1/D"))),
+       ["1/head_dim"], _attn_bug(attention=_scaled_attention("1/D")),
        "scores divided by head_dim instead of sqrt(head_dim)"),
     _c("gqa_grouping", "torchref", "fp32", "semantic", A + "attn_ctx", "attn", ["GQA grouping"],
-       _torch_side(_patch_attn(attention=_tiled_gqa)), "query head h reads kv head h % n_kv"),
+       _attn_bug(attention=_tiled_gqa), "query head h reads kv head h % n_kv"),
     _c("causal_sees_next", "torchref", "fp32", "semantic", A + "attn_ctx", "attn",
-       ["causal mask off by one", "next token"], _torch_side(_patch_attn(allowed_fn=_sees_next)),
+       ["causal mask off by one", "next token"], _attn_bug(attention=_masked(_sees_next)),
        "causal mask lets each query see the next token"),
     _c("causal_misses_self", "torchref", "fp32", "semantic", A + "attn_ctx", "attn",
-       ["causal mask off by one", "own token"], _torch_side(_patch_attn(allowed_fn=_misses_self)),
+       ["causal mask off by one", "own token"], _attn_bug(attention=_masked(_misses_self)),
        "causal mask hides each query's own token"),
     _c("lm_head_tied", "torchref", "fp32", "semantic", "logits", "lm_head", ["lm_head matrix"],
        _torch_side(_tied_head), "lm_head tied to the embedding although the checkpoint has its own"),
@@ -400,10 +401,10 @@ CONTROLS: dict[str, Control] = {c.name: c for c in [
     # precision in the float64 run too: a step hard-coded to a narrower dtype (dtype noise)
     _c("softmax_bf16_hardcoded", "torchref", "fp32", "precision", A + "attn_ctx", "attn",
        ["layer 1's attention computes at about bfloat16 precision even in the float64 run"],
-       _torch_side(_patch_attn(attention=_softmax_in("bfloat16"))), "softmax(scores.to(bfloat16)) in one layer"),
+       _attn_bug(attention=_softmax_in("bfloat16")), "softmax(scores.to(bfloat16)) in one layer"),
     _c("softmax_fp16_hardcoded", "torchref", "fp32", "precision", A + "attn_ctx", "attn",
        ["about float16 precision even in the float64 run"],
-       _torch_side(_patch_attn(attention=_softmax_in("float16"))), "softmax(scores.to(float16)) in one layer"),
+       _attn_bug(attention=_softmax_in("float16")), "softmax(scores.to(float16)) in one layer"),
     _c("hf_q_proj_bf16", "transformers", "fp32", "precision", A + "q", "attn",
        ["layer 1's attention computes at about bfloat16 precision even in the float64 run"],
        hf_side(_hf_output_in("self_attn.q_proj", "bfloat16")), "q_proj output rounded to bfloat16"),
