@@ -154,3 +154,71 @@ def test_the_checker_sees_what_it_checks():
     assert not _against_rooms("compare.ladder", "compare.adapters") and not _against_rooms(
         "compare.vocabulary", "compare.metrics")
     assert {"compare.adapters", "compare.metrics"} <= edges["compare.ladder.engine"]
+
+
+# ----- the models' private names, and the controls room ---------------------------------------
+
+MODEL_PACKAGES = ("torchref", "jaxmodel")
+ENGINE_ROOMS = ("compare.ladder", "compare.adapters", "compare.probes", "compare.report")
+
+
+def _private_names_defined(paths) -> set[str]:
+    """`_x` names the files define: functions, classes, methods, module globals and the
+    attributes their code assigns (`self._x = ...`)."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    for leaf in ast.walk(t):
+                        if isinstance(leaf, ast.Name):
+                            names.add(leaf.id)
+                        elif isinstance(leaf, ast.Attribute) and isinstance(leaf.ctx, ast.Store):
+                            names.add(leaf.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_reads(path: Path, private: set[str]):
+    """(line, `x._name`) for every attribute access in the file whose name is one of
+    `private`, on anything but the file's own `self` / `cls`."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in private and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            yield node.lineno, f"{ast.unparse(node.value)}.{node.attr}"
+
+
+# White-box tests of a model package's own internals (invariant.py's packing cache and exp).
+WHITE_BOX = {"tests/test_batch_invariant.py"}
+
+
+def _outside_the_models() -> list[Path]:
+    return [p for d in ("compare", "llama_parity", "bench", "tests") for p in sorted((ROOT / d).rglob("*.py"))
+            if str(p.relative_to(ROOT)) not in WHITE_BOX]
+
+
+def test_nothing_outside_the_models_reads_their_private_names():
+    """Attribute access included (`m._rope`, `attn._head`), not only imports: controls, adapters
+    and the engine work on the models' public seams (module.ops, rope_tables, head_weight,
+    Attention's cache seams)."""
+    private = _private_names_defined(p for pkg in MODEL_PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+    found = [f"{path.relative_to(ROOT)}:{line}: {read}" for path in _outside_the_models()
+             for line, read in _private_reads(path, private)]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_name_check_sees_what_it_checks(tmp_path):
+    private = _private_names_defined((ROOT / "torchref").rglob("*.py"))
+    assert {"_take_slots", "_head_matrix", "_install", "_head"} <= private
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(m, self):\n    m._install(1)\n    self._install(2)\n    return m.model._head\n")
+    assert sorted(read for _, read in _private_reads(probe, private)) == ["m._install", "m.model._head"]
+
+
+def test_the_engine_never_imports_the_controls_room():
+    edges, _ = _graph()
+    found = [(m, t) for m, targets in edges.items() if _room(m) in ENGINE_ROOMS
+             for t in targets if _room(t) == "compare.controls"]
+    assert not found, found
+    assert "compare.controls.prefill" in edges["compare.controls.decode"]   # the graph sees the room
