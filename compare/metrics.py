@@ -47,12 +47,20 @@ def _all_finite(*xs) -> bool:
 
 
 def rel_l2(cand, ref) -> float:
-    """||cand - ref|| / ||ref||; NaN when either side has NaN/Inf (reported, not hidden)."""
+    """||cand - ref|| / ||ref||, and ||cand - ref|| when ref is all zeros (the one convention;
+    rel_from_squares is the same for sums of squares); NaN when either side has NaN/Inf
+    (reported, not hidden)."""
     c, r = as64(cand), as64(ref)
     if not (np.isfinite(c).all() and np.isfinite(r).all()):
         return float("nan")
     denom = np.linalg.norm(r)
     return float(np.linalg.norm(c - r) / denom) if denom else float(np.linalg.norm(c - r))
+
+
+def rel_from_squares(err_sq: float, ref_sq: float) -> float:
+    """rel_l2 from sums of squares already taken (sum (c - r)^2, sum r^2): sqrt of their
+    ratio, or of err_sq alone when the reference is all zeros; NaN propagates."""
+    return math.sqrt(err_sq / ref_sq) if ref_sq else math.sqrt(err_sq)
 
 
 def max_abs(cand, ref) -> float:

@@ -31,16 +31,15 @@ def ansi(kind, text: str) -> str:
 M = 3.0                  # drift factor at 16-bit and fp64 working dtypes: err(cand) <= M err(ref) + floor
 M_BY_DTYPE = {"float32": 10.0}   # at fp32 each implementation's own exp, rsqrt and sums show
 FLOOR_ULPS = 1           # the precision check's floor, in unit roundoffs of compute_dtype
-FP64_FLOOR = 1e-12       # fp64 rounding between two implementations (ours: <= 7.4e-15 on SmolLM2)
+FP64_FLOOR = 1e-12       # fp64 rounding between two implementations (measured: docs/method.md)
 F32_STEPS_FLOOR = 300 * 2.0 ** -24   # ... when one side keeps f32 steps in its fp64 run (transformers)
 STRUCT_F32_FLOOR = 16 * 2.0 ** -24   # below F32_STEPS_FLOOR, a structured difference above this is math
 QUARTER_POSITIONS = 16   # the precision check also looks at each quarter of positions
 # ... and of the RoPE frequencies at q_rope/k_rope, each only when its relative error is an
 # average over at least this many effective values, n_eff = (sum o^2)^2 / sum o^4 of the
 # oracle's values there: a relative L2 error weighs each value by o^2, and where a few huge
-# activations carry the energy (SmolLM2's layers.2.mlp_out: n_eff 1.2-3.3 per quarter of
-# 64 positions) it is the error of those few values, whose ratio between two clean sides
-# scatters widely (0.95 of the bound measured). With 64 the estimate of an error is good to
+# activations carry the energy (attention-sink channels) it is the error of those few
+# values, whose ratio between two clean sides scatters widely. With 64 the estimate of an error is good to
 # ~1/sqrt(2*64) = 9%. The whole tap is always judged. docs/method.md, "Position and
 # frequency structure".
 SUBSET_MIN_VALUES = 64

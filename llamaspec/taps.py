@@ -15,6 +15,8 @@ from typing import NamedTuple
 LAYER_TAPS = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "attn_ctx", "attn_out",
               "resid_mid", "mlp_norm", "gate", "up", "act", "mlp_out", "out")
 
+# Tap kinds with a heads axis ([B, T, heads, head_dim] in both models).
+PER_HEAD = ("q", "k", "v", "q_rope", "k_rope")
 COMPONENTS = ("embed", "attn_norm", "attn", "mlp_norm", "mlp", "final_norm", "lm_head")
 
 _COMPONENT_OF_LAYER_TAP = {

@@ -41,8 +41,6 @@ from llamaspec import positions_from_mask
 from llamaspec import taps as tapnames
 from llamaspec.inputs import check_token_array
 
-PER_HEAD = ("q", "k", "v", "q_rope", "k_rope")
-
 # The module paths of a Hugging Face-layout Llama (transformers' LlamaForCausalLM, and the
 # Mistral/Qwen2-style models that share its names). q_rope/k_rope have no module boundary
 # there (RoPE is a function inside the attention's forward).
@@ -169,7 +167,7 @@ class _Port:
         return out
 
     def _per_head(self, tap, x: np.ndarray) -> np.ndarray:
-        if tapnames.parse(tap)[1] not in PER_HEAD or x.ndim != 3:
+        if tapnames.parse(tap)[1] not in tapnames.PER_HEAD or x.ndim != 3:
             return x
         if not self.head_dim:
             raise ValueError(f"{self.name}: tap '{tap}' came out {x.shape}; per-head taps are [B, T, heads, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from llamaspec import taps as tapnames
 
 from .. import evidence as ev
-from ..vocabulary import FLOOR_ULPS, NOISE_BAND, ONE_ROUNDING, TREND_BUCKETS
+from ..vocabulary import FLOOR_ULPS, KINDS, NOISE_BAND, ONE_ROUNDING, TREND_BUCKETS
 from .findings import hint as findings_hint
 
 # Where a precision deviation first shows, the step that most likely lost it.
@@ -204,3 +204,97 @@ def forcing_sentence(f: ev.Forcing) -> str:
         nums = f"{f.cand_local:.1e} vs the reference's {f.ref_local:.1e} there, {f.ratio:.1f}x the bound"
     return (f"teacher forcing (oracle input forced into every layer): layer {f.first} is the first to add it on "
             f"its own ({rule}; {nums})")
+
+
+def greedy_split(case: str, row, ladder, policy: str) -> str:
+    """Why a greedy row parts (compare.ladder.greedy.SPLIT_CASES), from the row's numbers and
+    the ladder's Report on the common prefix."""
+    m, d = row.reference_margin, row.logit_difference
+    if case == "ladder":
+        div = ladder.first_divergence
+        return (f"the ladder on the common prefix ({row.prompt_tokens + row.step - 1} tokens) finds "
+                f"{ladder.verdict}" + (f" first at {div.tap} (layer {div.layer}, {div.component}): "
+                                       f"{div.hint}" if div is not None else "")
+                + f"; the reference's top two are {m:.2e} apart there, the sides' logits differ by {d:.2e}")
+    if case == "near_tie":
+        return (f"the two sides' logits differ by {d:.2e} where the reference's top two are {m:.2e} apart "
+                f"(a split needs margin <= 2 x difference: {m:.2e} <= {2 * d:.2e}); the ladder on the "
+                f"common prefix says {ladder.verdict} at {policy}")
+    head = (f"the full recomputes of the common prefix differ by only {d:.2e} at the two tokens, where the "
+            f"reference's top two are {m:.2e} apart (> 2 x {d:.2e}): they cannot split (capture top-1: reference "
+            f"{row.capture_top1[0]}, candidate {row.capture_top1[1]}); the tokens came from the generation path "
+            "(prefill + KV-cache decode)")
+    if case == "not_replayed":
+        return (head + "; it could not be replayed (no prefill / decode, or the replay did not "
+                f"reproduce the tokens), so nothing explains the split; the ladder says {ladder.verdict}; "
+                "compare_decode judges the decode path step by step")
+    g = row.generation
+    numbers = (f"replayed, the generation paths' logits differ by {g['logit_difference']:.2e} where the reference's "
+               f"top two are {g['reference_margin']:.2e} apart; against the fp64 oracle each generation path is at "
+               f"{g['reference_ratio']:.2f}x (reference) and {g['candidate_ratio']:.2f}x (candidate) the drift bound "
+               f"(M x the reference recompute's error + floor, as the ladder's precision rung)")
+    if case == "replay_drift":
+        return (head + "; " + numbers + f": rounding in the decode path at a near tie (the ladder on the "
+                f"prefix says {ladder.verdict} at {policy})")
+    worse = "candidate" if g["candidate_ratio"] > g["reference_ratio"] else "reference"
+    return (head + "; " + numbers + f": the {worse}'s decode path loses more than rounding although its "
+            f"full recompute is {ladder.verdict} (its decode path vs its own recompute: "
+            f"{g[worse + '_vs_recompute']:.2e} at the two tokens); compare_decode judges the decode path "
+            "(KV cache, positions, mask) step by step")
+
+
+def report_summary(r) -> str:
+    """The ladder's Report (compare.ladder.engine.Report) in a few lines."""
+    lines = [f"{r.candidate} vs {r.reference} at {r.policy['name']}: {r.verdict}"]
+    if r.first_divergence:
+        d = r.first_divergence
+        lines.append(f"first {d.kind} at {d.tap} (layer {d.layer}, {d.component}): {d.hint}")
+        if d.evidence:
+            lines.append(d.evidence)
+    if r.config_differences:
+        lines.append("the configs differ: " + "; ".join(r.config_differences))
+    if r.teacher_forcing not in ("run", "off"):     # "not run: <why>"
+        lines.append(f"teacher forcing {r.teacher_forcing}")
+    if r.semantic_rung != "run":
+        lines.append(f"fp64 rung {r.semantic_rung}: verdicts judged at {r.policy['name']} by structure "
+                     "alone, a lower-precision step and a small change in the math can look alike")
+    return "\n".join(lines)
+
+
+def parity_failure(r) -> str:
+    """assert_parity's message: the summary and the first taps of the worst kind."""
+    worst = [v for v in r.taps if v.kind == r.verdict][:5]
+    return "\n".join([report_summary(r)] + [f"  {v.tap}: {v.kind}, cand {v.err_cand:.2e} vs ref "
+                                           f"{v.err_ref:.2e}, fp64 {v.err_fp64:.2e}" for v in worst])
+
+
+def decode_summary(r, full_recompute: str) -> str:
+    """The decode comparison's DecodeReport in a few lines."""
+    counts = {k: sum(s.verdict == k for s in r.per_step) for k in KINDS}
+    per = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+    lines = [f"{r.candidate} vs {r.reference} at {r.policy['name']}, decode of {r.steps} "
+             f"steps after a {r.prompt_tokens}-token prompt: {r.verdict} ({per})"]
+    if r.first_divergence is not None:
+        d = r.first_divergence
+        step = r.per_step[r.first_step - 1]
+        lines.append(f"first {d.kind} at step {r.first_step} (slot {step.slot}): {d.tap} (layer {d.layer}, "
+                     f"{d.component}): {d.hint}")
+    if r.config_differences:
+        lines.append("the configs differ: " + "; ".join(r.config_differences))
+    if r.oracle != full_recompute:
+        lines.append(f"oracle: {r.oracle}")
+    return "\n".join(lines)
+
+
+def greedy_summary(r) -> str:
+    """The greedy comparison's GreedyReport: each row, the same tokens or where it parts and why."""
+    parted = [row for row in r.rows if row.step is not None]
+    lines = [f"{r.candidate} vs {r.reference} at {r.policy['name']}, greedy, up to {r.new_tokens} "
+             f"new tokens on {len(r.rows)} prompt(s): {r.verdict} ({len(parted)} part)"]
+    for row in r.rows:
+        if row.step is None:
+            lines.append(f"  row {row.row}: the same {len(row.reference_tokens)} tokens")
+        else:
+            lines.append(f"  row {row.row}: part at step {row.step} (reference {row.reference_token}, candidate "
+                         f"{row.candidate_token}): {row.cause}: {row.explanation}")
+    return "\n".join(lines)

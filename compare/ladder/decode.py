@@ -66,6 +66,7 @@ from llamaspec.inputs import left_align
 from ..adapters import OurModel, Side, config_differences
 from ..environment import environment
 from ..evidence import ONSET, POOLED_DRIFT, POOLED_NO_STRUCTURE, DecodePath, Pooled
+from ..explain import ladder as explain
 from ..metrics import pair_metrics, rel_l2
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
@@ -113,20 +114,7 @@ class DecodeReport(JsonResult):
     oracle: str = "reference at fp64, full recompute without a cache"   # or _oracle_kind's other answer
 
     def summary(self) -> str:
-        counts = {k: sum(s.verdict == k for s in self.per_step) for k in KINDS}
-        per = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
-        lines = [f"{self.candidate} vs {self.reference} at {self.policy['name']}, decode of {self.steps} "
-                 f"steps after a {self.prompt_tokens}-token prompt: {self.verdict} ({per})"]
-        if self.first_divergence is not None:
-            d = self.first_divergence
-            step = self.per_step[self.first_step - 1]
-            lines.append(f"first {d.kind} at step {self.first_step} (slot {step.slot}): {d.tap} (layer {d.layer}, "
-                         f"{d.component}): {d.hint}")
-        if self.config_differences:
-            lines.append("the configs differ: " + "; ".join(self.config_differences))
-        if self.oracle != FULL_RECOMPUTE:
-            lines.append(f"oracle: {self.oracle}")
-        return "\n".join(lines)
+        return explain.decode_summary(self, FULL_RECOMPUTE)
 
 
 FULL_RECOMPUTE = "reference at fp64, full recompute without a cache"
@@ -138,8 +126,7 @@ def _oracle_kind(ref: Side, length: int) -> str:
     length of the call (transformers' dynamic_rope_update, which torchref and jaxmodel
     follow), so a full recompute rotates every key with the final length's base while a
     cache keeps each key as rotated when it was written. The two disagree at every step
-    in a correct model (measured on a tiny checkpoint with 16 trained positions, 12 + 8:
-    rel L2 6.5e-2 at layer 0's q_rope), and the reference's own fp64 decode through its
+    in a correct model (docs/method.md, "The decode path"), and the reference's own fp64 decode through its
     cache is then the oracle: the candidate is judged on following the reference's cache
     semantics, and the cache-or-math split (its own full recompute) is not made."""
     cfg = getattr(ref.at_fp64, "cfg", None)
@@ -193,7 +180,7 @@ def _decode_run(impl, ids, mask, taps, tokens=None, steps=None, slack=0, prefill
 
 def _prefill_ahead(pool, impl, ids, mask, taps, total_len):
     """A jaxmodel side compiles two programs (prefill with the cache, the decode step with
-    its taps: ~10 s each for SmolLM2, most of a comparison's time). They are compiled in
+    its taps: most of a comparison's time). They are compiled in
     `pool` while the reference decodes: prefill runs (its result is the one the side's
     decode run continues from) and one decode step runs on a copy of the cache, with the
     prompt's last tokens, so that the compiled step is ready. None for other sides."""

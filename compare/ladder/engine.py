@@ -18,6 +18,7 @@ from llamaspec import taps as tapnames
 
 from ..adapters import PACKAGES, InjectUnsupported, Side, config_differences, inject_support, resolve_side
 from ..environment import environment
+from ..explain import ladder as explain
 from ..metrics import logits_agreement, pair_metrics
 from ..results import JsonResult
 from .stream import checkpoint_side, streamable, streamed_ladder
@@ -50,20 +51,7 @@ class Report(JsonResult):
         return write_html(self, path)
 
     def summary(self) -> str:
-        lines = [f"{self.candidate} vs {self.reference} at {self.policy['name']}: {self.verdict}"]
-        if self.first_divergence:
-            d = self.first_divergence
-            lines.append(f"first {d.kind} at {d.tap} (layer {d.layer}, {d.component}): {d.hint}")
-            if d.evidence:
-                lines.append(d.evidence)
-        if self.config_differences:
-            lines.append("the configs differ: " + "; ".join(self.config_differences))
-        if self.teacher_forcing not in ("run", "off"):     # "not run: <why>"
-            lines.append(f"teacher forcing {self.teacher_forcing}")
-        if self.semantic_rung != "run":
-            lines.append(f"fp64 rung {self.semantic_rung}: verdicts judged at {self.policy['name']} by structure "
-                         "alone, a lower-precision step and a small change in the math can look alike")
-        return "\n".join(lines)
+        return explain.report_summary(self)
 
 
 def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing=True,
@@ -95,38 +83,50 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
         progress(f"candidate at fp64: not run ({cand.name} has no float64())")
         c64 = None
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
-    hidden = np.shape(o["embed"])[-1] if "embed" in o else None
-    verdicts, noise_from = [], None
-    for t in taps:     # in execution order: dtype noise found at one tap is carried to the next
-        v = classify(t, r[t], c[t], o[t], None if c64 is None else c64[t], real, policy, keeps_f32,
-                     context_for(t, c if c64 is None else c64, o), hidden, noise_from)
-        if v.noise_dtype and noise_from is None:
-            noise_from = v
-        verdicts.append(v)
-    for v in verdicts:
-        v.metrics = pair_metrics(c[v.tap][real], r[v.tap][real], tapnames.dtype_of(v.tap, policy))
+    verdicts = judge_taps(taps, r, c, o, c64, real, policy, keeps_f32)
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
               if "logits" in taps else {})
     worst, divergence = first_divergence(verdicts)
     t0 = _lap(seconds, "judging", t0)
     local, forcing = [], "off"
-    no_inject = [why for why in map(inject_support, (ref.at_policy, cand.at_policy)) if why]
-    if teacher_forcing and no_inject:
-        forcing = f"not run: {'; '.join(no_inject)} (teacher forcing needs it)"
-    elif teacher_forcing:
-        progress("teacher forcing: every layer fed the oracle's input")
-        try:
-            local = local_errors(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32)
+    if teacher_forcing:
+        local, forcing = _teacher_forcing(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32, progress)
+        if forcing == "run":
             _lap(seconds, "teacher forcing", t0)
             amplification(local, verdicts)
-            forcing = "run"
-        except InjectUnsupported as e:     # the port said so at the call (NotImplementedError)
-            local, forcing = [], f"not run: {e} (teacher forcing needs it)"
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
     rung = "run" if c64 is not None else f"not run: {cand.name} has no float64() (the same implementation at float64)"
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
                   logits, environment(policy, uses_jax), differences, forcing, rung,
                   run={"path": "full", "seconds": seconds})
+
+
+def judge_taps(taps, r, c, o, c64, real, policy: Policy, keeps_f32: bool) -> list[TapVerdict]:
+    """classify every tap in execution order (dtype noise found at one tap is carried to the
+    next), with the pair metrics of candidate vs reference. c64 None: no float64 twin."""
+    hidden = np.shape(o["embed"])[-1] if "embed" in o else None
+    verdicts, noise_from = [], None
+    for t in taps:
+        v = classify(t, r[t], c[t], o[t], None if c64 is None else c64[t], real, policy, keeps_f32,
+                     context_for(t, c if c64 is None else c64, o), hidden, noise_from)
+        if v.noise_dtype and noise_from is None:
+            noise_from = v
+        v.metrics = pair_metrics(c[t][real], r[t][real], tapnames.dtype_of(t, policy))
+        verdicts.append(v)
+    return verdicts
+
+
+def _teacher_forcing(ref: Side, cand: Side, ids, mask, o, real, divergence, policy, keeps_f32, progress):
+    """(local errors per layer, Report.teacher_forcing): "run", or "not run: <why>" when a
+    side takes no inject."""
+    no_inject = [why for why in map(inject_support, (ref.at_policy, cand.at_policy)) if why]
+    if no_inject:
+        return [], f"not run: {'; '.join(no_inject)} (teacher forcing needs it)"
+    progress("teacher forcing: every layer fed the oracle's input")
+    try:
+        return local_errors(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32), "run"
+    except InjectUnsupported as e:     # the port said so at the call (NotImplementedError)
+        return [], f"not run: {e} (teacher forcing needs it)"
 
 
 def _lap(seconds: dict, what: str, t0: float) -> float:
@@ -148,8 +148,8 @@ def _run_streamed(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forc
                   run={"path": "streamed", "seconds": s.seconds})
 
 
-# The default input: one chat prompt of 258 tokens with SmolLM2's tokenizer (the issue's
-# "256-token prompt"), long enough for position-dependent bugs (RoPE, masks) to show a
+# The default input: one chat prompt of 258 tokens with SmolLM2's tokenizer, long enough for position-
+# dependent bugs (RoPE, masks) to show a
 # trend and for softmaxes over many keys, short enough for the fp64 rung to stay cheap.
 BUILTIN_PROMPTS = [
     "Read the following notes and answer the question at the end.\n\n"
@@ -250,10 +250,7 @@ def assert_parity(reference, candidate, checkpoint=None, policy=None, inputs=Non
     _check_parity_args(checkpoint, allow)     # named before any model loads
     report = compare_models(reference, candidate, checkpoint, inputs=inputs, policy=policy, **kw)
     if report.verdict not in allow:
-        worst = [v for v in report.taps if v.kind == report.verdict][:5]
-        lines = [report.summary()] + [f"  {v.tap}: {v.kind}, cand {v.err_cand:.2e} vs ref "
-                                      f"{v.err_ref:.2e}, fp64 {v.err_fp64:.2e}" for v in worst]
-        raise AssertionError("\n".join(lines))
+        raise AssertionError(explain.parity_failure(report))
     return report
 
 

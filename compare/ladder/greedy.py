@@ -45,11 +45,10 @@ its own tokens, as generate ran it; sides without prefill / decode cannot be rep
 "unexplained") and judges its logits at the split against the fp64 oracle exactly as the
 ladder's precision rung judges a tap: rel L2 over the vocabulary / (M x the reference
 recompute's rel L2 + floor), M and floor from compare.vocabulary. Both sides within the
-bound (<= 1): the decode path's own rounding decided a near tie -> "near tie, drift"
-(measured: SmolLM2, jaxmodel vs torchref at bf16, a split at margin 9.3e-2 the recomputes
-do not show, generation paths at 0.30x and 0.50x). Either beyond it: that side's decode
-path computes something its own recompute does not (a stale mask over the cache: 8000x)
--> "unexplained", pointing at compare_decode, which judges the decode path step by step.
+bound (<= 1): the decode path's own rounding decided a near tie -> "near tie, drift".
+Either beyond it: that side's decode path computes something its own recompute does not
+(a stale mask over the cache; docs/method.md has the measured ratios) -> "unexplained", pointing at
+compare_decode, which judges the decode path step by step.
 A decode-path bug that splits where the recompute splits too is called a near tie here;
 compare_decode finds it.
 """
@@ -66,6 +65,7 @@ from llamaspec.inputs import left_align
 
 from ..adapters import Side
 from ..environment import environment
+from ..explain import ladder as explain
 from ..metrics import rel_l2
 from ..results import JsonResult
 from ..vocabulary import drift_factor, precision_floor
@@ -120,16 +120,7 @@ class GreedyReport(JsonResult):
         return d
 
     def summary(self) -> str:
-        parted = [r for r in self.rows if r.step is not None]
-        lines = [f"{self.candidate} vs {self.reference} at {self.policy['name']}, greedy, up to {self.new_tokens} "
-                 f"new tokens on {len(self.rows)} prompt(s): {self.verdict} ({len(parted)} part)"]
-        for r in self.rows:
-            if r.step is None:
-                lines.append(f"  row {r.row}: the same {len(r.reference_tokens)} tokens")
-            else:
-                lines.append(f"  row {r.row}: part at step {r.step} (reference {r.reference_token}, candidate "
-                             f"{r.candidate_token}): {r.cause}: {r.explanation}")
-        return "\n".join(lines)
+        return explain.greedy_summary(self)
 
 
 def _margin(x: np.ndarray) -> float:
@@ -183,55 +174,41 @@ def _replay(impl, ids, mask, tokens, new_tokens: int, want: dict) -> dict | None
     return got
 
 
+# How a parting row is explained (split_case), and the row's kind and cause for each.
+SPLIT_CASES = {
+    "ladder": (None, None),                         # the ladder's own verdict on the common prefix
+    "near_tie": ("drift", "near tie, drift"),       # the recomputes' difference can flip the top two
+    "not_replayed": ("unexplained", "unexplained"),  # the recomputes cannot split; no generation path to replay
+    "replay_drift": ("drift", "near tie, drift"),   # the replayed generation paths are within the drift bound
+    "replay_beyond": ("unexplained", "unexplained"),  # a replayed generation path loses more than rounding
+}
+
+
+def split_case(row: GreedyRow, ladder: Report) -> str:
+    """Which SPLIT_CASES explains a parting row (the rule: module docstring)."""
+    if ladder.verdict in ("precision", "semantic"):
+        return "ladder"
+    if row.reference_margin <= 2 * row.logit_difference:
+        return "near_tie"
+    g = row.generation
+    if not g:
+        return "not_replayed"
+    return "replay_drift" if max(g["reference_ratio"], g["candidate_ratio"]) <= 1 else "replay_beyond"
+
+
 def explain_split(row: GreedyRow, ladder: Report, policy: Policy) -> None:
     """Fills a parting row's kind, cause and explanation from the ladder's Report on the
-    common prefix and the row's numbers (the rule: module docstring)."""
-    m, d = row.reference_margin, row.logit_difference
+    common prefix and the row's numbers."""
     row.ladder_verdict, row.first_divergence, row.teacher_forcing = (ladder.verdict, ladder.first_divergence,
                                                                      ladder.teacher_forcing)
-    if ladder.verdict in ("precision", "semantic"):
+    case = split_case(row, ladder)
+    row.kind, row.cause = SPLIT_CASES[case]
+    if case == "ladder":
         div = ladder.first_divergence
         where = f"layer {div.layer}" if div is not None and div.layer is not None else (
             div.component if div is not None else "")
         row.kind, row.cause = ladder.verdict, f"{ladder.verdict}, {where}".rstrip(", ")
-        row.explanation = (f"the ladder on the common prefix ({row.prompt_tokens + row.step - 1} tokens) finds "
-                           f"{ladder.verdict}" + (f" first at {div.tap} (layer {div.layer}, {div.component}): "
-                                                  f"{div.hint}" if div is not None else "")
-                           + f"; the reference's top two are {m:.2e} apart there, the sides' logits differ by "
-                           f"{d:.2e}")
-        return
-    if m <= 2 * d:
-        row.kind, row.cause = "drift", "near tie, drift"
-        row.explanation = (f"the two sides' logits differ by {d:.2e} where the reference's top two are {m:.2e} apart "
-                           f"(a split needs margin <= 2 x difference: {m:.2e} <= {2 * d:.2e}); the ladder on the "
-                           f"common prefix says {ladder.verdict} at {policy.name}")
-        return
-    g = row.generation
-    head = (f"the full recomputes of the common prefix differ by only {d:.2e} at the two tokens, where the "
-            f"reference's top two are {m:.2e} apart (> 2 x {d:.2e}): they cannot split (capture top-1: reference "
-            f"{row.capture_top1[0]}, candidate {row.capture_top1[1]}); the tokens came from the generation path "
-            "(prefill + KV-cache decode)")
-    if not g:
-        row.kind, row.cause = "unexplained", "unexplained"
-        row.explanation = (head + "; it could not be replayed (no prefill / decode, or the replay did not "
-                           f"reproduce the tokens), so nothing explains the split; the ladder says {ladder.verdict}; "
-                           "compare_decode judges the decode path step by step")
-        return
-    numbers = (f"replayed, the generation paths' logits differ by {g['logit_difference']:.2e} where the reference's "
-               f"top two are {g['reference_margin']:.2e} apart; against the fp64 oracle each generation path is at "
-               f"{g['reference_ratio']:.2f}x (reference) and {g['candidate_ratio']:.2f}x (candidate) the drift bound "
-               f"(M x the reference recompute's error + floor, as the ladder's precision rung)")
-    if max(g["reference_ratio"], g["candidate_ratio"]) <= 1:
-        row.kind, row.cause = "drift", "near tie, drift"
-        row.explanation = (head + "; " + numbers + f": rounding in the decode path at a near tie (the ladder on the "
-                           f"prefix says {ladder.verdict} at {policy.name})")
-        return
-    worse = "candidate" if g["candidate_ratio"] > g["reference_ratio"] else "reference"
-    row.kind, row.cause = "unexplained", "unexplained"
-    row.explanation = (head + "; " + numbers + f": the {worse}'s decode path loses more than rounding although its "
-                       f"full recompute is {ladder.verdict} (its decode path vs its own recompute: "
-                       f"{g[worse + '_vs_recompute']:.2e} at the two tokens); compare_decode judges the decode path "
-                       "(KV cache, positions, mask) step by step")
+    row.explanation = explain.greedy_split(case, row, ladder, policy.name)
 
 
 def _oracle_ratios(row: GreedyRow, ref: Side, prefix, r_cap, gen_r, gen_c, policy: Policy, hidden) -> None:
@@ -244,6 +221,48 @@ def _oracle_ratios(row: GreedyRow, ref: Side, prefix, r_cap, gen_r, gen_c, polic
     row.generation["candidate_ratio"] = rel_l2(gen_c, o) / bound
 
 
+def _parting_rows(gr, gc, mask, eos) -> tuple[list[GreedyRow], dict]:
+    """One GreedyRow per prompt, and row -> the index of the first differing new token."""
+    rows, parting = [], {}
+    for b in range(len(gr)):
+        rt, ct = until_eos(gr[b], eos), until_eos(gc[b], eos)
+        n = min(len(rt), len(ct))
+        differ = [i for i in range(n) if rt[i] != ct[i]]
+        row = GreedyRow(b, int(mask[b].sum()), rt, ct, "exact", "same tokens")
+        if differ:
+            s = differ[0]
+            row.step, row.reference_token, row.candidate_token = s + 1, rt[s], ct[s]
+            parting[b] = s
+        rows.append(row)
+    return rows, parting
+
+
+def _split(row: GreedyRow, ref: Side, cand: Side, prefix, replayed: tuple, policy: Policy, hidden,
+           progress) -> Report:
+    """One parting row: both sides' full recompute of the common prefix, the replayed
+    generation paths' logits there, the ladder on the prefix, and the row explained."""
+    b, a, c_tok = row.row, row.reference_token, row.candidate_token
+    progress(f"row {b}: both sides on the common prefix ({prefix.shape[1]} tokens)")
+    r, c = _last_logits(ref.at_policy, prefix), _last_logits(cand.at_policy, prefix)
+    row.reference_margin, row.candidate_margin = _margin(r), _margin(c)
+    row.logit_difference = _diff(r, c, a, c_tok)
+    row.capture_top1 = [int(r.argmax()), int(c.argmax())]
+    gr_, gc_ = replayed
+    if gr_ is not None and gc_ is not None:
+        row.generation = {"reference_margin": _margin(gr_[b]), "candidate_margin": _margin(gc_[b]),
+                          "logit_difference": _diff(gr_[b], gc_[b], a, c_tok),
+                          "reference_vs_recompute": _diff(gr_[b], r, a, c_tok),
+                          "candidate_vs_recompute": _diff(gc_[b], c, a, c_tok)}
+    progress(f"row {b}: the ladder on the common prefix")
+    ladder = run_ladder(ref, cand, prefix, np.ones_like(prefix), policy, teacher_forcing=True,
+                        progress=lambda msg: progress(f"row {b}, ladder: {msg}"))
+    if ladder.verdict in ("exact", "drift") and row.reference_margin > 2 * row.logit_difference and row.generation:
+        progress(f"row {b}: the recomputes cannot split; the generation paths against the fp64 oracle")
+        _oracle_ratios(row, ref, prefix, r, gr_[b], gc_[b], policy, hidden)
+    explain_split(row, ladder, policy)
+    return ladder
+
+
 def run_greedy(ref: Side, cand: Side, ids, mask, policy: Policy, new_tokens: int = 32,
                progress=lambda msg: None) -> GreedyReport:
     """compare_greedy on two prepared Sides and a prompt batch (ids, mask) [B, T]."""
@@ -254,56 +273,21 @@ def run_greedy(ref: Side, cand: Side, ids, mask, policy: Policy, new_tokens: int
         _check_generate(side)
     ids, mask = left_align(np.asarray(ids, np.int64), np.asarray(mask, np.int64))
     cfg = getattr(ref.at_policy, "cfg", None) or getattr(cand.at_policy, "cfg", None)
-    eos = tuple(getattr(cfg, "eos_token_ids", ()) or ())
     progress(f"reference {ref.name} at {policy.name}: greedy, {new_tokens} new tokens")
     gr = _generate(ref, ids, mask, new_tokens)
     progress(f"candidate {cand.name} at {policy.name}: greedy, {new_tokens} new tokens")
     gc = _generate(cand, ids, mask, new_tokens)
-
-    rows, parting = [], {}
-    for b in range(len(ids)):
-        rt, ct = until_eos(gr[b], eos), until_eos(gc[b], eos)
-        n = min(len(rt), len(ct))
-        differ = [i for i in range(n) if rt[i] != ct[i]]
-        row = GreedyRow(b, int(mask[b].sum()), rt, ct, "exact", "same tokens")
-        if differ:
-            s = differ[0]
-            row.step, row.reference_token, row.candidate_token = s + 1, rt[s], ct[s]
-            parting[b] = s
-        rows.append(row)
-
+    rows, parting = _parting_rows(gr, gc, mask, tuple(getattr(cfg, "eos_token_ids", ()) or ()))
     replays = {}
     if parting:
         for name, side, toks in (("reference", ref, gr), ("candidate", cand, gc)):
             progress(f"{name} {side.name}: replaying the generation path to the split")
             replays[name] = _replay(side.at_policy, ids, mask, toks, new_tokens, parting)
-
     ladders = {}
     for b, s in parting.items():
-        row = rows[b]
-        a, c_tok = row.reference_token, row.candidate_token
-        prefix = np.concatenate([ids[b][mask[b].astype(bool)], np.asarray(row.reference_tokens[:s], np.int64)])[None]
-        progress(f"row {b}: both sides on the common prefix ({prefix.shape[1]} tokens)")
-        r, c = _last_logits(ref.at_policy, prefix), _last_logits(cand.at_policy, prefix)
-        row.reference_margin, row.candidate_margin = _margin(r), _margin(c)
-        row.logit_difference = _diff(r, c, a, c_tok)
-        row.capture_top1 = [int(r.argmax()), int(c.argmax())]
-        gr_, gc_ = replays.get("reference"), replays.get("candidate")
-        if gr_ is not None and gc_ is not None:
-            row.generation = {"reference_margin": _margin(gr_[b]), "candidate_margin": _margin(gc_[b]),
-                              "logit_difference": _diff(gr_[b], gc_[b], a, c_tok),
-                              "reference_vs_recompute": _diff(gr_[b], r, a, c_tok),
-                              "candidate_vs_recompute": _diff(gc_[b], c, a, c_tok)}
-        progress(f"row {b}: the ladder on the common prefix")
-        ladder = run_ladder(ref, cand, prefix, np.ones_like(prefix), policy, teacher_forcing=True,
-                            progress=lambda msg, b=b: progress(f"row {b}, ladder: {msg}"))
-        ladders[b] = ladder
-        if (ladder.verdict in ("exact", "drift") and row.reference_margin > 2 * row.logit_difference
-                and row.generation):
-            progress(f"row {b}: the recomputes cannot split; the generation paths against the fp64 oracle")
-            _oracle_ratios(row, ref, prefix, r, gr_[b], gc_[b], policy, getattr(cfg, "hidden_size", None))
-        explain_split(row, ladder, policy)
-
+        prefix = np.concatenate([ids[b][mask[b].astype(bool)], np.asarray(rows[b].reference_tokens[:s], np.int64)])
+        ladders[b] = _split(rows[b], ref, cand, prefix[None], (replays.get("reference"), replays.get("candidate")),
+                            policy, getattr(cfg, "hidden_size", None), progress)
     verdict = max((r.kind for r in rows), key=GREEDY_KINDS.index)
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
     return GreedyReport(ref.name, cand.name, policy.to_dict(), int(new_tokens), verdict, rows,

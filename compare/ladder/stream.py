@@ -264,15 +264,28 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
     reader = _Reader(impl.checkpoint for impl in impls.values())
     runs = {k: _Run(impl, ids, mask) for k, impl in impls.items()}
     judge = _Judge(policy, real, keeps_f32, taps)
-    n = cfg.num_hidden_layers
-
-    acts = {}
     for k, run in runs.items():
-        run.h = acts.setdefault(k, {})["embed"] = run("embed", reader.rows(run.folder, "model.embed_tokens.weight",
-                                                                             ids))
-    judge.hidden = acts["o"]["embed"].shape[-1]
-    judge(["embed"], acts["r"], acts["c"], acts["o"], acts["c64"])
-    prev_o = {"embed": acts["o"]["embed"]}
+        run.h = run("embed", reader.rows(run.folder, "model.embed_tokens.weight", ids))
+    judge.hidden = runs["o"].h.shape[-1]
+    judge(["embed"], *({"embed": runs[k].h} for k in ("r", "c", "o", "c64")))
+    rows, last_o = _layers(runs, reader, judge, cfg.num_hidden_layers, real, teacher_forcing, progress)
+    agreement = _head(runs, reader, judge, cfg, real, "logits" in taps, last_o, progress)
+    verdicts = judge.verdicts
+    worst, divergence = first_divergence(verdicts)
+    if teacher_forcing:
+        progress("teacher forcing: done with the layers (every layer was also fed the oracle's input)")
+        _localise(divergence, rows, runs, reader, cfg, real, policy, keeps_f32, progress)
+        amplification(rows, verdicts)
+    seconds = {f"{k} ({impls[k].name} at {impls[k].policy.name})": round(run.seconds, 3) for k, run in runs.items()}
+    seconds.update({"reading": round(reader.seconds, 3), "judging": round(judge.seconds, 3)})
+    return Streamed(verdicts, worst, divergence, rows, agreement, seconds)
+
+
+def _layers(runs: dict, reader: _Reader, judge: _Judge, n: int, real, teacher_forcing: bool, progress):
+    """Every layer on every run, judged on the spot (one layer's weights held at a time);
+    with teacher forcing, each side's layer also fed the oracle's input: its local error.
+    (rows of local errors per layer, the oracle's last layer output as context for the final norm)"""
+    prev_o = {"embed": runs["o"].h}
     rows = []     # teacher forcing's local errors, per layer
     t_start = t_first = time.perf_counter()
     for i in range(n):
@@ -301,18 +314,23 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
         else:
             per = (now - t_first) / i
         progress(f"layer {i + 1}/{n} done ({per:.1f} s per layer, about {per * (n - i - 1):.0f} s left)")
+    return rows, prev_o
 
+
+def _head(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, real, logits_tap: bool, last_o,
+          progress) -> dict:
+    """The final norm and the lm_head on every run, judged; logits_agreement's metrics."""
     norm, acts = {}, {}
     for k, run in runs.items():
         if run.folder not in norm:
             norm[run.folder] = reader.tensors(run.folder, ["model.norm.weight"])["model.norm.weight"]
         acts[k] = {"final_norm": run("final_norm", norm[run.folder], run.h)}
-    judge(["final_norm"], acts["r"], acts["c"], acts["o"], acts["c64"], prev_o)
+    judge(["final_norm"], acts["r"], acts["c"], acts["o"], acts["c64"], last_o)
     progress("final norm and lm_head" + (f" in chunks of {_head_chunk(cfg)} rows" if _head_chunk(cfg) < cfg.vocab_size
                                          else ""))
     logits = _logits(runs, reader, cfg, {k: acts[k]["final_norm"] for k in runs})
     agreement = {}
-    if "logits" in taps:    # each copy dropped as soon as the last step that reads it is done
+    if logits_tap:    # each copy dropped as soon as the last step that reads it is done
         v = judge.verdict("logits", logits["r"], logits["c"], logits["o"], logits.pop("c64"), {})
         judge.metrics(v, logits["r"], logits["c"])
         # logits_agreement's own selection of the real positions, made here one side at a time
@@ -321,15 +339,7 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
         _trim()
         agreement = logits_agreement(real_rows["r"], real_rows["c"], real_rows["o"])
     del logits
-    verdicts = judge.verdicts
-    worst, divergence = first_divergence(verdicts)
-    if teacher_forcing:
-        progress("teacher forcing: done with the layers (every layer was also fed the oracle's input)")
-        _localise(divergence, rows, runs, reader, cfg, real, policy, keeps_f32, progress)
-        amplification(rows, verdicts)
-    seconds = {f"{k} ({impls[k].name} at {impls[k].policy.name})": round(run.seconds, 3) for k, run in runs.items()}
-    seconds.update({"reading": round(reader.seconds, 3), "judging": round(judge.seconds, 3)})
-    return Streamed(verdicts, worst, divergence, rows, agreement, seconds)
+    return agreement
 
 
 def _logits(runs: dict, reader: _Reader, cfg: LlamaConfig, x: dict) -> dict:

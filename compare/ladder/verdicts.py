@@ -46,7 +46,7 @@ from ..evidence import (
     Trend,
 )
 from ..explain import ladder as explain
-from ..metrics import nonfinite, unit_roundoff
+from ..metrics import nonfinite, rel_from_squares, unit_roundoff
 from ..vocabulary import (
     F32_STEPS_FLOOR,
     FP64_FLOOR,
@@ -132,7 +132,7 @@ def _findings(tap, cand64, oracle, mask, keeps_f32, context) -> list:
     """Structure of the fp64-rung difference at one tap (structure.analyse, RoPE pairs with
     the pre-RoPE inputs, attention conventions with the oracle's q/k/v)."""
     kind = tapnames.tap(tap).kind
-    per_head = kind in ("q", "k", "v", "q_rope", "k_rope")
+    per_head = kind in tapnames.PER_HEAD
     c64, o = np.asarray(cand64, np.float64), np.asarray(oracle, np.float64)
     found = analyse(c64, o, mask, per_head=per_head, pre=context.get("pre"),
                     norm_input=context.get("norm_input"))
@@ -182,8 +182,7 @@ class _RowErrors:
         return out
 
     def rel(self, sq, rows=slice(None)) -> float:
-        e, n = float(np.sum(sq[rows])), float(np.sum(self.norm[rows]))
-        return math.sqrt(e / n) if n else math.sqrt(e)
+        return rel_from_squares(float(np.sum(sq[rows])), float(np.sum(self.norm[rows])))
 
     def effective_values(self, rows=slice(None)) -> float:
         """n_eff = (sum o^2)^2 / sum o^4 over `rows`: how many values the relative error of

@@ -28,6 +28,7 @@ model was sure is semantic.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -335,6 +336,9 @@ def probe_batch(model, ids=None, *, batch_sizes=(2, 3, 4, 8, 16, 32), kinds=("eq
 
 # ----------------------------------------------------------------- padding invariance
 
+FULL_PAD_SELF = "fully padded row itself"   # the case of the padded row's own output
+
+
 def probe_padding(model, ids=None, *, pad=5, length=DEFAULT_LENGTH, seed=0, oracle=None,
                   progress=None) -> ProbeResult:
     """No padding vs right / left padding, one appended token, a last-token (CLS-style)
@@ -390,37 +394,43 @@ def probe_padding(model, ids=None, *, pad=5, length=DEFAULT_LENGTH, seed=0, orac
     out = run("full-pad", "fully padded row next to the target (B=2): target row", f_ids, f_mask, B=2)
     bad = nonfinite(out[1])
     if bad:
-        cases.append(Case("fully padded row itself", "full-pad", 2, "semantic", False, math.nan,
+        cases.append(Case(FULL_PAD_SELF, "full-pad", 2, "semantic", False, math.nan,
                           math.nan, bad, note="NaN/Inf in a row with no real token"))
 
-    def hint(worst, judge, res):
-        if res.verdict != "semantic":
-            return _drift_hint(res, judge, "padding and appending do not change real positions")
-        g = worst.group
-        if worst.name == "fully padded row itself":
-            return (f"a fully padded row gives NaN/Inf ({worst.nonfinite} values): softmax over no "
-                    "allowed key (0/0); mask with a finite minimum, or a NaN row poisons anything "
-                    "that reads across rows")
-        why = {
-            "append": "a causal-mask or position error (a later token is visible to earlier ones)",
-            "right": "padding after the real tokens reaches them: the mask is not causal, or pad "
-                     "content is read",
-            "left": ("pad tokens are attended: the attention mask is not applied (the output "
-                     "changes with the pad content)" if leak else
-                     "real positions change under left padding without reading the pads: "
-                     "positions or mask offsets that RoPE cannot absorb"),
-            "cls-left": "the last-token readout changed under left padding: padding is attended "
-                        "or the readout slot is wrong",
-            "cls-right": "the last-token readout changed under right padding: it reads slot -1 "
-                         "(a pad) instead of the last real token, or padding is attended",
-            "full-pad": "a fully padded row changed the other row: rows leak into each other",
-        }.get(g, "padding changes real positions")
-        what = {"append": "earlier positions changed when a token was appended"}.get(
-            g, f"real positions changed ({g})")
-        return _semantic_lead(worst, judge, what) + ": " + why
-
-    return _result("padding", pm, cases, judge, hint,
+    return _result("padding", pm, cases, judge, functools.partial(_padding_hint, leak=leak),
                    {"length": T, "pad": pad, "pad_content_leaks": bool(leak)})
+
+
+# Why real positions change, by the padding case that changed them first.
+_PADDING_WHY = {
+    "append": "a causal-mask or position error (a later token is visible to earlier ones)",
+    "right": "padding after the real tokens reaches them: the mask is not causal, or pad "
+             "content is read",
+    "cls-left": "the last-token readout changed under left padding: padding is attended "
+                "or the readout slot is wrong",
+    "cls-right": "the last-token readout changed under right padding: it reads slot -1 "
+                 "(a pad) instead of the last real token, or padding is attended",
+    "full-pad": "a fully padded row changed the other row: rows leak into each other",
+}
+
+
+def _padding_hint(worst, judge, res, leak: bool) -> str:
+    if res.verdict != "semantic":
+        return _drift_hint(res, judge, "padding and appending do not change real positions")
+    g = worst.group
+    if worst.name == FULL_PAD_SELF:
+        return (f"a fully padded row gives NaN/Inf ({worst.nonfinite} values): softmax over no "
+                "allowed key (0/0); mask with a finite minimum, or a NaN row poisons anything "
+                "that reads across rows")
+    if g == "left":
+        why = ("pad tokens are attended: the attention mask is not applied (the output "
+               "changes with the pad content)" if leak else
+               "real positions change under left padding without reading the pads: "
+               "positions or mask offsets that RoPE cannot absorb")
+    else:
+        why = _PADDING_WHY.get(g, "padding changes real positions")
+    what = "earlier positions changed when a token was appended" if g == "append" else f"real positions changed ({g})"
+    return _semantic_lead(worst, judge, what) + ": " + why
 
 
 # ----------------------------------------------------------------- run-to-run determinism

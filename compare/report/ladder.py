@@ -88,8 +88,22 @@ def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
             ax.scatter([x[i] for i in idx], [cand[i] for i in idx], s=90, zorder=5,
                        facecolors="none", edgecolors=kind_hex(kind), linewidths=2.2,
                        label=f"{kind} tap")
-    # findings at taps inside a block (q_rope, act, ...) have no point of their own on this
-    # axis: a vertical line at that block's output marks them
+    _mark_inner_findings(ax, rows, taps)
+    ax.set_yscale("log")
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, fontsize=8, rotation=0 if len(x) <= 40 else 90)
+    for lbl in ax.get_xticklabels():
+        if not lbl.get_text().isdigit():
+            lbl.set_rotation(45)
+            lbl.set_horizontalalignment("right")
+    _label_axes(ax, "layer (output of each block), then final norm and logits", grid_axis="both")
+    caption = _depth_caption(c1 + c2 + c3, sum(math.isnan(v) for v in ref + cand + f64))
+    return png(fig), caption
+
+
+def _mark_inner_findings(ax, rows, taps) -> None:
+    """Findings at taps inside a block (q_rope, act, ...) have no point of their own on the
+    depth axis: a vertical line at that block's output marks them."""
     pos = {r.get("layer"): i for i, r in enumerate(rows) if r.get("layer") is not None}
     marked, labelled = set(), set()
     for t in taps:
@@ -100,26 +114,19 @@ def _plot_depth(taps: list[dict], policy: dict) -> tuple[str | None, str]:
             ax.axvline(pos[layer], color=kind_hex(kind), lw=1.5, ls=":", alpha=0.8,
                        label=None if kind in labelled else f"{kind} inside block")
             labelled.add(kind)
-    ax.set_yscale("log")
-    ax.set_xticks(x)
-    ax.set_xticklabels(labels, fontsize=8, rotation=0 if len(x) <= 40 else 90)
-    for lbl in ax.get_xticklabels():
-        if not lbl.get_text().isdigit():
-            lbl.set_rotation(45)
-            lbl.set_horizontalalignment("right")
-    _label_axes(ax, "layer (output of each block), then final norm and logits", grid_axis="both")
+
+
+def _depth_caption(clipped: int, nans: int) -> str:
     caption = ("Error of each side against the fp64 oracle along depth. The shaded band is the "
                "drift envelope; the candidate is within drift while its line stays inside it. "
                "Circles mark block outputs "
                "with a precision/semantic finding; a dotted vertical line marks a finding at a "
                "tap inside that block (see the table).")
-    n = c1 + c2 + c3
-    if n:
-        caption += f" {n} zero value(s) were clipped to {LOG_CLIP:.0e} to fit the log scale."
-    nans = sum(math.isnan(v) for v in ref + cand + f64)
+    if clipped:
+        caption += f" {clipped} zero value(s) were clipped to {LOG_CLIP:.0e} to fit the log scale."
     if nans:
         caption += f" {nans} non-finite value(s) are left out (gaps in the lines)."
-    return png(fig), caption
+    return caption
 
 
 def _label_axes(ax, xlabel: str, grid_axis: str) -> None:
@@ -297,6 +304,37 @@ def _counts(taps: list[dict]) -> str:
                      for k in KINDS)
 
 
+def _divergence_block(r: dict, verdict: str) -> str:
+    d = r.get("first_divergence")
+    if d:
+        return (f"<div class='div' style='border-color:{kind_hex(d.get('kind'))}'>"
+                f"<b>First divergence:</b> <b style='color:{kind_hex(d.get('kind'))}'>{escape(d.get('kind'))}"
+                f"</b> at tap <code>{escape(d.get('tap'))}</code> (layer {escape(d.get('layer'))}, component "
+                f"{escape(d.get('component'))})<br>{escape(d.get('hint'))}"
+                + (f"<br><i>{escape(d.get('evidence'))}</i>" if d.get("evidence") else "") + "</div>")
+    if verdict in ("exact", "drift"):
+        return (f"<div class='ok'><b>{escape(verdict)}:</b> no precision or semantic difference "
+                "found. The candidate's error against the fp64 oracle stays within what the "
+                "reference itself shows at this policy.</div>")
+    return (f"<div class='div' style='border-color:{kind_hex(verdict)}'>Verdict "
+            f"{escape(verdict)} but no first divergence was recorded.</div>")
+
+
+def _notes(r: dict, pname: str) -> list[str]:
+    """What the reader must know beside the verdict: configs that differ, rungs not run."""
+    notes = []
+    if r.get("config_differences"):
+        notes.append("The configs differ: " + "; ".join(map(str, r["config_differences"])))
+    if r.get("teacher_forcing", "run") not in ("run", "off"):      # "not run: <why>"
+        notes.append(f"Teacher forcing {r['teacher_forcing']}")
+    if r.get("semantic_rung", "run") != "run":
+        notes.append(f"fp64 rung {r['semantic_rung']}: the candidate's taps are judged at {pname} by structure "
+                     "alone; a lower-precision step and a small change in the math can look alike")
+    if not notes:
+        return []
+    return ["<div class='div' style='border-color:#555555'>" + "<br>".join(escape(n) for n in notes) + "</div>"]
+
+
 def render_html(report_dict: dict) -> str:
     r = report_dict
     taps = list(r.get("taps") or [])
@@ -314,33 +352,8 @@ def render_html(report_dict: dict) -> str:
         f"{escape(pname)}</h1><div class='sub'>candidate <code>{escape(r.get('candidate'))}</code>, "
         f"reference <code>{escape(r.get('reference'))}</code>, policy <code>{escape(pname)}</code>; "
         f"{len(taps)} taps: {_counts(taps)}</div></div></div>")
-    d = r.get("first_divergence")
-    if d:
-        parts.append(
-            f"<div class='div' style='border-color:{kind_hex(d.get('kind'))}'>"
-            f"<b>First divergence:</b> <b style='color:{kind_hex(d.get('kind'))}'>{escape(d.get('kind'))}"
-            f"</b> at tap <code>{escape(d.get('tap'))}</code> (layer {escape(d.get('layer'))}, component "
-            f"{escape(d.get('component'))})<br>{escape(d.get('hint'))}"
-            + (f"<br><i>{escape(d.get('evidence'))}</i>" if d.get("evidence") else "") + "</div>")
-    elif verdict in ("exact", "drift"):
-        parts.append(f"<div class='ok'><b>{escape(verdict)}:</b> no precision or semantic difference "
-                     "found. The candidate's error against the fp64 oracle stays within what the "
-                     "reference itself shows at this policy.</div>")
-    else:
-        parts.append(f"<div class='div' style='border-color:{kind_hex(verdict)}'>Verdict "
-                     f"{escape(verdict)} but no first divergence was recorded.</div>")
-
-    notes = []
-    if r.get("config_differences"):
-        notes.append("The configs differ: " + "; ".join(map(str, r["config_differences"])))
-    if str(r.get("teacher_forcing", "run")).startswith("not run"):
-        notes.append(f"Teacher forcing {r['teacher_forcing']}")
-    if str(r.get("semantic_rung", "run")).startswith("not run"):
-        notes.append(f"fp64 rung {r['semantic_rung']}: the candidate's taps are judged at {pname} by structure "
-                     "alone; a lower-precision step and a small change in the math can look alike")
-    if notes:
-        parts.append("<div class='div' style='border-color:#555555'>" + "<br>".join(escape(n) for n in notes)
-                     + "</div>")
+    parts.append(_divergence_block(r, verdict))
+    parts += _notes(r, pname)
     parts.append("<h2>Error vs depth</h2>" + figure("error vs depth", _plot_depth, taps, policy))
     parts.append("<h2>Local vs inherited error per layer</h2>"
                  + figure("local vs inherited error", _plot_local, taps, local))

@@ -167,71 +167,30 @@ class KerasHubLlama(PortBase):
         return KerasHubLlama(self.folder, "fp64", self.rms_norm_eps)
 
     def _plan(self, wanted, acts, positions, forced):
-        want = set(wanted)
-
-        def out(tap, reshape=None):
-            def wrap(call):
-                def run(*args, **kw):
-                    y = call(*args, **kw)
-                    if tap in want:
-                        acts[tap] = np.asarray(y if reshape is None else reshape(y))
-                    return y
-                return run
-            return wrap
-
-        def pre(tap, reshape=None):
-            def wrap(call):
-                def run(x, *args, **kw):
-                    if tap in want:
-                        acts[tap] = np.asarray(x if reshape is None else reshape(x))
-                    return call(x, *args, **kw)
-                return run
-            return wrap
-
-        def rope(q_tap, k_tap):
-            def wrap(call):
-                seen = []
-
-                def run(x, start_index=0, positions=None):
-                    y = call(x, start_index=start_index, positions=positions_arg)
-                    tap = (q_tap, k_tap)[len(seen)] if len(seen) < 2 else None
-                    seen.append(tap)
-                    if tap in want:
-                        acts[tap] = np.asarray(y)
-                    return y
-                return run
-            return wrap
-
-        def forcing(h):
-            def wrap(call):
-                def run(x, *args, **kw):
-                    return call(h.astype(x.dtype), *args, **kw)
-                return run
-            return wrap
-
+        """(layer, wrapper) pairs: each wrapper records one tap around a keras-hub call."""
         import jax.numpy as jnp
-        positions_arg = jnp.asarray(positions)
+        w = _Wrappers(set(wanted), acts, jnp.asarray(positions))
         b = self.backbone
-        plan = [(b.token_embedding, out("embed"))]
+        plan = [(b.token_embedding, w.out("embed"))]
         for i, layer in enumerate(b.transformer_layers):
             att = layer._self_attention_layer
             p = f"layers.{i}."
-            plan += [(layer, out(p + "out"))]
+            plan += [(layer, w.out(p + "out"))]
             if i in forced:     # wraps the call that `out` wraps: the layer's own taps see h
-                plan += [(layer, forcing(jnp.asarray(forced[i])))]
-            plan += [(layer._self_attention_layernorm, out(p + "attn_norm")),
-                     (att._query_dense, out(p + "q")), (att._key_dense, out(p + "k")),
-                     (att._value_dense, out(p + "v")),
-                     (att.rotary_embedding_layer, rope(p + "q_rope", p + "k_rope")),
-                     (att._output_dense, pre(p + "attn_ctx", lambda x: x.reshape(*x.shape[:2], -1))),
-                     (att, out(p + "attn_out")),
-                     (layer._feedforward_layernorm, pre(p + "resid_mid")),
-                     (layer._feedforward_layernorm, out(p + "mlp_norm")),
-                     (layer._feedforward_gate_dense, out(p + "gate")),
-                     (layer._feedforward_intermediate_dense, out(p + "up")),
-                     (layer._feedforward_output_dense, pre(p + "act")),
-                     (layer._feedforward_output_dense, out(p + "mlp_out"))]
-        plan += [(b.layer_norm, out("final_norm"))]
+                plan += [(layer, w.forcing(jnp.asarray(forced[i])))]
+            plan += [(layer._self_attention_layernorm, w.out(p + "attn_norm")),
+                     (att._query_dense, w.out(p + "q")), (att._key_dense, w.out(p + "k")),
+                     (att._value_dense, w.out(p + "v")),
+                     (att.rotary_embedding_layer, w.rope(p + "q_rope", p + "k_rope")),
+                     (att._output_dense, w.pre(p + "attn_ctx", lambda x: x.reshape(*x.shape[:2], -1))),
+                     (att, w.out(p + "attn_out")),
+                     (layer._feedforward_layernorm, w.pre(p + "resid_mid")),
+                     (layer._feedforward_layernorm, w.out(p + "mlp_norm")),
+                     (layer._feedforward_gate_dense, w.out(p + "gate")),
+                     (layer._feedforward_intermediate_dense, w.out(p + "up")),
+                     (layer._feedforward_output_dense, w.pre(p + "act")),
+                     (layer._feedforward_output_dense, w.out(p + "mlp_out"))]
+        plan += [(b.layer_norm, w.out("final_norm"))]
         return plan
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
@@ -248,3 +207,52 @@ class KerasHubLlama(PortBase):
             logits = b.token_embedding(hidden, reverse=True)
             acts["logits"] = np.asarray(logits)
             return self.finish(acts["logits"], acts, wanted)
+
+
+class _Wrappers:
+    """Call wrappers that record the wanted taps into `acts` (numpy): a call's output, its
+    input, the two RoPE calls of one attention (q, then k), or a forced input."""
+
+    def __init__(self, want: set, acts: dict, positions):
+        self.want, self.acts, self.positions = want, acts, positions
+
+    def out(self, tap, reshape=None):
+        def wrap(call):
+            def run(*args, **kw):
+                y = call(*args, **kw)
+                if tap in self.want:
+                    self.acts[tap] = np.asarray(y if reshape is None else reshape(y))
+                return y
+            return run
+        return wrap
+
+    def pre(self, tap, reshape=None):
+        def wrap(call):
+            def run(x, *args, **kw):
+                if tap in self.want:
+                    self.acts[tap] = np.asarray(x if reshape is None else reshape(x))
+                return call(x, *args, **kw)
+            return run
+        return wrap
+
+    def rope(self, q_tap, k_tap):
+        def wrap(call):
+            seen = []
+
+            def run(x, start_index=0, positions=None):
+                y = call(x, start_index=start_index, positions=self.positions)
+                tap = (q_tap, k_tap)[len(seen)] if len(seen) < 2 else None
+                seen.append(tap)
+                if tap in self.want:
+                    self.acts[tap] = np.asarray(y)
+                return y
+            return run
+        return wrap
+
+    @staticmethod
+    def forcing(h):
+        def wrap(call):
+            def run(x, *args, **kw):
+                return call(h.astype(x.dtype), *args, **kw)
+            return run
+        return wrap

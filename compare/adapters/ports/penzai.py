@@ -132,7 +132,7 @@ def _positional(tap: str, x) -> np.ndarray:
     rest = sorted((a for a in x.named_shape if a not in ("batch", "seq")), key=_AXIS_ORDER.index)
     a = np.asarray(x.unwrap("batch", "seq", *rest))
     kind = tapnames.parse(tap)[1]
-    if kind in ("q", "k", "v", "q_rope", "k_rope"):
+    if kind in tapnames.PER_HEAD:
         return a.reshape(*a.shape[:2], -1, a.shape[-1])
     if kind == "attn_ctx":
         return a.reshape(*a.shape[:2], -1)
