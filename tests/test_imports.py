@@ -13,6 +13,7 @@ LEVEL = {"llamaspec": 0, "jaxmodel": 1, "torchref": 1, "compare": 2, "llama_pari
 # compare's rooms: the shared vocabulary at the bottom, what can be compared and the page
 # toolkit above it, the two products on top (and neither imports the other).
 ROOMS = {"compare.vocabulary": 0, "compare.metrics": 0, "compare.environment": 0, "compare.results": 0,
+         "compare.evidence": 0, "compare.explain": 1,   # typed records, and the sentences made from them
          "compare.adapters": 1, "compare.report": 1, "compare.ladder": 2, "compare.probes": 2,
          "compare.controls": 3}   # the planted-bug catalogue: calibrates the engine, never imported by it
 
