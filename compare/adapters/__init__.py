@@ -208,7 +208,7 @@ def checked(impl, checkpoint=None):
             cfg = LlamaConfig.from_file(Path(checkpoint) / "config.json")
         except (LlamaParityError, OSError, ValueError):
             cfg = None
-    return Checked(impl, cfg)
+    return checked_with(impl, cfg)
 
 
 class Checked:
@@ -220,7 +220,7 @@ class Checked:
         self.wrapped, self.cfg_checked = impl, cfg
         self.name, self.taps = str(impl.name), tuple(impl.taps)
         if callable(getattr(impl, "float64", None)):
-            self.float64 = lambda: Checked(impl.float64(), cfg)
+            self.float64 = lambda: checked_with(impl.float64(), cfg)
 
     def __getattr__(self, key):
         if key in ("wrapped", "cfg_checked"):
@@ -237,6 +237,17 @@ class Checked:
             raise PortError(f"{self.name}: capture raised {type(e).__name__}: {e}") from e
         B, T = np.shape(tokens)[:2]
         return check_capture(self.name, out, list(taps), B, T, self.cfg_checked)
+
+
+def checked_with(impl, cfg):
+    return (CheckedCallable if callable(impl) else Checked)(impl, cfg)
+
+
+class CheckedCallable(Checked):
+    """Checked for a port that also has a plain forward (__call__), which stays callable."""
+
+    def __call__(self, *args, **kwargs):
+        return self.wrapped(*args, **kwargs)
 
 
 def check_capture(name: str, out, asked, batch: int, length: int, cfg=None):
