@@ -149,11 +149,7 @@ def cmd_compare(args) -> int:
     from llamaspec import Policy
 
     dumps = _dumps(args)
-    checkpoint = args.checkpoint
-    if dumps and checkpoint is None:
-        checkpoint = next(iter(dumps.values())).recorded_checkpoint()
-        if checkpoint is None or not Path(checkpoint).is_dir():
-            raise UsageError(f"give the checkpoint: the dump's recorded one ({checkpoint}) is not a folder here")
+    checkpoint = _dump_checkpoint(args.checkpoint, dumps)
     folder = _input_folder(args, checkpoint) if not dumps else checkpoint_folder(checkpoint)
     ref_spec = dumps.get("reference") or args.reference or "torchref"
     cand_spec = dumps.get("candidate") or args.candidate or "jaxmodel"
@@ -162,11 +158,7 @@ def cmd_compare(args) -> int:
     inputs = inputs if dumps else _inputs(args, folder)
     policy = Policy.get(policy or "fp32")
     args.reference, args.candidate, args.policy = _label(ref_spec), _label(cand_spec), policy.name
-    for side, d in dumps.items():
-        env = d.manifest.get("environment") or {}
-        say(printable(f"{side}: dump {d.path}, {d.implementation} at {d.policy.name}, captured "
-                      f"{d.manifest.get('created', '?')} on {env.get('cpu', '?')} "
-                      f"({env.get('jax backend', env.get('torch cuda', '?'))})"))   # manifest strings: escaped
+    _say_dumps(dumps)
     json_path, html_path = _report_paths(args)
     decode_json = (output_file(json_path.with_name(json_path.stem + "-decode.json"), "--json", args.force, say)
                    if args.decode and json_path else None)
@@ -210,6 +202,24 @@ def cmd_compare(args) -> int:
         finding = finding or greedy.verdict not in ("exact", "drift")
     say(f"done in {time.perf_counter() - t0:.1f} s")
     return EXIT_FINDING if finding else EXIT_OK
+
+
+def _dump_checkpoint(checkpoint, dumps):
+    """The checkpoint given, else (with a dump) the one the dump recorded, which must be a folder here."""
+    if dumps and checkpoint is None:
+        checkpoint = next(iter(dumps.values())).recorded_checkpoint()
+        if checkpoint is None or not Path(checkpoint).is_dir():
+            raise UsageError(f"give the checkpoint: the dump's recorded one ({checkpoint}) is not a folder here")
+    return checkpoint
+
+
+def _say_dumps(dumps) -> None:
+    """One line per dump side; the manifest's strings with control characters escaped."""
+    for side, d in dumps.items():
+        env = d.manifest.get("environment") or {}
+        say(printable(f"{side}: dump {d.path}, {d.implementation} at {d.policy.name}, captured "
+                      f"{d.manifest.get('created', '?')} on {env.get('cpu', '?')} "
+                      f"({env.get('jax backend', env.get('torch cuda', '?'))})"))
 
 
 def _label(spec) -> str:
