@@ -183,9 +183,17 @@ def load_checked(path: Path) -> ctypes.CDLL:
             problem = f"its sha256 is not the one recorded when it was built ({path.name}.sha256)"
         if problem:
             raise InvarianceError(f"{path}: {problem}; not loaded (only a library this user built is run)")
-        return ctypes.CDLL(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path))
-    finally:
+        lib = ctypes.CDLL(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path))
+    except BaseException:
         os.close(fd)
+        raise
+    # The descriptor stays open: dlopen knows the library by the name /proc/self/fd/<fd>, and
+    # a later library opened on a reused number would be taken for this one.
+    _LOADED_FDS.append(fd)
+    return lib
+
+
+_LOADED_FDS: list[int] = []
 
 
 def _read_fd(fd: int) -> bytes:

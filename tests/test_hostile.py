@@ -690,3 +690,20 @@ def test_write_checkpoint_marks_its_folder_and_keeps_to_the_shapes_depth(tmp_pat
     assert (folder / MARKER).is_file()
     with pytest.raises(ConfigError, match="layers=31: smollm2-135m has 30 decoder layers"):
         write_checkpoint(folder, "smollm2-135m", layers=31)
+
+
+def test_two_kernel_libraries_load_side_by_side_through_their_descriptors():
+    """Both libraries are dlopen'ed through /proc/self/fd/<fd> of their checked descriptors;
+    each descriptor stays open, so the second is never taken for the first (dlopen matches by
+    name, and a reused descriptor number would be the same name)."""
+    pytest.importorskip("jax")
+    if shutil.which(os.environ.get("CXX") or "g++") is None:
+        pytest.skip("no C++ compiler")
+    script = ("from llamaspec import fixed_order as fo\nfrom jaxmodel import kernels\n"
+              "a, b = fo.library(), kernels.library()\nassert a._handle != b._handle\n"
+              "b.FoGemm\nprint(a._name, b._name)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = done.stdout.split()
+    assert first.startswith("/proc/self/fd/") and second.startswith("/proc/self/fd/") and first != second
