@@ -176,13 +176,11 @@ def test_controls_hint_names_the_structure_from_the_steps_inputs(name, tiny_dir)
 def test_transposed_o_proj_control_on_a_square_checkpoint(tiny_dir):
     """hidden 32 = 4 heads x head_dim 8: o_proj is square. Found at attn_out, layer 1,
     confirmed by teacher forcing; its hint names the transposition from attn_ctx."""
-    import dataclasses
-
-    from compare.controls import CONTROLS, check, run_control
-    from compare.controls.prefill import STRUCTURE_HINTS
+    from compare.controls import check, run_control
+    from compare.controls.prefill import SQUARE_CONTROLS, STRUCTURE_HINTS
     pytest.importorskip("transformers")
     folder = tiny_dir("gqa")
-    control = dataclasses.replace(CONTROLS["hf_o_proj_transposed"], verdict="semantic")
+    control = SQUARE_CONTROLS["hf_o_proj_transposed"]
     report = run_control(control, folder, SHORT)
     assert check(control, report) == [] and report.first_divergence.confirmed, report.summary()
     hint = _hint_at_first_divergence(control, folder, SHORT)

@@ -560,12 +560,15 @@ CONTROLS.update({c.name: c for c in [
        hf_side(_hf_residual("attn", 2.0)), "the attention block's residual added twice"),
     _c("hf_mlp_residual_missing", "transformers", "fp32", "semantic", A + "out", "mlp", [],
        hf_side(_hf_residual("mlp", 0.0)), "the MLP block's residual dropped: the layer returns mlp_out"),
-    # Informational (verdict None): needs a square o_proj, which tests/test_controls.py's
-    # checkpoint (head_dim 32 x 4 heads, hidden 32) has not; tests/test_structure.py runs it
-    # on a square one. SmolLM2's is square (9 x 64 = 576).
-    _c("hf_o_proj_transposed", "transformers", "fp32", None, A + "attn_out", "attn", [],
-       hf_side(_hf_weights(_hf_o_proj_transposed)), "o_proj weight transposed (square)"),
 ]})
+
+# Controls that need a square o_proj (hidden_size = heads x head_dim, as SmolLM2's 9 x 64 = 576),
+# which tests/test_controls.py's checkpoint (4 heads x head_dim 32, hidden 32) has not:
+# tests/test_structure.py runs them on a square one.
+SQUARE_CONTROLS: dict[str, Control] = {c.name: c for c in [
+    _c("hf_o_proj_transposed", "transformers", "fp32", "semantic", A + "attn_out", "attn", [],
+       hf_side(_hf_weights(_hf_o_proj_transposed)), "o_proj weight transposed (square)"),
+]}
 
 # Words each control's hint holds once the ladder passes structure.tap_inputs (see above).
 STRUCTURE_HINTS = {
