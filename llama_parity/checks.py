@@ -172,7 +172,12 @@ def check_target_folder(folder: Path, force: bool) -> None:
                          f"{', ...' if len(present) > 5 else ''}) and llama-parity did not write it (no {MARKER}); "
                          "choose a new or empty folder")
     if not force:
-        raise UsageError(f"{folder}: holds a checkpoint already; pass --force to write it again")
+        try:
+            complete = json.loads((folder / MARKER).read_text()).get("complete", True)
+        except (OSError, ValueError, AttributeError):
+            complete = True
+        what = "a checkpoint" if complete else "an unfinished checkpoint (a run cut short)"
+        raise UsageError(f"{folder}: holds {what} already; pass --force to write it again")
 
 
 def check_token_budget(batch: int, length: int, max_positions: int, vocab: int) -> None:

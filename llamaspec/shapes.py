@@ -51,7 +51,7 @@ SHARD_BYTES = 2 << 30
 _DTYPES = {"float32": (np.dtype(np.float32), "F32"), "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
            "float16": (np.dtype(np.float16), "F16")}
 _CHUNK = 1 << 24   # elements drawn at a time (64 MB of float32)
-MARKER = ".llama-parity-checkpoint"   # written last: this folder is a synthetic checkpoint of ours
+MARKER = ".llama-parity-checkpoint"   # this folder is a synthetic checkpoint of ours ("complete": written last)
 
 
 def shape_config(shape: str, layers: int | None = None, bos: int = 1, eos: int = 2) -> dict:
@@ -114,6 +114,9 @@ def write_checkpoint(folder, shape: str, dtype: str = "bfloat16", layers: int | 
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     total = sum(int(np.prod(s)) for s in shapes.values())
     _check_space(folder, total * np_dtype.itemsize)
+    mark = {"shape": shape, "dtype": dtype, "layers": cfg.num_hidden_layers, "seed": seed}
+    # first: a run cut short (full disk, kill) leaves a folder known as ours, to be written again with --force
+    atomic_write(folder / MARKER, json.dumps({**mark, "complete": False}) + "\n", "checkpoint marker")
     done = 0
     for name, keys in zip(names, shards):
         header, offset = {"__metadata__": {"format": "pt", "llama_parity_shape": shape, "seed": str(seed)}}, 0
@@ -138,8 +141,7 @@ def write_checkpoint(folder, shape: str, dtype: str = "bfloat16", layers: int | 
             {"metadata": {"total_size": total * np_dtype.itemsize}, "weight_map": weight_map}, indent=1),
             "checkpoint index")
     atomic_write(folder / "config.json", json.dumps(cfg_dict, indent=1), "checkpoint config")
-    atomic_write(folder / MARKER, json.dumps({"shape": shape, "dtype": dtype, "layers": cfg.num_hidden_layers,
-                                              "seed": seed}) + "\n", "checkpoint marker")
+    atomic_write(folder / MARKER, json.dumps({**mark, "complete": True}) + "\n", "checkpoint marker")
     return folder
 
 

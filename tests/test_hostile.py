@@ -405,6 +405,29 @@ def _make_checkpoint_no_space(tmp, request):
     return run
 
 
+def _make_checkpoint_cut_short(tmp, request):
+    """A full disk in the middle of the weights: no partial shard, and the folder is known as
+    an unfinished checkpoint of ours (written again with --force, refused without)."""
+    from llama_parity.checks import UsageError, check_target_folder
+    from llamaspec.shapes import write_checkpoint
+    calls = []
+    real = os.fsync
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == 2:      # the marker went through; the first shard does not
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+    request.getfixturevalue("monkeypatch").setattr("llamaspec.files.os.fsync", fsync)
+
+    def run():
+        _raises(WriteError, lambda: write_checkpoint(tmp / "ck", "smollm2-135m", layers=1))
+        assert os.listdir(tmp / "ck") == [".llama-parity-checkpoint"]
+        check_target_folder(tmp / "ck", force=True)
+        return _raises(UsageError, lambda: check_target_folder(tmp / "ck", force=False))
+    return run
+
+
 def _capture_no_space(tmp, request):
     ck = request.getfixturevalue("tiny_dir")("gqa")
 
@@ -585,6 +608,8 @@ CASES = [
          r"layers=100000: smollm2-135m has 30 decoder layers"),
     Case("make-checkpoint-disk-full", "poor", _make_checkpoint_no_space,
          r"checkpoint folder .*ck: the weights need 0\.\d+ GB, the disk has 0\.00 GB free"),
+    Case("make-checkpoint-cut-short", "poor", _make_checkpoint_cut_short,
+         r"ck: holds an unfinished checkpoint \(a run cut short\) already; pass --force to write it again"),
     Case("capture-disk-full", "poor", _capture_no_space,
          r"layer-0000\.safetensors: cannot write the tap file \(No space left on device\); the dump was not written"),
     Case("kernel-link-disk-full", "poor", _kernel_link_no_space,
