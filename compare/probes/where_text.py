@@ -83,7 +83,10 @@ def explain_comparison(c) -> str:
     rung = (f"the float64 twin differs too ({_g(b.twin_rel)} relative, floor {_g(b.twin_floor)})"
             if b.twin_rel is not None and not b.twin_rel <= b.twin_floor else
             f"{_g(b.err_b)} error vs the twin against A's {_g(b.err_a)} (bound {_g(b.bound)})")
-    text += f" It goes beyond drift ({fb.kind}) at {_where_at(c, fb)}: {rung}" + _forced(fb.forced) + "."
+    if fb.tap == fd.tap:
+        text += f" That is beyond drift: {rung}."
+    else:
+        text += f" It goes beyond drift ({fb.kind}) at {_where_at(c, fb)}: {rung}" + _forced(fb.forced) + "."
     return text + "".join(f" Finding: {FINDINGS[f]}." for f in c.findings if f in FINDINGS)
 
 

@@ -50,18 +50,19 @@ def _ratio(t: dict) -> float:
 
 def component_rows(c: dict) -> list[dict]:
     """One row per (layer, component) in execution order: worst kind, taps bitwise equal,
-    the largest ULP, relative difference and drift ratio, the first tap that differs."""
+    the largest ULP, relative difference, err_b / bound (the working rung) and the twin's
+    B-vs-A difference (the fp64 rung; NaN without an own twin), the first tap that differs."""
     rows: dict = {}
     for t in c.get("taps", []):
         key = (t.get("layer"), t.get("component"))
         r = rows.setdefault(key, {"layer": key[0], "component": key[1], "kind": "exact", "taps": 0, "equal": 0,
-                                  "max_ulp": 0.0, "rel_l2": 0.0, "ratio": 0.0, "first": None})
+                                  "max_ulp": 0.0, "rel_l2": 0.0, "ratio": 0.0, "twin": 0.0, "first": None})
         r["taps"] += 1
         r["equal"] += bool(t.get("bitwise_equal"))
         if _kind_index(t.get("kind")) > _kind_index(r["kind"]):
             r["kind"] = t.get("kind")
         for k, v in (("max_ulp", number(t.get("max_ulp"))), ("rel_l2", number(t.get("rel_l2"))),
-                     ("ratio", _ratio(t))):
+                     ("ratio", _ratio(t)), ("twin", number(t.get("twin_rel")))):
             r[k] = v if math.isnan(v) or math.isnan(r[k]) else max(r[k], v)
         if r["first"] is None and not t.get("bitwise_equal"):
             r["first"] = t.get("name")
@@ -78,13 +79,13 @@ def format_table(result, colour: bool = False) -> str:
     lines = [f"probe where [{d['model']}], {d['circumstance']}: {d['verdict']}", f"  {d.get('hint', '')}", "",
              f"per layer and component, worst comparison: {c['name']}"]
     hdr = (f"{'layer':>5} {'component':<11} {'verdict':<9} {'bitwise':>7} {'max ulp':>9} {'rel diff':>9} "
-           f"{'vs bound':>8}  first differing tap")
+           f"{'vs bound':>8} {'twin diff':>9}  first differing tap")
     lines += [hdr, "-" * len(hdr)]
     for r in component_rows(c):
         layer = "" if r["layer"] is None else r["layer"]
         lines.append(f"{layer!s:>5} {r['component']:<11} {kind(r['kind'])} {r['equal']:>3}/{r['taps']:<3} "
-                     f"{_f(r['max_ulp'], '.0f'):>9} {_f(r['rel_l2']):>9} {_f(r['ratio'], '.2f'):>8}  "
-                     f"{r['first'] or ''}")
+                     f"{_f(r['max_ulp'], '.0f'):>9} {_f(r['rel_l2']):>9} {_f(r['ratio'], '.2f'):>8} "
+                     f"{_f(r['twin']):>9}  {r['first'] or ''}")
     lines += ["", f"{'comparison':<48} {'verdict':<9} {'first difference':<22} first beyond drift"]
     for x in d["comparisons"]:
         fd, fb = x.get("first_difference"), x.get("first_beyond")
@@ -152,12 +153,13 @@ def _plot_all(d: dict) -> tuple[str | None, str]:
 
 def _rows_html(c: dict) -> str:
     out = ["<table><tr><th>layer</th><th>component</th><th>verdict</th><th>bitwise</th><th>max ulp</th>"
-           "<th>rel diff</th><th>err_b / bound</th><th>first differing tap</th></tr>"]
+           "<th>rel diff</th><th>err_b / bound</th><th>twin in B vs A</th><th>first differing tap</th></tr>"]
     for r in component_rows(c):
         out.append(f"<tr><td class='n'>{escape(r['layer'])}</td><td>{escape(r['component'])}</td>"
                    f"<td class='k' style='background:{kind_hex(r['kind'])}'>{escape(r['kind'])}</td>"
                    f"<td class='n'>{r['equal']}/{r['taps']}</td><td class='n'>{_f(r['max_ulp'], '.0f')}</td>"
                    f"<td class='n'>{_f(r['rel_l2'])}</td><td class='n'>{_f(r['ratio'], '.2f')}</td>"
+                   f"<td class='n'>{_f(r['twin'])}</td>"
                    f"<td class='t'>{escape(r['first'] or '')}</td></tr>")
     return "".join(out) + "</table>"
 
