@@ -73,6 +73,8 @@ def add_parser(sub, common) -> None:
     w = p.add_argument_group("probe where (layer by layer: the first tap where two circumstances part)")
     w.add_argument("--circumstance", default="batch", choices=CIRCUMSTANCES)
     w.add_argument("--attn", default="eager", choices=("eager", "sdpa"), help="transformers' attention")
+    w.add_argument("--hf-positions", default="mask", choices=("mask", "default"),
+                   help="transformers' position ids: from the mask, or its own default (arange: left padding shifts)")
     w.add_argument("--pad", type=positive_int, default=5, help="pad slots (padding)")
     w.add_argument("--no-stream", action="store_true", help="capture whole runs instead of layer by layer")
     p.set_defaults(func=cmd_probe)
@@ -200,7 +202,7 @@ def _where_one(impl, folder, policy, mode, target, args, say):
     if mode == "invariant":
         return probe_where(load_model(impl, folder, policy, batch_invariant=True), **kw)
     return probe_where(impl, checkpoint=folder, policy=policy, stream=False if args.no_stream else None,
-                       attn_implementation=args.attn, **kw)
+                       attn_implementation=args.attn, hf_positions=args.hf_positions, **kw)
 
 
 def cmd_where(args) -> int:

@@ -528,19 +528,20 @@ def _source(setup: _Setup, runs, pairs, rows_of, progress):
 
 def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None, policy=None, oracle=None,
                 other=None, stream=None, length: int = 24, seed: int = 0, attn_implementation: str = "eager",
-                progress=None, **options) -> WhereResult:
+                hf_positions: str = "mask", progress=None, **options) -> WhereResult:
     """The layerwise circumstance comparison. model: "torchref" | "jaxmodel" | "transformers"
     (loaded from checkpoint= at policy=; ours stream for batch/padding/append unless
     stream=False), a ProbeModel, a model object or an Implementation-protocol port (its
     float64 twin from float64(), else oracle=; invariant-mode: other= the invariant-mode
-    model). options go to where_plan.plan (batch_sizes, kinds, side, pad, appended, batch,
+    model; transformers by name: attn_implementation=, hf_positions= "mask" | "default",
+    see adapters/transformers.py). options go to where_plan.plan (batch_sizes, kinds, side, pad, appended, batch,
     repeats, processes)."""
     if circumstance not in CIRCUMSTANCES:
         raise ValueError(f"unknown circumstance '{circumstance}' (one of {', '.join(CIRCUMSTANCES)})")
     t0 = time.perf_counter()
     if isinstance(model, str):
         setup = _by_name(model, circumstance, checkpoint, policy, stream, other,
-                         {"attn_implementation": attn_implementation})
+                         {"attn_implementation": attn_implementation, "positions": hf_positions})
     else:
         setup = _of_object(model, circumstance, checkpoint, policy, oracle, other)
     target = _target(setup.cfg, ids, length, seed)
