@@ -32,7 +32,9 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class Shape:
+    """The numbers that fix a Llama's tensor shapes and its norm: what every implementation
+    (ours, a third-party port's own objects: compare.adapters.ports.PortConfig) states."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -41,6 +43,10 @@ class LlamaConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(Shape):
     max_position_embeddings: int
     rope: RopeConfig = RopeConfig()
     tie_word_embeddings: bool = False

@@ -9,6 +9,7 @@ import numpy as np
 
 from llamaspec import Policy, positions_from_mask
 from llamaspec import taps as tapnames
+from llamaspec.config import Shape
 from llamaspec.inputs import check_token_array
 
 # A policy's parameter dtype -> the dtype name a port is loaded at. A port runs one dtype
@@ -30,17 +31,9 @@ def port_dtype(policy) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class PortConfig:
+class PortConfig(Shape):
     """The architecture as the port computes it (not as config.json says it), read from the
     port's own objects, for compare.adapters.config_differences and the report."""
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
     tie_word_embeddings: bool | None
     rope_theta: float | None
 
