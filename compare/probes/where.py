@@ -553,13 +553,14 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
     source = _source(setup, runs, pairs, rows_of, progress)
     yard = Yardstick.of(setup.policy, int(setup.cfg.hidden_size), setup.keeps_f32)
     pairings = [_Pairing(p, _comparison(p, by_key), by_key[p.b.run].mask[p.b.row]) for p in pairs]
-    t_walk = time.perf_counter()
+    t_walk, ran_before = time.perf_counter(), sum(source.seconds.values())
     _walk(source, pairings, by_key, setup.cfg, yard, setup.taps, progress)
     comps = [p.comparison for p in pairings]
     _row_findings(comps)
     seconds = {k: round(v, 3) for k, v in source.seconds.items()}
     seconds.update(reading=round(getattr(source, "read_seconds", 0.0), 3),
-                   judging=round(time.perf_counter() - t_walk - sum(source.seconds.values()), 3),
+                   judging=round(time.perf_counter() - t_walk - (sum(source.seconds.values()) - ran_before)
+                                 - getattr(source, "read_seconds", 0.0), 3),
                    total=round(time.perf_counter() - t0, 3))
     n_runs = sum(2 if r.twin else 1 for r in runs)
     cost = {"runs": n_runs, "runs_at_policy": len(runs), "twin_runs": sum(r.twin for r in runs),
