@@ -100,3 +100,24 @@ def test_demo_explains_every_split_or_shows_the_nearest_tie(smollm2, tmp_path, c
         assert pol["verdict"] in ("exact", "drift") and (tmp_path / "rep" / Path(pol["html"]).name).is_file()
         assert f"cost at {pol['policy']}:" in printed
     assert "where the answers differ, and why:" in printed
+
+
+def test_demo_calls_a_planted_batching_change_where_the_model_was_sure_a_bug(smollm2, tmp_path):
+    """explain_batching on real traces of a tiny model, with the batched answer's second token
+    replaced (its logits kept): the model led there by its own margin, far beyond what
+    rounding flips, so the split must be called semantic, and the oracle named."""
+    from compare.ladder.engine import prepare
+    from compare.probes import as_probe_model
+    from llama_parity import demo
+    from llamaspec.tokenizer import Tokenizer
+    folder = _tokenized_tiny(smollm2, tmp_path / "tiny")
+    tok = Tokenizer.from_pretrained(folder)
+    ids, mask = tok.batch_encode(["Hi", "What is 2 + 2?"], chat=True, padding_side="left")
+    ref, _, ids, mask, _ = prepare("torchref", "jaxmodel", folder, (ids, mask), "fp32")
+    runs = demo.greedy_runs(as_probe_model(ref.at_policy.model), ids, mask, 3)
+    runs.batched.tokens[0, 1] = (runs.batched.tokens[0, 1] + 1) % 49152     # planted: another token
+    lines = []
+    found = demo.explain_batching(lines.append, tok, ref, runs, 0, ids, mask, tuple(tok.eos_ids))
+    assert found["step"] == 2 and found["kind"] == "semantic", lines
+    assert found["margin_alone"] > 2 * found["threshold"] and "the model was sure" in "\n".join(lines)
+    assert set(found["oracle"]) == {"a", "b", "top"}
