@@ -333,3 +333,12 @@ def test_report_table_marks_the_first_differing_tap_per_component(tiny):
     first = next(x for x in rows if x["kind"] != "exact")
     assert (first["layer"], first["component"], first["first"]) == (0, "attn_norm", "attn_norm")
     assert "semantic" in format_table(r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_clean_transformers_batch_is_drift_at_most(tiny, attn):
+    pytest.importorskip("transformers")
+    r = probe_where("transformers", "batch", checkpoint=tiny, policy="bf16", attn_implementation=attn,
+                    batch_sizes=(4,))
+    assert not r.streamed and r.verdict in ("exact", "drift"), explain_where(r)
