@@ -7,9 +7,9 @@ by the user for JAX itself (JAX_COMPILATION_CACHE_DIR / jax.config) is left alon
 
 The cached files are machine code that JAX loads, so the folder is made 0700 and used only
 when it belongs to this user and nobody else can write to it; and it is one folder per CPU
-(model and instruction-set flags, and the XLA:CPU cap), since XLA:CPU's cache key names the
-platform, not the CPU, and a program compiled for AMX must not be loaded on an AVX2 laptop
-sharing the same home folder.
+(model and instruction-set flags), since XLA:CPU's cache key names the platform, not the CPU,
+and a program compiled for AMX must not be loaded on an AVX2 laptop sharing the same home
+folder. XLA_FLAGS (an --xla_cpu_max_isa cap included) are part of JAX's own key.
 """
 
 from __future__ import annotations
