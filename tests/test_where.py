@@ -342,3 +342,14 @@ def test_clean_transformers_batch_is_drift_at_most(tiny, attn):
     r = probe_where("transformers", "batch", checkpoint=tiny, policy="bf16", attn_implementation=attn,
                     batch_sizes=(4,))
     assert not r.streamed and r.verdict in ("exact", "drift"), explain_where(r)
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+@pytest.mark.parametrize("circumstance", ["batch", "padding"])
+def test_smollm2_torchref_bf16_batch_and_padding_are_drift_at_most(smollm2, circumstance):
+    """docs/where.md's tables: on the real weights batching and padding change bits, not math."""
+    opts = {"batch_sizes": (8,)} if circumstance == "batch" else {}
+    r = probe_where("torchref", circumstance, checkpoint=smollm2, policy="bf16", **opts)
+    print(f"\nMEASURED smollm2 where {circumstance}: {explain_where(r).splitlines()[0]}")
+    assert r.streamed and r.verdict in ("exact", "drift"), explain_where(r)
