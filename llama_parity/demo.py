@@ -79,9 +79,9 @@ def _first_difference(a: list, b: list):
 
 
 def print_answers(say, tok, prompts, runs: dict, eos) -> None:
-    """Per prompt: the four answers (two models, alone and batched), merged where equal."""
+    """Per prompt (numbered from 1): the four answers (two models, alone and batched), merged where equal."""
     for i, p in enumerate(prompts):
-        say(f"  > {p}")
+        say(f"  {i + 1}> {p}")
         answers = {}
         for impl, r in runs.items():
             for where, tr, row in (("alone", r.alone[i], 0), ("in the batch", r.batched, i)):
@@ -128,7 +128,7 @@ def explain_batching(say, tok, ref_side, r: Runs, i, ids, mask, eos) -> dict | N
     o = oracle_choice(ref_side, prefix, a, b)
     rule = (f"{case.margin:.3f} <= 2 x {judge.threshold:.3f}" if case.kind == "drift" else
             f"{case.margin:.3f} > 2 x {judge.threshold:.3f}")
-    say(f"    {r.impl}, prompt {i}: batching changed the answer at token {s + 1}: alone {tok.decode([a])!r} "
+    say(f"    {r.impl}, prompt {i + 1}: batching changed the answer at token {s + 1}: alone {tok.decode([a])!r} "
         f"(top-1 {r.alone[i].top1[0, s]:.3f}, margin {m_alone:.3f}), in the batch {tok.decode([b])!r} "
         f"(top-1 {r.batched.top1[i, s]:.3f}, margin {m_batch:.3f})")
     say(f"      {_oracle_words(tok, o, a, b, 'the answer alone', 'the batched one')}")
@@ -152,7 +152,7 @@ def invariant_check(say, tok, folder, policy, impl, prompts_i, ids, mask, new_to
         same = all(np.array_equal(x[i], y[0]) for x, y in ((batched.tokens, alone.tokens),
                                                            (batched.top1, alone.top1), (batched.top2, alone.top2)))
         out[i] = same
-        say(f"    {impl} batch_invariant=True, prompt {i}: alone and in the batch "
+        say(f"    {impl} batch_invariant=True, prompt {i + 1}: alone and in the batch "
             f"{'bitwise the same (tokens and top logits)' if same else 'DIFFER'}: "
             f"{tok.decode(_tokens(alone, 0, eos))!r}")
     return out
@@ -170,12 +170,12 @@ def explain_models(say, tok, ref, cand, runs: dict, ids, mask, policy, new_token
         one, ones = _alone(ids, mask, i)
         row = run_greedy(ref, cand, one, ones, policy, new_tokens).rows[0]
         if row.step is None:
-            say(f"    prompt {i} alone: torchref and jaxmodel part only at EOS")
+            say(f"    prompt {i + 1} alone: torchref and jaxmodel part only at EOS")
             continue
         ta, tc = row.reference_token, row.candidate_token
         prefix = np.concatenate([one[0], np.asarray(row.reference_tokens[:row.step - 1], np.int64)])[None]
         o = oracle_choice(ref, prefix, ta, tc)
-        say(f"    prompt {i} alone: torchref and jaxmodel part at token {row.step}: torchref "
+        say(f"    prompt {i + 1} alone: torchref and jaxmodel part at token {row.step}: torchref "
             f"{tok.decode([ta])!r}, jaxmodel {tok.decode([tc])!r}; torchref's margin {row.reference_margin:.3f}, "
             f"jaxmodel's {row.candidate_margin:.3f}, their logits differ by {row.logit_difference:.3f} there")
         say(f"      {_oracle_words(tok, o, ta, tc, 'torchref', 'jaxmodel')}")
@@ -204,9 +204,9 @@ def nearest_tie(say, tok, runs: dict, ids, mask, eos) -> dict:
     one, _ = _alone(ids, mask, i)
     judge = make_judge(r.pm, one, r.pm.logits(one, np.ones_like(one))[0])
     token = int(r.alone[i].tokens[0, s])
-    say(f"    no answer differs: batching changed no token here. The nearest tie: {impl}, prompt {i}, token {s + 1}, "
-        f"{tok.decode([token])!r} leads by {margin:.4f}; batching moved that logit by {moved:.2e}; a flip needs a "
-        f"margin within 2 x {impl}'s rounding threshold ({2 * judge.threshold:.4f}), "
+    say(f"    no answer differs: batching changed no token here. The nearest tie: {impl}, prompt {i + 1}, "
+        f"token {s + 1}, {tok.decode([token])!r} leads by {margin:.4f}; batching moved that logit by {moved:.2e}; "
+        f"a flip needs a margin within 2 x {impl}'s rounding threshold ({2 * judge.threshold:.4f}), "
         f"{margin / (2 * judge.threshold):.1f}x away")
     return {"impl": impl, "prompt": i, "step": s + 1, "token": token, "margin": margin, "batching_moved": moved,
             "threshold": judge.threshold}
@@ -241,7 +241,7 @@ def _splits(say, tok, ref, cand, runs, ids, mask, policy, new_tokens, eos, clock
         a, b = (_tokens(runs[impl].batched, i, eos) for impl in IMPLS)
         if _first_difference(a, b) is not None:
             why = [f["impl"] for f in batching if f["prompt"] == i]
-            say(f"    prompt {i} in the batch: torchref and jaxmodel differ"
+            say(f"    prompt {i + 1} in the batch: torchref and jaxmodel differ"
                 + (f" because batching changed {' and '.join(why)}'s answer (above)" if why else
                    " as they do alone (above)"))
     out = {"batching": batching, "models": models, "invariant": {}}
@@ -306,8 +306,8 @@ def run(folder, prompts, policies, new_tokens: int, out_dir: Path, print_table, 
     results = [demo_policy(say, tok, folder, prompts, ids, mask, p, new_tokens, out_dir, print_table)
                for p in policies]
     for r in results:
-        flips = ", ".join(f"{f['impl']} prompt {f['prompt']} ({f['kind']})" for f in r["batching"]) or "none"
-        parts = ", ".join(f"prompt {f['prompt']} ({f['cause']})" for f in r["models"]) or "none"
+        flips = ", ".join(f"{f['impl']} prompt {f['prompt'] + 1} ({f['kind']})" for f in r["batching"]) or "none"
+        parts = ", ".join(f"prompt {f['prompt'] + 1} ({f['cause']})" for f in r["models"]) or "none"
         say(f"{r['policy']}: batching changed: {flips}; torchref vs jaxmodel alone part: {parts}; "
             f"ladder: {r['verdict']}; report {r['html']}")
     total = time.perf_counter() - t0
