@@ -1,13 +1,18 @@
 """compare: run two Llama implementations on the same inputs and measure where they differ.
 
-Rooms (the README's "What is here" has the map):
+Rooms (docs/layout.md has the map):
     vocabulary.py, metrics.py,     shared by both products: verdict kinds and thresholds,
-    environment.py, results.py     error metrics, the run's environment record, JSON results
+    environment.py, results.py,    error metrics, the run's environment record, JSON results,
+    evidence.py                    the typed records every rung of the ladder returns
+    explain/                       every sentence a report shows, made from those records, last
     adapters/                      what can be compared: the Implementation protocol, ours,
-                                   transformers
-    ladder/                        drift vs bug: per-tap verdicts, teacher forcing, planted controls
-    probes/                        invariance: batch, padding, determinism, greedy divergence
+                                   transformers, ports, dumps
+    ladder/                        drift vs bug: per-tap verdicts, teacher forcing, decode, greedy
+    probes/                        invariance: batch, padding, determinism, greedy divergence, and
+                                   where a circumstance first changes a row (where.py)
     report/                        HTML for both products on one page toolkit
+    controls/                      planted bugs and clean runs that calibrate the ladder (never
+                                   imported by the engine)
 """
 
 from .adapters import Implementation, as_implementation

@@ -1,8 +1,9 @@
 """The ladder end to end: four captures, a verdict per tap, teacher forcing, a Report.
 
 compare_models / assert_parity are the public API; run_ladder takes two prepared Sides
-(compare.adapters). verdicts.py judges one tap, teacher.py localises, controls.py holds
-the planted bugs and clean runs that calibrate both.
+(compare.adapters). verdicts.py judges one tap (its rungs return compare.evidence records,
+compare.explain writes the sentences), teacher.py localises; compare.controls holds the
+planted bugs and clean runs that calibrate both.
 """
 
 from __future__ import annotations
