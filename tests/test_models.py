@@ -211,6 +211,7 @@ def test_weights_keep_checkpoint_names_shapes_and_param_dtype(framework, tiny_di
     if framework == "torchref":
         got = {key(k): tuple(v.shape) for k, v in m.model.state_dict().items()}
         assert all(str(v.dtype) == "torch.bfloat16" for v in m.model.state_dict().values())
+        assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == got    # the loaded model: HF's keys
     else:
         from flax import nnx
         flat = nnx.to_flat_state(m.state)

@@ -291,6 +291,11 @@ class LlamaModel(nn.Module):
     def ops(self, namespace) -> None:
         self.model.ops = namespace
 
+    def state_dict(self, *args, **kwargs):
+        """The network's parameters under their checkpoint keys (Hugging Face's names), so a
+        LlamaForCausalLM can load them as they are."""
+        return {checkpoint_key(k): v for k, v in self.model.state_dict(*args, **kwargs).items()}
+
     def weights(self) -> dict[str, np.ndarray]:
         """The parameters under their checkpoint keys, as numpy in param_dtype (no lm_head
         when tied): the values the model computes with, ready for from_weights."""
