@@ -29,11 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -46,6 +42,7 @@ from ..metrics import max_ulp, nonfinite, rel_l2, unit_roundoff
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M
 from .models import ProbeModel, as_probe_model, logits_of
+from .worker import run_job
 
 PROBES = ("batch", "padding", "determinism", "divergence", "cross_greedy")
 DEFAULT_LENGTH = 24
@@ -489,8 +486,6 @@ def probe_determinism(model, ids=None, *, repeats=3, processes=2, batch=4, lengt
 def run_fresh(spec, ids, mask, processes=1, timeout=600, progress=None) -> list[np.ndarray]:
     """Logits of `spec`'s model on (ids, mask), from `processes` fresh Python processes."""
     outs = []
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory(prefix="llama-parity-probe-") as tmp:
         tmp = Path(tmp)
         np.save(tmp / "ids.npy", ids)
@@ -500,12 +495,7 @@ def run_fresh(spec, ids, mask, processes=1, timeout=600, progress=None) -> list[
                            f"{i + 1}/{processes}")
             job = {"spec": spec.to_dict(), "ids": str(tmp / "ids.npy"), "mask": str(tmp / "mask.npy"),
                    "out": str(tmp / f"logits{i}.npy")}
-            (tmp / "job.json").write_text(json.dumps(job))
-            proc = subprocess.run([sys.executable, "-m", "compare.probes.worker", str(tmp / "job.json")],
-                                  env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
-            if proc.returncode != 0:
-                raise RuntimeError(f"fresh process {i + 1} failed (exit {proc.returncode}):\n"
-                                   f"{proc.stderr[-2000:]}")
+            run_job("compare.probes.worker", job, tmp, timeout, f"fresh process {i + 1}")
             outs.append(np.load(tmp / f"logits{i}.npy"))
     return outs
 

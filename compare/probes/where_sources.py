@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +29,7 @@ from llamaspec.checkpoint import Checkpoint, check_checkpoint, check_finite_tens
 
 from ..adapters import fp64_policy
 from ..metrics import resolve_dtype
+from .worker import run_job
 
 # The lm_head is multiplied in chunks of at most this many bytes of float64 weights.
 HEAD_CHUNK_BYTES = 256 << 20
@@ -224,20 +222,13 @@ class CaptureSource(_Timed):
 def fresh_capture(spec, run, rows, taps, timeout=900) -> dict:
     """The target rows of `run` captured by spec's model in a fresh Python process
     (python -m compare.probes.where_worker): {row: {tap: array}}."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory(prefix="llama-parity-where-") as tmp:
         tmp = Path(tmp)
         np.save(tmp / "ids.npy", run.ids)
         np.save(tmp / "mask.npy", run.mask)
         job = {"spec": spec.to_dict(), "ids": str(tmp / "ids.npy"), "mask": str(tmp / "mask.npy"),
                "rows": [int(r) for r in rows], "taps": list(taps), "out": str(tmp / "rows.npz")}
-        (tmp / "job.json").write_text(json.dumps(job))
-        proc = subprocess.run([sys.executable, "-m", "compare.probes.where_worker", str(tmp / "job.json")],
-                              env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"where: the fresh process for '{run.key}' failed (exit {proc.returncode}):\n"
-                               f"{proc.stderr[-2000:]}")
+        run_job("compare.probes.where_worker", job, tmp, timeout, f"where: the fresh process for '{run.key}'")
         dtypes = json.loads((tmp / "dtypes.json").read_text())
         with np.load(tmp / "rows.npz") as z:
             return {int(r): {t: z[f"{r}|{t}"].astype(resolve_dtype(dtypes[t])) for t in taps} for r in rows}

@@ -33,8 +33,9 @@ def main(argv=None) -> int:
         dtypes[t] = str(a.dtype)
         for r in job["rows"]:
             out[f"{r}|{t}"] = a[r].astype(np.float32) if a.dtype.itemsize < 4 else a[r]
-    np.savez(job["out"], **out)
-    (Path(job["out"]).parent / "dtypes.json").write_text(json.dumps(dtypes))
+    from llamaspec.files import atomic_write
+    atomic_write(Path(job["out"]), lambda f: np.savez(f, **out), "captured rows")
+    atomic_write(Path(job["out"]).parent / "dtypes.json", json.dumps(dtypes), "tap dtypes")
     return 0
 
 

@@ -8,7 +8,10 @@ floats widened to float32, which is exact: np.save has no bfloat16).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -27,6 +30,20 @@ def main(argv=None) -> int:
         out = out.astype(np.float32)
     np.save(job["out"], out)
     return 0
+
+
+def run_job(module: str, job: dict, folder: Path, timeout: float, what: str) -> None:
+    """Runs `python -m <module> JOB.json` in a fresh Python process with the repository first on
+    its path; `job` is written to folder/job.json (temp name, rename). A failure is a
+    RuntimeError naming `what`, with the tail of the process's stderr."""
+    from llamaspec.files import atomic_write
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    path = atomic_write(Path(folder) / "job.json", json.dumps(job), "probe job")
+    proc = subprocess.run([sys.executable, "-m", module, str(path)], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
 
 
 if __name__ == "__main__":
