@@ -63,10 +63,17 @@ class Trend:
 @dataclasses.dataclass(frozen=True)
 class Noise:
     """The fp64-rung difference looks like `dtype`'s rounding: `size` in its unit roundoffs
-    (None when carried from `inherited_from`, the earlier tap where it entered)."""
+    (None when carried from `inherited_from`, the earlier tap where it entered), against the
+    dtype the policy prescribes for that step."""
     dtype: str
     size: float | None = None
     inherited_from: str | None = None
+    # how the rounding shows: "values" (each value rounded), "rows" (one factor per row, both
+    # signs: a norm's statistics), "angles" (RoPE angles position x frequency rounded)
+    shape: str = "values"
+    # the dtype the policy prescribes for the step this rounding belongs to (verdicts.step_dtype)
+    prescribed: str | None = None
+    step: str | None = None     # that step, in words' key: "norm_stats", "softmax", "rope", "sums", "output"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,3 +142,19 @@ class DecodePath:
     full_vs_oracle: float
     decode_wrong: bool
     key_tap: bool                   # the tap is a q/k one (the key written at this step may be wrong)
+
+
+# How a tap after the first divergence is known to inherit it (Inherited.how).
+FORCED = "forced"           # fed the oracle's input to its layer, the tap is within drift: nothing of its own
+SAME_LAYER = "same_layer"   # in the first divergence's own layer, after it: layer-level forcing cannot split them
+
+
+@dataclasses.dataclass(frozen=True)
+class Inherited:
+    """A tap whose difference is the first divergence's, carried downstream: never a finding
+    of its own (compare.ladder.teacher.inherit). own_kind is what the tap alone was judged;
+    local is teacher forcing's record of the tap's own error (how == FORCED)."""
+    source: str                     # the first divergence's tap
+    how: str                        # FORCED | SAME_LAYER
+    own_kind: str                   # precision | semantic
+    local: Evidence | None = None

@@ -11,8 +11,12 @@ from llamaspec import Policy
 from .metrics import unit_roundoff
 
 KINDS = ("exact", "drift", "precision", "semantic")   # in order of severity
-KIND_HEX = {"exact": "#8a8a8a", "drift": "#2e9d3a", "precision": "#e07b00", "semantic": "#d0312d"}
-KIND_ANSI = {"exact": "90", "drift": "32", "precision": "33", "semantic": "31"}  # terminal colour codes
+# A tap after the first divergence that carries its difference (teacher forcing: nothing of its
+# own) is "inherited": a tap state, never a verdict (Report.verdict is one of KINDS).
+TAP_KINDS = ("exact", "drift", "inherited", "precision", "semantic")
+KIND_HEX = {"exact": "#8a8a8a", "drift": "#2e9d3a", "inherited": "#b8a27a", "precision": "#e07b00",
+            "semantic": "#d0312d"}
+KIND_ANSI = {"exact": "90", "drift": "32", "inherited": "2;33", "precision": "33", "semantic": "31"}  # terminal colours
 
 
 def kind_hex(kind) -> str:

@@ -256,13 +256,14 @@ def _report_paths(args):
 
 
 def print_verdict_table(report, colour: bool) -> None:
-    """One row per (layer, component): the worst kind among its taps and the largest errors."""
-    from compare.vocabulary import KINDS, ansi
+    """One row per (layer, component): the worst kind among its taps (a tap that inherits the
+    first divergence shows as "inherited", below any finding) and the largest errors."""
+    from compare.vocabulary import TAP_KINDS, ansi
     rows: dict = {}
     for v in report.taps:
         key = (v.layer, v.component)
         r = rows.setdefault(key, {"kind": "exact", "err_ref": 0.0, "err_cand": 0.0, "err_fp64": 0.0})
-        if KINDS.index(v.kind) > KINDS.index(r["kind"]):
+        if TAP_KINDS.index(v.kind) > TAP_KINDS.index(r["kind"]):
             r["kind"] = v.kind
         for k in ("err_ref", "err_cand", "err_fp64"):
             r[k] = max(r[k], getattr(v, k))

@@ -44,7 +44,17 @@ def test_planted_bug_verdict_tap_component_hint(name, folder):
     assert check(control, report) == [], report.summary()
     d = report.first_divergence
     assert d.confirmed, f"teacher forcing disagrees: {d.evidence}"
+    assert findings_after(report) == [], report.summary()
     report.to_dict()
+
+
+def findings_after(report) -> list[str]:
+    """Findings after the first divergence without an error of their own: each one left must
+    have teacher forcing's local record (its layer fed the oracle's input) showing a finding."""
+    names = [v.tap for v in report.taps]
+    after = report.taps[names.index(report.first_divergence.tap) + 1:]
+    return [f"{v.tap} ({v.kind})" for v in after if v.kind in ("precision", "semantic")
+            and not (v.local is not None and v.local.kind in ("precision", "semantic"))]
 
 
 @pytest.mark.parametrize("policy", ["fp64", "fp32", "bf16", "fp16"])

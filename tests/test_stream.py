@@ -105,6 +105,26 @@ def test_streamed_semantic_finding_and_its_confirmation_equal_the_full_ladders(t
     assert _numbers(streamed) == _numbers(full)
 
 
+def test_streamed_inherited_taps_equal_the_full_ladders(tiny_dir, tmp_path):
+    """A checkpoint copy whose layer-0 post-attention norm weight is w + 1 (a conversion bug in
+    one layer): semantic at layers.0.mlp_norm; the later findings are inherited on both paths,
+    judged on the same forced runs (the lm_head's too)."""
+    from llamaspec import load_weights
+    folder = tiny_dir("gqa")
+    cfg, weights = load_weights(folder)
+    weights = {k: np.array(v) for k, v in weights.items()}
+    weights["model.layers.0.post_attention_layernorm.weight"] += 1
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    write_safetensors(tmp_path / "model.safetensors", weights, {"format": "pt"})
+    policy = Policy.get("fp32")
+    full, streamed = _both(*_sides(folder, tmp_path, policy), policy)
+    assert streamed.first_divergence.tap == "layers.0.mlp_norm" and streamed.verdict == "semantic"
+    inherited = [v for v in streamed.taps if v.kind == "inherited"]
+    assert {v.inherited.how for v in inherited} == {"same_layer", "forced"}, [v.tap for v in inherited]
+    assert any(v.tap == "logits" for v in inherited)
+    assert _numbers(streamed) == _numbers(full)
+
+
 def test_stream_true_refuses_sides_that_cannot_stream(tiny_dir):
     folder = tiny_dir("gqa")
     loaded = OurModel(torchref.from_pretrained(folder), folder)

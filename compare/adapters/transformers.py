@@ -22,8 +22,9 @@ touched):
                                                                logits     lm_head output
 
     q_rope, k_rope   q_proj / k_proj output with RoPE applied by the model's own
-                     apply_rotary_pos_emb, with the cos/sin its rotary_emb returned in
-                     this call (model.model.rotary_emb output)
+                     apply_rotary_pos_emb, with the cos/sin this layer's self_attn was
+                     called with (its position_embeddings: what rotary_emb returned, or
+                     what a hook on that layer put in its place)
 
 transformers applies RoPE inside LlamaAttention.forward, a plain function call with no
 module boundary, so q_rope and k_rope are not hooked but recomputed from what is: the
@@ -258,14 +259,14 @@ class TransformersModel:
     # ----- capture ---------------------------------------------------------------------
 
     def _hook_plan(self, wanted, tables: dict):
-        """[(module, 'pre' | 'post', tap, transform)] for the requested taps only; the
-        q_rope/k_rope transforms read the call's RoPE tables from `tables["cos_sin"]`."""
+        """[(module, 'pre' | 'post' | 'tables', tap, transform)] for the requested taps only;
+        the q_rope/k_rope transforms read the layer's RoPE tables from `tables[layer]`."""
         m = self.model
         plan = []
-        if any(tapnames.parse(t)[1] in ("q_rope", "k_rope") for t in wanted):
-            def keep(x):
-                tables["cos_sin"] = x
-            plan.append((m.model.rotary_emb, "tables", None, keep))
+        for layer in sorted({tapnames.parse(t)[0] for t in wanted if tapnames.parse(t)[1] in ("q_rope", "k_rope")}):
+            def keep(mod, args, kwargs, layer=layer):
+                tables[layer] = kwargs["position_embeddings"]
+            plan.append((m.model.layers[layer].self_attn, "tables", None, keep))
         top = {"embed": (m.model.embed_tokens, "post"), "final_norm": (m.model.norm, "post"),
                "logits": (m.lm_head, "post")}
         for tap in wanted:
@@ -279,9 +280,9 @@ class TransformersModel:
             def per_head(x, d=head_dim):
                 return (x.view(*x.shape[:-1], -1, d))
 
-            def rotated(x, d=head_dim, att=att):
+            def rotated(x, d=head_dim, att=att, layer=layer):
                 """[B, T, H*D] projection -> [B, T, H, D] after the model's RoPE."""
-                cos, sin = tables["cos_sin"]
+                cos, sin = tables[layer]
                 q = x.view(*x.shape[:-1], -1, d).transpose(1, 2)
                 return _apply_rope(att)(q, q, cos, sin)[0].transpose(1, 2)
             where = {
@@ -348,8 +349,8 @@ class TransformersModel:
                 handles.append(self.model.model.layers[i].register_forward_pre_hook(
                     forcing_hook(h), with_kwargs=True))
             for module, when, tap, transform in self._hook_plan(wanted, tables):
-                if when == "tables":   # registered first: the RoPE tables precede every layer
-                    handles.append(module.register_forward_hook(lambda mod, args, out, keep=transform: keep(out)))
+                if when == "tables":   # self_attn's cos/sin, read before its q/k projections run
+                    handles.append(module.register_forward_pre_hook(transform, with_kwargs=True))
                     continue
                 pre, post = record(tap, transform)
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True) if when == "pre"

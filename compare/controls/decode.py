@@ -146,8 +146,10 @@ DECODE_CONTROLS: dict[str, DecodeControl] = {c.name: c for c in [
     # transformers LlamaForCausalLM (eager), through its own DynamicCache, patched on decode steps
     DecodeControl("hf_stale_mask", "transformers: layer 1's attention mask over the cache misses the newest "
                   "slot on decode steps", _on_decode_steps(_hf_hide_newest), where="transformers"),
+    # seen at q_rope: the transformers adapter rotates q/k with the tables each layer's
+    # self_attn is called with (here the hooked ones), so the first tap that differs is RoPE's
     DecodeControl("hf_decode_positions_off_by_one", "transformers: layer 1 rotates the decode step's query and key "
-                  "at position + 1", _hf_decode_positions_plus_one, where="transformers"),
+                  "at position + 1", _hf_decode_positions_plus_one, tap="layers.1.q_rope", where="transformers"),
     DecodeControl("cache_wraps", f"the cache wraps after the prompt + {LATE_SLOTS} slots (a ring buffer sized for "
                   "the prompt): later writes overwrite the oldest slot", None,
                   step=lambda T: LATE_SLOTS + 1),

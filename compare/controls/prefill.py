@@ -58,7 +58,7 @@ class Control:
 
 # ----- torchref: code-level patches at one layer -------------------------------------------
 
-def _torch_side(patch, knobs=None):
+def torch_side(patch, knobs=None):
     """Candidate: torchref with `patch` applied (at P and in its fp64 twin), or with policy
     knobs changed at P only (precision controls: the fp64 twin is clean)."""
     def build(folder, policy):
@@ -72,7 +72,7 @@ def _torch_side(patch, knobs=None):
     return build
 
 
-class _Ops:
+class Ops:
     """An op namespace: `base`'s functions, some replaced (set as a module's `ops` seam)."""
 
     def __init__(self, base, **replaced):
@@ -87,16 +87,16 @@ def _layer_ops(module: str, **replaced):
     """Layer LAYER's `module` ("self_attn" or "mlp") computes with some ops replaced."""
     def patch(m):
         target = m.model.layers[LAYER].get_submodule(module)
-        target.ops = _Ops(target.ops, **replaced)
+        target.ops = Ops(target.ops, **replaced)
     return patch
 
 
 def _attn_bug(**replaced):
-    return _torch_side(_layer_ops("self_attn", **replaced))
+    return torch_side(_layer_ops("self_attn", **replaced))
 
 
 def _mlp_bug(**replaced):
-    return _torch_side(_layer_ops("mlp", **replaced))
+    return torch_side(_layer_ops("mlp", **replaced))
 
 
 def _rope_interleaved(x, cos, sin):
@@ -357,20 +357,21 @@ A = "layers.{L}."
 CONTROLS: dict[str, Control] = {c.name: c for c in [
     # torchref, code-level, layer LAYER, fp32
     _c("rmsnorm_eps", "torchref", "fp32", "semantic", A + "attn_norm", "attn_norm", ["per-row scale"],
-       _torch_side(_set_eps(1e-6)), "input RMSNorm epsilon 1e-6 (config 1e-5)"),
+       torch_side(_set_eps(1e-6)), "input RMSNorm epsilon 1e-6 (config 1e-5)"),
     _c("norm_one_plus_w", "torchref", "fp32", "semantic", A + "mlp_norm", "mlp_norm",
-       ["norm weight", "(1 + w)"], _torch_side(_one_plus_w), "post-attention norm weight applied as (1 + w)"),
-    _c("silu_to_gelu", "torchref", "fp32", "semantic", A + "act", "mlp", [],
+       ["norm weight", "(1 + w)"], torch_side(_one_plus_w), "post-attention norm weight applied as (1 + w)"),
+    _c("silu_to_gelu", "torchref", "fp32", "semantic", A + "act", "mlp",
+       ["MLP activation: GELU (exact, erf) instead of SiLU"],
        _mlp_bug(silu=_gelu), "MLP activation GELU instead of SiLU"),
     _c("gate_up_swapped", "torchref", "fp32", "semantic", A + "gate", "mlp", [],
        _mlp_bug(linears=_swapped_linears), "gate and up projections swapped"),
     _c("qk_permutation", "torchref", "fp32", "semantic", A + "q", "attn", ["permuted", "RoPE layout"],
-       _torch_side(_qk_permuted), "q/k weight rows permuted (half-split -> interleaved, per head)"),
+       torch_side(_qk_permuted), "q/k weight rows permuted (half-split -> interleaved, per head)"),
     _c("rope_layout", "torchref", "fp32", "semantic", A + "q_rope", "attn", ["RoPE layout"],
        _attn_bug(apply_rope=_rope_interleaved), "RoPE rotates pairs (2i, 2i+1): interleaved"),
     _c("rope_theta", "torchref", "fp32", "semantic", A + "q_rope", "attn",
        ["RoPE frequencies", "theta", "linearly with position"],
-       _torch_side(_rope_theta(500000.0)), "rope_theta 500000 (config 10000 / 100000)"),
+       torch_side(_rope_theta(500000.0)), "rope_theta 500000 (config 10000 / 100000)"),
     _c("attn_scale_missing", "torchref", "fp32", "semantic", A + "attn_ctx", "attn",
        ["no attention scale"], _attn_bug(attention=_scaled_attention("missing")),
        "scores not divided by sqrt(head_dim)"),
@@ -386,17 +387,17 @@ CONTROLS: dict[str, Control] = {c.name: c for c in [
        ["causal mask off by one", "own token"], _attn_bug(attention=_masked(_misses_self)),
        "causal mask hides each query's own token"),
     _c("lm_head_tied", "torchref", "fp32", "semantic", "logits", "lm_head", ["lm_head matrix"],
-       _torch_side(_tied_head), "lm_head tied to the embedding although the checkpoint has its own"),
+       torch_side(_tied_head), "lm_head tied to the embedding although the checkpoint has its own"),
     # A difference the policy rounds away where it starts (bitwise equal at bf16 there): it
     # is localised by the first tap where the float64 runs differ, not where bf16 shows it.
     _c("rmsnorm_eps_hidden_bf16", "torchref", "bf16", "semantic", A + "attn_norm", "attn_norm",
-       ["per-row scale", "policy rounds it away"], _torch_side(_set_eps(1.001e-5)),
+       ["per-row scale", "policy rounds it away"], torch_side(_set_eps(1.001e-5)),
        "input RMSNorm epsilon 1.001e-5 (config 1e-5) under bf16"),
     # precision: one policy knob of the candidate at P (its fp64 twin is clean)
     _c("rope_tables_bf16", "torchref", "bf16", "precision", "layers.0.q_rope", "attn", ["RoPE tables"],
-       _torch_side(_none, dict(rope_dtype="bfloat16")), "RoPE angles and cos/sin in bf16 (bf16 policy)"),
+       torch_side(_none, dict(rope_dtype="bfloat16")), "RoPE angles and cos/sin in bf16 (bf16 policy)"),
     _c("softmax_bf16_in_fp32", "torchref", "fp32", "precision", "layers.0.attn_ctx", "attn",
-       ["attention"], _torch_side(_none, dict(softmax_dtype="bfloat16")),
+       ["attention"], torch_side(_none, dict(softmax_dtype="bfloat16")),
        "softmax in bf16 inside an fp32 model"),
     # precision in the float64 run too: a step hard-coded to a narrower dtype (dtype noise)
     _c("softmax_bf16_hardcoded", "torchref", "fp32", "precision", A + "attn_ctx", "attn",
@@ -418,7 +419,7 @@ CONTROLS: dict[str, Control] = {c.name: c for c in [
     # to bf16, so a bf16 softmax adds about one more rounding (measured 1.0-1.4x the
     # reference's error at attn_ctx, teacher-forced or not): drift by the ladder's rule.
     _c("softmax_bf16", "torchref", "bf16", None, "layers.0.attn_ctx", "attn", [],
-       _torch_side(_none, dict(softmax_dtype="bfloat16")), "softmax in bf16 (bf16 policy)"),
+       torch_side(_none, dict(softmax_dtype="bfloat16")), "softmax in bf16 (bf16 policy)"),
     # transformers LlamaForCausalLM (eager), patched, against torchref
     # (its float64 run keeps the norm in f32: an epsilon change must pass STRUCT_F32_FLOOR to be seen)
     _c("hf_rmsnorm_eps_hidden_bf16", "transformers", "bf16", "semantic", A + "attn_norm", "attn_norm",
@@ -489,10 +490,8 @@ def check(control: Control, report: Report) -> list[str]:
     return problems
 
 
-# ----- issue 21 part 3: structure the hints name (transformers, patched on its public seams) ---
-# Each control's first divergence, layer and component are asserted with the others. The words
-# its hint will hold once the ladder passes structure.tap_inputs to analyse (the step's own
-# inputs) are in STRUCTURE_HINTS; tests/test_structure.py checks them on the control's taps.
+# ----- structure the hints name from the step's own inputs (structure.tap_inputs), on
+# transformers' public seams: asserted with the others (verdict, tap, layer, component, hint).
 
 def _hf_partial_rotary(hf):
     """rotary_emb's cos/sin cover only the first half of head_dim (cos 1, sin 0 on the rest):
@@ -552,13 +551,16 @@ CONTROLS.update({c.name: c for c in [
        "RoPE tables cover half of head_dim: the other half of each head is not rotated"),
     _c("hf_q_heads_swapped", "transformers", "fp32", "semantic", A + "q", "attn", ["heads permuted"],
        hf_side(_hf_weights(_hf_q_heads_swapped)), "q_proj rows of heads 0 and 1 exchanged"),
-    _c("hf_gelu_tanh", "transformers", "fp32", "semantic", A + "act", "mlp", [],
+    _c("hf_gelu_tanh", "transformers", "fp32", "semantic", A + "act", "mlp",
+       ["MLP activation: GELU (tanh approximation) instead of SiLU"],
        hf_side(_hf_activation("gelu_pytorch_tanh")), "MLP activation GELU (tanh) instead of SiLU"),
-    _c("hf_quick_gelu", "transformers", "fp32", "semantic", A + "act", "mlp", [],
+    _c("hf_quick_gelu", "transformers", "fp32", "semantic", A + "act", "mlp", ["MLP activation: quick GELU"],
        hf_side(_hf_activation("quick_gelu")), "MLP activation quick GELU instead of SiLU"),
-    _c("hf_attn_residual_doubled", "transformers", "fp32", "semantic", A + "resid_mid", "attn", [],
+    _c("hf_attn_residual_doubled", "transformers", "fp32", "semantic", A + "resid_mid", "attn",
+       ["residual (skip connection) is added twice"],
        hf_side(_hf_residual("attn", 2.0)), "the attention block's residual added twice"),
-    _c("hf_mlp_residual_missing", "transformers", "fp32", "semantic", A + "out", "mlp", [],
+    _c("hf_mlp_residual_missing", "transformers", "fp32", "semantic", A + "out", "mlp",
+       ["residual (skip connection) is missing"],
        hf_side(_hf_residual("mlp", 0.0)), "the MLP block's residual dropped: the layer returns mlp_out"),
 ]})
 
@@ -566,16 +568,7 @@ CONTROLS.update({c.name: c for c in [
 # which tests/test_controls.py's checkpoint (4 heads x head_dim 32, hidden 32) has not:
 # tests/test_structure.py runs them on a square one.
 SQUARE_CONTROLS: dict[str, Control] = {c.name: c for c in [
-    _c("hf_o_proj_transposed", "transformers", "fp32", "semantic", A + "attn_out", "attn", [],
+    _c("hf_o_proj_transposed", "transformers", "fp32", "semantic", A + "attn_out", "attn",
+       ["projection weight transposed"],
        hf_side(_hf_weights(_hf_o_proj_transposed)), "o_proj weight transposed (square)"),
 ]}
-
-# Words each control's hint holds once the ladder passes structure.tap_inputs (see above).
-STRUCTURE_HINTS = {
-    "silu_to_gelu": ("MLP activation: GELU (exact, erf) instead of SiLU",),
-    "hf_gelu_tanh": ("MLP activation: GELU (tanh approximation) instead of SiLU",),
-    "hf_quick_gelu": ("MLP activation: quick GELU",),
-    "hf_attn_residual_doubled": ("residual (skip connection) is added twice",),
-    "hf_mlp_residual_missing": ("residual (skip connection) is missing",),
-    "hf_o_proj_transposed": ("projection weight transposed",),
-}

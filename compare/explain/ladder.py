@@ -7,6 +7,7 @@ from __future__ import annotations
 from llamaspec import taps as tapnames
 
 from .. import evidence as ev
+from ..metrics import unit_roundoff
 from ..vocabulary import FLOOR_ULPS, KINDS, NOISE_BAND, ONE_ROUNDING, TREND_BUCKETS
 from .findings import hint as findings_hint
 
@@ -58,14 +59,40 @@ def _nonfinite(tap, e):
     return f"NaN/Inf: {r} in the reference, {c} in the candidate ({c64} at fp64)"
 
 
+# The step a dtype noise belongs to (compare.evidence.Noise.step), and how its rounding shows.
+_NOISE_STEP = {"norm_stats": "the RMSNorm's statistics (mean of squares, rsqrt)", "softmax": "the softmax",
+               "rope": "the RoPE angles and tables", "sums": "the matmul's sums (accumulation)",
+               "output": "this step's output"}
+_NOISE_SHAPE = {"values": "unbiased and uncorrelated with the values",
+                "rows": "one factor per row, both signs, rounding-sized: a rounded statistic, not an epsilon",
+                "angles": "in the rotation angles, relative to position x frequency, unbiased"}
+
+
 def _fp64_noise(tap, e):
     n = e.noise
     if n.inherited_from is not None:
         return f"it carries the {n.dtype} rounding that enters at {n.inherited_from}"
     step = PRECISION_STEP.get(tapnames.tap(tap).kind, "a step rounded to a narrower dtype")
-    return (f"{_part_of(tap)} computes at about {n.dtype} precision even in the float64 run (rel error "
-            f"{e.err_fp64:.1e} = {n.size:.2f} {n.dtype} unit roundoffs; one rounding gives {ONE_ROUNDING:.2f}; "
-            f"unbiased and uncorrelated with the values): {step}")
+    size = "angle error" if n.shape == "angles" else "rel error"
+    err = f"{n.size * unit_roundoff(n.dtype):.1e}" if n.shape == "angles" else f"{e.err_fp64:.1e}"
+    prescribed = (f"; {e.policy} prescribes {n.prescribed} for {_NOISE_STEP[n.step]}"
+                  if n.prescribed and n.step in _NOISE_STEP else "")
+    return (f"{_part_of(tap)} computes at about {n.dtype} precision even in the float64 run ({size} "
+            f"{err} = {n.size:.2f} {n.dtype} unit roundoffs; one rounding gives {ONE_ROUNDING:.2f}; "
+            f"{_NOISE_SHAPE.get(n.shape, '')}){prescribed}: {step}")
+
+
+def inherited_hint(inh: ev.Inherited) -> str:
+    """A tap after the first divergence whose difference is the divergence's, carried."""
+    if inh.how == ev.SAME_LAYER:
+        return (f"inherited from {inh.source} (alone it reads as {inh.own_kind}): it follows the first divergence "
+                "inside the same layer, where teacher forcing (each layer fed the oracle's input) cannot "
+                "separate the two")
+    local = inh.local
+    what = (f"its local error is {local.kind} ({local.err_cand:.1e} vs the reference's {local.err_ref:.1e}"
+            + (f", fp64 {local.err_fp64:.1e})" if local.err_fp64 == local.err_fp64 else ")"))
+    return (f"inherited from {inh.source} (alone it reads as {inh.own_kind}): fed the oracle's input to its "
+            f"layer, {what}, so it adds nothing of its own")
 
 
 def _fp64_math(tap, e):
@@ -251,6 +278,10 @@ def report_summary(r) -> str:
         lines.append(f"first {d.kind} at {d.tap} (layer {d.layer}, {d.component}): {d.hint}")
         if d.evidence:
             lines.append(d.evidence)
+    inherited = [v for v in r.taps if v.inherited is not None]
+    if inherited:
+        lines.append(f"{len(inherited)} later tap(s) inherit it (teacher forcing: nothing of their own), "
+                     f"not findings: {inherited[0].tap} .. {inherited[-1].tap}")
     if r.config_differences:
         lines.append("the configs differ: " + "; ".join(r.config_differences))
     if r.teacher_forcing not in ("run", "off"):     # "not run: <why>"

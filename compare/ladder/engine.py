@@ -23,7 +23,7 @@ from ..explain import ladder as explain
 from ..metrics import logits_agreement, pair_metrics
 from ..results import JsonResult
 from .stream import checkpoint_side, streamable, streamed_ladder
-from .teacher import amplification, local_errors
+from .teacher import FINDINGS, amplification, inherit, local_errors, local_verdicts
 from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence
 
 
@@ -87,8 +87,10 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     verdicts = judge_taps(taps, r, c, o, c64, real, policy, keeps_f32)
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
               if "logits" in taps else {})
-    worst, divergence = first_divergence(verdicts)
     t0 = _lap(seconds, "judging", t0)
+    if teacher_forcing and _inherit(ref, cand, ids, mask, o, real, verdicts, policy, keeps_f32, progress):
+        t0 = _lap(seconds, "inherited taps (teacher forcing)", t0)
+    worst, divergence = first_divergence(verdicts)
     local, forcing = [], "off"
     if teacher_forcing:
         local, forcing = _teacher_forcing(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32, progress)
@@ -115,6 +117,23 @@ def judge_taps(taps, r, c, o, c64, real, policy: Policy, keeps_f32: bool) -> lis
         v.metrics = pair_metrics(c[t][real], r[t][real], tapnames.dtype_of(t, policy))
         verdicts.append(v)
     return verdicts
+
+
+def _inherit(ref: Side, cand: Side, ids, mask, o, real, verdicts, policy, keeps_f32, progress) -> bool:
+    """Teacher forcing's word on the findings after the first (teacher.inherit): True when the
+    forced runs were made. Without inject on a side nothing is relabelled (the report says
+    teacher forcing did not run)."""
+    if not any(v.kind in FINDINGS for v in verdicts):
+        return False
+    if any(map(inject_support, (ref.at_policy, cand.at_policy))):
+        return False
+    progress("teacher forcing: are the later findings the first one's, inherited?")
+    try:
+        local = local_verdicts(ref, cand, ids, mask, o, real, verdicts, policy, keeps_f32)
+    except InjectUnsupported:
+        return False
+    inherit(verdicts, local)
+    return bool(local)
 
 
 def _teacher_forcing(ref: Side, cand: Side, ids, mask, o, real, divergence, policy, keeps_f32, progress):

@@ -33,7 +33,7 @@ from llamaspec.checkpoint import Checkpoint, check_checkpoint, check_finite_tens
 from ..adapters import OurModel, Side
 from ..metrics import logits_agreement, pair_metrics, rel_l2
 from ..vocabulary import drift_factor, precision_floor
-from .teacher import amplification, confirm_divergence
+from .teacher import amplification, confirm_divergence, forced_taps, fp64_rule, inherit, judge_forced, suspects
 from .verdicts import classify, context_for, first_divergence, precision_ratio
 
 # The lm_head is multiplied in one piece when its widest copy (float64 for the oracle)
@@ -228,6 +228,7 @@ class _Judge:
         self.policy, self.real, self.keeps_f32 = policy, real, keeps_f32
         self.taps = set(taps)
         self.verdicts, self.noise_from, self.hidden = [], None, None
+        self.local = {}     # teacher forcing's local verdicts of the suspects (teacher.judge_forced)
         self.seconds = 0.0
 
     def __call__(self, names, r, c, o, c64, o_context=None):
@@ -268,9 +269,12 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
         run.h = run("embed", reader.rows(run.folder, "model.embed_tokens.weight", ids))
     judge.hidden = runs["o"].h.shape[-1]
     judge(["embed"], *({"embed": runs[k].h} for k in ("r", "c", "o", "c64")))
-    rows, last_o = _layers(runs, reader, judge, cfg.num_hidden_layers, real, teacher_forcing, progress)
-    agreement = _head(runs, reader, judge, cfg, real, "logits" in taps, last_o, progress)
+    rows, last_o, last_in = _layers(runs, reader, judge, cfg.num_hidden_layers, real, teacher_forcing, progress)
+    agreement, o_final = _head(runs, reader, judge, cfg, real, "logits" in taps, last_o, progress)
     verdicts = judge.verdicts
+    if teacher_forcing:
+        _final_local(runs, reader, judge, cfg, last_in, {**last_o, "final_norm": o_final}, progress)
+        inherit(verdicts, judge.local)
     worst, divergence = first_divergence(verdicts)
     if teacher_forcing:
         progress("teacher forcing: done with the layers (every layer was also fed the oracle's input)")
@@ -284,7 +288,8 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
 def _layers(runs: dict, reader: _Reader, judge: _Judge, n: int, real, teacher_forcing: bool, progress):
     """Every layer on every run, judged on the spot (one layer's weights held at a time);
     with teacher forcing, each side's layer also fed the oracle's input: its local error.
-    (rows of local errors per layer, the oracle's last layer output as context for the final norm)"""
+    (rows of local errors per layer, the oracle's last layer output as context for the final norm,
+    the oracle's input to the last layer)"""
     prev_o = {"embed": runs["o"].h}
     rows = []     # teacher forcing's local errors, per layer
     t_start = t_first = time.perf_counter()
@@ -299,10 +304,19 @@ def _layers(runs: dict, reader: _Reader, judge: _Judge, n: int, real, teacher_fo
         judge(layer_taps, acts["r"], acts["c"], acts["o"], acts["c64"], prev_o)
         if teacher_forcing:
             row, t = {"layer": i}, f"layers.{i}.out"
+            suspect = [v for v in suspects(judge.verdicts) if v.layer == i]
+            wanted = list(dict.fromkeys([t] + forced_taps(suspect, layer_taps)))
+            forced = {}
             for key, k in (("ref", "r"), ("cand", "c")):
-                forced = runs[k]("block", i, weights[runs[k].folder], forced_in, [t])
-                row[f"{key}_local"] = rel_l2(forced[t][real], acts["o"][t][real])
+                forced[k] = runs[k]("block", i, weights[runs[k].folder], forced_in, wanted)
+                row[f"{key}_local"] = rel_l2(forced[k][t][real], acts["o"][t][real])
             rows.append(row)
+            if suspect:     # are the later findings here the first one's, carried? (teacher.inherit)
+                f64 = runs["c64"]("block", i, weights[runs["c64"].folder], forced_in, wanted)
+                judge.local.update(judge_forced([v.tap for v in suspect], forced["r"], forced["c"],
+                                                {**prev_o, **acts["o"]}, f64, real, judge.policy,
+                                                judge.keeps_f32, judge.hidden))
+        last_in = forced_in
         for k, run in runs.items():
             run.h = acts[k][f"layers.{i}.out"]
         prev_o = {f"layers.{i}.out": runs["o"].h}
@@ -314,7 +328,7 @@ def _layers(runs: dict, reader: _Reader, judge: _Judge, n: int, real, teacher_fo
         else:
             per = (now - t_first) / i
         progress(f"layer {i + 1}/{n} done ({per:.1f} s per layer, about {per * (n - i - 1):.0f} s left)")
-    return rows, prev_o
+    return rows, prev_o, last_in
 
 
 def _head(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, real, logits_tap: bool, last_o,
@@ -339,7 +353,37 @@ def _head(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, real, lo
         _trim()
         agreement = logits_agreement(real_rows["r"], real_rows["c"], real_rows["o"])
     del logits
-    return agreement
+    return agreement, acts["o"]["final_norm"]
+
+
+def _final_local(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, last_in, o: dict, progress) -> None:
+    """The local verdicts of final_norm / logits when they are findings after the first one
+    (teacher.suspects): as in the full ladder's forced runs, the last layer fed the oracle's
+    input, then the final norm and (if needed) the lm_head on each run's forced output."""
+    suspect = [v for v in suspects(judge.verdicts) if v.layer is None]
+    if not suspect:
+        return
+    progress("teacher forcing: the final norm and lm_head after the last layer fed the oracle's input")
+    n, keys = cfg.num_hidden_layers, ("r", "c", "c64")
+    out, norm = f"layers.{n - 1}.out", {}
+    forced = {}
+    for k in keys:
+        run = runs[k]
+        if run.folder not in norm:
+            norm[run.folder] = (reader.layer(run.folder, n - 1),
+                                reader.tensors(run.folder, ["model.norm.weight"])["model.norm.weight"])
+        weights, w_norm = norm[run.folder]
+        h = run("block", n - 1, weights, last_in, [out])[out]
+        forced[k] = {"final_norm": run("final_norm", w_norm, h)}
+    o = dict(o)
+    if any(v.tap == "logits" for v in suspect):
+        logits = _logits({k: runs[k] for k in (*keys, "o")}, reader, cfg,
+                         {**{k: forced[k]["final_norm"] for k in keys}, "o": o["final_norm"]})
+        for k in keys:
+            forced[k]["logits"] = logits[k]
+        o["logits"] = logits["o"]
+    judge.local.update(judge_forced([v.tap for v in suspect], forced["r"], forced["c"], o, forced["c64"],
+                                    judge.real, judge.policy, judge.keeps_f32, judge.hidden))
 
 
 def _logits(runs: dict, reader: _Reader, cfg: LlamaConfig, x: dict) -> dict:
@@ -376,7 +420,8 @@ def _localise(divergence, rows, runs, reader, cfg, real, policy, keeps_f32, prog
         return
     kind = tapnames.tap(divergence.tap).kind if divergence.layer is not None else "out"
     at = [f"layers.{i}.{kind}" for i in range(cfg.num_hidden_layers)]
-    forced = ("r", "c") if divergence.kind == "precision" else ("c64",)
+    at_policy = not fp64_rule(divergence)
+    forced = ("r", "c") if at_policy else ("c64",)
     progress(f"teacher forcing for the {divergence.kind} divergence: layers.i.{kind} of "
              f"{' and '.join(runs[k].label for k in forced)} fed the oracle's input, layer by layer")
     o = runs["o"]
@@ -391,7 +436,7 @@ def _localise(divergence, rows, runs, reader, cfg, real, policy, keeps_f32, prog
         oracle = o("block", i, weights[o.folder], h, [t])
         got = {k: runs[k]("block", i, weights[runs[k].folder], h, [t])[t][real] for k in forced}
         ot = oracle[t][real]
-        if divergence.kind == "precision":
+        if at_policy:
             rows[i]["ref_tap_local"], rows[i]["cand_tap_local"] = rel_l2(got["r"], ot), rel_l2(got["c"], ot)
             rows[i]["tap_local_ratio"] = precision_ratio(got["r"], got["c"], ot, pos, floor, m)[0]
         else:

@@ -581,6 +581,23 @@ def _implied_theta(freq: np.ndarray) -> float:
     return float(np.exp(np.median(-np.log(freq[1:][ok]) * D / (2 * k[ok]))))
 
 
+# Frequencies that differ by their rounding: each pair's relative deviation at most this (4
+# bf16 unit roundoffs, the widest dtype the noise test knows at NOISE_BAND's top) and of both
+# signs (|mean| <= ROPE_ROUNDED_BIAS x RMS). A theta or scaling change moves every pair the
+# same way, by a growing factor; a rounded angle (position x frequency in bf16) moves each
+# its own way, by a rounding.
+ROPE_ROUNDED_MAX = 4 * 2.0 ** -8
+ROPE_ROUNDED_BIAS = 0.25
+
+
+def _rounded_frequencies(ratio: np.ndarray) -> bool:
+    dev = np.asarray(ratio[1:], np.float64) - 1.0      # pair 0 turns at 1 rad per position in any schedule
+    if not len(dev) or not dev.any():
+        return False
+    rms = float(np.sqrt(np.mean(dev * dev)))
+    return float(np.abs(dev).max()) <= ROPE_ROUNDED_MAX and abs(float(dev.mean())) <= ROPE_ROUNDED_BIAS * rms
+
+
 def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     """At a q_rope / k_rope tap ([B, T, H, D]) with both sides' pre-RoPE input: which pair
     layout does each side rotate, and at which frequencies? Names RoPE layout (interleaved
@@ -611,6 +628,8 @@ def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     ratio = fc / np.where(fr != 0, fr, 1.0)
     if np.all(np.abs(fc - fr) <= ROPE_FREQ_TOL * np.maximum(np.abs(fr), 1e-300)):
         return None
+    if _rounded_frequencies(ratio):
+        return None     # the frequencies rounded, not another schedule (verdicts.rope_angle_noise)
     # The angle difference should then grow linearly with position: phi_c - phi_r = p * d_omega.
     dphi = _pair_angles(c, cp, lay) - _pair_angles(r, rp, lay)
     pred = pos[:, None, None] * (fc - fr)

@@ -14,10 +14,13 @@ from llamaspec import Policy, positions_from_mask
 from llamaspec import taps as tapnames
 
 from ..adapters import Side, forced_capture
-from ..evidence import Forcing
+from ..evidence import FORCED, FP64_NOISE, SAME_LAYER, Forcing, Inherited
+from ..explain import ladder as explain
 from ..metrics import rel_l2
-from ..vocabulary import FP64_FLOOR, STRUCT_F32_FLOOR, drift_factor, precision_floor
-from .verdicts import Divergence, TapVerdict, precision_ratio
+from ..vocabulary import FP64_FLOOR, KINDS, STRUCT_F32_FLOOR, drift_factor, precision_floor
+from .verdicts import ROUNDING_PATTERNS, Divergence, TapVerdict, classify, context_for, precision_ratio
+
+FINDINGS = ("precision", "semantic")
 
 
 def amplification(rows: list[dict], verdicts: list[TapVerdict]) -> None:
@@ -58,7 +61,7 @@ def local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None
             rows[i][f"{key}_local"] = rel_l2(forced[key][t][real], oracle[t][real])
     # Without the candidate's twin a semantic divergence is judged at P (classify_without_twin),
     # and so is its confirmation.
-    at_policy = divergence and (divergence.kind == "precision" or cand.at_fp64 is None)
+    at_policy = divergence and (not fp64_rule(divergence) or cand.at_fp64 is None)
     if at_policy:
         pos = positions_from_mask(np.asarray(mask))[real]
         for t in at:
@@ -67,7 +70,7 @@ def local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None
             row["ref_tap_local"], row["cand_tap_local"] = rel_l2(fr, o), rel_l2(fc, o)
             row["tap_local_ratio"] = precision_ratio(fr, fc, o, pos, precision_floor(policy, oracle["embed"].shape[-1]),
                                                      drift_factor(policy))[0]
-    if divergence and divergence.kind == "semantic" and not at_policy:
+    if divergence and fp64_rule(divergence) and not at_policy:
         _, forced = forced_capture(cand.at_fp64, ids, mask, list(dict.fromkeys(outs + at)), inject)
         for t in at:
             rows[tapnames.tap(t).layer]["cand64_tap_local"] = rel_l2(forced[t][real], oracle[t][real])
@@ -76,11 +79,18 @@ def local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None
     return rows
 
 
+def fp64_rule(d: Divergence) -> bool:
+    """Whether teacher forcing confirms `d` on the candidate's fp64 twin (its local error
+    beyond the fp64 gate): a semantic divergence, and a precision one that the fp64 rung found
+    (a step hard-coded to a narrower dtype rounds in the twin too); else at the policy."""
+    return d.kind == "semantic" or (d.record is not None and d.record.reason == FP64_NOISE)
+
+
 def _confirm(d: Divergence, rows, at, policy, keeps_f32, at_policy=False) -> None:
     """Teacher forcing's confirmation of the divergence's layer (docs/method.md, "Localisation");
     at_policy: judged by the forced runs at P (precision, or no float64 twin)."""
     what = tapnames.tap(d.tap).kind if d.layer is not None else "out"
-    if d.kind == "semantic" and not at_policy:
+    if fp64_rule(d) and not at_policy:
         gate = STRUCT_F32_FLOOR if keeps_f32 else FP64_FLOOR
         adds = [r["layer"] for r in rows if r.get("cand64_tap_local") is not None and not r["cand64_tap_local"] <= gate]
         measured = dict(rule="fp64", gate=gate)
@@ -104,3 +114,112 @@ def confirm_divergence(d: Divergence, rows, at, policy, keeps_f32) -> None:
     """Sets d.confirmed and d.evidence from per-layer rows as local_errors fills them (the
     streamed ladder, compare.ladder.stream, measures them its own way)."""
     _confirm(d, rows, at, policy, keeps_f32)
+
+
+# ----- inherited taps (issue 21 part 2) ----------------------------------------------------------
+# After the first divergence, every later tap carries its difference, and the rungs read that
+# inherited difference as findings of their own (dtype noise at the fp64 rung, structure of the
+# bug's propagated error). Teacher forcing says which are: a tap fed the oracle's input to its
+# layer that is within drift adds nothing of its own, so its difference is inherited.
+
+def _origin(verdicts: list[TapVerdict]) -> TapVerdict | None:
+    """Where the candidate first parts from the oracle beyond rounding: the first finding, or
+    the first tap whose fp64 difference is a dtype's noise (a step the policy rounds anyway at
+    that tap, bitwise equal or within drift there, whose rounding later taps carry)."""
+    return next((v for v in verdicts if v.kind in FINDINGS or v.noise_dtype is not None), None)
+
+
+def _same_layer(v: TapVerdict, origin: TapVerdict, last: int | None) -> bool:
+    """v follows the origin inside its layer (or after the layers, the origin in the last one or
+    after it too), where forcing the layers' inputs cannot separate the two, and claims nothing the origin
+    does not: no more severe, or semantic only by patterns that rounding itself makes
+    (verdicts.ROUNDING_PATTERNS: a one-sided or position-growing error is what a rounded step
+    carried through a norm or a softmax can look like) after an origin that is rounding."""
+    inside = v.layer == origin.layer or (v.layer is None and origin.layer == last)
+    if not inside:
+        return False
+    if KINDS.index(v.kind) <= KINDS.index(origin.kind):
+        return True
+    rounding_only = v.record is not None and bool(v.record.findings) and all(
+        f.kind in ROUNDING_PATTERNS for f in v.record.findings)
+    return origin.kind != "semantic" and rounding_only
+
+
+def _last_layer(verdicts) -> int | None:
+    return max((v.layer for v in verdicts if v.layer is not None), default=None)
+
+
+def suspects(verdicts: list[TapVerdict]) -> list[TapVerdict]:
+    """The findings after the origin (_origin) that teacher forcing must judge: all but those
+    in the origin's own layer (_same_layer)."""
+    origin = _origin(verdicts)
+    if origin is None:
+        return []
+    after = verdicts[verdicts.index(origin) + 1:]
+    last = _last_layer(verdicts)
+    return [v for v in after if v.kind in FINDINGS and not _same_layer(v, origin, last)]
+
+
+def forced_taps(suspect: list[TapVerdict], available) -> list[str]:
+    """The taps the forced runs must return to judge `suspect` like the full run: each tap and
+    its context (the q / k before RoPE at q_rope / k_rope)."""
+    out = []
+    for v in suspect:
+        out.append(v.tap)
+        if v.layer is not None and v.tap.endswith(("q_rope", "k_rope")):
+            out.append(f"layers.{v.layer}.{v.tap.rsplit('.', 1)[1][0]}")
+    return [t for t in dict.fromkeys(out) if t in available]
+
+
+def judge_forced(taps, fr: dict, fc: dict, o: dict, fc64: dict | None, real, policy: Policy, keeps_f32: bool,
+                 hidden) -> dict[str, TapVerdict]:
+    """classify on the forced runs (each layer fed the oracle's input): the taps' local verdicts."""
+    out = {}
+    for t in taps:
+        c64 = None if fc64 is None else fc64[t]
+        out[t] = classify(t, fr[t], fc[t], o[t], c64, real, policy, keeps_f32,
+                          context_for(t, fc if fc64 is None else fc64, o), hidden)
+    return out
+
+
+def local_verdicts(ref: Side, cand: Side, ids, mask, oracle, real, verdicts, policy: Policy,
+                   keeps_f32: bool) -> dict[str, TapVerdict]:
+    """The full ladder's forced runs for the suspects (suspects): ref and cand at P, cand at
+    fp64 when it has a twin, every layer fed the oracle's input; their local verdicts."""
+    suspect = suspects(verdicts)
+    if not suspect:
+        return {}
+    n = sum(1 for t in oracle if t.endswith(".out"))
+    inject = {0: oracle["embed"], **{i: oracle[f"layers.{i - 1}.out"] for i in range(1, n)}}
+    taps = forced_taps(suspect, oracle)
+    _, fr = forced_capture(ref.at_policy, ids, mask, taps, inject)
+    _, fc = forced_capture(cand.at_policy, ids, mask, taps, inject)
+    fc64 = forced_capture(cand.at_fp64, ids, mask, taps, inject)[1] if cand.at_fp64 is not None else None
+    hidden = np.shape(oracle["embed"])[-1]
+    return judge_forced([v.tap for v in suspect], fr, fc, oracle, fc64, real, policy, keeps_f32, hidden)
+
+
+def inherit(verdicts: list[TapVerdict], local: dict[str, TapVerdict]) -> int:
+    """Marks the findings after the origin (_origin) that carry its difference: in its own
+    layer and no more severe (SAME_LAYER), or within drift when forced (FORCED). Their kind
+    becomes "inherited"; the rest keep theirs (a local error of their own). Returns how many."""
+    origin = _origin(verdicts)
+    if origin is None:
+        return 0
+    n, last = 0, _last_layer(verdicts)
+    for v in verdicts[verdicts.index(origin) + 1:]:
+        if v.kind not in FINDINGS:
+            continue
+        lv = local.get(v.tap)
+        v.local = lv.record if lv is not None else None
+        if _same_layer(v, origin, last):
+            how = SAME_LAYER
+        elif lv is not None and lv.kind in ("exact", "drift"):
+            how = FORCED
+        else:
+            continue
+        v.inherited = Inherited(origin.tap, how, v.kind, lv.record if how == FORCED else None)
+        v.kind = "inherited"
+        v.hint = explain.inherited_hint(v.inherited)
+        n += 1
+    return n

@@ -41,6 +41,7 @@ from ..evidence import (
     DecodePath,
     Evidence,
     Forcing,
+    Inherited,
     Noise,
     Span,
     Trend,
@@ -66,7 +67,7 @@ from ..vocabulary import (
     precision_floor,
 )
 from .conventions import explain_attention
-from .structure import analyse, spearman
+from .structure import analyse, spearman, tap_inputs
 
 _F32_STEP_KINDS = ("position_trend", "head_confinement", "half_confinement", "sign_bias")
 
@@ -91,6 +92,11 @@ class TapVerdict:
     # the dtype whose rounding the fp64-rung difference looks like (dtype_noise), if any
     noise_dtype: str | None = None
     record: Evidence | None = None      # what the deciding rung saw (compare.evidence)
+    # kind "inherited": the difference is the first divergence's, carried here (teacher.inherit)
+    inherited: Inherited | None = None
+    # a finding after the first divergence, fed the oracle's input to its layer: teacher
+    # forcing's record of its own error (teacher.inherit; None where it was not measured)
+    local: Evidence | None = None
 
     @classmethod
     def of(cls, tap: str, ev: Evidence) -> "TapVerdict":
@@ -135,7 +141,7 @@ def _findings(tap, cand64, oracle, mask, keeps_f32, context) -> list:
     per_head = kind in tapnames.PER_HEAD
     c64, o = np.asarray(cand64, np.float64), np.asarray(oracle, np.float64)
     found = analyse(c64, o, mask, per_head=per_head, pre=context.get("pre"),
-                    norm_input=context.get("norm_input"))
+                    norm_input=context.get("norm_input"), inputs=context.get("inputs"))
     if kind == "attn_ctx" and context.get("qkv") is not None:
         conv = explain_attention(c64, *context["qkv"], mask)
         found = ([conv] if conv else []) + found
@@ -248,6 +254,16 @@ def rope_band_ratio(r, c, o, floor, m=M) -> tuple[float, Span | None]:
     return best, where
 
 
+def _fitted_noise(err: float, keeps_f32: bool, shape: str) -> Noise | None:
+    """The dtype one rounding of which (ONE_ROUNDING u) a relative error `err` fits best,
+    within NOISE_BAND; f32 is not a candidate for a side that keeps f32 steps (that noise
+    is its normal)."""
+    fits = [(abs(math.log(err / unit_roundoff(dt) / ONE_ROUNDING)), dt, err / unit_roundoff(dt))
+            for dt in NOISE_DTYPES if not (keeps_f32 and dt == "float32")]
+    fits = [f for f in fits if NOISE_BAND[0] <= f[2] <= NOISE_BAND[1]]
+    return Noise(*min(fits)[1:], shape=shape) if fits else None
+
+
 def dtype_noise(c64, o, err64: float, keeps_f32: bool) -> Noise | None:
     """The dtype whose rounding the fp64-rung difference c64 - o looks like: unbiased,
     uncorrelated with the values, and sized like one rounding (ONE_ROUNDING u) within
@@ -263,10 +279,66 @@ def dtype_noise(c64, o, err64: float, keeps_f32: bool) -> Noise | None:
     scale_share = float(d @ o) ** 2 / (oo * dd)     # the error energy a global scale explains
     if abs(float(d.mean())) > NOISE_SHAPE * rms or scale_share > NOISE_SHAPE:
         return None
-    fits = [(abs(math.log(err64 / unit_roundoff(dt) / ONE_ROUNDING)), dt, err64 / unit_roundoff(dt))
-            for dt in NOISE_DTYPES if not (keeps_f32 and dt == "float32")]
-    fits = [f for f in fits if NOISE_BAND[0] <= f[2] <= NOISE_BAND[1]]
-    return Noise(*min(fits)[1:]) if fits else None
+    return _fitted_noise(err64, keeps_f32, "values")
+
+
+def row_noise(c64, o, err64: float, keeps_f32: bool) -> Noise | None:
+    """A per-row factor (c64 = a_row x o, which structure's per_row_scale found) that is
+    rounding, not math: the factors' deviations from 1 take both signs (|mean| within
+    NOISE_SHAPE of their RMS) and their size is one rounding of a dtype (NOISE_BAND). A norm
+    whose mean(x^2) is rounded makes exactly that: each row's rsqrt off by its own rounding,
+    either way. An epsilon or a normalisation bug moves every row the same way (all factors
+    below or above 1), a weight bug is per feature: neither passes."""
+    c, oo = (np.asarray(x, np.float64) for x in (c64, o))
+    c, oo = c.reshape(len(c), -1), oo.reshape(len(oo), -1)
+    rr = np.einsum("ij,ij->i", oo, oo)
+    ok = rr > 0
+    a = np.einsum("ij,ij->i", c - oo, oo)[ok] / rr[ok]
+    if len(a) < 2 or not a.any():
+        return None
+    rms = math.sqrt(float(np.mean(a * a)))
+    if abs(float(a.mean())) > NOISE_SHAPE * rms:
+        return None
+    return _fitted_noise(err64, keeps_f32, "rows")
+
+
+def rope_angle_noise(c64, o, c64_pre, o_pre, mask, keeps_f32: bool) -> Noise | None:
+    """At q_rope / k_rope ([B, T, H, D], Hugging Face half-split pairs (i, i + D/2)) with both
+    sides' input before RoPE: are the rotation angles the oracle's, rounded? The angle each
+    side rotates pair i by at one position (summed over heads: they share it) and its error
+    against the oracle's, relative to the oracle's angle position x frequency (the frequency
+    read from consecutive positions): rounding the angle to a dtype leaves a relative error
+    of one rounding of it, unbiased. A rounded angle grows with position, so the values'
+    error is many roundings where the angle's is one; a wrong theta or layout is biased or
+    far larger (structure.rope_finding names those). Each side's angle is read against its own
+    input, so the inputs need not be equal."""
+    c, r, cp, rp = (np.asarray(x, np.float64) for x in (c64, o, c64_pre, o_pre))
+    if c.ndim != 4 or c.shape[-1] % 2 or c.shape != cp.shape or cp.shape != rp.shape:
+        return None
+    m = np.asarray(mask, bool)
+    pos = positions_from_mask(m)
+    half = c.shape[-1] // 2
+
+    def angle(out, pre):
+        a, b = slice(0, half), slice(half, None)
+        cross = (pre[..., a] * out[..., b] - pre[..., b] * out[..., a]).sum(-2)
+        dot = (pre[..., a] * out[..., a] + pre[..., b] * out[..., b]).sum(-2)
+        return np.arctan2(cross, dot)                       # [B, T, D/2]
+    phi_c, phi_o = angle(c, cp), angle(r, rp)
+    wrap = lambda x: (x + np.pi) % (2 * np.pi) - np.pi      # noqa: E731
+    step = wrap(phi_o[:, 1:] - phi_o[:, :-1])[m[:, 1:] & m[:, :-1]]
+    if len(step) < 1:
+        return None
+    theta = pos[..., None] * np.median(step, axis=0)        # the oracle's angle, unwrapped
+    err, theta = wrap(phi_c - phi_o)[m], theta[m]
+    tt = float(np.sum(theta * theta))
+    if not tt or not np.isfinite(err).all():
+        return None
+    rel = math.sqrt(float(np.sum(err * err)) / tt)
+    weighted_mean = float(np.sum(err * theta)) / tt        # the relative error's mean, weighted as rel is
+    if abs(weighted_mean) > NOISE_SHAPE * rel:
+        return None
+    return _fitted_noise(rel, keeps_f32, "angles")
 
 
 def ratio_trend(sq_r, sq_c, pos) -> Trend | None:
@@ -292,7 +364,7 @@ def ratio_trend(sq_r, sq_c, pos) -> Trend | None:
 
 # Structure that rounding itself can have (a step in a narrower dtype concentrates its
 # error in some positions, heads or one sign): not evidence of different math at P.
-_ROUNDING_PATTERNS = _F32_STEP_KINDS + ("per_row_scale",)
+ROUNDING_PATTERNS = _F32_STEP_KINDS + ("per_row_scale",)
 
 
 @dataclasses.dataclass
@@ -364,16 +436,65 @@ def _fp64_rung(t: _Tap, keeps_f32: bool, context, noise_from: TapVerdict | None,
         return None, None
     found = _findings(t.name, t.full["c64"], t.full["o"], t.given_mask, keeps_f32, context)
     noise = None
-    if not found and e.err_fp64 > floor64:
-        noise = (Noise(noise_from.noise_dtype, None, noise_from.tap) if noise_from is not None
-                 else dtype_noise(t.c64, t.o, e.err_fp64, keeps_f32))
+    if e.err_fp64 > floor64:
+        noise, found = _noise_of(t, e.err_fp64, found, keeps_f32, context, noise_from)
     if noise is not None:
-        if not equal and unit_roundoff(noise.dtype) > unit_roundoff(t.policy.compute_dtype):
+        noise = judged_noise(t.name, t.policy, noise)
+        # Carried noise decides nothing here: where it entered is the finding (or it was not
+        # one); what it costs at P downstream is the working rung's to say.
+        if noise.inherited_from is None and not equal and unit_roundoff(noise.dtype) > unit_roundoff(noise.prescribed):
             return dataclasses.replace(e, kind="precision", reason=FP64_NOISE, noise=noise), noise
         return None, noise      # rounding the policy does not see here, or at/below its precision
     if e.err_fp64 > floor64 or found:
         return dataclasses.replace(e, kind="semantic", reason=FP64_MATH, findings=found, hidden_by_policy=equal), None
     return None, None
+
+
+def _noise_of(t: _Tap, err64, found, keeps_f32, context, noise_from) -> tuple[Noise | None, list]:
+    """(the dtype noise the fp64 difference is, the findings left): a per-row factor that
+    rounding made (a norm's statistics) is noise, not a finding; with no finding, the noise
+    carried from an earlier tap, or this tap's own (values, or RoPE angles)."""
+    if found and {f.kind for f in found} == {"per_row_scale"}:
+        rows = row_noise(t.c64, t.o, err64, keeps_f32)
+        return (rows, []) if rows is not None else (None, found)
+    if found:
+        return None, found
+    if noise_from is not None:
+        return Noise(noise_from.noise_dtype, None, noise_from.tap), found
+    noise = dtype_noise(t.c64, t.o, err64, keeps_f32)
+    if noise is None and t.kind in ("q_rope", "k_rope") and context.get("pre") is not None:
+        noise = rope_angle_noise(t.full["c64"], t.full["o"], *context["pre"], t.given_mask, keeps_f32)
+    return noise, found
+
+
+# Tap kinds a matmul makes: its sums run in accum_dtype, its output is rounded once to the tap's dtype.
+_MATMUL_TAPS = ("q", "k", "v", "attn_out", "gate", "up", "mlp_out", "logits")
+_NORM_TAPS = ("attn_norm", "mlp_norm", "final_norm")
+
+
+def judged_noise(tap: str, policy: Policy, noise: Noise) -> Noise:
+    """noise with the step it belongs to and the dtype `policy` prescribes for that step:
+    a norm's statistics (a per-row factor) norm_dtype; the softmax (attn_ctx) softmax_dtype;
+    RoPE (q_rope, k_rope) rope_dtype; a matmul's sums accum_dtype when the noise is more than
+    the one rounding of its output (ONE_ROUNDING unit roundoffs: one round-to-nearest leaves a
+    relative error of at most u/sqrt(3) in RMS, whatever the values), else the tap's own dtype
+    (the output's rounding, which the policy makes too); carried noise: the tap's dtype.
+    The step is below the policy where the noise's dtype is narrower than the prescribed one
+    (docs/method.md, "Dtype noise")."""
+    kind, own = tapnames.tap(tap).kind, tapnames.dtype_of(tap, policy)
+    if noise.inherited_from is not None:
+        step, dtype = "carried", own
+    elif kind in _NORM_TAPS:
+        step, dtype = ("norm_stats", policy.norm_dtype) if noise.shape == "rows" else ("output", own)
+    elif kind == "attn_ctx":
+        step, dtype = "softmax", policy.softmax_dtype
+    elif kind in ("q_rope", "k_rope"):
+        step, dtype = "rope", policy.rope_dtype
+    elif kind in _MATMUL_TAPS and noise.size is not None and noise.size > ONE_ROUNDING:
+        step, dtype = "sums", policy.accum_dtype
+    else:
+        step, dtype = "output", own
+    return dataclasses.replace(noise, prescribed=dtype, step=step)
 
 
 def _working_rung(t: _Tap, hidden, noise: Noise | None) -> Evidence:
@@ -396,7 +517,7 @@ def _no_twin_rung(t: _Tap, hidden, context) -> Evidence:
     # twin's, not the policy's (at fp32 it reads frequency noise as a scaling).
     found = [f for f in _findings(t.name, t.full["c"], t.full["o"], t.given_mask, False,
                                   {k: v for k, v in (context or {}).items() if k != "pre"})
-             if f.kind not in _ROUNDING_PATTERNS]
+             if f.kind not in ROUNDING_PATTERNS]
     e = t.evidence("", "", ratio=ratio, span=where, findings=found)
     # A rounded RoPE angle is the one step whose rounding is not bounded by a few roundings
     # of the values: its error is position x frequency x u, largest in the top pairs.
@@ -446,28 +567,42 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
 
 
 def context_for(tap, c64, o) -> dict:
-    """What classify's structure analysis needs besides the tap itself (see classify)."""
+    """What classify's structure analysis needs besides the tap itself (see classify), and
+    the step's own inputs on both sides (structure.tap_inputs: the activation, transposed-
+    projection, residual and swapped-projection tests)."""
     t = tapnames.tap(tap)
     layer, kind = t.layer, t.kind
     p = f"layers.{layer}."
+    inputs = tap_inputs(tap, c64, o)
+    out = {"inputs": inputs} if inputs else {}
     norm_in = {"attn_norm": "embed" if not layer else f"layers.{layer - 1}.out",
                "mlp_norm": p + "resid_mid",
                "final_norm": max((t for t in o if t.endswith(".out")), default=None,
                                  key=lambda t: tapnames.tap(t).layer)}.get(kind)
     if norm_in in o:
-        return {"norm_input": o[norm_in]}
+        return {**out, "norm_input": o[norm_in]}
     if kind in ("q_rope", "k_rope") and p + kind[0] in c64 and p + kind[0] in o:
-        return {"pre": (c64[p + kind[0]], o[p + kind[0]])}
+        return {**out, "pre": (c64[p + kind[0]], o[p + kind[0]])}
     if kind == "attn_ctx" and all(p + t in o for t in ("q_rope", "k_rope", "v")):
-        return {"qkv": (o[p + "q_rope"], o[p + "k_rope"], o[p + "v"])}
-    return {}
+        return {**out, "qkv": (o[p + "q_rope"], o[p + "k_rope"], o[p + "v"])}
+    return out
+
+
+def _standing(v: TapVerdict) -> str:
+    """What an inherited tap counts for in the overall verdict: what teacher forcing says it adds
+    on its own (drift or exact), or, inside the origin's layer, drift unless bitwise equal."""
+    if v.inherited.local is not None:
+        return v.inherited.local.kind
+    return "exact" if v.metrics.get("max_ulp") == 0 else "drift"
 
 
 def first_divergence(verdicts: list[TapVerdict]) -> tuple[str, Divergence | None]:
-    """The overall verdict (the worst tap's kind) and, for precision or semantic, the
-    earliest tap of that kind as a Divergence."""
-    worst = max(verdicts, key=lambda v: KINDS.index(v.kind)).kind
+    """The overall verdict (the worst tap's kind; inherited taps are not findings) and, for
+    precision or semantic, the earliest tap of that kind as a Divergence."""
+    judged = [v for v in verdicts if v.inherited is None]
+    worst = max([v.kind for v in judged] + [_standing(v) for v in verdicts if v.inherited is not None],
+                key=KINDS.index)
     if worst in ("exact", "drift"):
         return worst, None
-    first = next(v for v in verdicts if v.kind == worst)
+    first = next(v for v in judged if v.kind == worst)
     return worst, Divergence(first.tap, first.layer, first.component, first.kind, "", record=first.record).explain()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..vocabulary import KIND_HEX, KINDS, drift_factor, kind_hex, precision_floor
+from ..vocabulary import KIND_HEX, TAP_KINDS, drift_factor, kind_hex, precision_floor
 from .page import environment_section, escape, figure, head, kv_table, number, png, pyplot
 
 LOG_CLIP = 1e-18            # zero errors are drawn at this value on the log axes
@@ -293,15 +293,15 @@ def _tap_table(taps: list[dict]) -> str:
         out.append(f"<p>{len(loud)} tap(s) with a precision or semantic finding:</p>"
                    f"<table>{_TAP_HEAD}{''.join(_tap_row(t) for t in loud)}</table>")
     out.append(f"<details><summary>{'All other' if loud else 'All'} {len(quiet)} taps "
-               f"(exact/drift), in execution order</summary>"
+               f"(exact/drift/inherited), in execution order</summary>"
                f"<table>{_TAP_HEAD}{''.join(_tap_row(t) for t in quiet)}</table></details>")
     return "".join(out)
 
 
 def _counts(taps: list[dict]) -> str:
-    n = {k: sum(t.get("kind") == k for t in taps) for k in KINDS}
+    n = {k: sum(t.get("kind") == k for t in taps) for k in TAP_KINDS}
     return ", ".join(f"<span style='color:{kind_hex(k)};font-weight:600'>{n[k]} {k}</span>"
-                     for k in KINDS)
+                     for k in TAP_KINDS if k != "inherited" or n[k])
 
 
 def _divergence_block(r: dict, verdict: str) -> str:
