@@ -72,7 +72,7 @@ def capture_check(impl, ids, mask=None, taps=None, captured=None, forward: bool 
     if captured is None:
         captured, _ = impl.capture(ids, mask, taps=taps)
     # the logits alone: as a tap where it has one, else no tap at all (capture returns the logits)
-    plain_logits, _ = impl.capture(ids, mask, taps=("logits",) if "logits" in impl.taps else ())
+    plain_logits, _ = impl.capture(ids, mask, taps=("logits",) if "logits" in taps else ())
     if captured is None or plain_logits is None:
         return not_checked(impl, taps, ev.NO_LOGITS)
     captured = _real(captured, mask)
