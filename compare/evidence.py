@@ -158,3 +158,57 @@ class Inherited:
     how: str                        # FORCED | SAME_LAYER
     own_kind: str                   # precision | semantic
     local: Evidence | None = None
+
+
+# The capture check (compare.ladder.capture_check): the plain runs a capturing run's logits are held to,
+LOGITS_ONLY = "capture(logits)"   # the protocol's capture, asked for the logits alone
+FORWARD = "forward"               # the object's plain __call__(tokens, attention_mask)
+FORWARD_AGAIN = "forward, again"  # the plain run against itself: does the side repeat?
+STREAMED_LOGITS = "streamed capture(logits)"   # the streamed walk asked for the logits alone
+# and why one was not run (compare.explain.ladder has one phrase per reason).
+WHOLE_MODEL = "whole_model"       # streamed: the plain forward loads the whole model, which streaming avoids
+REPLAYED = "replayed"             # a dump replays stored arrays: each of its runs is the same bytes
+NO_LOGITS = "no_logits"           # the capturing run returned no logits (a dump that stored none)
+NO_FORWARD = "no_forward"         # no plain forward: none, or a port's (not part of the protocol)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsAgreement:
+    """The capturing run's logits against one plain run's (real positions only)."""
+    baseline: str           # LOGITS_ONLY | FORWARD | FORWARD_AGAIN | STREAMED_LOGITS
+    bitwise: bool
+    rel_l2: float           # ||capturing - plain|| / ||plain|| (0.0 when bitwise)
+    max_ulp: float          # in the logits' own dtype
+    max_abs: float
+
+
+@dataclasses.dataclass
+class CaptureCheck:
+    """One side at the working policy: does recording its taps change its logits? The
+    derived fields (bitwise, floor, changes_numbers) are stored, so the JSON carries them."""
+    side: str               # the implementation's name
+    dtype: str              # the logits' dtype (ULPs are counted in it); "" when not run
+    taps: int               # how many taps the capturing run recorded
+    against: list           # LogitsAgreement per plain run compared
+    # False when the plain forward, run twice, differs from itself (`again` says by how much):
+    # then a difference above is the side's own run-to-run noise as much as capturing's;
+    # None: no forward run
+    repeats: bool | None = None
+    again: LogitsAgreement | None = None
+    not_run: dict = dataclasses.field(default_factory=dict)   # {baseline or "check": WHOLE_MODEL | ...}
+    note: str = ""          # compare.explain.ladder.capture_note's sentence, for the renderings
+    # the capturing run's logits equal every plain run's, bit for bit (False when none ran)
+    bitwise: bool = dataclasses.field(init=False)
+    # the largest relative L2 difference capturing makes: what this side's taps cannot resolve
+    floor: float = dataclasses.field(init=False)
+    # capturing itself changes the logits: they differ from a plain run that repeats
+    changes_numbers: bool = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.bitwise = bool(self.against) and all(a.bitwise for a in self.against)
+        self.floor = max((a.rel_l2 for a in self.against), default=0.0)
+        self.changes_numbers = bool(self.against) and not self.bitwise and self.repeats is not False
+
+    @property
+    def ran(self) -> bool:
+        return bool(self.against)

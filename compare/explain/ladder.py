@@ -270,9 +270,67 @@ def greedy_split(case: str, row, ladder, policy: str) -> str:
             "(KV cache, positions, mask) step by step")
 
 
+# Why a capture check (or one of its plain runs) was not run, per compare.evidence reason.
+_NOT_RUN = {ev.WHOLE_MODEL: "it loads the whole model, which the streamed ladder avoids; compare_models(stream=False) "
+                            "runs it",
+            ev.REPLAYED: "a dump replays stored arrays, so every capture of it is the same bytes; the check belongs "
+                         "to the run that was dumped",
+            ev.NO_LOGITS: "its capture returned no logits",
+            ev.NO_FORWARD: "it has none the engine may call (the Implementation protocol defines capture, not a "
+                           "plain forward)"}
+
+
+def _differs(a: ev.LogitsAgreement, dtype: str) -> str:
+    return f"{a.baseline} (rel L2 {a.rel_l2:.1e}, max {a.max_ulp:.0f} ULP in {dtype}, max abs {a.max_abs:.1e})"
+
+
+def capture_note(c: ev.CaptureCheck) -> str:
+    """One side's capture check (compare.ladder.capture_check) in one sentence, from its record."""
+    skipped = "".join(f"; {what} not run: {_NOT_RUN[why]}" for what, why in c.not_run.items() if what != "check")
+    if not c.ran:
+        return f"capture check of {c.side} not run: {_NOT_RUN[c.not_run['check']]}"
+    if c.bitwise:
+        again = ", and its forward repeats bitwise" if c.repeats else ""
+        return (f"capture check: {c.side}'s logits with {c.taps} taps captured are bitwise those of "
+                f"{', '.join(a.baseline for a in c.against)}{again}{skipped}")
+    differ = ", ".join(_differs(a, c.dtype) for a in c.against if not a.bitwise)
+    cannot = (f"differences below rel L2 {c.floor:.1e} (this floor) are what its taps cannot resolve; the verdict "
+              "judges the taps as captured")
+    if c.repeats is False:
+        return (f"{c.side}'s plain forward does not repeat itself (two runs: {_differs(c.again, c.dtype)}), so its "
+                f"capture check cannot tell capturing from run-to-run noise; its logits with {c.taps} taps captured "
+                f"differ from {differ}: {cannot}{skipped}")
+    return (f"capturing changes {c.side}'s numbers: its logits with {c.taps} taps captured differ from {differ}, "
+            f"so its taps show a run that is not its plain one: {cannot}{skipped}")
+
+
+_NOT_RUN_SHORT = {ev.WHOLE_MODEL: "streamed: it loads the whole model", ev.REPLAYED: "a dump replays stored arrays",
+                  ev.NO_LOGITS: "no logits", ev.NO_FORWARD: "not part of the protocol"}
+
+
+def _capture_brief(role: str, c: ev.CaptureCheck) -> str:
+    """A clean (or not run) capture check in a short line for the terminal."""
+    head = f"capture check, {role} {c.side}"
+    if not c.ran:
+        return f"{head}: not run ({_NOT_RUN_SHORT[c.not_run['check']]})"
+    skipped = "".join(f"; {what} not run ({_NOT_RUN_SHORT[why]})" for what, why in c.not_run.items())
+    return (f"{head}: logits with {c.taps} taps captured bitwise = {', '.join(a.baseline for a in c.against)}"
+            f"{' (which repeats)' if c.repeats else ''}{skipped}")
+
+
+def capture_lines(r) -> tuple[list[str], list[str]]:
+    """The Report's capture checks: (warnings, for the top: a side whose capture is not its
+    plain run's bytes; short lines for the rest, for the bottom)."""
+    checks = list((getattr(r, "capture", None) or {}).items())
+    warn = [f"WARNING ({role}): {c.note or capture_note(c)}" for role, c in checks if c.ran and not c.bitwise]
+    return warn, [_capture_brief(role, c) for role, c in checks if not c.ran or c.bitwise]
+
+
 def report_summary(r) -> str:
-    """The ladder's Report (compare.ladder.engine.Report) in a few lines."""
-    lines = [f"{r.candidate} vs {r.reference} at {r.policy['name']}: {r.verdict}"]
+    """The ladder's Report (compare.ladder.engine.Report) in a few lines; a capture that
+    changes a side's numbers leads (the verdict is unchanged: it judges the taps as captured)."""
+    warn, rest = capture_lines(r)
+    lines = warn + [f"{r.candidate} vs {r.reference} at {r.policy['name']}: {r.verdict}"]
     if r.first_divergence:
         d = r.first_divergence
         lines.append(f"first {d.kind} at {d.tap} (layer {d.layer}, {d.component}): {d.hint}")
@@ -289,7 +347,7 @@ def report_summary(r) -> str:
     if r.semantic_rung != "run":
         lines.append(f"fp64 rung {r.semantic_rung}: verdicts judged at {r.policy['name']} by structure "
                      "alone, a lower-precision step and a small change in the math can look alike")
-    return "\n".join(lines)
+    return "\n".join(lines + rest)
 
 
 def parity_failure(r) -> str:

@@ -15,56 +15,25 @@ repeats bitwise.
 
     check = capture_check(side.at_policy, ids, mask)
     check.bitwise, check.floor, check.against[0].max_ulp
+
+The ladder (engine.run_ladder) checks both sides at the policy with the logits of its own
+capturing runs (`captured=`); the streamed ladder with streamed_check, against a streamed
+walk that asks for the logits alone. The records are compare.evidence's.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
+from .. import evidence as ev
+from ..adapters import Checked
+from ..adapters.dump import Dump
 from ..metrics import max_abs, max_ulp, rel_l2
+from .stream import stream_capture
 
-LOGITS_ONLY = "capture(logits)"   # the protocol's capture, asked for the logits alone
-FORWARD = "forward"               # the object's plain __call__(tokens, attention_mask)
-FORWARD_AGAIN = "forward, again"  # the plain run against itself: does the side repeat?
-
-
-@dataclasses.dataclass
-class LogitsAgreement:
-    """The capturing run's logits against one plain run's (real positions only)."""
-    baseline: str           # LOGITS_ONLY | FORWARD | FORWARD_AGAIN
-    bitwise: bool
-    rel_l2: float           # ||capturing - plain|| / ||plain|| (0.0 when bitwise)
-    max_ulp: float          # in the logits' own dtype
-    max_abs: float
-
-
-@dataclasses.dataclass
-class CaptureCheck:
-    """One side: does recording its taps change its logits?"""
-    side: str               # the implementation's name
-    dtype: str              # the logits' dtype (ULPs are counted in it)
-    taps: int               # how many taps the capturing run recorded
-    against: list[LogitsAgreement]
-    # False when the plain forward, run twice, differs from itself: then a difference
-    # above is the side's own run-to-run noise as much as capturing's; None: no forward
-    repeats: bool | None = None
-
-    @property
-    def bitwise(self) -> bool:
-        """The capturing run's logits equal every plain run's, bit for bit."""
-        return all(a.bitwise for a in self.against)
-
-    @property
-    def floor(self) -> float:
-        """The largest relative L2 difference capturing makes: what the taps cannot resolve."""
-        return max((a.rel_l2 for a in self.against), default=0.0)
-
-    @property
-    def changes_numbers(self) -> bool:
-        """Capturing itself changes the logits: they differ from a plain run that repeats."""
-        return not self.bitwise and self.repeats is not False
+# the records and the plain runs' names live in compare.evidence (compare.explain renders them)
+CaptureCheck, LogitsAgreement = ev.CaptureCheck, ev.LogitsAgreement
+LOGITS_ONLY, FORWARD, FORWARD_AGAIN, STREAMED_LOGITS = ev.LOGITS_ONLY, ev.FORWARD, ev.FORWARD_AGAIN, ev.STREAMED_LOGITS
 
 
 def _real(logits, mask) -> np.ndarray:
@@ -83,22 +52,71 @@ def _agreement(baseline: str, captured: np.ndarray, plain: np.ndarray) -> Logits
                            max_abs(captured, plain))
 
 
-def capture_check(impl, ids, mask=None, taps=None) -> CaptureCheck:
-    """Capture every tap of `impl` (or `taps`) on (ids, mask) and compare its logits, bit for
-    bit, with a logits-only capture and, where impl is callable, its plain forward (run
-    twice: `repeats`). Only real positions (mask 1) count: padding slots may hold anything."""
+def _name(impl) -> str:
+    return str(getattr(impl, "name", type(impl).__name__))
+
+
+def _inputs(ids, mask):
     ids = np.asarray(ids)
-    mask = np.ones(ids.shape, np.int64) if mask is None else np.asarray(mask)
+    return ids, np.ones(ids.shape, np.int64) if mask is None else np.asarray(mask)
+
+
+def capture_check(impl, ids, mask=None, taps=None, captured=None, forward: bool | None = None) -> CaptureCheck:
+    """Capture every tap of `impl` (or `taps`) on (ids, mask) and compare its logits, bit for
+    bit, with a logits-only capture and, where impl is callable (or `forward`), its plain
+    forward (run twice: `repeats`). Only real positions (mask 1) count: padding slots may
+    hold anything. captured: the logits of a capturing run of `taps` already made (the
+    ladder's), not redone."""
+    ids, mask = _inputs(ids, mask)
     taps = tuple(impl.taps if taps is None else taps)
-    logits, acts = impl.capture(ids, mask, taps=taps)
-    captured = _real(logits, mask)
-    plain_logits, _ = impl.capture(ids, mask, taps=("logits",))
+    if captured is None:
+        captured, _ = impl.capture(ids, mask, taps=taps)
+    # the logits alone: as a tap where it has one, else no tap at all (capture returns the logits)
+    plain_logits, _ = impl.capture(ids, mask, taps=("logits",) if "logits" in taps else ())
+    if captured is None or plain_logits is None:
+        return not_checked(impl, taps, ev.NO_LOGITS)
+    captured = _real(captured, mask)
     against = [_agreement(LOGITS_ONLY, captured, _real(plain_logits, mask))]
-    repeats = None
-    if callable(impl):
+    repeats = again = None
+    if callable(impl) if forward is None else forward:
         first = _real(impl(ids, mask), mask)
         again = _agreement(FORWARD_AGAIN, first, _real(impl(ids, mask), mask))
         against.append(_agreement(FORWARD, captured, first))
         repeats = again.bitwise
-    return CaptureCheck(str(getattr(impl, "name", type(impl).__name__)), str(captured.dtype), len(acts), against,
-                        repeats)
+    return CaptureCheck(_name(impl), str(captured.dtype), len(taps), against, repeats, again,
+                        {} if repeats is not None else {FORWARD: ev.NO_FORWARD})
+
+
+def streamed_check(impl, ids, mask, captured, taps) -> CaptureCheck:
+    """The streamed ladder's capturing walk (every tap of every layer; `captured`: its logits
+    at the real positions) against a streamed walk of `impl` (a CheckpointModel) that asks for
+    the logits alone: another program per layer where the framework compiles one per tap set
+    (jaxmodel's LayerRunner). The plain forward is not run: it loads the whole model, which
+    the streamed ladder exists to avoid (the full ladder runs it; tests/test_stream.py holds
+    the streamed walk bitwise to the loaded model's capture)."""
+    ids, mask = _inputs(ids, mask)
+    plain, _ = stream_capture(impl, ids, mask, ("logits",))
+    captured = np.asarray(captured)
+    return CaptureCheck(_name(impl), str(captured.dtype), len(taps),
+                        [_agreement(STREAMED_LOGITS, captured, _real(plain, mask))], not_run={FORWARD: ev.WHOLE_MODEL})
+
+
+def not_checked(impl, taps, why: str) -> CaptureCheck:
+    """The record of a side whose capture is not checked: `why` REPLAYED (a dump) or NO_LOGITS."""
+    return CaptureCheck(_name(impl), "", len(taps), [], not_run={"check": why})
+
+
+def has_forward(impl) -> bool:
+    """impl's __call__(tokens, attention_mask) is its plain forward: ours, transformers', a
+    prepared Side's object (the controls'); not a user's port (wrapped by adapters.Checked),
+    whose __call__ the Implementation protocol does not define, so the engine never calls it."""
+    return callable(impl) and not isinstance(impl, Checked)
+
+
+def reason_not_to_check(impl, captured) -> str | None:
+    """REPLAYED for a dump (its logits-only capture reads the same stored bytes: a check of it
+    would be bitwise by construction, and say nothing), NO_LOGITS when the capturing run gave
+    none; None: check it."""
+    if isinstance(getattr(impl, "wrapped", impl), Dump):
+        return ev.REPLAYED
+    return ev.NO_LOGITS if captured is None else None

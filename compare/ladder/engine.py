@@ -22,6 +22,7 @@ from ..environment import environment
 from ..explain import ladder as explain
 from ..metrics import logits_agreement, pair_metrics
 from ..results import JsonResult
+from .capture_check import CaptureCheck, capture_check, has_forward, not_checked, reason_not_to_check, streamed_check
 from .stream import checkpoint_side, streamable, streamed_ladder
 from .teacher import FINDINGS, amplification, inherit, local_errors, local_verdicts
 from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence
@@ -46,6 +47,9 @@ class Report(JsonResult):
     # how the ladder ran: {"path": "streamed" | "full", "seconds": {run or step: wall s}}
     # (streamed: layer by layer over the checkpoint, compare.ladder.stream)
     run: dict = dataclasses.field(default_factory=dict)
+    # {"reference", "candidate": compare.evidence.CaptureCheck}: does capturing the taps change
+    # that side's logits at the policy? The verdict does not read it (capture_checks)
+    capture: dict = dataclasses.field(default_factory=dict)
 
     def to_html(self, path) -> Path:
         from ..report.ladder import write_html
@@ -68,11 +72,13 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     real = np.asarray(mask, bool)
     progress(f"reference {ref.name} at {policy.name}")
     seconds, t0 = {}, time.perf_counter()
-    _, r = ref.at_policy.capture(ids, mask, taps)
+    r_logits, r = ref.at_policy.capture(ids, mask, taps)
     t0 = _lap(seconds, f"r ({ref.name} at {policy.name})", t0)
     progress(f"candidate {cand.name} at {policy.name}")
-    _, c = cand.at_policy.capture(ids, mask, taps)
+    c_logits, c = cand.at_policy.capture(ids, mask, taps)
     t0 = _lap(seconds, f"c ({cand.name} at {policy.name})", t0)
+    capture = capture_checks(ref, cand, ids, mask, taps, (r_logits, c_logits), progress)
+    t0 = _lap(seconds, "capture check", t0)
     progress("oracle: reference at fp64")
     _, o = ref.at_fp64.capture(ids, mask, ref.taps)   # all of them: context for the hints
     t0 = _lap(seconds, f"o ({ref.name} at fp64)", t0)
@@ -101,7 +107,34 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     rung = "run" if c64 is not None else f"not run: {cand.name} has no float64() (the same implementation at float64)"
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
                   logits, environment(policy, uses_jax), differences, forcing, rung,
-                  run={"path": "full", "seconds": seconds})
+                  run={"path": "full", "seconds": seconds}, capture=capture)
+
+
+def capture_checks(ref: Side, cand: Side, ids, mask, taps, captured, progress=lambda msg: None) -> dict:
+    """Report.capture: each side at the policy held to its plain runs (capture_check.capture_check),
+    with the logits of the ladder's own capturing runs (`captured`: reference's, candidate's), so
+    nothing is captured twice. The float64 runs are not checked: they measure the policy runs'
+    rounding, and what a capture could change in them (the order of f64 sums) is ~1e-16
+    relative, far below the fp64 rung's floor and any working policy's rounding.
+
+    The verdict is the same whatever this finds: the taps are judged as captured; the summary
+    leads with a capture that changes the numbers and names its floor (explain.capture_note)."""
+    out = {}
+    for role, side, logits in (("reference", ref, captured[0]), ("candidate", cand, captured[1])):
+        impl = side.at_policy
+        why = reason_not_to_check(impl, logits)
+        if why is None:
+            progress(f"capture check: {side.name} at the policy, its logits alone"
+                     + (" and its plain forward" if has_forward(impl) else ""))
+        check = (not_checked(impl, taps, why) if why else
+                 capture_check(impl, ids, mask, taps, logits, forward=has_forward(impl)))
+        out[role] = _noted(check)
+    return out
+
+
+def _noted(check: CaptureCheck) -> CaptureCheck:
+    check.note = explain.capture_note(check)
+    return check
 
 
 def judge_taps(taps, r, c, o, c64, real, policy: Policy, keeps_f32: bool) -> list[TapVerdict]:
@@ -162,10 +195,17 @@ def _run_streamed(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forc
     progress(f"{cand.name} vs {ref.name} at {policy.name}, layer by layer (streamed): four runs and the "
              "teacher-forced ones per layer")
     s = streamed_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress)
+    t0 = time.perf_counter()
+    taps = tuple(t for t in ref.taps if t in set(cand.taps))
+    capture = {}
+    for role, side, k in (("reference", ref, "r"), ("candidate", cand, "c")):
+        progress(f"capture check: {side.name} at the policy walked again for its logits alone (streamed)")
+        capture[role] = _noted(streamed_check(side.at_policy, ids, mask, s.captured.pop(k), taps))
+    _lap(s.seconds, "capture check", t0)
     uses_jax = "jaxmodel" in (ref.at_policy.package, cand.at_policy.package)
     return Report(ref.name, cand.name, policy.to_dict(), s.worst, s.divergence, s.verdicts, s.local, s.logits,
                   environment(policy, uses_jax), differences, "run" if teacher_forcing else "off",
-                  run={"path": "streamed", "seconds": s.seconds})
+                  run={"path": "streamed", "seconds": s.seconds}, capture=capture)
 
 
 # The default input: one chat prompt of 258 tokens with SmolLM2's tokenizer, long enough for position-

@@ -124,6 +124,7 @@ class Streamed:
     local: list
     logits: dict
     seconds: dict      # wall time per run and for reading and judging
+    captured: dict     # {"r", "c": the logits of that capturing run at the real positions} (capture_check)
 
 
 class _Reader:
@@ -270,7 +271,7 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
     judge.hidden = runs["o"].h.shape[-1]
     judge(["embed"], *({"embed": runs[k].h} for k in ("r", "c", "o", "c64")))
     rows, last_o, last_in = _layers(runs, reader, judge, cfg.num_hidden_layers, real, teacher_forcing, progress)
-    agreement, o_final = _head(runs, reader, judge, cfg, real, "logits" in taps, last_o, progress)
+    agreement, captured, o_final = _head(runs, reader, judge, cfg, real, "logits" in taps, last_o, progress)
     verdicts = judge.verdicts
     if teacher_forcing:
         _final_local(runs, reader, judge, cfg, last_in, {**last_o, "final_norm": o_final}, progress)
@@ -282,7 +283,7 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
         amplification(rows, verdicts)
     seconds = {f"{k} ({impls[k].name} at {impls[k].policy.name})": round(run.seconds, 3) for k, run in runs.items()}
     seconds.update({"reading": round(reader.seconds, 3), "judging": round(judge.seconds, 3)})
-    return Streamed(verdicts, worst, divergence, rows, agreement, seconds)
+    return Streamed(verdicts, worst, divergence, rows, agreement, seconds, captured)
 
 
 def _layers(runs: dict, reader: _Reader, judge: _Judge, n: int, real, teacher_forcing: bool, progress):
@@ -332,8 +333,10 @@ def _layers(runs: dict, reader: _Reader, judge: _Judge, n: int, real, teacher_fo
 
 
 def _head(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, real, logits_tap: bool, last_o,
-          progress) -> dict:
-    """The final norm and the lm_head on every run, judged; logits_agreement's metrics."""
+          progress) -> tuple[dict, dict, np.ndarray]:
+    """The final norm and the lm_head on every run, judged; (logits_agreement's metrics, the
+    policy runs' logits at the real positions in their own dtype, for the capture check, the
+    oracle's final norm output, for teacher forcing's look at the final taps)."""
     norm, acts = {}, {}
     for k, run in runs.items():
         if run.folder not in norm:
@@ -343,6 +346,7 @@ def _head(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, real, lo
     progress("final norm and lm_head" + (f" in chunks of {_head_chunk(cfg)} rows" if _head_chunk(cfg) < cfg.vocab_size
                                          else ""))
     logits = _logits(runs, reader, cfg, {k: acts[k]["final_norm"] for k in runs})
+    captured = {k: logits[k][real] for k in ("r", "c")}
     agreement = {}
     if logits_tap:    # each copy dropped as soon as the last step that reads it is done
         v = judge.verdict("logits", logits["r"], logits["c"], logits["o"], logits.pop("c64"), {})
@@ -353,7 +357,7 @@ def _head(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, real, lo
         _trim()
         agreement = logits_agreement(real_rows["r"], real_rows["c"], real_rows["o"])
     del logits
-    return agreement, acts["o"]["final_norm"]
+    return agreement, captured, acts["o"]["final_norm"]
 
 
 def _final_local(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, last_in, o: dict, progress) -> None:

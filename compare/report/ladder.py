@@ -335,6 +335,43 @@ def _notes(r: dict, pname: str) -> list[str]:
     return ["<div class='div' style='border-color:#555555'>" + "<br>".join(escape(n) for n in notes) + "</div>"]
 
 
+_CAPTURE_HEAD = ("<tr><th>side</th><th>logits dtype</th><th>taps captured</th><th>plain run</th><th>bitwise</th>"
+                 "<th>rel L2</th><th>max ULP</th><th>max abs</th></tr>")
+
+
+def _capture_rows(role: str, c: dict) -> str:
+    runs = list(c.get("against") or []) + ([c["again"]] if c.get("again") else [])
+    side = f"{escape(role)} <code>{escape(c.get('side'))}</code>"
+    if not runs:
+        return f"<tr><td>{side}</td><td colspan='7'>not run</td></tr>"
+    rows = []
+    for i, a in enumerate(runs):
+        first = (side, escape(c.get("dtype")), escape(c.get("taps"))) if i == 0 else ("", "", "")
+        rows.append(f"<tr><td>{first[0]}</td><td>{first[1]}</td><td class='n'>{first[2]}</td>"
+                    f"<td>{escape(a.get('baseline'))}</td><td>{'yes' if a.get('bitwise') else '<b>no</b>'}</td>"
+                    f"<td class='n'>{_fmt(a.get('rel_l2'))}</td><td class='n'>{_metric(a.get('max_ulp'), 'max_ulp')}"
+                    f"</td><td class='n'>{_fmt(a.get('max_abs'))}</td></tr>")
+    return "".join(rows)
+
+
+def _capture_section(capture: dict) -> list[str]:
+    """Per side at the policy: its capturing run's logits against its plain runs (Report.capture),
+    each side's sentence, and a warning box where a capture is not its plain run's bytes."""
+    if not capture:
+        return []
+    changed = [c for c in capture.values() if c.get("against") and c.get("bitwise") is False]
+    box = ("<div class='div' style='border-color:#b00020'><b>Capture changes the numbers.</b><br>"
+           + "<br>".join(escape(c.get("note")) for c in changed) + "</div>") if changed else ""
+    notes = "".join(f"<li>{escape(role)}: {escape(c.get('note'))}</li>" for role, c in capture.items())
+    return [box, "<h2>Capture check</h2><p class='cap'>Per side at the policy: the logits of the run that captured "
+            "the taps against the same inputs run plainly (the logits alone, the plain forward, and the forward "
+            "again: does the side repeat itself?), over real positions. Bitwise is expected; a difference is the "
+            "floor of what that side's taps can show. The fp64 runs are not checked. The verdict judges the "
+            "taps as captured.</p>",
+            f"<table>{_CAPTURE_HEAD}{''.join(_capture_rows(role, c) for role, c in capture.items())}</table>",
+            f"<ul>{notes}</ul>"]
+
+
 def render_html(report_dict: dict) -> str:
     r = report_dict
     taps = list(r.get("taps") or [])
@@ -352,8 +389,8 @@ def render_html(report_dict: dict) -> str:
         f"{escape(pname)}</h1><div class='sub'>candidate <code>{escape(r.get('candidate'))}</code>, "
         f"reference <code>{escape(r.get('reference'))}</code>, policy <code>{escape(pname)}</code>; "
         f"{len(taps)} taps: {_counts(taps)}</div></div></div>")
-    parts.append(_divergence_block(r, verdict))
-    parts += _notes(r, pname)
+    warning, *capture = _capture_section(dict(r.get("capture") or {})) or [""]
+    parts += [warning, _divergence_block(r, verdict)] + _notes(r, pname) + capture
     parts.append("<h2>Error vs depth</h2>" + figure("error vs depth", _plot_depth, taps, policy))
     parts.append("<h2>Local vs inherited error per layer</h2>"
                  + figure("local vs inherited error", _plot_local, taps, local))
