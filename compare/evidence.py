@@ -170,6 +170,7 @@ WHOLE_MODEL = "whole_model"       # streamed: the plain forward loads the whole 
 REPLAYED = "replayed"             # a dump replays stored arrays: each of its runs is the same bytes
 NO_LOGITS = "no_logits"           # the capturing run returned no logits (a dump that stored none)
 NO_FORWARD = "no_forward"         # no plain forward: none, or a port's (not part of the protocol)
+NOT_NEEDED = "not_needed"         # the forward again: the capture is bitwise the plain runs already
 
 
 @dataclasses.dataclass(frozen=True)

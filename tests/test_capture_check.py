@@ -11,9 +11,9 @@ import pytest
 
 from compare import Dump, capture, compare_models
 from compare.adapters import OurModel, Side
-from compare.evidence import NO_FORWARD, NO_LOGITS, REPLAYED, WHOLE_MODEL
+from compare.evidence import NO_FORWARD, NO_LOGITS, NOT_NEEDED, REPLAYED, WHOLE_MODEL
 from compare.explain import ladder as explain
-from compare.ladder.capture_check import FORWARD, LOGITS_ONLY, STREAMED_LOGITS, capture_check
+from compare.ladder.capture_check import FORWARD, FORWARD_AGAIN, LOGITS_ONLY, STREAMED_LOGITS, capture_check
 from compare.ladder.engine import run_ladder
 from compare.ladder.stream import checkpoint_side
 from compare.report.ladder import render_html
@@ -63,7 +63,8 @@ def test_torchref_capture_is_bitwise_a_plain_run(folder, policy):
     model = OurModel.load("torchref", folder, policy)
     check = capture_check(model, IDS, MASK)
     assert [a.baseline for a in check.against] == [LOGITS_ONLY, FORWARD]
-    assert check.bitwise and check.repeats and not check.changes_numbers
+    assert check.bitwise and check.repeats is None and not check.changes_numbers
+    assert check.not_run == {FORWARD_AGAIN: NOT_NEEDED}     # bitwise already: the repeat cannot matter
     assert check.floor == 0.0 and check.taps == len(model.taps)
 
 
@@ -121,7 +122,7 @@ def test_a_clean_torchref_vs_torchref_report_is_bitwise_on_both_sides(folder):
     report = compare_models("torchref", "torchref", folder, inputs=(IDS, MASK), policy="fp32", stream=False)
     assert set(report.capture) == {"reference", "candidate"}
     for check in report.capture.values():
-        assert check.bitwise and check.repeats and not check.changes_numbers and check.floor == 0.0
+        assert check.bitwise and check.repeats is None and not check.changes_numbers and check.floor == 0.0
         assert [a.baseline for a in check.against] == [LOGITS_ONLY, FORWARD]
     assert report.run["seconds"]["capture check"] >= 0
     lines = report.summary().splitlines()

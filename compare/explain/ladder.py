@@ -277,7 +277,9 @@ _NOT_RUN = {ev.WHOLE_MODEL: "it loads the whole model, which the streamed ladder
                          "to the run that was dumped",
             ev.NO_LOGITS: "its capture returned no logits",
             ev.NO_FORWARD: "it has none the engine may call (the Implementation protocol defines capture, not a "
-                           "plain forward)"}
+                           "plain forward)",
+            ev.NOT_NEEDED: "the capture is bitwise the plain forward already, so whether that forward repeats "
+                           "cannot change the answer"}
 
 
 def _differs(a: ev.LogitsAgreement, dtype: str) -> str:
@@ -305,7 +307,8 @@ def capture_note(c: ev.CaptureCheck) -> str:
 
 
 _NOT_RUN_SHORT = {ev.WHOLE_MODEL: "streamed: it loads the whole model", ev.REPLAYED: "a dump replays stored arrays",
-                  ev.NO_LOGITS: "no logits", ev.NO_FORWARD: "not part of the protocol"}
+                  ev.NO_LOGITS: "no logits", ev.NO_FORWARD: "not part of the protocol",
+                  ev.NOT_NEEDED: "not needed: bitwise"}
 
 
 def _capture_brief(role: str, c: ev.CaptureCheck) -> str:

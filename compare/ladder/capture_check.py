@@ -64,9 +64,9 @@ def _inputs(ids, mask):
 def capture_check(impl, ids, mask=None, taps=None, captured=None, forward: bool | None = None) -> CaptureCheck:
     """Capture every tap of `impl` (or `taps`) on (ids, mask) and compare its logits, bit for
     bit, with a logits-only capture and, where impl is callable (or `forward`), its plain
-    forward (run twice: `repeats`). Only real positions (mask 1) count: padding slots may
-    hold anything. captured: the logits of a capturing run of `taps` already made (the
-    ladder's), not redone."""
+    forward, run twice (`repeats`) only where the capture is not bitwise that forward. Only
+    real positions (mask 1) count: padding slots may hold anything. captured: the logits of a
+    capturing run of `taps` already made (the ladder's), not redone."""
     ids, mask = _inputs(ids, mask)
     taps = tuple(impl.taps if taps is None else taps)
     if captured is None:
@@ -78,13 +78,18 @@ def capture_check(impl, ids, mask=None, taps=None, captured=None, forward: bool 
     captured = _real(captured, mask)
     against = [_agreement(LOGITS_ONLY, captured, _real(plain_logits, mask))]
     repeats = again = None
+    not_run = {FORWARD: ev.NO_FORWARD}
     if callable(impl) if forward is None else forward:
         first = _real(impl(ids, mask), mask)
-        again = _agreement(FORWARD_AGAIN, first, _real(impl(ids, mask), mask))
         against.append(_agreement(FORWARD, captured, first))
-        repeats = again.bitwise
-    return CaptureCheck(_name(impl), str(captured.dtype), len(taps), against, repeats, again,
-                        {} if repeats is not None else {FORWARD: ev.NO_FORWARD})
+        # The forward run again tells capturing from a side that does not repeat itself; where
+        # the capture is bitwise the plain runs already, nothing is left for it to tell.
+        if all(a.bitwise for a in against):
+            not_run = {FORWARD_AGAIN: ev.NOT_NEEDED}
+        else:
+            again = _agreement(FORWARD_AGAIN, first, _real(impl(ids, mask), mask))
+            repeats, not_run = again.bitwise, {}
+    return CaptureCheck(_name(impl), str(captured.dtype), len(taps), against, repeats, again, not_run)
 
 
 def streamed_check(impl, ids, mask, captured, taps) -> CaptureCheck:
