@@ -31,7 +31,7 @@ lint: setup
 
 # Default suite: tiny random checkpoints plus the SmolLM2 checks (well under 15 min on 2 cores).
 test: model
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra --durations=25
 
 # The invariance, kernel and parity tests, and the verdicts' clean and planted controls
 # (ladder, decode), again with the libraries capped to older instruction sets, as on
