@@ -155,3 +155,16 @@ def test_transposed_o_proj_control_on_a_square_checkpoint(tiny_dir):
     control = SQUARE_CONTROLS["hf_o_proj_transposed"]
     report = run_control(control, folder, SHORT)
     assert check(control, report) == [] and report.first_divergence.confirmed, report.summary()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", ["hf_qk_swapped", "hf_q_bias_dropped"])
+def test_porting_slips_on_their_own_checkpoints(name, tiny_dir):
+    """q_proj/k_proj swapped (an MHA checkpoint) and q_proj's bias dropped (a checkpoint with
+    attention biases): found at layer 1's q, confirmed, the hint naming the slip."""
+    from compare.controls import check, run_control
+    from compare.controls.prefill import OWN_CHECKPOINT_CONTROLS
+    pytest.importorskip("transformers")
+    config, control = OWN_CHECKPOINT_CONTROLS[name]
+    report = run_control(control, tiny_dir(config), SHORT)
+    assert check(control, report) == [] and report.first_divergence.confirmed, report.summary()

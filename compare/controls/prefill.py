@@ -564,6 +564,33 @@ CONTROLS.update({c.name: c for c in [
        hf_side(_hf_residual("mlp", 0.0)), "the MLP block's residual dropped: the layer returns mlp_out"),
 ]})
 
+def _hf_qk_swapped(layer):
+    """q_proj's and k_proj's weights exchanged (one shape under MHA): a conversion's key mix-up."""
+    q, k = layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight
+    if q.shape != k.shape:
+        raise ValueError(f"hf_qk_swapped needs q_proj and k_proj of one shape (MHA), this checkpoint's are "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    tmp = q.clone()
+    q.copy_(k), k.copy_(tmp)
+
+
+def _hf_q_bias_dropped(layer):
+    """q_proj's bias left out (a loader that drops attention_bias): zeroed."""
+    bias = layer.self_attn.q_proj.bias
+    if bias is None:
+        raise ValueError("hf_q_bias_dropped needs a checkpoint with attention_bias (q_proj has no bias)")
+    bias.zero_()
+
+
+# Controls that need a checkpoint of their own, with the tiny config (llamaspec.testing.TINY_CONFIGS)
+# it takes: tests/test_structure.py runs each on it.
+OWN_CHECKPOINT_CONTROLS: dict[str, tuple[str, Control]] = {c.name: (config, c) for config, c in [
+    ("mha", _c("hf_qk_swapped", "transformers", "fp32", "semantic", A + "q", "attn", ["q_proj and k_proj swapped"],
+               hf_side(_hf_weights(_hf_qk_swapped)), "q_proj and k_proj weights swapped (MHA)")),
+    ("bias", _c("hf_q_bias_dropped", "transformers", "fp32", "semantic", A + "q", "attn", ["constant offset", "bias"],
+                hf_side(_hf_weights(_hf_q_bias_dropped)), "q_proj bias dropped")),
+]}
+
 # Controls that need a square o_proj (hidden_size = heads x head_dim, as SmolLM2's 9 x 64 = 576),
 # which tests/test_controls.py's checkpoint (4 heads x head_dim 32, hidden 32) has not:
 # tests/test_structure.py runs them on a square one.
