@@ -435,6 +435,7 @@ def test_cli_compare_dump_refusals(dumped, tmp_path, capsys):
 # ----- SmolLM2 ---------------------------------------------------------------------------
 
 @pytest.mark.smollm2
+@pytest.mark.slow   # 84 s of the default run on the 2-core Xeon; the tiny dump tests above take the same path
 def test_smollm2_jaxmodel_bf16_dump_against_torchref_live(smollm2, tmp_path):
     """The built-in 258-token prompt; captured with its teacher-forced run, so the whole
     report (taps, logits, local errors) is compared with the live one."""
