@@ -153,11 +153,10 @@ SAME_LAYER = "same_layer"   # in the first divergence's own layer, after it: lay
 class Inherited:
     """A tap whose difference is the first divergence's, carried downstream: never a finding
     of its own (compare.ladder.teacher.inherit). own_kind is what the tap alone was judged;
-    local is teacher forcing's record of the tap's own error (how == FORCED)."""
+    teacher forcing's record of the tap's own error (how == FORCED) is the tap's `local`."""
     source: str                     # the first divergence's tap
     how: str                        # FORCED | SAME_LAYER
     own_kind: str                   # precision | semantic
-    local: Evidence | None = None
 
 
 # The capture check (compare.ladder.capture_check): the plain runs a capturing run's logits are held to,

@@ -11,6 +11,7 @@ import numpy as np
 
 from .checkpoint import expected_shapes
 from .config import LlamaConfig
+from .files import atomic_write
 
 _NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
           np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float64): "F64"}
@@ -35,10 +36,11 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata=None)
         header["__metadata__"] = metadata
     h = json.dumps(header).encode()
     h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
+    def write(f):
         f.write(struct.pack("<Q", len(h)) + h)
         for raw in blobs:
             f.write(raw)
+    atomic_write(path, write, "safetensors file")
 
 
 def make_checkpoint(folder, dtype="float32", seed=0, shards=1, scale=0.5,
@@ -52,7 +54,7 @@ def make_checkpoint(folder, dtype="float32", seed=0, shards=1, scale=0.5,
     folder.mkdir(parents=True, exist_ok=True)
     cfg_dict = {**TINY, **config}
     cfg_dict = {k: v for k, v in cfg_dict.items() if v is not None}
-    (folder / "config.json").write_text(json.dumps(cfg_dict, indent=1))
+    atomic_write(folder / "config.json", json.dumps(cfg_dict, indent=1), "config.json")
     cfg = LlamaConfig.from_dict(cfg_dict)
     rng = np.random.default_rng(seed)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
@@ -77,8 +79,8 @@ def make_checkpoint(folder, dtype="float32", seed=0, shards=1, scale=0.5,
             part = {k: tensors[k] for k in keys[s::shards]}
             write_safetensors(folder / name, part, {"format": "pt"})
             weight_map.update({k: name for k in part})
-        (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        atomic_write(folder / "model.safetensors.index.json",
+                     json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1), "index")
     return folder
 
 

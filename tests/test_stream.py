@@ -113,11 +113,12 @@ def test_streamed_inherited_taps_equal_the_full_ladders(tiny_dir, tmp_path):
     one layer): semantic at layers.0.mlp_norm; the later findings are inherited on both paths,
     judged on the same forced runs (the lm_head's too)."""
     from llamaspec import load_weights
+    from llamaspec.files import atomic_write
     folder = tiny_dir("gqa")
     cfg, weights = load_weights(folder)
     weights = {k: np.array(v) for k, v in weights.items()}
     weights["model.layers.0.post_attention_layernorm.weight"] += 1
-    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    atomic_write(tmp_path / "config.json", (folder / "config.json").read_text(), "config")
     write_safetensors(tmp_path / "model.safetensors", weights, {"format": "pt"})
     policy = Policy.get("fp32")
     full, streamed = _both(*_sides(folder, tmp_path, policy), policy)

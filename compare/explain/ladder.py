@@ -82,13 +82,12 @@ def _fp64_noise(tap, e):
             f"{_NOISE_SHAPE.get(n.shape, '')}){prescribed}: {step}")
 
 
-def inherited_hint(inh: ev.Inherited) -> str:
+def inherited_hint(inh: ev.Inherited, local: ev.Evidence | None) -> str:
     """A tap after the first divergence whose difference is the divergence's, carried."""
     if inh.how == ev.SAME_LAYER:
         return (f"inherited from {inh.source} (alone it reads as {inh.own_kind}): it follows the first divergence "
                 "inside the same layer, where teacher forcing (each layer fed the oracle's input) cannot "
                 "separate the two")
-    local = inh.local
     what = (f"its local error is {local.kind} ({local.err_cand:.1e} vs the reference's {local.err_ref:.1e}"
             + (f", fp64 {local.err_fp64:.1e})" if local.err_fp64 == local.err_fp64 else ")"))
     return (f"inherited from {inh.source} (alone it reads as {inh.own_kind}): fed the oracle's input to its "

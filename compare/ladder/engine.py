@@ -24,7 +24,7 @@ from ..metrics import logits_agreement, pair_metrics
 from ..results import JsonResult
 from .capture_check import CaptureCheck, capture_check, has_forward, not_checked, reason_not_to_check, streamed_check
 from .stream import checkpoint_side, streamable, streamed_ladder
-from .teacher import FINDINGS, amplification, inherit, local_errors, local_verdicts
+from .teacher import FINDINGS, ForcedRuns, amplification, inherit, local_errors, local_verdicts
 from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence
 
 
@@ -94,12 +94,14 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
               if "logits" in taps else {})
     t0 = _lap(seconds, "judging", t0)
-    if teacher_forcing and _inherit(ref, cand, ids, mask, o, real, verdicts, policy, keeps_f32, progress):
+    forced = ForcedRuns(ref, cand, ids, mask, o) if teacher_forcing else None
+    if teacher_forcing and _inherit(forced, ref, cand, o, real, verdicts, policy, keeps_f32, progress):
         t0 = _lap(seconds, "inherited taps (teacher forcing)", t0)
     worst, divergence = first_divergence(verdicts)
     local, forcing = [], "off"
     if teacher_forcing:
-        local, forcing = _teacher_forcing(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32, progress)
+        local, forcing = _teacher_forcing(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32, progress,
+                                          forced)
         if forcing == "run":
             _lap(seconds, "teacher forcing", t0)
             amplification(local, verdicts)
@@ -152,7 +154,7 @@ def judge_taps(taps, r, c, o, c64, real, policy: Policy, keeps_f32: bool) -> lis
     return verdicts
 
 
-def _inherit(ref: Side, cand: Side, ids, mask, o, real, verdicts, policy, keeps_f32, progress) -> bool:
+def _inherit(forced: ForcedRuns, ref: Side, cand: Side, o, real, verdicts, policy, keeps_f32, progress) -> bool:
     """Teacher forcing's word on the findings after the first (teacher.inherit): True when the
     forced runs were made. Without inject on a side nothing is relabelled (the report says
     teacher forcing did not run)."""
@@ -162,22 +164,23 @@ def _inherit(ref: Side, cand: Side, ids, mask, o, real, verdicts, policy, keeps_
         return False
     progress("teacher forcing: are the later findings the first one's, inherited?")
     try:
-        local = local_verdicts(ref, cand, ids, mask, o, real, verdicts, policy, keeps_f32)
+        local = local_verdicts(forced, o, real, verdicts, policy, keeps_f32)
     except InjectUnsupported:
         return False
     inherit(verdicts, local)
     return bool(local)
 
 
-def _teacher_forcing(ref: Side, cand: Side, ids, mask, o, real, divergence, policy, keeps_f32, progress):
+def _teacher_forcing(ref: Side, cand: Side, ids, mask, o, real, divergence, policy, keeps_f32, progress,
+                     forced: ForcedRuns | None = None):
     """(local errors per layer, Report.teacher_forcing): "run", or "not run: <why>" when a
-    side takes no inject."""
+    side takes no inject. forced: the forced runs _inherit already made, reused."""
     no_inject = [why for why in map(inject_support, (ref.at_policy, cand.at_policy)) if why]
     if no_inject:
         return [], f"not run: {'; '.join(no_inject)} (teacher forcing needs it)"
     progress("teacher forcing: every layer fed the oracle's input")
     try:
-        return local_errors(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32), "run"
+        return local_errors(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32, forced), "run"
     except InjectUnsupported as e:     # the port said so at the call (NotImplementedError)
         return [], f"not run: {e} (teacher forcing needs it)"
 

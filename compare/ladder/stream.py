@@ -270,11 +270,11 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
         run.h = run("embed", reader.rows(run.folder, "model.embed_tokens.weight", ids))
     judge.hidden = runs["o"].h.shape[-1]
     judge(["embed"], *({"embed": runs[k].h} for k in ("r", "c", "o", "c64")))
-    rows, last_o, last_in = _layers(runs, reader, judge, cfg.num_hidden_layers, real, teacher_forcing, progress)
+    rows, last_o, last_forced = _layers(runs, reader, judge, cfg.num_hidden_layers, real, teacher_forcing, progress)
     agreement, captured, o_final = _head(runs, reader, judge, cfg, real, "logits" in taps, last_o, progress)
     verdicts = judge.verdicts
     if teacher_forcing:
-        _final_local(runs, reader, judge, cfg, last_in, {**last_o, "final_norm": o_final}, progress)
+        _final_local(runs, reader, judge, cfg, last_forced, {**last_o, "final_norm": o_final}, progress)
         inherit(verdicts, judge.local)
     worst, divergence = first_divergence(verdicts)
     if teacher_forcing:
@@ -290,9 +290,10 @@ def _layers(runs: dict, reader: _Reader, judge: _Judge, n: int, real, teacher_fo
     """Every layer on every run, judged on the spot (one layer's weights held at a time);
     with teacher forcing, each side's layer also fed the oracle's input: its local error.
     (rows of local errors per layer, the oracle's last layer output as context for the final norm,
-    the oracle's input to the last layer)"""
+    the last layer's forced runs: {"in": the oracle's input to it, run key: its forced output})"""
     prev_o = {"embed": runs["o"].h}
     rows = []     # teacher forcing's local errors, per layer
+    last = {}
     t_start = t_first = time.perf_counter()
     for i in range(n):
         layer_taps = [f"layers.{i}.{k}" for k in tapnames.LAYER_TAPS]
@@ -313,11 +314,11 @@ def _layers(runs: dict, reader: _Reader, judge: _Judge, n: int, real, teacher_fo
                 row[f"{key}_local"] = rel_l2(forced[k][t][real], acts["o"][t][real])
             rows.append(row)
             if suspect:     # are the later findings here the first one's, carried? (teacher.inherit)
-                f64 = runs["c64"]("block", i, weights[runs["c64"].folder], forced_in, wanted)
+                forced["c64"] = runs["c64"]("block", i, weights[runs["c64"].folder], forced_in, wanted)
                 judge.local.update(judge_forced([v.tap for v in suspect], forced["r"], forced["c"],
-                                                {**prev_o, **acts["o"]}, f64, real, judge.policy,
+                                                {**prev_o, **acts["o"]}, forced["c64"], real, judge.policy,
                                                 judge.keeps_f32, judge.hidden))
-        last_in = forced_in
+            last = {"in": forced_in, **{k: f[t] for k, f in forced.items()}}
         for k, run in runs.items():
             run.h = acts[k][f"layers.{i}.out"]
         prev_o = {f"layers.{i}.out": runs["o"].h}
@@ -329,7 +330,7 @@ def _layers(runs: dict, reader: _Reader, judge: _Judge, n: int, real, teacher_fo
         else:
             per = (now - t_first) / i
         progress(f"layer {i + 1}/{n} done ({per:.1f} s per layer, about {per * (n - i - 1):.0f} s left)")
-    return rows, prev_o, last_in
+    return rows, prev_o, last
 
 
 def _head(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, real, logits_tap: bool, last_o,
@@ -360,10 +361,12 @@ def _head(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, real, lo
     return agreement, captured, acts["o"]["final_norm"]
 
 
-def _final_local(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, last_in, o: dict, progress) -> None:
+def _final_local(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, last: dict, o: dict,
+                 progress) -> None:
     """The local verdicts of final_norm / logits when they are findings after the first one
     (teacher.suspects): as in the full ladder's forced runs, the last layer fed the oracle's
-    input, then the final norm and (if needed) the lm_head on each run's forced output."""
+    input (_layers kept its forced outputs; the twin's is run here if it was not), then the
+    final norm and (if needed) the lm_head on each run's forced output."""
     suspect = [v for v in suspects(judge.verdicts) if v.layer is None]
     if not suspect:
         return
@@ -374,11 +377,9 @@ def _final_local(runs: dict, reader: _Reader, judge: _Judge, cfg: LlamaConfig, l
     for k in keys:
         run = runs[k]
         if run.folder not in norm:
-            norm[run.folder] = (reader.layer(run.folder, n - 1),
-                                reader.tensors(run.folder, ["model.norm.weight"])["model.norm.weight"])
-        weights, w_norm = norm[run.folder]
-        h = run("block", n - 1, weights, last_in, [out])[out]
-        forced[k] = {"final_norm": run("final_norm", w_norm, h)}
+            norm[run.folder] = reader.tensors(run.folder, ["model.norm.weight"])["model.norm.weight"]
+        h = last[k] if k in last else run("block", n - 1, reader.layer(run.folder, n - 1), last["in"], [out])[out]
+        forced[k] = {"final_norm": run("final_norm", norm[run.folder], h)}
     o = dict(o)
     if any(v.tap == "logits" for v in suspect):
         logits = _logits({k: runs[k] for k in (*keys, "o")}, reader, cfg,

@@ -36,18 +36,42 @@ def amplification(rows: list[dict], verdicts: list[TapVerdict]) -> None:
             row[f"{key}_amplification"] = (getattr(out, attr) / e_in if out and e_in else None)
 
 
+class ForcedRuns:
+    """One comparison's teacher-forced captures (every layer fed the oracle's input), per side:
+    "ref" and "cand" at the policy, "cand64" the candidate's twin. Made once and shared by
+    inherit's local verdicts and local_errors: an ask for taps a held capture has reuses it;
+    for others, that side is captured again (and the new capture held)."""
+
+    def __init__(self, ref: Side, cand: Side, ids, mask, oracle):
+        n = sum(1 for t in oracle if t.endswith(".out"))
+        self.layers, self.ids, self.mask = n, ids, mask
+        self.inject = {0: oracle["embed"], **{i: oracle[f"layers.{i - 1}.out"] for i in range(1, n)}} \
+            if n and "embed" in oracle else None
+        self.impls = {"ref": ref.at_policy, "cand": cand.at_policy, "cand64": cand.at_fp64}
+        self.held: dict = {}
+
+    def get(self, key: str, taps) -> dict:
+        taps = list(dict.fromkeys(taps))
+        have = self.held.get(key)
+        if have is None or not all(t in have for t in taps):
+            _, have = forced_capture(self.impls[key], self.ids, self.mask, taps, self.inject)
+            self.held[key] = have
+        return have
+
+
 def local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None,
-                  policy: Policy | None = None, keeps_f32=False) -> list[dict]:
+                 policy: Policy | None = None, keeps_f32=False, forced: ForcedRuns | None = None) -> list[dict]:
     """Feed every layer the oracle's input (one call per side) and measure what each layer
     adds on its own; inherited = full-run error, local = forced-run error.
 
     With a divergence, the same forced runs also measure the divergence's tap in every
     layer (at fp64 for a semantic one, at P for a precision one) and say whether the
-    first layer that adds the difference on its own is the divergence's layer."""
-    n = sum(1 for t in oracle if t.endswith(".out"))
-    if n == 0 or "embed" not in oracle:
+    first layer that adds the difference on its own is the divergence's layer. forced: the
+    comparison's ForcedRuns, when inherit's judgement already made some of them."""
+    runs = forced or ForcedRuns(ref, cand, ids, mask, oracle)
+    if runs.inject is None:
         return []
-    inject = {0: oracle["embed"], **{i: oracle[f"layers.{i - 1}.out"] for i in range(1, n)}}
+    n = runs.layers
     outs = [f"layers.{i}.out" for i in range(n)]
     kind = tapnames.tap(divergence.tap).kind if divergence else None
     at = [f"layers.{i}.{kind}" for i in range(n)] if divergence and divergence.layer is not None \
@@ -55,8 +79,8 @@ def local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None
     at = [t for t in at if t in oracle]
     rows = [{"layer": i} for i in range(n)]
     forced = {}
-    for side, key in ((ref, "ref"), (cand, "cand")):
-        _, forced[key] = forced_capture(side.at_policy, ids, mask, list(dict.fromkeys(outs + at)), inject)
+    for key in ("ref", "cand"):
+        forced[key] = runs.get(key, outs + at)
         for i, t in enumerate(outs):
             rows[i][f"{key}_local"] = rel_l2(forced[key][t][real], oracle[t][real])
     # Without the candidate's twin a semantic divergence is judged at P (classify_without_twin),
@@ -71,9 +95,9 @@ def local_errors(ref: Side, cand: Side, ids, mask, oracle, real, divergence=None
             row["tap_local_ratio"] = precision_ratio(fr, fc, o, pos, precision_floor(policy, oracle["embed"].shape[-1]),
                                                      drift_factor(policy))[0]
     if divergence and fp64_rule(divergence) and not at_policy:
-        _, forced = forced_capture(cand.at_fp64, ids, mask, list(dict.fromkeys(outs + at)), inject)
+        f64 = runs.get("cand64", outs + at)
         for t in at:
-            rows[tapnames.tap(t).layer]["cand64_tap_local"] = rel_l2(forced[t][real], oracle[t][real])
+            rows[tapnames.tap(t).layer]["cand64_tap_local"] = rel_l2(f64[t][real], oracle[t][real])
     if divergence:
         _confirm(divergence, rows, at, policy, keeps_f32, at_policy)
     return rows
@@ -182,19 +206,21 @@ def judge_forced(taps, fr: dict, fc: dict, o: dict, fc64: dict | None, real, pol
     return out
 
 
-def local_verdicts(ref: Side, cand: Side, ids, mask, oracle, real, verdicts, policy: Policy,
+def local_verdicts(forced: ForcedRuns, oracle, real, verdicts, policy: Policy,
                    keeps_f32: bool) -> dict[str, TapVerdict]:
     """The full ladder's forced runs for the suspects (suspects): ref and cand at P, cand at
-    fp64 when it has a twin, every layer fed the oracle's input; their local verdicts."""
+    fp64 when it has a twin; their local verdicts. The runs also hold what local_errors reads
+    afterwards (every layer's output, and every layer's tap of each kind a finding has: the
+    first divergence is one of them), so teacher forcing captures each side once."""
     suspect = suspects(verdicts)
-    if not suspect:
+    if not suspect or forced.inject is None:
         return {}
-    n = sum(1 for t in oracle if t.endswith(".out"))
-    inject = {0: oracle["embed"], **{i: oracle[f"layers.{i - 1}.out"] for i in range(1, n)}}
-    taps = forced_taps(suspect, oracle)
-    _, fr = forced_capture(ref.at_policy, ids, mask, taps, inject)
-    _, fc = forced_capture(cand.at_policy, ids, mask, taps, inject)
-    fc64 = forced_capture(cand.at_fp64, ids, mask, taps, inject)[1] if cand.at_fp64 is not None else None
+    n = forced.layers
+    kinds = {tapnames.tap(v.tap).kind for v in verdicts if v.kind in FINDINGS and v.layer is not None}
+    taps = (forced_taps(suspect, oracle) + [f"layers.{i}.out" for i in range(n)]
+            + [t for t in (f"layers.{i}.{k}" for k in sorted(kinds) for i in range(n)) if t in oracle])
+    fr, fc = forced.get("ref", taps), forced.get("cand", taps)
+    fc64 = forced.get("cand64", taps) if forced.impls["cand64"] is not None else None
     hidden = np.shape(oracle["embed"])[-1]
     return judge_forced([v.tap for v in suspect], fr, fc, oracle, fc64, real, policy, keeps_f32, hidden)
 
@@ -218,8 +244,8 @@ def inherit(verdicts: list[TapVerdict], local: dict[str, TapVerdict]) -> int:
             how = FORCED
         else:
             continue
-        v.inherited = Inherited(origin.tap, how, v.kind, lv.record if how == FORCED else None)
+        v.inherited = Inherited(origin.tap, how, v.kind)
         v.kind = "inherited"
-        v.hint = explain.inherited_hint(v.inherited)
+        v.hint = explain.inherited_hint(v.inherited, v.local)
         n += 1
     return n

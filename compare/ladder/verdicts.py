@@ -591,8 +591,8 @@ def context_for(tap, c64, o) -> dict:
 def _standing(v: TapVerdict) -> str:
     """What an inherited tap counts for in the overall verdict: what teacher forcing says it adds
     on its own (drift or exact), or, inside the origin's layer, drift unless bitwise equal."""
-    if v.inherited.local is not None:
-        return v.inherited.local.kind
+    if v.local is not None:
+        return v.local.kind
     return "exact" if v.metrics.get("max_ulp") == 0 else "drift"
 
 
