@@ -392,31 +392,32 @@ def _empty_cache(model, B: int, S: int) -> KV:
     return KV(zeros, zeros, jnp.zeros(B, jnp.int32))
 
 
-def _prefill(graphdef, state, ids, mask, positions, *, cache_len):
+def _prefill(graphdef, state, ids, mask, positions, inject=None, *, cache_len):
+    """inject {layer: [B, T, hidden]} or None: teacher forcing (jit compiles it apart)."""
     model = nnx.merge(graphdef, state)
     B, T = ids.shape
     slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
     logits, _, kv = model(ids, positions, causal_allowed(slots, T), cache=_empty_cache(model, B, cache_len),
-                          last=jnp.full(B, T - 1))
+                          last=jnp.full(B, T - 1), inject=inject)
     cache = {"k": kv.k, "v": kv.v, "mask": slots, "next_pos": mask.sum(1).astype(jnp.int32), "index": jnp.int32(T)}
     return logits[:, 0], cache
 
 
 def _decode(graphdef, state, cache, next_ids):
-    logits, cache, _ = _decode_taps(graphdef, state, cache, next_ids, taps=())
+    logits, cache, _ = _decode_taps(graphdef, state, cache, next_ids, None, taps=())
     return logits, cache
 
 
-def _decode_taps(graphdef, state, cache, next_ids, *, taps):
+def _decode_taps(graphdef, state, cache, next_ids, inject, *, taps):
     """_decode, also returning the step's activations {tap: [B, 1, ...]} (unrolled layers:
-    per-layer names as asked)."""
+    per-layer names as asked). inject {layer: [B, 1, hidden]} or None: teacher forcing."""
     model = nnx.merge(graphdef, state)
     index = cache["index"]
     slots = cache["mask"].at[:, index].set(True)
     B = slots.shape[0]
     kv = KV(cache["k"], cache["v"], jnp.full(B, index))
     logits, acts, kv = model(next_ids[:, None], cache["next_pos"][:, None], causal_allowed(slots, 1, index),
-                             taps=taps, cache=kv)
+                             taps=taps, cache=kv, inject=inject)
     cache = {"k": kv.k, "v": kv.v, "mask": slots, "next_pos": cache["next_pos"] + 1, "index": index + 1}
     return logits[:, 0], cache, acts
 
@@ -529,13 +530,22 @@ class LlamaModel:
         acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
         return run.restore(logits), {n: run.restore(_pick(acts, n)) for n in names}
 
-    def prefill(self, ids, mask, total_len: int):
+    def prefill(self, ids, mask, total_len: int, inject=None):
         """Runs the left-aligned prompt, fills cache slots [0, T); returns (last logits [B, V]
-        as numpy, cache). The cache holds total_len tokens, rounded up to CACHE_BLOCK."""
+        as numpy, cache). The cache holds total_len tokens, rounded up to CACHE_BLOCK.
+        inject {layer: [B, T, hidden]}: teacher forcing, as capture takes it (jit compiles a
+        program per set of injected layers; the cache holds the forced keys and values)."""
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         run = self._layout(ids, mask, extra_length=total_len - ids.shape[1])
         cache_len = -(-max(total_len, run.ids.shape[1]) // CACHE_BLOCK) * CACHE_BLOCK
-        logits, cache = self._prefill(self.state, run.ids, run.mask, run.positions, cache_len=cache_len)
+        forced = check_inject(self.cfg, inject, ids.shape)
+        if not forced:
+            logits, cache = self._prefill(self.state, run.ids, run.mask, run.positions, cache_len=cache_len)
+            return np.asarray(logits), cache
+        if self.batch_invariant:
+            raise NotImplementedError("prefill: inject is not taken in batch-invariant mode")
+        forced = {i: jnp.asarray(to_residual(run.place(x), self.policy)) for i, x in forced.items()}
+        logits, cache = self._prefill(self.state, run.ids, run.mask, run.positions, forced, cache_len=cache_len)
         return np.asarray(logits), cache
 
     def decode(self, cache, next_ids):
@@ -548,17 +558,20 @@ class LlamaModel:
         logits, cache = self._decode(self.state, cache, next_ids)
         return np.asarray(logits), cache
 
-    def decode_capture(self, cache, next_ids, taps=("layers.*.out",)):
+    def decode_capture(self, cache, next_ids, taps=("layers.*.out",), inject=None):
         """decode, also returning the step's activations: (logits [B, V], cache, {tap: numpy
         [B, 1, ...]}), the taps of the one new position, as the decode path computed them
         (compare.ladder.decode judges them against a full recompute). A program of its own
-        (compiled per set of tap names): decode's stays as it is."""
+        (compiled per set of tap names and of injected layers): decode's stays as it is.
+        inject {layer: [B, 1, hidden]}: teacher forcing of the new position."""
         if self.batch_invariant:
             raise NotImplementedError("decode_capture: not in batch-invariant mode")
         names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
         (B, S), index = cache["mask"].shape, int(cache["index"])
         next_ids = check_next_ids(self.cfg, next_ids, B, index, S)
-        logits, cache, acts = _decode_capture_program(self.graphdef)(self.state, cache, next_ids, taps=names)
+        forced = {i: jnp.asarray(to_residual(x, self.policy))
+                  for i, x in check_inject(self.cfg, inject, (B, 1)).items()}
+        logits, cache, acts = _decode_capture_program(self.graphdef)(self.state, cache, next_ids, forced, taps=names)
         return np.asarray(logits), cache, {n: np.asarray(acts[n]) for n in names}
 
     def generate(self, tokens, attention_mask=None, max_new_tokens=32, do_sample=False,

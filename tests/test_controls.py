@@ -6,7 +6,7 @@ bench/controls.py prints the same suite as a table."""
 import numpy as np
 import pytest
 
-from compare.controls import CONTROLS, check, clean, run_control
+from compare.controls import CONTROLS, check, clean, findings_after, run_control
 
 # Wide heads and 128 positions: RoPE tables rounded in bf16 need angles of tens of
 # radians to cost more than the bf16 policy's own rounding (bench/controls.py: ratio
@@ -46,15 +46,6 @@ def test_planted_bug_verdict_tap_component_hint(name, folder):
     assert d.confirmed, f"teacher forcing disagrees: {d.evidence}"
     assert findings_after(report) == [], report.summary()
     report.to_dict()
-
-
-def findings_after(report) -> list[str]:
-    """Findings after the first divergence without an error of their own: each one left must
-    have teacher forcing's local record (its layer fed the oracle's input) showing a finding."""
-    names = [v.tap for v in report.taps]
-    after = report.taps[names.index(report.first_divergence.tap) + 1:]
-    return [f"{v.tap} ({v.kind})" for v in after if v.kind in ("precision", "semantic")
-            and not (v.local is not None and v.local.kind in ("precision", "semantic"))]
 
 
 @pytest.mark.parametrize("policy", ["fp64", "fp32", "bf16", "fp16"])

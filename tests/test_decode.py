@@ -48,6 +48,36 @@ def test_decode_capture_is_decode_plus_the_steps_taps(package, folder):
             assert np.abs(x[:, 0] - want).max() <= 1e-12 * max(1.0, np.abs(want).max()), t
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("package", ["torchref", "jaxmodel", "transformers"])
+def test_forced_decode_is_the_forced_full_recompute(package, folder):
+    """Teacher forcing on the decode path (prefill and decode_capture with inject, the decode
+    comparison's inherited taps): each step's taps are the forced full capture's at the new
+    position, to fp64 rounding, so the cache holds the forced keys and values."""
+    if package == "transformers":
+        pytest.importorskip("transformers")
+        from compare.adapters.transformers import TransformersModel
+        m = TransformersModel.from_pretrained(folder, policy="fp64", attn_implementation="sdpa")
+    else:
+        import importlib
+        m = importlib.import_module(package).from_pretrained(folder, policy="fp64")
+    toks = np.array([[5, 6, 7], [8, 9, 10]])
+    T, n = IDS.shape[1], toks.shape[1]
+    h = np.random.default_rng(1).standard_normal((2, T + n, 32))    # layer 1's input, every position
+    _, full = m.capture(np.concatenate([IDS, toks], 1), np.concatenate([MASK, np.ones_like(toks)], 1), "*",
+                        inject={1: h})
+    _, plain = m.capture(np.concatenate([IDS, toks], 1), np.concatenate([MASK, np.ones_like(toks)], 1), "*")
+    _, cache = m.prefill(IDS, MASK, 16, inject={1: h[:, :T]})
+    for s in range(n):
+        _, cache, acts = m.decode_capture(cache, toks[:, s], "*", inject={1: h[:, T + s:T + s + 1]})
+        for t, x in acts.items():
+            want = full[t][:, T + s]
+            assert np.abs(x[:, 0] - want).max() <= 1e-12 * max(1.0, np.abs(want).max()), t
+    # the forcing took: layer 1's output is not the unforced run's at any real position
+    real = np.concatenate([MASK, np.ones_like(toks)], 1).astype(bool)
+    assert (np.abs(full["layers.1.out"] - plain["layers.1.out"]).max(-1)[real] > 1e-3).all()
+
+
 ASSERTED = [name for name, c in DECODE_CONTROLS.items() if c.verdict is not None]
 
 
@@ -65,7 +95,7 @@ def test_planted_cache_bug_found_at_its_step_tap_layer_component(name, policy, f
     if control.where == "transformers":
         pytest.importorskip("transformers")
     report = run_decode_control(control, folder, IDS, MASK, steps=STEPS, policy=policy)
-    assert check_decode(control, report) == [], report.summary()
+    assert check_decode(control, report) == [], report.summary()     # findings_after too
     assert all(s.verdict in ("exact", "drift") for s in report.per_step[:report.first_step - 1])
     step = report.per_step[report.first_step - 1]
     # the decode path, not the math: the full recompute agrees with the oracle to fp64
@@ -73,6 +103,36 @@ def test_planted_cache_bug_found_at_its_step_tap_layer_component(name, policy, f
     floor = F32_STEPS_FLOOR if control.where == "transformers" else 1e-12
     assert step.own_recompute > 1e-3 and step.full_vs_oracle < floor
     report.to_dict()
+
+
+DEEP = 4    # layers: a bug in layer 1 with two whole layers after it
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", ["stale_mask", "cache_wraps", "hf_stale_mask"])
+def test_later_layers_inherit_a_cache_bug(name, tiny_dir):
+    """The layers after a cache bug carry its difference and add none of their own: teacher
+    forcing on the decode path (every layer fed the oracle's input in the prefill and at every
+    step) relabels their taps "inherited" at every step, and leaves the verdicts alone."""
+    control = DECODE_CONTROLS[name]
+    if control.where == "transformers":
+        pytest.importorskip("transformers")
+    report = run_decode_control(control, tiny_dir("gqa", num_hidden_layers=DEEP), IDS, MASK, steps=STEPS)
+    assert check_decode(control, report) == [], report.summary()
+    assert report.teacher_forcing == "run"
+    later = [v for v in report.taps if v.layer is not None and v.layer > 1]
+    assert later and all(v.kind in ("exact", "drift", "inherited") for v in later), \
+        [(v.tap, v.kind) for v in later if v.kind not in ("exact", "drift", "inherited")]
+    forced = [v for v in later if v.inherited is not None]
+    assert forced and all(v.inherited.how == "forced" and v.local.kind in ("exact", "drift") for v in forced)
+    assert all(v.inherited.source == report.first_divergence.tap for v in forced)
+    assert "inherit it" in report.summary()
+    # every step after the first divergent one: the same, its verdict the bug's
+    first = report.first_step
+    assert all(s.verdict == "semantic" and s.kinds.get("inherited") for s in report.per_step[first - 1:])
+    data = report.to_dict()
+    assert data["teacher_forcing"] == "run"
+    assert any(t["kind"] == "inherited" and t["inherited"]["how"] == "forced" for t in data["taps"])
 
 
 def test_late_bug_is_not_at_step_one(folder):

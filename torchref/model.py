@@ -350,10 +350,15 @@ class LlamaModel(nn.Module):
         return KV(*zeros, torch.zeros(B, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
-    def prefill(self, ids: np.ndarray, mask: np.ndarray, total_len: int):
-        """Runs the left-aligned prompt, filling a cache of total_len slots."""
+    def prefill(self, ids: np.ndarray, mask: np.ndarray, total_len: int, inject=None):
+        """Runs the left-aligned prompt, filling a cache of total_len slots. inject {layer:
+        [B, T, hidden]}: teacher forcing, as capture takes it (the cache then holds the keys
+        and values of the forced inputs)."""
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
+        forced = {i: self._tensor(x) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
         if self.batch_invariant:
+            if forced:
+                raise NotImplementedError("prefill: inject is not taken in batch-invariant mode")
             return self._prefill_invariant(ids, mask, total_len)
         B, T = ids.shape
         kv = self._empty_cache(B, total_len)
@@ -363,7 +368,7 @@ class LlamaModel(nn.Module):
         last = torch.full((B,), T - 1, device=self.device)
         with matmul_settings(self.policy):
             logits, _, _ = self.model(self._tensor(ids), self._tensor(positions_from_mask(mask)).long(),
-                                      causal_allowed(cache["mask"], T), cache=kv, last=last)
+                                      causal_allowed(cache["mask"], T), cache=kv, last=last, inject=forced)
         return to_numpy(logits[:, -1]), cache
 
     @torch.inference_mode()
@@ -375,23 +380,26 @@ class LlamaModel(nn.Module):
         return logits, cache
 
     @torch.inference_mode()
-    def decode_capture(self, cache, next_ids: np.ndarray, taps=("layers.*.out",)):
+    def decode_capture(self, cache, next_ids: np.ndarray, taps=("layers.*.out",), inject=None):
         """decode, also returning the step's activations: (logits [B, V], cache, {tap:
         numpy [B, 1, ...]}), the taps of the one new position, as the decode path computed
-        them (compare.ladder.decode judges them against a full recompute)."""
+        them (compare.ladder.decode judges them against a full recompute). inject {layer:
+        [B, 1, hidden]}: teacher forcing of the new position (compare.ladder.decode's
+        inherited taps)."""
         if self.batch_invariant:
             raise NotImplementedError("decode_capture: not in batch-invariant mode")
-        return self._decode(cache, next_ids, tapnames.resolve(taps, self.cfg.num_hidden_layers))
+        return self._decode(cache, next_ids, tapnames.resolve(taps, self.cfg.num_hidden_layers), inject)
 
-    def _decode(self, cache, next_ids, names):
+    def _decode(self, cache, next_ids, names, inject=None):
         i = cache["index"]
         B, S = cache["mask"].shape
         next_ids = check_next_ids(self.cfg, next_ids, B, i, S)
+        forced = {k: self._tensor(x) for k, x in check_inject(self.cfg, inject, (B, 1)).items()}
         cache["mask"][:, i] = True
         kv = KV(cache["k"], cache["v"], torch.full((B,), i, device=self.device))
         with matmul_settings(self.policy):
             logits, acts, _ = self.model(self._tensor(next_ids)[:, None], cache["next_pos"][:, None],
-                                         causal_allowed(cache["mask"], 1, i), names, cache=kv)
+                                         causal_allowed(cache["mask"], 1, i), names, cache=kv, inject=forced)
         cache["index"] = i + 1
         cache["next_pos"] = cache["next_pos"] + 1
         return to_numpy(logits[:, -1]), cache, {n: to_numpy(acts[n]).copy() for n in names}

@@ -167,21 +167,23 @@ class InjectUnsupported(Exception):
     """A port's capture raised NotImplementedError for inject: no teacher forcing for it."""
 
 
-def inject_support(impl) -> str | None:
-    """None when `impl` takes inject (teacher forcing); else why not, as a phrase naming it:
-    a `supports_inject = False` attribute, or a capture without an `inject` parameter (the
+def inject_support(impl, methods=("capture",)) -> str | None:
+    """None when `impl` takes inject (teacher forcing) in each of `methods` (the decode
+    comparison asks for prefill and decode_capture); else why not, as a phrase naming it: a
+    `supports_inject = False` attribute, or a method without an `inject` parameter (the
     protocol's two ways to say so; a NotImplementedError at the call is forced_capture's)."""
     name = getattr(impl, "name", type(impl).__name__)
     if getattr(impl, "supports_inject", True) is False:
         return f"{name} takes no inject"
     target = getattr(impl, "wrapped", impl)
-    try:
-        params = inspect.signature(target.capture).parameters
-    except (TypeError, ValueError, AttributeError):
-        return None
-    if "inject" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return None
-    return f"{name} takes no inject (its capture has no inject parameter)"
+    for method in methods:
+        try:
+            params = inspect.signature(getattr(target, method)).parameters
+        except (TypeError, ValueError, AttributeError):
+            continue
+        if not ("inject" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())):
+            return f"{name} takes no inject (its {method} has no inject parameter)"
+    return None
 
 
 def forced_capture(impl, tokens, attention_mask, taps, inject):

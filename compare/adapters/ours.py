@@ -74,14 +74,14 @@ class OurModel:
     def __call__(self, tokens, attention_mask=None) -> np.ndarray:
         return np.asarray(self.model(tokens, attention_mask=attention_mask))
 
-    def prefill(self, ids, mask, total_len: int):
-        return self.model.prefill(ids, mask, total_len)
+    def prefill(self, ids, mask, total_len: int, inject=None):
+        return self.model.prefill(ids, mask, total_len, inject=inject)
 
     def decode(self, cache, next_ids):
         return self.model.decode(cache, next_ids)
 
-    def decode_capture(self, cache, next_ids, taps):
-        return self.model.decode_capture(cache, next_ids, taps)
+    def decode_capture(self, cache, next_ids, taps, inject=None):
+        return self.model.decode_capture(cache, next_ids, taps, inject=inject)
 
     def generate(self, tokens, attention_mask=None, max_new_tokens: int = 32, **kw) -> np.ndarray:
         return self.model.generate(tokens, attention_mask=attention_mask, max_new_tokens=max_new_tokens, **kw)

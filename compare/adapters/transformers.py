@@ -312,19 +312,24 @@ class TransformersModel:
             return self._capture_rows(tokens, attention_mask, taps, inject)
         wanted = self.resolve(taps)
         ids, mask, pos, masked = self._inputs(tokens, attention_mask)
-        shape_cfg = types.SimpleNamespace(num_hidden_layers=self.num_layers,
-                                          hidden_size=self.config.hidden_size)
-        forced = {i: _from_numpy(x) for i, x in check_inject(shape_cfg, inject, tuple(ids.shape)).items()}
+        forced = self._forced(inject, ids.shape)
         with torch.no_grad():
             out, acts = self._hooked(wanted, forced, lambda: self.model(
                 input_ids=ids, attention_mask=mask if masked else None, position_ids=pos, use_cache=False))
         self._explain_nan(out.logits, mask)
         return _to_numpy(out.logits), acts
 
-    def decode_capture(self, cache, next_ids, taps):
-        """decode, with the taps of the one new position: (logits [B, V], cache, {tap: [B, 1, ...]})."""
-        (logits, cache), acts = self._hooked(self.resolve(taps), {}, lambda: self.decode(cache, next_ids))
+    def decode_capture(self, cache, next_ids, taps, inject=None):
+        """decode, with the taps of the one new position: (logits [B, V], cache, {tap: [B, 1, ...]}).
+        inject {layer: [B, 1, hidden]}: teacher forcing of the new position."""
+        forced = self._forced(inject, (cache["mask"].shape[0], 1))
+        (logits, cache), acts = self._hooked(self.resolve(taps), forced, lambda: self.decode(cache, next_ids))
         return logits, cache, acts
+
+    def _forced(self, inject, tokens_shape) -> dict:
+        """inject checked ({layer: [B, T, hidden]}) as tensors for the forcing pre-hooks."""
+        shape_cfg = types.SimpleNamespace(num_hidden_layers=self.num_layers, hidden_size=self.config.hidden_size)
+        return {i: _from_numpy(x) for i, x in check_inject(shape_cfg, inject, tuple(tokens_shape)).items()}
 
     def _hooked(self, wanted, forced: dict, call):
         """call() with the capture hooks of `wanted` (and the forcing pre-hooks of `forced`)
@@ -407,14 +412,17 @@ class TransformersModel:
     logits = __call__
 
     @torch.inference_mode()
-    def prefill(self, ids, mask, total_len: int):
+    def prefill(self, ids, mask, total_len: int, inject=None):
         """Left-aligned prompt -> (last logits [B, V], cache). The cache is transformers'
-        own (DynamicCache) plus the slot mask and each row's next position."""
+        own (DynamicCache) plus the slot mask and each row's next position. inject {layer:
+        [B, T, hidden]}: teacher forcing, as capture takes it."""
         from transformers import DynamicCache
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
+        forced = self._forced(inject, ids.shape)
         kv = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=self._t(ids), attention_mask=self._t(mask.astype(np.int64)),
-                         position_ids=self._position_ids(mask), use_cache=True, **self._cache_kw(kv))
+        out, _ = self._hooked((), forced, lambda: self.model(
+            input_ids=self._t(ids), attention_mask=self._t(mask.astype(np.int64)),
+            position_ids=self._position_ids(mask), use_cache=True, **self._cache_kw(kv)))
         cache = {"kv": kv, "mask": mask.astype(np.int64),
                  "next_pos": mask.sum(1).astype(np.int64), "index": ids.shape[1],
                  "slots": int(total_len)}

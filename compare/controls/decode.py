@@ -18,7 +18,7 @@ from llamaspec import taps as tapnames
 
 from ..adapters import OurModel, Side, resolve_side
 from ..ladder.decode import DecodeReport, run_decode
-from .prefill import hf_side
+from .prefill import findings_after, hf_side
 
 LAYER = 1
 
@@ -190,4 +190,7 @@ def check_decode(control: DecodeControl, report: DecodeReport) -> list[str]:
     problems = [] if got == want else [f"found at (step, tap, layer, component) {got}, expected {want}"]
     if control.hint not in d.hint:
         problems.append(f"hint lacks '{control.hint}': {d.hint}")
+    lone = findings_after(report)
+    if lone:
+        problems.append(f"findings after the first divergence that teacher forcing did not judge: {lone}")
     return problems

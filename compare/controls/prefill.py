@@ -490,6 +490,19 @@ def check(control: Control, report: Report) -> list[str]:
     return problems
 
 
+def findings_after(report) -> list[str]:
+    """The findings after the first divergence of a Report or DecodeReport (its listed step)
+    that have no error of their own: each one left must have teacher forcing's local record
+    (its layer fed the oracle's input) showing a finding; any other is one the report should
+    have called inherited ([] = none)."""
+    if report.first_divergence is None:
+        return []
+    names = [v.tap for v in report.taps]
+    after = report.taps[names.index(report.first_divergence.tap) + 1:]
+    return [f"{v.tap} ({v.kind})" for v in after if v.kind in ("precision", "semantic")
+            and not (v.local is not None and v.local.kind in ("precision", "semantic"))]
+
+
 # ----- structure the hints name from the step's own inputs (structure.tap_inputs), on
 # transformers' public seams: asserted with the others (verdict, tap, layer, component, hint).
 

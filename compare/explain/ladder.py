@@ -370,6 +370,12 @@ def decode_summary(r, full_recompute: str) -> str:
         step = r.per_step[r.first_step - 1]
         lines.append(f"first {d.kind} at step {r.first_step} (slot {step.slot}): {d.tap} (layer {d.layer}, "
                      f"{d.component}): {d.hint}")
+        inherited = [v for v in r.taps if v.inherited is not None]
+        if inherited:
+            lines.append(f"{len(inherited)} later tap(s) of step {r.taps_step} inherit it (teacher forcing: nothing "
+                         f"of their own), not findings: {inherited[0].tap} .. {inherited[-1].tap}")
+    if r.teacher_forcing not in ("run", "not needed"):     # "not run: <why>"
+        lines.append(f"teacher forcing {r.teacher_forcing}")
     if r.config_differences:
         lines.append("the configs differ: " + "; ".join(r.config_differences))
     if r.oracle != full_recompute:

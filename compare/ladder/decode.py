@@ -34,6 +34,8 @@ thresholds as the prefill ladder: nothing here is tuned to the planted bugs. A c
 loses precision at P only (keys stored in bf16 under fp32) is found by the precision rung
 as any other lower-precision step: err(cand) vs err(ref), both against the oracle.
 
+A step's findings after its first are judged again on teacher-forced decode runs, as the
+prefill ladder's (_inherit_steps): a tap that adds nothing of its own is "inherited".
 A step's verdict is its worst tap, its first divergence the earliest tap of that kind (in
 execution order); the report's verdict is the worst step's, and `first_step` the earliest
 step of that kind. For a semantic step the report says which path is wrong, with the
@@ -63,14 +65,15 @@ from llamaspec import InputError, Policy
 from llamaspec import taps as tapnames
 from llamaspec.inputs import left_align
 
-from ..adapters import OurModel, Side, config_differences
+from ..adapters import OurModel, Side, config_differences, inject_support
 from ..environment import environment
 from ..evidence import ONSET, POOLED_DRIFT, POOLED_NO_STRUCTURE, DecodePath, Pooled
 from ..explain import ladder as explain
 from ..metrics import pair_metrics, rel_l2
 from ..results import JsonResult
-from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
+from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, TAP_KINDS, drift_factor, precision_floor
 from .engine import prepare
+from .teacher import inherit, suspects
 from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, precision_ratio
 
 
@@ -112,6 +115,7 @@ class DecodeReport(JsonResult):
     environment: dict = dataclasses.field(default_factory=dict)
     config_differences: list = dataclasses.field(default_factory=list)
     oracle: str = "reference at fp64, full recompute without a cache"   # or _oracle_kind's other answer
+    teacher_forcing: str = "not needed"     # "run" | "not needed" | "not run: <why>" (_inherit_steps)
 
     def summary(self) -> str:
         return explain.decode_summary(self, FULL_RECOMPUTE)
@@ -140,39 +144,64 @@ def _oracle_kind(ref: Side, length: int) -> str:
 
 # ----- one side's decode run ----------------------------------------------------------------
 
-def _stepper(impl, taps):
-    """(cache, next_ids) -> (logits [B, V], cache, {tap: [B, 1, ...]}) for one side."""
-    if callable(getattr(impl, "decode_capture", None)):
-        return lambda cache, ids: impl.decode_capture(cache, ids, taps)
-    raise TypeError(f"{impl.name}: the decode comparison needs prefill(ids, mask, total_len) and "
-                    "decode_capture(cache, next_ids, taps) -> (logits, cache, {tap: [B, 1, ...]})")
+def _stepper(impl, taps, inject=None):
+    """(s, cache, next_ids) -> (logits [B, V], cache, {tap: [B, 1, ...]}) for one side's step s;
+    inject {layer: [B, N, hidden]}: teacher forcing, column s at step s."""
+    if not callable(getattr(impl, "decode_capture", None)):
+        raise TypeError(f"{impl.name}: the decode comparison needs prefill(ids, mask, total_len) and "
+                        "decode_capture(cache, next_ids, taps) -> (logits, cache, {tap: [B, 1, ...]})")
+    if inject is None:
+        return lambda s, cache, ids: impl.decode_capture(cache, ids, taps)
+    return lambda s, cache, ids: impl.decode_capture(cache, ids, taps,
+                                                     inject={i: h[:, s:s + 1] for i, h in inject.items()})
 
 
-def _decode_run(impl, ids, mask, taps, tokens=None, steps=None, slack=0, prefilled=None):
+@dataclasses.dataclass
+class _Forcing:
+    """Teacher forcing of a decode run: every layer's input replaced by the oracle's, in the
+    prefill (prompt [B, T, hidden] per layer) and at each step (steps [B, N, hidden]), so the
+    cache holds the keys and values of the oracle's inputs too."""
+    prompt: dict
+    steps: dict
+
+    def rows(self, b: int, cols) -> "_Forcing":
+        return _Forcing({i: h[b:b + 1, cols] for i, h in self.prompt.items()},
+                        {i: h[b:b + 1] for i, h in self.steps.items()})
+
+
+def _decode_run(impl, ids, mask, taps, tokens=None, steps=None, slack=0, prefilled=None,
+                forcing: _Forcing | None = None):
     """Prefill, then one decode step per token: ({tap: [B, N, ...]}, tokens [B, N]).
 
     tokens None: greedy (argmax of each step's logits, ties to the lowest id as
     llamaspec.generate), `steps` of them. prefilled: a future of impl.prefill's result
-    (_prefill_ahead). A side whose float64 copy captures padded
-    batches row by row (TransformersModel.unpadded_rows: transformers' eager float64
-    attention and left padding, EAGER_F64_LEFT_PADDING) decodes row by row too."""
+    (_prefill_ahead). forcing: teacher forcing (the prefill and every step). A side whose
+    float64 copy captures padded batches row by row (TransformersModel.unpadded_rows:
+    transformers' eager float64 attention and left padding, EAGER_F64_LEFT_PADDING)
+    decodes row by row too."""
     if getattr(impl, "unpadded_rows", False) and not np.asarray(mask).all():
         rows = []
         for b in range(len(ids)):
             cols = np.flatnonzero(mask[b])
             rows.append(_decode_run(impl, ids[b:b + 1, cols], mask[b:b + 1, cols], taps,
-                                    None if tokens is None else tokens[b:b + 1], steps, slack))
+                                    None if tokens is None else tokens[b:b + 1], steps, slack,
+                                    forcing=None if forcing is None else forcing.rows(b, cols)))
         return ({t: np.concatenate([r[0][t] for r in rows]) for t in taps},
                 np.concatenate([r[1] for r in rows]))
     n = steps if tokens is None else tokens.shape[1]
-    step = _stepper(impl, taps)
+    step = _stepper(impl, taps, None if forcing is None else forcing.steps)
     total = ids.shape[1] + n + slack
-    logits, cache = prefilled.result() if prefilled is not None else impl.prefill(ids, mask, total)
+    if prefilled is not None:
+        logits, cache = prefilled.result()
+    elif forcing is not None:
+        logits, cache = impl.prefill(ids, mask, total, inject=forcing.prompt)
+    else:
+        logits, cache = impl.prefill(ids, mask, total)
     out, fed = {t: [] for t in taps}, []
     for s in range(n):
         nxt = np.asarray(logits, np.float64).argmax(-1) if tokens is None else tokens[:, s]
         fed.append(nxt)
-        logits, cache, acts = step(cache, nxt)
+        logits, cache, acts = step(s, cache, nxt)
         for t in taps:
             out[t].append(np.asarray(acts[t]))
     return {t: np.concatenate(v, axis=1) for t, v in out.items()}, np.stack(fed, 1).astype(np.int64)
@@ -210,6 +239,7 @@ class _Runs:
     oracle: str                 # FULL_RECOMPUTE or _oracle_kind's other answer
     full_ids: np.ndarray        # prompt + fed tokens, and its mask
     full_mask: np.ndarray
+    o_prompt: dict | None = None  # the oracle's prompt columns (embed, layers.*.out) when it has them
 
 
 def _check_decode_inputs(ref: Side, cand: Side, ids, mask, steps: int, tokens):
@@ -258,14 +288,21 @@ def _run_sides(ref: Side, cand: Side, ids, mask, taps, policy: Policy, steps: in
     oracle = _oracle_kind(ref, int(full_mask.sum(1).max()))
     if oracle == FULL_RECOMPUTE:
         progress("oracle: reference at fp64 on the full sequence, no cache")
-        _, o = ref.at_fp64.capture(full_ids, full_mask, ref.taps)    # all of them: context for the hints
-        o = {t: np.asarray(x)[:, T:] for t, x in o.items()}          # column T + s - 1 is step s
+        _, full = ref.at_fp64.capture(full_ids, full_mask, ref.taps)    # all of them: context for the hints
+        o = {t: np.asarray(x)[:, T:] for t, x in full.items()}          # column T + s - 1 is step s
+        o_prompt = {t: np.asarray(x)[:, :T] for t, x in full.items() if _layer_input(t)}
     else:
         progress(f"oracle: {oracle}")
         o, _ = _decode_run(ref.at_fp64, ids, mask, ref.taps, fed, slack=slack)
+        o_prompt = None
     lap("oracle")
     source = "reference greedy at P" if tokens is None else "given"
-    return _Runs(r, c, c64, o, fed, source, oracle, full_ids, full_mask)
+    return _Runs(r, c, c64, o, fed, source, oracle, full_ids, full_mask, o_prompt)
+
+
+def _layer_input(t: str) -> bool:
+    """Whether tap t is some layer's input (teacher forcing feeds it): the embedding, a layer's output."""
+    return t == "embed" or (t.startswith("layers.") and t.endswith(".out"))
 
 
 class _StepJudge:
@@ -280,8 +317,9 @@ class _StepJudge:
         self.agreed = {}    # tap -> the first step where cand64's decode agreed with the oracle to fp64 rounding
         self.own_full = own_full    # () -> the candidate's fp64 full recompute, captured on first use
 
-    def step(self, s: int) -> tuple[StepVerdict, list[TapVerdict]]:
-        """Step s + 1: every tap judged in execution order, then the step's verdict."""
+    def taps_of(self, s: int) -> list[TapVerdict]:
+        """Step s + 1: every tap judged in execution order (steps in order: _pool reads the
+        earlier ones)."""
         at, runs = slice(s, s + 1), self.runs
         rs, cs, c64s = ({t: x[t][:, at] for t in self.taps} for x in (runs.r, runs.c, runs.c64))
         os_ = {t: x[:, at] for t, x in runs.o.items()}
@@ -298,17 +336,24 @@ class _StepJudge:
             if v.err_fp64 <= self.floor64:
                 self.agreed.setdefault(t, s + 1)
             verdicts.append(v)
+        return verdicts
+
+    def step(self, s: int, verdicts: list[TapVerdict]) -> StepVerdict:
+        """Step s + 1's verdict from its judged taps (inherited ones relabelled already)."""
+        at, runs = slice(s, s + 1), self.runs
         worst, div = first_divergence(verdicts)
         rated = [v.precision_ratio for v in verdicts if not math.isnan(v.precision_ratio)]
         st = StepVerdict(s + 1, runs.full_ids.shape[1] - self.steps + s, runs.fed[:, s].tolist(), worst, div,
-                         {k: sum(v.kind == k for v in verdicts) for k in KINDS if any(v.kind == k for v in verdicts)},
+                         {k: n for k in TAP_KINDS if (n := sum(v.kind == k for v in verdicts))},
                          max(rated, default=float("nan")))
+        rs, cs = ({"logits": x["logits"][:, at]} if "logits" in self.taps else {} for x in (runs.r, runs.c))
         if "logits" in self.taps:
             st.top1_agree = bool((rs["logits"][:, 0].argmax(-1) == cs["logits"][:, 0].argmax(-1)).all())
             st.logits_rel_l2 = rel_l2(np.asarray(cs["logits"], np.float64), np.asarray(rs["logits"], np.float64))
         if div is not None and div.kind == "semantic" and runs.oracle == FULL_RECOMPUTE:
-            _which_path(st, div, c64s[div.tap], self.own_full()[div.tap][:, at], os_[div.tap], self.keeps_f32)
-        return st, verdicts
+            _which_path(st, div, runs.c64[div.tap][:, at], self.own_full()[div.tap][:, at], runs.o[div.tap][:, at],
+                        self.keeps_f32)
+        return st
 
     def _pool(self, v: TapVerdict, step: int) -> TapVerdict:
         """One step's record, checked against the steps pooled where one position is too few:
@@ -380,9 +425,63 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
         lap("candidate_fp64_full")
         return {t: np.asarray(a)[:, ids.shape[1]:] for t, a in x.items()}
 
-    judge = _StepJudge(runs, taps, policy, ref.keeps_f32 or cand.keeps_f32, own_full)
-    judged = [judge.step(s) for s in range(steps)]
-    return _decode_report(ref, cand, policy, runs, ids.shape[1], judged, timing)
+    keeps_f32 = ref.keeps_f32 or cand.keeps_f32
+    judge = _StepJudge(runs, taps, policy, keeps_f32, own_full)
+    verdicts = [judge.taps_of(s) for s in range(steps)]
+    forcing = _inherit_steps(ref, cand, ids, mask, runs, taps, verdicts, policy, keeps_f32, slack, progress)
+    if forcing == "run":
+        lap("teacher_forcing")
+    judged = [(judge.step(s, v), v) for s, v in enumerate(verdicts)]
+    report = _decode_report(ref, cand, policy, runs, ids.shape[1], judged, timing)
+    report.teacher_forcing = forcing
+    return report
+
+
+def _inherit_steps(ref: Side, cand: Side, ids, mask, runs: _Runs, taps, verdicts: list[list[TapVerdict]],
+                   policy: Policy, keeps_f32: bool, slack: int, progress) -> str:
+    """Teacher forcing's word on each step's findings after its first (teacher.inherit, as the
+    prefill ladder): each side decodes again with every layer fed the oracle's input, in the
+    prefill and at every step, so that its cache too holds what the oracle's inputs give; a
+    later finding whose forced run is within drift, judged by the same rungs (_StepJudge on
+    the forced runs), adds nothing of its own and is "inherited". Runs up to the last step
+    with such findings only. DecodeReport.teacher_forcing: "run", "not needed" (no finding
+    after a first one at any step), or "not run: <why>"."""
+    for v in verdicts:          # in the first finding's own layer: inherited without forcing
+        inherit(v, {})
+    wanted = [s for s, v in enumerate(verdicts) if suspects(v)]
+    if not wanted:
+        return "not needed"
+    impls = (ref.at_policy, cand.at_policy, cand.at_fp64)
+    no_inject = [why for why in dict.fromkeys(inject_support(i, ("prefill", "decode_capture")) for i in impls) if why]
+    if no_inject:
+        return f"not run: {'; '.join(no_inject)} (teacher forcing needs it)"
+    n_layers = sum(1 for t in runs.o if t.startswith("layers.") and t.endswith(".out"))
+    if not n_layers or "embed" not in runs.o or any(f"layers.{i}.out" not in runs.o for i in range(n_layers - 1)):
+        return "not run: the oracle has no embed or layer outputs to feed the layers"
+    o_prompt = runs.o_prompt
+    if o_prompt is None:    # the oracle decoded through its cache: its prompt columns as the prefill computed them
+        _, o_prompt = ref.at_fp64.capture(ids, mask, ["embed"] + [f"layers.{i}.out" for i in range(n_layers - 1)])
+    n = wanted[-1] + 1
+
+    def inputs(o, cut):     # layer i's input: the oracle's embedding (i = 0) or layer i - 1's output
+        return {0: o["embed"][:, cut], **{i: o[f"layers.{i - 1}.out"][:, cut] for i in range(1, n_layers)}}
+    forcing = _Forcing(inputs(o_prompt, slice(None)), inputs(runs.o, slice(0, n)))
+    progress(f"teacher forcing: every layer fed the oracle's input for {n} decode step(s), each side "
+             "(are the later findings the first one's, inherited?)")
+    fed = runs.fed[:, :n]
+    try:
+        forced = [_decode_run(impl, ids, mask, taps, fed, slack=slack + runs.fed.shape[1] - n, forcing=forcing)[0]
+                  for impl in impls]
+    except NotImplementedError as e:
+        return f"not run: {e} (teacher forcing needs it)"
+    o = {t: x[:, :n] for t, x in runs.o.items()}
+    fjudge = _StepJudge(dataclasses.replace(runs, r=forced[0], c=forced[1], c64=forced[2], o=o, fed=fed),
+                        taps, policy, keeps_f32, own_full=None)
+    for s in range(n):
+        local = fjudge.taps_of(s)
+        if s in wanted:
+            inherit(verdicts[s], {v.tap: v for v in local})
+    return "run"
 
 
 def _decode_report(ref: Side, cand: Side, policy: Policy, runs: _Runs, T: int, judged, timing) -> DecodeReport:
