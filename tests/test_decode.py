@@ -135,6 +135,27 @@ def test_later_layers_inherit_a_cache_bug(name, tiny_dir):
     assert any(t["kind"] == "inherited" and t["inherited"]["how"] == "forced" for t in data["taps"])
 
 
+def test_a_side_without_decode_inject_is_said_and_nothing_is_relabelled(tiny_dir):
+    """A candidate whose decode_capture takes no inject: the report says teacher forcing did
+    not run and why, and the later layers' findings stay findings (not guessed inherited)."""
+    from compare.adapters import OurModel, Side
+
+    class NoInject(OurModel):
+        def decode_capture(self, cache, next_ids, taps):
+            return super().decode_capture(cache, next_ids, taps)
+
+    folder = tiny_dir("gqa", num_hidden_layers=DEEP)
+    policy = Policy.get("fp32")
+    buggy = DECODE_CONTROLS["stale_mask"].side(folder, policy)
+    cand = Side(buggy.name, NoInject(buggy.at_policy.model), NoInject(buggy.at_fp64.model), False, buggy.taps)
+    report = run_decode(resolve_side("torchref", folder, policy), cand, IDS, MASK, policy, steps=3, slack=1)
+    assert report.verdict == "semantic" and report.first_divergence.tap == "layers.1.attn_ctx"
+    assert report.teacher_forcing.startswith("not run") and "decode_capture has no inject" in report.teacher_forcing
+    assert "teacher forcing not run" in report.summary()
+    later = [v for v in report.taps if v.layer is not None and v.layer > 1]
+    assert any(v.kind == "semantic" for v in later) and not any(v.inherited for v in later)
+
+
 def test_late_bug_is_not_at_step_one(folder):
     """The wrapping cache is right for LATE_SLOTS decode steps: its first divergence is the
     step that first writes past them."""
