@@ -394,13 +394,20 @@ def _empty_cache(model, B: int, S: int) -> KV:
 
 def _prefill(graphdef, state, ids, mask, positions, inject=None, *, cache_len):
     """inject {layer: [B, T, hidden]} or None: teacher forcing (jit compiles it apart)."""
+    logits, cache, _ = _prefill_taps(graphdef, state, ids, mask, positions, inject, cache_len=cache_len, taps=())
+    return logits, cache
+
+
+def _prefill_taps(graphdef, state, ids, mask, positions, inject, *, cache_len, taps):
+    """_prefill, also returning the prompt's activations {tap: [B, T, ...]} (unrolled layers:
+    per-layer names as asked)."""
     model = nnx.merge(graphdef, state)
     B, T = ids.shape
     slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
-    logits, _, kv = model(ids, positions, causal_allowed(slots, T), cache=_empty_cache(model, B, cache_len),
-                          last=jnp.full(B, T - 1), inject=inject)
+    logits, acts, kv = model(ids, positions, causal_allowed(slots, T), taps=taps,
+                             cache=_empty_cache(model, B, cache_len), last=jnp.full(B, T - 1), inject=inject)
     cache = {"k": kv.k, "v": kv.v, "mask": slots, "next_pos": mask.sum(1).astype(jnp.int32), "index": jnp.int32(T)}
-    return logits[:, 0], cache
+    return logits[:, 0], cache, acts
 
 
 def _decode(graphdef, state, cache, next_ids):
@@ -459,6 +466,13 @@ def _programs(graphdef, batch_invariant: bool):
             jit(functools.partial(prefill, graphdef), static_argnames="cache_len"),
             # the cache is donated: each step updates it in place instead of copying it
             jit(functools.partial(decode, graphdef), donate_argnums=1))
+
+
+@functools.lru_cache(maxsize=16)
+def _prefill_capture_program(graphdef):
+    """The jitted _prefill_taps for one model structure (LlamaModel.prefill_capture)."""
+    jit = functools.partial(jax.jit, compiler_options=compiler_options(False))
+    return jit(functools.partial(_prefill_taps, graphdef), static_argnames=("cache_len", "taps"))
 
 
 @functools.lru_cache(maxsize=16)
@@ -547,6 +561,23 @@ class LlamaModel:
         forced = {i: jnp.asarray(to_residual(run.place(x), self.policy)) for i, x in forced.items()}
         logits, cache = self._prefill(self.state, run.ids, run.mask, run.positions, forced, cache_len=cache_len)
         return np.asarray(logits), cache
+
+    def prefill_capture(self, ids, mask, total_len: int, taps=("layers.*.out",), inject=None):
+        """prefill, also returning the prompt's activations as the prefill computed them:
+        (logits [B, V], cache, {tap: numpy [B, T, ...]}; logits and final_norm at the last
+        slot only). A program of its own (compiled per set of tap names and injected layers);
+        prefill's stays as it is."""
+        if self.batch_invariant:
+            raise NotImplementedError("prefill_capture: not in batch-invariant mode")
+        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
+        ids, mask = check_prefill(self.cfg, ids, mask, total_len)
+        run = self._layout(ids, mask, extra_length=total_len - ids.shape[1])
+        cache_len = -(-max(total_len, run.ids.shape[1]) // CACHE_BLOCK) * CACHE_BLOCK
+        forced = {i: jnp.asarray(to_residual(run.place(x), self.policy))
+                  for i, x in check_inject(self.cfg, inject, ids.shape).items()}
+        logits, cache, acts = _prefill_capture_program(self.graphdef)(
+            self.state, run.ids, run.mask, run.positions, forced, cache_len=cache_len, taps=tuple(names))
+        return np.asarray(logits), cache, {n: np.asarray(acts[n]) for n in names}
 
     def decode(self, cache, next_ids):
         """Appends one token per row at the cache's write index; returns (logits [B, V], cache)."""

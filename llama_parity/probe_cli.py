@@ -24,7 +24,7 @@ from .checks import UsageError, checkpoint_folder, count, output_file, positive_
 
 PROBE_KINDS = ("batch", "padding", "determinism", "divergence", "all")
 WHERE = "where"   # the layerwise circumstance comparison (cmd_where), not part of "all"
-CIRCUMSTANCES = ("batch", "padding", "append", "rerun", "invariant-mode")
+CIRCUMSTANCES = ("batch", "padding", "append", "decode", "rerun", "invariant-mode")
 IMPLS = ("torchref", "jaxmodel", "transformers")
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -186,7 +186,7 @@ def cmd_probe(args) -> int:
 
 def _where_options(args) -> dict:
     c = args.circumstance
-    if c == "batch":
+    if c in ("batch", "decode"):
         return {"batch_sizes": tuple(b for b in args.batch_sizes if b > 1)[:3] or (2,)}
     if c == "padding":
         return {"pad": args.pad}

@@ -90,6 +90,25 @@ def row_shifted_keys(model, base):
         layer.self_attn.ops = namespace(base, attention=attention)
 
 
+def row_write_slot(layers=None):
+    """The decode step writes row b's new key and value b slots early (a cache write slot
+    computed per row, wrongly): row 0 is right, every other row overwrites an earlier key and
+    attends an empty slot. On torchref's write_slots seam, decode steps only, at `layers`
+    (default: every layer)."""
+    def patch(model, base):
+        for i, layer in enumerate(model.model.layers):
+            if layers is not None and i not in layers:
+                continue
+            attn, own = layer.self_attn, layer.self_attn.write_slots
+
+            def write_slots(index, T, S, own=own):
+                if T != 1:
+                    return own(index, T, S)
+                return torch.clamp(index - torch.arange(len(index), device=index.device), min=0)[:, None]
+            attn.write_slots = write_slots
+    return patch
+
+
 def by_name(result, name):
     return next(c for c in result.comparisons if c.name == name)
 
@@ -162,6 +181,64 @@ def test_a_key_slot_that_depends_on_the_row_is_found_at_attn_ctx_for_rows_after_
     assert "row in the batch" in hint(r)
 
 
+def test_a_cache_write_slot_that_depends_on_the_row_is_found_at_the_first_generated_step(tiny):
+    """The decode circumstance: prefill + the first generated step, alone vs in a batch. A
+    real KV cache whose write slot is computed per row: row 0 clean, rows 2 and 3 beyond
+    drift at layers.0.attn_ctx, named as an index that depends on the row."""
+    model, twin = pair(tiny, "fp32", row_write_slot())
+    r = probe_where(model, "decode", oracle=twin, batch_sizes=(4,), kinds=("equal", "mixed"))
+    assert r.circumstance == "decode" and r.verdict == "semantic"
+    for c in r.comparisons:
+        assert c.step and c.positions == 1 and c.a_shape == [1, 1] and c.b_shape == [4, 1]
+        if c.b_row == 0:
+            assert c.first_beyond is None, explain_where(r)
+        else:
+            fb = c.first_beyond
+            assert (fb.tap, fb.kind) == ("layers.0.attn_ctx", "semantic"), explain_where(r)
+            assert "row_position" in c.findings and fb.position is None
+    assert "first generated step" in hint(r) and "row in the batch" in hint(r)
+
+
+def test_decode_teacher_forcing_feeds_the_prompt_and_the_step(tiny):
+    """The write-slot bug in layer 1 only: at fp32 layer 0's q_proj already differs in a
+    batch (a [1 vs 4 rows] product: drift), so layer 1's input differs and teacher forcing
+    runs: B's prefill and step fed A's layer-1 input for the target row (its cached keys
+    too); the layer still differs beyond drift, so this layer does it."""
+    model, twin = pair(tiny, "fp32", row_write_slot(layers={1}))
+    r = probe_where(model, "decode", oracle=twin, batch_sizes=(4,), kinds=("mixed",))
+    for c in r.comparisons:
+        if c.b_row == 0:
+            assert c.first_beyond is None, explain_where(r)
+            continue
+        fb = c.first_beyond
+        assert fb.tap == "layers.1.attn_ctx" and not fb.before_exact, explain_where(r)
+        assert fb.forced.ran and fb.forced.local and fb.forced.kind == "semantic", fb.forced
+    assert r.cost["teacher_forced_layers"] >= 2
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("impl", ["torchref", "jaxmodel", "transformers"])
+def test_decode_forcing_replays_a_run_bitwise(impl, tiny):
+    """The decode source's teacher forcing first replays a run with its own layer inputs (the
+    prompt's as the prefill computed them: prefill_capture); the replay must be the run,
+    bit for bit, at every layer, at the policy and on the twin, or forcing says so."""
+    from compare.probes.models import ModelSpec
+    from compare.probes.where import _load
+    from compare.probes.where_sources import DecodeSource
+    target = np.random.default_rng(0).integers(0, 96, (1, 10))
+    runs, pairs = plan("decode", target, 96, 0, batch_sizes=(3,), kinds=("mixed",))
+    rows_of = {r.key: sorted({s.row for p in pairs for s in (p.a, p.b) if s.run == r.key}) for r in runs}
+    main = _load(ModelSpec(impl, str(tiny), "fp32"))
+    src = DecodeSource({"main": main, "twin": main.float64(rounded_weights=True)}, runs, rows_of, tuple(main.taps))
+    for r in runs:
+        for twin in (False, True):
+            for layer in (0, 1):
+                assert src.can_force(r.key, twin)
+                got = src.force(r.key, twin, layer, src.layer_input(r.key, twin, layer))   # raises if not
+                row, out = rows_of[r.key][-1], f"layers.{layer}.out"
+                assert np.array_equal(got[out][row], src.kept[(r.key, twin, row)][out])
+
+
 def test_teacher_forcing_runs_where_the_layer_input_already_differs(tiny):
     """Layer 0's o_proj sums in another order in a batch (drift), layer 1's norm leaks across
     rows: at layer 1 the input already differs, so teacher forcing runs; fed A's input the
@@ -190,10 +267,27 @@ def test_clean_default_mode_differences_are_drift(tiny, policy, circumstance):
     assert not bad, explain_where(r)
 
 
-@pytest.mark.parametrize("circumstance", ["batch", "padding", "append"])
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("impl", ["torchref", "transformers"])
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_clean_first_generated_step_is_drift_at_most(tiny, impl, policy):
+    r = probe_where(impl, "decode", checkpoint=tiny, policy=policy, batch_sizes=(2, 5))
+    assert len(r.comparisons) == 10 and all(c.step for c in r.comparisons)
+    bad = [(c.name, d.tap, d.kind) for c in r.comparisons for d in c.taps if d.kind in BEYOND]
+    assert not bad, explain_where(r)
+
+
+@pytest.mark.slow      # a jax compile per batch shape
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_clean_jaxmodel_first_generated_step_is_drift_at_most(tiny, policy):
+    r = probe_where("jaxmodel", "decode", checkpoint=tiny, policy=policy, batch_sizes=(2, 5))
+    assert r.verdict in ("exact", "drift"), explain_where(r)
+
+
+@pytest.mark.parametrize("circumstance", ["batch", "padding", "append", "decode"])
 def test_batch_invariant_mode_is_exact_at_every_tap(tiny, circumstance):
     model = torchref.from_pretrained(tiny, policy="bf16", batch_invariant=True)
-    opts = {"batch_sizes": (3,)} if circumstance == "batch" else {}
+    opts = {"batch_sizes": (3,)} if circumstance in ("batch", "decode") else {}
     r = probe_where(model, circumstance, **opts)
     assert r.verdict == "exact" and all(d.bitwise_equal for c in r.comparisons for d in c.taps), explain_where(r)
 

@@ -354,12 +354,22 @@ class LlamaModel(nn.Module):
         """Runs the left-aligned prompt, filling a cache of total_len slots. inject {layer:
         [B, T, hidden]}: teacher forcing, as capture takes it (the cache then holds the keys
         and values of the forced inputs)."""
+        logits, cache, _ = self.prefill_capture(ids, mask, total_len, (), inject)
+        return logits, cache
+
+    @torch.inference_mode()
+    def prefill_capture(self, ids: np.ndarray, mask: np.ndarray, total_len: int, taps=("layers.*.out",),
+                        inject=None):
+        """prefill, also returning the prompt's activations as the prefill computed them:
+        (logits [B, V], cache, {tap: numpy [B, T, ...]}; logits and final_norm at the last
+        slot only). probe where's decode circumstance feeds them back (teacher forcing)."""
+        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         forced = {i: self._tensor(x) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
         if self.batch_invariant:
-            if forced:
-                raise NotImplementedError("prefill: inject is not taken in batch-invariant mode")
-            return self._prefill_invariant(ids, mask, total_len)
+            if forced or names:
+                raise NotImplementedError("prefill: inject and taps are not taken in batch-invariant mode")
+            return (*self._prefill_invariant(ids, mask, total_len), {})
         B, T = ids.shape
         kv = self._empty_cache(B, total_len)
         cache = {"k": kv.k, "v": kv.v, "mask": torch.zeros((B, total_len), dtype=torch.bool, device=self.device),
@@ -367,16 +377,14 @@ class LlamaModel(nn.Module):
         cache["mask"][:, :T] = self._tensor(mask.astype(bool))
         last = torch.full((B,), T - 1, device=self.device)
         with matmul_settings(self.policy):
-            logits, _, _ = self.model(self._tensor(ids), self._tensor(positions_from_mask(mask)).long(),
-                                      causal_allowed(cache["mask"], T), cache=kv, last=last, inject=forced)
-        return to_numpy(logits[:, -1]), cache
+            logits, acts, _ = self.model(self._tensor(ids), self._tensor(positions_from_mask(mask)).long(),
+                                         causal_allowed(cache["mask"], T), names, cache=kv, last=last, inject=forced)
+        return to_numpy(logits[:, -1]), cache, {n: to_numpy(acts[n]).copy() for n in names}
 
     @torch.inference_mode()
     def decode(self, cache, next_ids: np.ndarray):
         """One token per row at slot cache['index']; returns (logits [B, V], cache)."""
-        if self.batch_invariant:
-            return self._decode_invariant(cache, next_ids)
-        logits, cache, _ = self._decode(cache, next_ids, ())
+        logits, cache, _ = (self._decode_invariant if self.batch_invariant else self._decode)(cache, next_ids, ())
         return logits, cache
 
     @torch.inference_mode()
@@ -386,9 +394,12 @@ class LlamaModel(nn.Module):
         them (compare.ladder.decode judges them against a full recompute). inject {layer:
         [B, 1, hidden]}: teacher forcing of the new position (compare.ladder.decode's
         inherited taps)."""
+        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
         if self.batch_invariant:
-            raise NotImplementedError("decode_capture: not in batch-invariant mode")
-        return self._decode(cache, next_ids, tapnames.resolve(taps, self.cfg.num_hidden_layers), inject)
+            if inject:
+                raise NotImplementedError("decode_capture: inject is not taken in batch-invariant mode")
+            return self._decode_invariant(cache, next_ids, names)
+        return self._decode(cache, next_ids, names, inject)
 
     def _decode(self, cache, next_ids, names, inject=None):
         i = cache["index"]
@@ -418,18 +429,19 @@ class LlamaModel(nn.Module):
                                       causal_allowed(visible, W), cache=kv, last=cache["lens"] - 1)
         return to_numpy(logits[:, -1]), cache
 
-    def _decode_invariant(self, cache, next_ids: np.ndarray):
-        """decode with a write slot per row (lens[b]); attends to the blocks in use only."""
+    def _decode_invariant(self, cache, next_ids: np.ndarray, names=()):
+        """decode with a write slot per row (lens[b]); attends to the blocks in use only;
+        returns (logits, cache, {tap: [B, 1, ...]} for the tap names asked)."""
         lens, Kb = cache["lens"], invariant.KEY_BLOCK
         B, S, longest = lens.shape[0], cache["k"][0].shape[2], int(lens.max())
         next_ids = check_next_ids(self.cfg, next_ids, B, longest, S)
         width = min(S, -(-(longest + 1) // Kb) * Kb)
         allowed = (torch.arange(width, device=self.device)[None, :] <= lens[:, None])[:, None, :]
         with matmul_settings(self.policy):
-            logits, _, _ = self.model(self._tensor(next_ids)[:, None], lens[:, None], allowed,
-                                      cache=KV(cache["k"], cache["v"], lens))
+            logits, acts, _ = self.model(self._tensor(next_ids)[:, None], lens[:, None], allowed, names,
+                                         cache=KV(cache["k"], cache["v"], lens))
         cache["lens"] = lens + 1
-        return to_numpy(logits[:, -1]), cache
+        return to_numpy(logits[:, -1]), cache, {n: to_numpy(acts[n]).copy() for n in names}
 
     def generate(self, tokens, attention_mask=None, max_new_tokens: int = 32, do_sample=False,
                  temperature=1.0, top_k=None, top_p=None, seed=0, eos_token_ids=None,

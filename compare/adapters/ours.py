@@ -80,6 +80,9 @@ class OurModel:
     def decode(self, cache, next_ids):
         return self.model.decode(cache, next_ids)
 
+    def prefill_capture(self, ids, mask, total_len: int, taps, inject=None):
+        return self.model.prefill_capture(ids, mask, total_len, taps, inject=inject)
+
     def decode_capture(self, cache, next_ids, taps, inject=None):
         return self.model.decode_capture(cache, next_ids, taps, inject=inject)
 

@@ -411,22 +411,28 @@ class TransformersModel:
 
     logits = __call__
 
-    @torch.inference_mode()
     def prefill(self, ids, mask, total_len: int, inject=None):
         """Left-aligned prompt -> (last logits [B, V], cache). The cache is transformers'
         own (DynamicCache) plus the slot mask and each row's next position. inject {layer:
         [B, T, hidden]}: teacher forcing, as capture takes it."""
+        logits, cache, _ = self.prefill_capture(ids, mask, total_len, (), inject)
+        return logits, cache
+
+    @torch.inference_mode()
+    def prefill_capture(self, ids, mask, total_len: int, taps=("layers.*.out",), inject=None):
+        """prefill, also returning the prompt's activations as the prefill computed them:
+        (logits [B, V], cache, {tap: [B, T, ...]})."""
         from transformers import DynamicCache
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         forced = self._forced(inject, ids.shape)
         kv = DynamicCache(config=self.model.config)
-        out, _ = self._hooked((), forced, lambda: self.model(
+        out, acts = self._hooked(self.resolve(taps) if taps else (), forced, lambda: self.model(
             input_ids=self._t(ids), attention_mask=self._t(mask.astype(np.int64)),
             position_ids=self._position_ids(mask), use_cache=True, **self._cache_kw(kv)))
         cache = {"kv": kv, "mask": mask.astype(np.int64),
                  "next_pos": mask.sum(1).astype(np.int64), "index": ids.shape[1],
                  "slots": int(total_len)}
-        return to_numpy(out.logits[:, -1]), cache
+        return to_numpy(out.logits[:, -1]), cache, acts
 
     @torch.inference_mode()
     def decode(self, cache, next_ids):

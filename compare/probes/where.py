@@ -54,7 +54,7 @@ from ..metrics import max_ulp, nonfinite
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
 from .where_plan import CIRCUMSTANCES, Pair, plan
-from .where_sources import input_tap, stage_taps, stages
+from .where_sources import ReplayDiffers, input_tap, stage_taps, stages
 
 BEYOND = ("precision", "semantic")
 
@@ -137,6 +137,7 @@ class Comparison:
     b_shape: list
     positions: int
     b_padded: bool
+    step: bool = False           # a decode step: the one new position after the prompt is compared
     verdict: str = "exact"
     taps: list = dataclasses.field(default_factory=list)
     first_difference: Parting | None = None
@@ -298,8 +299,10 @@ class _Pairing:
 
 def _comparison(pair: Pair, runs: dict) -> Comparison:
     ra, rb = runs[pair.a.run], runs[pair.b.run]
-    return Comparison(pair.name, pair.group, ra.key, rb.key, pair.a.row, pair.b.row, [ra.rows, ra.width],
-                      [rb.rows, rb.width], len(pair.a.slots), not bool(rb.mask[pair.b.row].all()))
+    width = {r.key: 1 if r.step is not None else r.width for r in (ra, rb)}   # a decode step: one slot
+    return Comparison(pair.name, pair.group, ra.key, rb.key, pair.a.row, pair.b.row, [ra.rows, width[ra.key]],
+                      [rb.rows, width[rb.key]], len(pair.a.slots), not bool(rb.mask[pair.b.row].all()),
+                      rb.step is not None)
 
 
 def _rows(got: dict, s, twin: bool):
@@ -317,7 +320,8 @@ def _judge_stage(p: _Pairing, stage, got: dict, yard: Yardstick, available) -> l
         d = judge_tap(tap, ra[tap][a.slots], rb[tap][b.slots], oa[tap][a.slots],
                       None if ob is None else ob[tap][b.slots], yard)
         if d.name == "attn_ctx" and d.kind in BEYOND and p.comparison.b_padded and all(
-                f"layers.{d.layer}.{n}" in rb for n in ("q_rope", "k_rope", "v")):
+                f"layers.{d.layer}.{n}" in rb for n in ("q_rope", "k_rope", "v")) and \
+                len(rb[f"layers.{d.layer}.k_rope"]) == len(p.mask_row):     # every key slot (not a decode step)
             masked, attended = pad_fit(*(rb[f"layers.{d.layer}.{n}"] for n in ("q_rope", "k_rope", "v")),
                                        rb[tap][b.slots], p.mask_row, b.slots)
             d.pad_fit = attended / masked if masked > 0 else math.inf
@@ -326,7 +330,9 @@ def _judge_stage(p: _Pairing, stage, got: dict, yard: Yardstick, available) -> l
 
 
 def _parting(d: TapDiff, before_exact: bool, cfg, c: Comparison) -> Parting:
-    return Parting(d.tap, d.layer, d.component, d.name, op_of(d.tap, cfg), d.kind, d.first_position,
+    """A parting at tap d; its position is None at a decode step (one position: the step)."""
+    return Parting(d.tap, d.layer, d.component, d.name, op_of(d.tap, cfg), d.kind,
+                   None if c.step else d.first_position,
                    before_exact, c.a_shape[0] * c.a_shape[1], c.b_shape[0] * c.b_shape[1])
 
 
@@ -337,23 +343,33 @@ def _force(p: _Pairing, part: Parting, source, prev: dict, got: dict, yard: Yard
         return Forced(None, False, "input_equal" if part.before_exact else "outside_layers")
     into = input_tap(part.layer)
     before = next((t for t in p.comparison.taps if t.tap == into), None)
-    if before is not None and before.bitwise_equal:
+    decode = a.feed is not None     # a decode step: the layer also reads its cache, made from the prompt
+    if decode and source.can_force(b.run, False) and source.can_force(a.run, False):
+        equal = np.array_equal(source.layer_input(a.run, False, part.layer)[a.row][a.fed],
+                               source.layer_input(b.run, False, part.layer)[b.row][b.fed])
+        if equal:
+            return Forced(part.layer, False, "input_equal", part.kind, None, True)
+    elif not decode and before is not None and before.bitwise_equal:
         return Forced(part.layer, False, "input_equal", part.kind, None, True)
     if runs[b.run].fresh:
         return Forced(part.layer, False, "fresh")
-    if not source.can_force(b.run, False):
+    if not source.can_force(b.run, False) or (decode and not source.can_force(a.run, False)):
         return Forced(part.layer, False, "no_inject")
 
     def forced(twin, a_rows):
         h = np.array(source.layer_input(b.run, twin, part.layer))
-        h[b.row, b.slots] = np.asarray(a_rows[into])[a.slots].astype(h.dtype)
+        a_in = source.layer_input(a.run, twin, part.layer)[a.row] if decode else np.asarray(a_rows[into])
+        h[b.row, b.fed] = a_in[a.fed].astype(h.dtype)
         return np.asarray(source.force(b.run, twin, part.layer, h)[part.tap])[b.row][b.slots]
 
     try:
         fb = forced(False, _rows(prev, a, False))
-        fob = forced(True, _rows(prev, a, True)) if p.pair.own_twin and source.can_force(b.run, True) else None
+        twin_too = p.pair.own_twin and source.can_force(b.run, True) and (not decode or source.can_force(a.run, True))
+        fob = forced(True, _rows(prev, a, True)) if twin_too else None
     except NotImplementedError:
         return Forced(part.layer, False, "no_inject")
+    except ReplayDiffers:
+        return Forced(part.layer, False, "replay_differs")
     d = judge_tap(part.tap, _rows(got, a, False)[part.tap][a.slots], fb, _rows(got, a, True)[part.tap][a.slots],
                   fob, yard)
     local = (not d.bitwise_equal) if part.kind not in BEYOND else d.kind in BEYOND
@@ -516,7 +532,9 @@ def _target(cfg, ids, length: int, seed: int) -> np.ndarray:
 
 
 def _source(setup: _Setup, runs, pairs, rows_of, progress):
-    from .where_sources import CaptureSource, StreamSource
+    from .where_sources import CaptureSource, DecodeSource, StreamSource
+    if any(r.step is not None for r in runs):
+        return DecodeSource(setup.impls, runs, rows_of, setup.taps, progress)
     if setup.package is not None:
         return StreamSource(setup.package, setup.folder, setup.policy, runs, rows_of)
     if any(r.fresh for r in runs) and setup.spec is None:
@@ -534,8 +552,8 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
     stream=False), a ProbeModel, a model object or an Implementation-protocol port (its
     float64 twin from float64(), else oracle=; invariant-mode: other= the invariant-mode
     model; transformers by name: attn_implementation=, hf_positions= "mask" | "default",
-    see adapters/transformers.py). options go to where_plan.plan (batch_sizes, kinds, side, pad, appended, batch,
-    repeats, processes)."""
+    see adapters/transformers.py). options go to where_plan.plan (batch_sizes, kinds, side, pad, appended, token,
+    batch, repeats, processes)."""
     if circumstance not in CIRCUMSTANCES:
         raise ValueError(f"unknown circumstance '{circumstance}' (one of {', '.join(CIRCUMSTANCES)})")
     t0 = time.perf_counter()

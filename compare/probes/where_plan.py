@@ -4,8 +4,12 @@ target rows to compare (Pair of Samples). No model is touched here.
     runs, pairs = plan("padding", target, vocab_size=..., pad_id=...)
 
 A Run is one forward call (ids, mask) of one model ("main", or "other": the invariant-mode
-model of the invariant-mode circumstance), made in this process or in a fresh one. A
-Sample is the target inside a run: its row and the slots of the positions compared. A
+model of the invariant-mode circumstance), made in this process or in a fresh one; a
+decode Run (`step` set: decode) is a prefill of (ids, mask) and one decode step through the
+cache with the token `step[b]` per row, whose one new position is what is captured. A
+Sample is the target inside a run: its row and the slots of the positions compared (of
+a decode Run: [0], the step; `feed`: the slots teacher forcing replaces, there the row's
+real prompt slots and the step, in the prompt + step layout of the layer inputs). A
 Pair compares sample A with sample B; own_twin says whether B's circumstance gets its own
 float64 twin run (batch, padding, append: the twin run in B's circumstance is the fp64
 rung of the comparison) or is judged against A's (rerun, invariant-mode: same input).
@@ -17,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-CIRCUMSTANCES = ("batch", "padding", "append", "rerun", "invariant-mode")
+CIRCUMSTANCES = ("batch", "padding", "append", "decode", "rerun", "invariant-mode")
 ALONE = "alone"
 
 
@@ -29,6 +33,7 @@ class Run:
     model: str = "main"      # main | other (the invariant-mode model)
     fresh: bool = False      # made in a fresh Python process (rerun)
     twin: bool = True        # its float64 twin run is needed
+    step: np.ndarray | None = None   # [B] a decode Run: the token each row is fed after the prompt
 
     @property
     def rows(self) -> int:
@@ -44,6 +49,11 @@ class Sample:
     run: str
     row: int
     slots: np.ndarray        # caller slots of the compared target positions, in order
+    feed: np.ndarray | None = None   # the slots teacher forcing replaces (None: slots)
+
+    @property
+    def fed(self) -> np.ndarray:
+        return self.slots if self.feed is None else self.feed
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -143,6 +153,35 @@ def plan_append(target, rng, vocab, appended=(1, 8)):
     return runs, pairs
 
 
+def plan_decode(target, rng, vocab, pad_id, batch_sizes=(2, 8), kinds=("equal", "mixed"), token=None):
+    """The first generated step ("compare the layerwise features of first generated step for
+    both settings"): the target prefilled alone and decoded one step, vs the same inside
+    batches (companions of its length, or of random lengths T/4..2T left-padded, as a KV
+    cache needs the rows left-aligned), the target at the first, middle and last row. The
+    target is fed `token` at the step (default: a random one, the same in every run; the
+    companions random ones); only the step's one position is compared."""
+    T = target.shape[1]
+    tok = int(rng.integers(0, vocab)) if token is None else int(token)
+    alone = Run(ALONE, target, np.ones_like(target), step=np.array([tok]))
+    a = Sample(ALONE, 0, np.array([0]), np.arange(T + 1))
+    runs, pairs = [alone], []
+    for kind in kinds:
+        for B in batch_sizes:
+            rows = target_rows(B)
+            seqs = [target[0] if b in rows else
+                    _tokens(rng, vocab, T if kind == "equal" else int(rng.integers(max(1, T // 4), 2 * T + 1)))
+                    for b in range(B)]
+            ids, mask = pack(seqs, "left", pad_id=pad_id)
+            step = np.where(np.isin(np.arange(B), rows), tok, _tokens(rng, vocab, B))
+            key = f"decode B={B} {kind}"
+            runs.append(Run(key, ids, mask, step=step))
+            for r in rows:
+                real = np.flatnonzero(mask[r])
+                pairs.append(Pair(f"B={B} {kind} lengths, row {r}: the first generated step", kind, a,
+                                  Sample(key, r, np.array([0]), np.append(real, ids.shape[1]))))
+    return runs, pairs
+
+
 def _mixed_batch(target, rng, vocab, pad_id, batch):
     T = target.shape[1]
     seqs = [target[0]] + [_tokens(rng, vocab, int(rng.integers(max(1, T // 2), 2 * T))) for _ in range(batch - 1)]
@@ -182,7 +221,8 @@ def plan_invariant_mode(target, rng, vocab, pad_id, batch=4):
 
 def plan(circumstance: str, target, vocab_size: int, pad_id: int = 0, seed: int = 0, **options):
     """(runs, pairs) of one circumstance; options: batch_sizes, kinds, side (batch); pad
-    (padding); appended (append); batch, repeats, processes (rerun); batch (invariant-mode)."""
+    (padding); appended (append); batch_sizes, kinds, token (decode); batch, repeats,
+    processes (rerun); batch (invariant-mode)."""
     rng = np.random.default_rng(seed + 11)
     if circumstance == "batch":
         return plan_batch(target, rng, vocab_size, pad_id, **options)
@@ -190,6 +230,8 @@ def plan(circumstance: str, target, vocab_size: int, pad_id: int = 0, seed: int 
         return plan_padding(target, rng, vocab_size, pad_id, **options)
     if circumstance == "append":
         return plan_append(target, rng, vocab_size, **options)
+    if circumstance == "decode":
+        return plan_decode(target, rng, vocab_size, pad_id, **options)
     if circumstance == "rerun":
         return plan_rerun(target, rng, vocab_size, pad_id, **options)
     if circumstance == "invariant-mode":

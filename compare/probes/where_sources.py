@@ -219,6 +219,124 @@ class CaptureSource(_Timed):
         return acts
 
 
+# A decode run's cache has this many slots beyond the prompt and the step (a server's cache is
+# rarely exactly full; a slot computed wrongly per row then lands on a real slot or a spare one).
+DECODE_SLACK = 8
+
+
+class ReplayDiffers(Exception):
+    """Teacher forcing of a decode run first replays the run with its own layer inputs; when
+    that replay is not the run bitwise, forcing cannot tell the layer from the replay."""
+
+
+def _is_input(tap: str) -> bool:
+    return tap == "embed" or (tap.startswith("layers.") and tap.endswith(".out"))
+
+
+class DecodeSource(_Timed):
+    """The first generated step of each decode run (where_plan.plan_decode): the
+    Implementation's prefill of (ids, mask) into a cache, then one decode_capture with the
+    run's step tokens, and the same on its float64 twin; the step's one new position is kept
+    per target row.
+
+    Teacher forcing replaces a layer's input in the prompt (prefill's inject) and at the step
+    (decode_capture's inject), so the target row's cached keys and values are A's too. The
+    prompt's layer inputs are the prefill's own where the implementation has prefill_capture
+    (ours, TransformersModel), else from a capture of (ids, mask), which may round otherwise
+    (a cache of other width, another compiled program). Either way force() first replays the
+    run with its own inputs and raises ReplayDiffers unless that replay is the run bitwise:
+    a forced run that cannot reproduce the unforced one cannot isolate a layer."""
+
+    def __init__(self, impls: dict, runs, rows_of: dict, taps, progress=None):
+        super().__init__()
+        self.impls, self.runs, self.rows_of, self.taps = impls, {r.key: r for r in runs}, rows_of, tuple(taps)
+        self.kept: dict = {}      # (key, twin, row) -> {tap: [1, ...]}
+        self.steps: dict = {}     # (key, twin) -> {layer input tap: [B, 1, hidden]} at the step
+        self.prompt: dict = {}    # (key, twin) -> {layer input tap: [B, W, hidden]}, captured when forcing asks
+        for r in runs:
+            for twin in ((False, True) if r.twin else (False,)):
+                impl = self._impl(r, twin)
+                for method in ("prefill", "decode_capture"):
+                    if not callable(getattr(impl, method, None)):
+                        raise TypeError(f"{getattr(impl, 'name', type(impl).__name__)}: the decode circumstance "
+                                        "needs prefill(ids, mask, total_len) and decode_capture(cache, next_ids, "
+                                        "taps) (compare.ladder.decode's protocol)")
+                if progress:
+                    progress(f"where: prefill + the first generated step, {_label((r.key, twin))} ({r.rows} x "
+                             f"{r.width})")
+                acts, prompt = self.timed(_label((r.key, twin)), self._step, impl, r, list(self.taps), None,
+                                          [t for t in self.taps if _is_input(t)])
+                self.steps[(r.key, twin)] = {t: a for t, a in acts.items() if _is_input(t)}
+                if prompt:
+                    self.prompt[(r.key, twin)] = prompt
+                for row in rows_of[r.key]:
+                    self.kept[(r.key, twin, row)] = {t: a[row] for t, a in acts.items()}
+
+    def _impl(self, r, twin):
+        return self.impls["twin" if twin else r.model]
+
+    def _step(self, impl, r, taps, inject, prompt_taps=()) -> tuple[dict, dict]:
+        """({tap: [B, 1, ...]} of the step after prefilling r, {tap: [B, W, ...]} of the prompt
+        for prompt_taps as the prefill computed them ({} without prefill_capture)); inject
+        {layer: [B, W + 1, hidden]} (prompt slots, then the step). A float64 copy that runs
+        padded batches row by row (TransformersModel.unpadded_rows) decodes each row on its
+        real tokens (the prompt's taps then come from a capture)."""
+        if getattr(impl, "unpadded_rows", False) and not r.mask.all():
+            rows = []
+            for b in range(r.rows):
+                cols = np.flatnonzero(r.mask[b])
+                one = type(r)(r.key, r.ids[b:b + 1, cols], r.mask[b:b + 1, cols], step=r.step[b:b + 1])
+                rows.append(self._step(impl, one, taps, None if inject is None else
+                                       {i: h[b:b + 1, np.append(cols, r.width)] for i, h in inject.items()})[0])
+            return {t: np.concatenate([x[t] for x in rows]) for t in rows[0]}, {}
+        W = r.width
+        pre = {} if inject is None else {"inject": {i: h[:, :W] for i, h in inject.items()}}
+        prompt, cache = {}, None
+        if prompt_taps and callable(getattr(impl, "prefill_capture", None)):
+            try:
+                _, cache, prompt = impl.prefill_capture(r.ids, r.mask, W + 1 + DECODE_SLACK, list(prompt_taps), **pre)
+            except NotImplementedError:     # the batch-invariant mode: no taps in its prefill
+                prompt, cache = {}, None
+        if cache is None:
+            _, cache = impl.prefill(r.ids, r.mask, W + 1 + DECODE_SLACK, **pre)
+        at = {} if inject is None else {"inject": {i: h[:, W:] for i, h in inject.items()}}
+        _, _, acts = impl.decode_capture(cache, r.step, taps, **at)
+        return {t: np.asarray(a) for t, a in acts.items()}, {t: np.asarray(a) for t, a in prompt.items()}
+
+    def rows(self, stage) -> dict:
+        names = stage_taps(stage, self.taps)
+        return {k: {t: acts[t] for t in names if t in acts} for k, acts in self.kept.items()}
+
+    def layer_input(self, key, twin, layer) -> np.ndarray:
+        """Layer `layer`'s input for every row of the run at every prompt slot and the step
+        [B, W + 1, hidden] (the prompt's from one capture of the run, made on first use)."""
+        if (key, twin) not in self.prompt:
+            r = self.runs[key]
+            names = [t for t in self.taps if _is_input(t)]
+            _, acts = self.timed("teacher forcing", self._impl(r, twin).capture, r.ids, r.mask, names)
+            self.prompt[(key, twin)] = {t: np.asarray(a) for t, a in acts.items()}
+        tap = input_tap(layer)
+        step = self.steps[(key, twin)][tap]
+        return np.concatenate([self.prompt[(key, twin)][tap].astype(step.dtype), step], 1)
+
+    def can_force(self, key, twin) -> bool:
+        from ..adapters import inject_support
+        r = self.runs[key]
+        return (key, twin) in self.steps and input_tap(0) in self.steps[(key, twin)] and \
+            inject_support(self._impl(r, twin), ("capture", "prefill", "decode_capture")) is None
+
+    def force(self, key, twin, layer, h) -> dict:
+        r, impl = self.runs[key], self._impl(self.runs[key], twin)
+        names = stage_taps(layer, self.taps)
+        own = {layer: self.layer_input(key, twin, layer)}
+        replay = self.timed("teacher forcing", self._step, impl, r, names, own)[0]
+        for row in self.rows_of[key]:
+            kept = self.kept[(key, twin, row)]
+            if not all(np.array_equal(replay[t][row], kept[t]) for t in names):
+                raise ReplayDiffers(f"{_label((key, twin))}: layer {layer} replayed with its own inputs differs")
+        return self.timed("teacher forcing", self._step, impl, r, names, {layer: h})[0]
+
+
 def fresh_capture(spec, run, rows, taps, timeout=900) -> dict:
     """The target rows of `run` captured by spec's model in a fresh Python process
     (python -m compare.probes.where_worker): {row: {tap: array}}."""

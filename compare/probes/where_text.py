@@ -28,7 +28,9 @@ FINDINGS = {
 _FORCED_WHY = {"input_equal": "its input is bitwise equal in A and B",
                "outside_layers": "it is outside the layers",
                "fresh": "B ran in another process",
-               "no_inject": "the implementation cannot replace a layer's input (inject)"}
+               "no_inject": "the implementation cannot replace a layer's input (inject)",
+               "replay_differs": "B replayed with its own layer inputs (the prompt's from a capture) is not B's "
+                                 "run bitwise, so a forced run could not isolate the layer"}
 _FAMILY = {"product": "product", "norm": "reduction (mean of squares)", "attention": "scores q.k^T, masked "
            "softmax or P@V (no tap between them)", "rope": "elementwise rotation by position",
            "residual": "elementwise add", "elementwise": "elementwise op", "gather": "table lookup"}
