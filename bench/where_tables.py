@@ -1,0 +1,133 @@
+"""The README's batch / padding / first-generated-step tables: `probe where` on SmolLM2 for
+each implementation and policy, one table row per group of comparisons, the CPU named.
+
+    .venv/bin/python bench/where_tables.py                        # the full matrix
+    .venv/bin/python bench/where_tables.py --impls torchref --policies bf16 --circumstances batch
+
+Under an instruction-set cap, prefix the Makefile's CAP_<name> variables (make test-cap-%
+lists them). Prints markdown tables and saves every result's JSON (bench/results/, or
+--out). Target: the chat-templated prompt "What is the capital of France?" (37 tokens for
+SmolLM2), batches of 8 (rows 0, 4, 7), 5 pad slots: the settings of docs/where.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+IMPLS = {"torchref": ("torchref", {}), "jaxmodel": ("jaxmodel", {}),
+         "transformers sdpa": ("transformers", {"attn_implementation": "sdpa"}),
+         "transformers eager": ("transformers", {"attn_implementation": "eager"})}
+CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "LLAMA_PARITY_KERNEL_ISA",
+            "XLA_FLAGS")
+HEADER = ("| implementation, policy | comparison | verdict | taps bitwise equal | first difference (op) | "
+          "B vs A at the last layer's out | B vs A at the logits (rel / max abs) | max err_b / bound | "
+          "twin: B vs A, max | first beyond drift |")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cap() -> str:
+    set_ = [f"{k}={os.environ[k]}" for k in CAP_VARS if k in os.environ]
+    return " ".join(set_) if set_ else "none (the CPU's own instruction set)"
+
+
+def _g(x, spec=".1e") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _group(c) -> str:
+    """Comparisons that differ only in the target's row share a table row."""
+    return re.sub(r", row \d+", "", c.name)
+
+
+def rows_of(label: str, result) -> list[str]:
+    groups: dict = {}
+    for c in result.comparisons:
+        groups.setdefault(_group(c), []).append(c)
+    out = []
+    for name, comps in groups.items():
+        c = max(comps, key=lambda x: (("exact", "drift", "precision", "semantic").index(x.verdict),
+                                      -sum(d.bitwise_equal for d in x.taps)))
+        by = {d.tap: d for d in c.taps}
+        outs = [d for d in c.taps if d.tap.endswith(".out")]
+        last, logits = (outs[-1] if outs else None), by.get("logits")
+        fd, fb = c.first_difference, c.first_beyond
+        rows = [x.b_row for x in comps]
+        where = f"{name} (rows {', '.join(map(str, rows))})" if len(comps) > 1 else c.name
+        twins = [d.twin_rel for d in c.taps if d.twin_rel is not None]
+        out.append(" | ".join([
+            f"| {label}", where, c.verdict, f"{sum(d.bitwise_equal for d in c.taps)}/{len(c.taps)}",
+            "-" if fd is None else f"{fd.tap} ({fd.op.name})", _g(last.rel_l2 if last else None),
+            "-" if logits is None else f"{_g(logits.rel_l2)} / {_g(logits.max_abs, '.2g')}",
+            _g(max(d.ratio for d in c.taps), ".2f"), _g(max(twins) if twins else None),
+            "-" if fb is None else f"{fb.tap} ({fb.kind})"]) + " |")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated of: {', '.join(IMPLS)}")
+    p.add_argument("--policies", default="fp32,bf16")
+    p.add_argument("--circumstances", default="batch,padding,decode")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "where_tables.json"))
+    args = p.parse_args(argv)
+
+    import numpy as np
+
+    from compare.probes.where import probe_where
+    from llama_parity.fetch import default_model_dir
+    from llama_parity.probe_cli import DEFAULT_PROMPT, target_tokens
+    from llamaspec.files import atomic_write
+    folder = default_model_dir()
+    if not (Path(folder) / "config.json").is_file():
+        print(f"no SmolLM2 at {folder}: `make model` fetches it", file=sys.stderr)
+        return 2
+    target, how = target_tokens(folder, DEFAULT_PROMPT, 24, 0)
+    target = np.asarray(target, np.int64)[None]
+    options = {"batch": {"batch_sizes": (8,)}, "padding": {"pad": 5}, "decode": {"batch_sizes": (8,)}}
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; instruction-set cap: {cap()}; target: {how}")
+    tables: dict = {c: [] for c in args.circumstances.split(",")}
+    saved = []
+    for label in args.impls.split(","):
+        impl, kw = IMPLS[label]
+        for policy in args.policies.split(","):
+            for circ in tables:
+                t0 = time.perf_counter()
+                r = probe_where(impl, circ, target, checkpoint=folder, policy=policy, **kw, **options[circ])
+                took = time.perf_counter() - t0
+                tables[circ] += rows_of(r.model, r)
+                saved.append({"impl": label, "policy": policy, "circumstance": circ, "seconds": round(took, 1),
+                              "result": r.to_dict()})
+                print(f"  {label} {policy} {circ}: {r.verdict} in {took:.1f} s", file=sys.stderr, flush=True)
+    for circ, rows in tables.items():
+        print(f"\n#### {circ}\n\n{HEADER}\n|{'---|' * 10}")
+        print("\n".join(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"cpu": cpu_name(), "cores": os.cpu_count(), "cap": cap(), "target": how, "runs": saved}
+    atomic_write(out, json.dumps(doc, indent=1, default=str))
+    print(f"\nsaved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
