@@ -83,6 +83,20 @@ def rows_of(label: str, result) -> list[str]:
     return out
 
 
+def cell(result) -> str:
+    """One circumstance of one model in a few words: the worst comparison's verdict, where it
+    starts, and how close to the bound the largest difference comes."""
+    if result.verdict == "exact":
+        return "bitwise equal"
+    c = result.worst
+    ratio = max(d.ratio for x in result.comparisons for d in x.taps)
+    fd, fb = c.first_difference, c.first_beyond
+    text = f"{c.verdict} from {fd.tap} ({fd.op.name})"
+    if fb is not None:
+        text += f", beyond drift at {fb.tap}"
+    return text + f"; <= {ratio:.2f} of the bound"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated of: {', '.join(IMPLS)}")
@@ -106,6 +120,7 @@ def main(argv=None) -> int:
     options = {"batch": {"batch_sizes": (8,)}, "padding": {"pad": 5}, "decode": {"batch_sizes": (8,)}}
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; instruction-set cap: {cap()}; target: {how}")
     tables: dict = {c: [] for c in args.circumstances.split(",")}
+    summary: dict = {}
     saved = []
     for label in args.impls.split(","):
         impl, kw = IMPLS[label]
@@ -115,9 +130,15 @@ def main(argv=None) -> int:
                 r = probe_where(impl, circ, target, checkpoint=folder, policy=policy, **kw, **options[circ])
                 took = time.perf_counter() - t0
                 tables[circ] += rows_of(r.model, r)
+                summary.setdefault(f"{label} {policy}", {})[circ] = cell(r)
                 saved.append({"impl": label, "policy": policy, "circumstance": circ, "seconds": round(took, 1),
                               "result": r.to_dict()})
                 print(f"  {label} {policy} {circ}: {r.verdict} in {took:.1f} s", file=sys.stderr, flush=True)
+    circs = list(tables)
+    print(f"\n#### summary (CPU: {cpu_name()}; cap: {cap()})\n\n| implementation, policy | "
+          + " | ".join(circs) + " |\n|" + "---|" * (len(circs) + 1))
+    for who, cells in summary.items():
+        print(f"| {who} | " + " | ".join(cells.get(c, "-") for c in circs) + " |")
     for circ, rows in tables.items():
         print(f"\n#### {circ}\n\n{HEADER}\n|{'---|' * 10}")
         print("\n".join(rows))

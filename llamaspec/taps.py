@@ -63,6 +63,12 @@ def layer_of(tap: str) -> int | None:
     return parse(tap)[0]
 
 
+def is_layer_input(tap: str) -> bool:
+    """Whether `tap` is some layer's input (what teacher forcing feeds): the embedding (layer
+    0's) or a layer's output (the next one's)."""
+    return tap == "embed" or (tap.startswith("layers.") and tap.endswith(".out"))
+
+
 def component_of(tap: str) -> str:
     layer, name = parse(tap)
     if layer is None:

@@ -290,7 +290,7 @@ def _run_sides(ref: Side, cand: Side, ids, mask, taps, policy: Policy, steps: in
         progress("oracle: reference at fp64 on the full sequence, no cache")
         _, full = ref.at_fp64.capture(full_ids, full_mask, ref.taps)    # all of them: context for the hints
         o = {t: np.asarray(x)[:, T:] for t, x in full.items()}          # column T + s - 1 is step s
-        o_prompt = {t: np.asarray(x)[:, :T] for t, x in full.items() if _layer_input(t)}
+        o_prompt = {t: np.asarray(x)[:, :T] for t, x in full.items() if tapnames.is_layer_input(t)}
     else:
         progress(f"oracle: {oracle}")
         o, _ = _decode_run(ref.at_fp64, ids, mask, ref.taps, fed, slack=slack)
@@ -299,10 +299,6 @@ def _run_sides(ref: Side, cand: Side, ids, mask, taps, policy: Policy, steps: in
     source = "reference greedy at P" if tokens is None else "given"
     return _Runs(r, c, c64, o, fed, source, oracle, full_ids, full_mask, o_prompt)
 
-
-def _layer_input(t: str) -> bool:
-    """Whether tap t is some layer's input (teacher forcing feeds it): the embedding, a layer's output."""
-    return t == "embed" or (t.startswith("layers.") and t.endswith(".out"))
 
 
 class _StepJudge:

@@ -198,7 +198,7 @@ class CaptureSource(_Timed):
                     self.kept[(r.key, twin, row)] = {t: np.asarray(a)[row] for t, a in acts.items()}
                 if (r.key, twin) in forced_rows:
                     self.inputs[(r.key, twin)] = {t: np.asarray(a) for t, a in acts.items()
-                                                  if t == "embed" or t.endswith(".out")}
+                                                  if tapnames.is_layer_input(t)}
                 del acts
 
     def rows(self, stage) -> dict:
@@ -228,9 +228,6 @@ class ReplayDiffers(Exception):
     """Teacher forcing of a decode run first replays the run with its own layer inputs; when
     that replay is not the run bitwise, forcing cannot tell the layer from the replay."""
 
-
-def _is_input(tap: str) -> bool:
-    return tap == "embed" or (tap.startswith("layers.") and tap.endswith(".out"))
 
 
 class DecodeSource(_Timed):
@@ -265,8 +262,8 @@ class DecodeSource(_Timed):
                     progress(f"where: prefill + the first generated step, {_label((r.key, twin))} ({r.rows} x "
                              f"{r.width})")
                 acts, prompt = self.timed(_label((r.key, twin)), self._step, impl, r, list(self.taps), None,
-                                          [t for t in self.taps if _is_input(t)])
-                self.steps[(r.key, twin)] = {t: a for t, a in acts.items() if _is_input(t)}
+                                          [t for t in self.taps if tapnames.is_layer_input(t)])
+                self.steps[(r.key, twin)] = {t: a for t, a in acts.items() if tapnames.is_layer_input(t)}
                 if prompt:
                     self.prompt[(r.key, twin)] = prompt
                 for row in rows_of[r.key]:
@@ -312,7 +309,7 @@ class DecodeSource(_Timed):
         [B, W + 1, hidden] (the prompt's from one capture of the run, made on first use)."""
         if (key, twin) not in self.prompt:
             r = self.runs[key]
-            names = [t for t in self.taps if _is_input(t)]
+            names = [t for t in self.taps if tapnames.is_layer_input(t)]
             _, acts = self.timed("teacher forcing", self._impl(r, twin).capture, r.ids, r.mask, names)
             self.prompt[(key, twin)] = {t: np.asarray(a) for t, a in acts.items()}
         tap = input_tap(layer)
