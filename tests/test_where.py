@@ -405,6 +405,19 @@ def test_cli_probe_where_prints_the_table_and_writes_json_and_html(tiny, tmp_pat
     assert html.count("data:image/png") == 2 and "Per layer and component" in html
 
 
+def test_cli_probe_where_decode(tiny, tmp_path, capsys):
+    import json
+
+    from llama_parity.cli import main
+    out = tmp_path / "where-decode.json"
+    rc = main(["probe", "where", str(tiny), "--circumstance", "decode", "--batch-sizes", "3", "--no-colour",
+               "--json", str(out), "--html", str(tmp_path / "where-decode.html")])
+    assert rc == 0 and "the first generated step" in capsys.readouterr().out
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["circumstance"] == "decode" and len(res["comparisons"]) == 6     # equal, mixed x rows 0-2
+    assert all(c["step"] and c["b_shape"] == [3, 1] for c in res["comparisons"])
+
+
 def test_cli_probe_where_refuses_one_page_for_several_results(tiny, capsys):
     from llama_parity.cli import main
     rc = main(["probe", "where", str(tiny), "--policy", "fp32,bf16", "--html", "/tmp/x.html"])
