@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 IMPLS = {"torchref": ("torchref", {}), "jaxmodel": ("jaxmodel", {}),
          "transformers sdpa": ("transformers", {"attn_implementation": "sdpa"}),
          "transformers eager": ("transformers", {"attn_implementation": "eager"})}
+NAMES = {"batch": "batch of 8", "decode": "first generated step"}     # the combined table's column names
 CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "LLAMA_PARITY_KERNEL_ISA",
             "XLA_FLAGS")
 HEADER = ("| implementation, policy | comparison | verdict | taps bitwise equal | first difference (op) | "
@@ -97,13 +98,49 @@ def cell(result) -> str:
     return text + f"; <= {ratio:.2f} of the bound"
 
 
+def short_cell(d: dict) -> str:
+    """cell() in a few characters, from a saved result's dict: "bitwise", or the verdict, the
+    first tap that differs and the largest err_b / bound."""
+    from compare.report.where import worst
+    if d["verdict"] == "exact":
+        return "bitwise"
+    c = worst(d)
+    ratio = max((t["err_b"] / t["bound"] if t["bound"] else 0.0) for x in d["comparisons"] for t in x["taps"])
+    beyond = c.get("first_beyond")
+    return f"{c['verdict']} from {c['first_difference']['tap']} ({ratio:.2f})" + \
+        (f", beyond at {beyond['tap']}" if beyond else "")
+
+
+def combined(paths: list[str]) -> str:
+    """One markdown table from several saved runs (one per instruction-set cap): a row per
+    implementation and policy, a column per circumstance and cap."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    cols, rows = [], {}
+    for doc in docs:
+        isa = "own ISA" if doc["cap"].startswith("none") else doc["cap"].split("ONEDNN_MAX_CPU_ISA=")[1].split()[0]
+        for run in doc["runs"]:
+            col = f"{NAMES.get(run['circumstance'], run['circumstance'])}, {isa}"
+            if col not in cols:
+                cols.append(col)
+            rows.setdefault(f"{run['impl']} {run['policy']}", {})[col] = short_cell(run["result"])
+    order = sorted(cols, key=lambda c: (c.split(",")[0] != NAMES["batch"], c.split(",")[0] != "padding"))
+    lines = ["| implementation, policy | " + " | ".join(order) + " |", "|" + "---|" * (len(order) + 1)]
+    lines += [f"| {who} | " + " | ".join(cells.get(c, "-") for c in order) + " |" for who, cells in rows.items()]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated of: {', '.join(IMPLS)}")
     p.add_argument("--policies", default="fp32,bf16")
     p.add_argument("--circumstances", default="batch,padding,decode")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "where_tables.json"))
+    p.add_argument("--combine", nargs="+", metavar="JSON",
+                   help="print one table from saved runs (one per cap) and exit; nothing is run")
     args = p.parse_args(argv)
+    if args.combine:
+        print(combined(args.combine))
+        return 0
 
     import numpy as np
 
