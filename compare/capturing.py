@@ -163,7 +163,7 @@ def _forced(side, folder, cfg, ids, mask, names, progress):
     n = cfg.num_hidden_layers
     progress("teacher forcing: the oracle (torchref at fp64)")
     _, o = stream_capture(CheckpointModel("torchref", str(folder), "fp64"), ids, mask, ["embed", "layers.*.out"])
-    inject = {0: o["embed"], **{i: o[f"layers.{i - 1}.out"] for i in range(1, n)}}
+    inject = tapnames.layer_inputs(o, n)
     kinds = dict.fromkeys([tapnames.tap(t).kind for t in names if tapnames.layer_of(t) is not None] + ["out"])
     want = tapnames.select([f"layers.*.{k}" for k in kinds], n, side.taps,
                            lambda pattern, t: f"{side.name} cannot capture '{t}' (asked for as '{pattern}')")

@@ -63,6 +63,18 @@ def layer_of(tap: str) -> int | None:
     return parse(tap)[0]
 
 
+def input_tap(layer: int) -> str:
+    """The tap that is layer `layer`'s input: the embedding for layer 0, else the previous
+    layer's output."""
+    return "embed" if layer == 0 else f"layers.{layer - 1}.out"
+
+
+def layer_inputs(acts: dict, num_layers: int, cut=slice(None)) -> dict:
+    """{layer: its input} from a capture's taps (teacher forcing's inject), each sliced on the
+    position axis by `cut`."""
+    return {i: acts[input_tap(i)][:, cut] for i in range(num_layers)}
+
+
 def is_layer_input(tap: str) -> bool:
     """Whether `tap` is some layer's input (what teacher forcing feeds): the embedding (layer
     0's) or a layer's output (the next one's)."""

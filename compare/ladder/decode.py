@@ -342,10 +342,10 @@ class _StepJudge:
         st = StepVerdict(s + 1, runs.full_ids.shape[1] - self.steps + s, runs.fed[:, s].tolist(), worst, div,
                          {k: n for k in TAP_KINDS if (n := sum(v.kind == k for v in verdicts))},
                          max(rated, default=float("nan")))
-        rs, cs = ({"logits": x["logits"][:, at]} if "logits" in self.taps else {} for x in (runs.r, runs.c))
         if "logits" in self.taps:
-            st.top1_agree = bool((rs["logits"][:, 0].argmax(-1) == cs["logits"][:, 0].argmax(-1)).all())
-            st.logits_rel_l2 = rel_l2(np.asarray(cs["logits"], np.float64), np.asarray(rs["logits"], np.float64))
+            rl, cl = runs.r["logits"][:, at], runs.c["logits"][:, at]
+            st.top1_agree = bool((rl[:, 0].argmax(-1) == cl[:, 0].argmax(-1)).all())
+            st.logits_rel_l2 = rel_l2(np.asarray(cl, np.float64), np.asarray(rl, np.float64))
         if div is not None and div.kind == "semantic" and runs.oracle == FULL_RECOMPUTE:
             _which_path(st, div, runs.c64[div.tap][:, at], self.own_full()[div.tap][:, at], runs.o[div.tap][:, at],
                         self.keeps_f32)
@@ -452,16 +452,13 @@ def _inherit_steps(ref: Side, cand: Side, ids, mask, runs: _Runs, taps, verdicts
     if no_inject:
         return f"not run: {'; '.join(no_inject)} (teacher forcing needs it)"
     n_layers = sum(1 for t in runs.o if t.startswith("layers.") and t.endswith(".out"))
-    if not n_layers or "embed" not in runs.o or any(f"layers.{i}.out" not in runs.o for i in range(n_layers - 1)):
+    if not n_layers or any(tapnames.input_tap(i) not in runs.o for i in range(n_layers)):
         return "not run: the oracle has no embed or layer outputs to feed the layers"
     o_prompt = runs.o_prompt
     if o_prompt is None:    # the oracle decoded through its cache: its prompt columns as the prefill computed them
-        _, o_prompt = ref.at_fp64.capture(ids, mask, ["embed"] + [f"layers.{i}.out" for i in range(n_layers - 1)])
+        _, o_prompt = ref.at_fp64.capture(ids, mask, [tapnames.input_tap(i) for i in range(n_layers)])
     n = wanted[-1] + 1
-
-    def inputs(o, cut):     # layer i's input: the oracle's embedding (i = 0) or layer i - 1's output
-        return {0: o["embed"][:, cut], **{i: o[f"layers.{i - 1}.out"][:, cut] for i in range(1, n_layers)}}
-    forcing = _Forcing(inputs(o_prompt, slice(None)), inputs(runs.o, slice(0, n)))
+    forcing = _Forcing(tapnames.layer_inputs(o_prompt, n_layers), tapnames.layer_inputs(runs.o, n_layers, slice(0, n)))
     progress(f"teacher forcing: every layer fed the oracle's input for {n} decode step(s), each side "
              "(are the later findings the first one's, inherited?)")
     fed = runs.fed[:, :n]

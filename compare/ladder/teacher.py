@@ -30,7 +30,7 @@ def amplification(rows: list[dict], verdicts: list[TapVerdict]) -> None:
     full = {v.tap: v for v in verdicts}
     for row in rows:
         i = row["layer"]
-        out, inp = full.get(f"layers.{i}.out"), full.get("embed" if i == 0 else f"layers.{i - 1}.out")
+        out, inp = full.get(f"layers.{i}.out"), full.get(tapnames.input_tap(i))
         for key, attr in (("ref", "err_ref"), ("cand", "err_cand")):
             e_in = getattr(inp, attr) if inp else 0.0
             row[f"{key}_amplification"] = (getattr(out, attr) / e_in if out and e_in else None)
@@ -45,8 +45,7 @@ class ForcedRuns:
     def __init__(self, ref: Side, cand: Side, ids, mask, oracle):
         n = sum(1 for t in oracle if t.endswith(".out"))
         self.layers, self.ids, self.mask = n, ids, mask
-        self.inject = {0: oracle["embed"], **{i: oracle[f"layers.{i - 1}.out"] for i in range(1, n)}} \
-            if n and "embed" in oracle else None
+        self.inject = tapnames.layer_inputs(oracle, n) if n and "embed" in oracle else None
         self.impls = {"ref": ref.at_policy, "cand": cand.at_policy, "cand64": cand.at_fp64}
         self.held: dict = {}
 

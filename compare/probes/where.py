@@ -49,12 +49,13 @@ import numpy as np
 
 from llamaspec import Policy
 from llamaspec import taps as tapnames
+from llamaspec.taps import input_tap
 
 from ..metrics import max_ulp, nonfinite
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
 from .where_plan import CIRCUMSTANCES, Pair, plan
-from .where_sources import ReplayDiffers, input_tap, stage_taps, stages
+from .where_sources import ReplayDiffers, stage_taps, stages
 
 BEYOND = ("precision", "semantic")
 
@@ -299,10 +300,8 @@ class _Pairing:
 
 def _comparison(pair: Pair, runs: dict) -> Comparison:
     ra, rb = runs[pair.a.run], runs[pair.b.run]
-    width = {r.key: 1 if r.step is not None else r.width for r in (ra, rb)}   # a decode step: one slot
-    return Comparison(pair.name, pair.group, ra.key, rb.key, pair.a.row, pair.b.row, [ra.rows, width[ra.key]],
-                      [rb.rows, width[rb.key]], len(pair.a.slots), not bool(rb.mask[pair.b.row].all()),
-                      rb.step is not None)
+    return Comparison(pair.name, pair.group, ra.key, rb.key, pair.a.row, pair.b.row, ra.call_shape, rb.call_shape,
+                      len(pair.a.slots), not bool(rb.mask[pair.b.row].all()), rb.step is not None)
 
 
 def _rows(got: dict, s, twin: bool):
@@ -319,9 +318,9 @@ def _judge_stage(p: _Pairing, stage, got: dict, yard: Yardstick, available) -> l
     for tap in stage_taps(stage, available):
         d = judge_tap(tap, ra[tap][a.slots], rb[tap][b.slots], oa[tap][a.slots],
                       None if ob is None else ob[tap][b.slots], yard)
-        if d.name == "attn_ctx" and d.kind in BEYOND and p.comparison.b_padded and all(
-                f"layers.{d.layer}.{n}" in rb for n in ("q_rope", "k_rope", "v")) and \
-                len(rb[f"layers.{d.layer}.k_rope"]) == len(p.mask_row):     # every key slot (not a decode step)
+        # the pad recompute needs every key slot's k_rope and v: not at a decode step (one slot)
+        if d.name == "attn_ctx" and d.kind in BEYOND and p.comparison.b_padded and not p.comparison.step and all(
+                f"layers.{d.layer}.{n}" in rb for n in ("q_rope", "k_rope", "v")):
             masked, attended = pad_fit(*(rb[f"layers.{d.layer}.{n}"] for n in ("q_rope", "k_rope", "v")),
                                        rb[tap][b.slots], p.mask_row, b.slots)
             d.pad_fit = attended / masked if masked > 0 else math.inf

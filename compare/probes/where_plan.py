@@ -43,6 +43,11 @@ class Run:
     def width(self) -> int:
         return int(self.ids.shape[1])
 
+    @property
+    def call_shape(self) -> list:
+        """[rows, slots] of the call whose products are compared: a decode step has one slot."""
+        return [self.rows, 1 if self.step is not None else self.width]
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Sample:
@@ -90,24 +95,30 @@ def _alone(target) -> tuple[Run, Sample]:
     return Run(ALONE, target, np.ones_like(target)), Sample(ALONE, 0, np.arange(T))
 
 
-def plan_batch(target, rng, vocab, pad_id, batch_sizes=(2, 8), kinds=("equal", "mixed"), side="right"):
-    """The target alone vs inside batches: companions of its length (equal) or of random
-    lengths T/4..2T padded on `side` (mixed); the target at the first, middle and last row."""
-    run_a, a = _alone(target)
+def _batches(target, rng, vocab, pad_id, batch_sizes, kinds, side):
+    """(kind, B, target rows, ids, mask) per kind and batch size: the target at the first,
+    middle and last row, companions of its length (equal) or of random lengths T/4..2T
+    (mixed), padded on `side`. A generator: a caller may draw from rng between batches."""
     T = target.shape[1]
-    runs, pairs = [run_a], []
     for kind in kinds:
         for B in batch_sizes:
             rows = target_rows(B)
             seqs = [target[0] if b in rows else
                     _tokens(rng, vocab, T if kind == "equal" else int(rng.integers(max(1, T // 4), 2 * T + 1)))
                     for b in range(B)]
-            ids, mask = pack(seqs, side, pad_id=pad_id)
-            key = f"B={B} {kind}"
-            runs.append(Run(key, ids, mask))
-            for r in rows:
-                pairs.append(Pair(f"B={B} {kind} lengths, row {r}", kind, a,
-                                  Sample(key, r, np.flatnonzero(mask[r]))))
+            yield (kind, B, rows, *pack(seqs, side, pad_id=pad_id))
+
+
+def plan_batch(target, rng, vocab, pad_id, batch_sizes=(2, 8), kinds=("equal", "mixed"), side="right"):
+    """The target alone vs inside batches: companions of its length (equal) or of random
+    lengths T/4..2T padded on `side` (mixed); the target at the first, middle and last row."""
+    run_a, a = _alone(target)
+    runs, pairs = [run_a], []
+    for kind, B, rows, ids, mask in _batches(target, rng, vocab, pad_id, batch_sizes, kinds, side):
+        key = f"B={B} {kind}"
+        runs.append(Run(key, ids, mask))
+        for r in rows:
+            pairs.append(Pair(f"B={B} {kind} lengths, row {r}", kind, a, Sample(key, r, np.flatnonzero(mask[r]))))
     return runs, pairs
 
 
@@ -165,20 +176,13 @@ def plan_decode(target, rng, vocab, pad_id, batch_sizes=(2, 8), kinds=("equal", 
     alone = Run(ALONE, target, np.ones_like(target), step=np.array([tok]))
     a = Sample(ALONE, 0, np.array([0]), np.arange(T + 1))
     runs, pairs = [alone], []
-    for kind in kinds:
-        for B in batch_sizes:
-            rows = target_rows(B)
-            seqs = [target[0] if b in rows else
-                    _tokens(rng, vocab, T if kind == "equal" else int(rng.integers(max(1, T // 4), 2 * T + 1)))
-                    for b in range(B)]
-            ids, mask = pack(seqs, "left", pad_id=pad_id)
-            step = np.where(np.isin(np.arange(B), rows), tok, _tokens(rng, vocab, B))
-            key = f"decode B={B} {kind}"
-            runs.append(Run(key, ids, mask, step=step))
-            for r in rows:
-                real = np.flatnonzero(mask[r])
-                pairs.append(Pair(f"B={B} {kind} lengths, row {r}: the first generated step", kind, a,
-                                  Sample(key, r, np.array([0]), np.append(real, ids.shape[1]))))
+    for kind, B, rows, ids, mask in _batches(target, rng, vocab, pad_id, batch_sizes, kinds, "left"):
+        step = np.where(np.isin(np.arange(B), rows), tok, _tokens(rng, vocab, B))
+        key = f"decode B={B} {kind}"
+        runs.append(Run(key, ids, mask, step=step))
+        for r in rows:
+            pairs.append(Pair(f"B={B} {kind} lengths, row {r}: the first generated step", kind, a,
+                              Sample(key, r, np.array([0]), np.append(np.flatnonzero(mask[r]), ids.shape[1]))))
     return runs, pairs
 
 
