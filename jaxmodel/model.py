@@ -27,6 +27,7 @@ tokens fill slots [0, lens[b]) and a decode step writes each row at its own lens
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill
 
 from . import invariant, ops
 from .dtypes import compiler_options, numpy_dtype, of
+from .sharding import MeshLayout, add_in_order, layout_for, repeat_heads, row_parallel, to_host
 
 CACHE_BLOCK = 64  # cache length is rounded up to this, so prompts of similar length share a compile
 
@@ -50,10 +52,35 @@ def ops_for(batch_invariant: bool):
     return invariant if batch_invariant else ops
 
 
+class OnMesh(NamedTuple):
+    """Checkpoint tensors and the layout they are placed with (sharding.py), in place of the
+    plain dict the modules are built from when the model runs on a mesh."""
+    tensors: dict
+    layout: MeshLayout
+
+    def host(self, key, dtype) -> np.ndarray:
+        """Tensor `key` rounded to dtype on the host, KV heads repeated as on the devices."""
+        w = np.asarray(self.tensors[key]).astype(dtype)
+        if self.layout.kv_repeat > 1 and ("k_proj." in key or "v_proj." in key):
+            w = repeat_heads(w, self.layout.kv_repeat, self.layout.head_dim)
+        return w
+
+
 def _param(weights, key, dtype):
     """A checkpoint tensor rounded to param_dtype on the host (numpy/ml_dtypes round to
-    nearest even, the same on every platform)."""
+    nearest even, the same on every platform); on a mesh, placed shard by shard."""
+    if isinstance(weights, OnMesh):
+        return nnx.Param(weights.layout.weight(key, weights.tensors[key], dtype))
     return nnx.Param(_as_param(weights[key], dtype))
+
+
+def _layout_of(weights) -> MeshLayout | None:
+    return weights.layout if isinstance(weights, OnMesh) else None
+
+
+def shard(layout: MeshLayout | None, x, *logical):
+    """x constrained to its logical axes' layout on the mesh; x itself without a mesh."""
+    return x if layout is None else layout.shard(x, *logical)
 
 
 def _as_param(w, dtype):
@@ -71,26 +98,46 @@ class Packed(nnx.Variable):
     """A weight packed for the batch-invariant mode's fixed-order kernels (flat array)."""
 
 
-def _pack(w, policy: Policy) -> tuple[Packed, tuple]:
-    """(the packed array, the static rest of its PackedWeight) for invariant.linear."""
+def _pack(w, policy: Policy, layout: MeshLayout | None = None) -> tuple[Packed, tuple]:
+    """(the packed array, the static rest of its PackedWeight) for invariant.linear; w a host
+    array. On a mesh the packed array is replicated (the fixed-order kernels are per-device
+    code, run whole on each device: docs/sharding.md)."""
     p = invariant.pack(np.asarray(w), policy)
-    return Packed(p.data), (p.n, p.k, p.wtype, p.x_dtype, p.acc)
+    data = p.data if layout is None else layout.put_replicated(np.asarray(p.data))
+    return Packed(data), (p.n, p.k, p.wtype, p.x_dtype, p.acc)
 
 
 class Linear(nnx.Module):
-    def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy):
+    """x @ weight.T (+ bias). split_in: the logical axis its input columns are split over on a
+    mesh ("heads" for o_proj, "mlp" for down_proj; None: its output rows, or nothing, are)."""
+
+    def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy, split_in: str | None = None):
         self.weight = _param(weights, key + ".weight", dtype)
         self.bias = _param(weights, key + ".bias", dtype) if bias else None
         self.ops = ops
+        layout = _layout_of(weights)
+        # partial sums that cross tensor shards, added in shard order (sharding.row_parallel)
+        self.row_parallel = (split_in if layout is not None and layout.tensor > 1 and ops is not invariant
+                             else None)
+        self.layout = layout
         if ops is invariant:  # packed once here, from the weight as rounded to param_dtype
-            self.packed, self.packed_meta = _pack(self.weight[...], policy)
+            host = weights.host(key + ".weight", dtype) if isinstance(weights, OnMesh) else self.weight[...]
+            self.packed, self.packed_meta = _pack(host, policy, _layout_of(weights))
 
     def packed_weight(self):
         return invariant.PackedWeight(self.packed[...], *self.packed_meta)
 
     def __call__(self, x, policy: Policy, out_dtype=None):
         w = self.packed_weight() if self.ops is invariant else self.weight[...]
-        return self.ops.linear(x, w, None if self.bias is None else self.bias[...], policy, out_dtype)
+        b = None if self.bias is None else self.bias[...]
+        if self.row_parallel:
+            return row_parallel(self.layout, x, w, b, policy, self.row_parallel, self.reduce, out_dtype)
+        return self.ops.linear(x, w, b, policy, out_dtype)
+
+    def reduce(self, parts):
+        """A seam: the tensor shards' partial sums [n, ...] -> their sum, in shard order (a
+        planted-bug control may replace it on one layer: compare/controls)."""
+        return add_in_order(parts)
 
 
 class Embedding(nnx.Module):
@@ -114,21 +161,29 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, ops, policy: Policy):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            Linear(weights, prefix + name, dtype, cfg.attention_bias, ops, policy)
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            Linear(weights, prefix + name, dtype, cfg.attention_bias, ops, policy, split)
+            for name, split in (("q_proj", None), ("k_proj", None), ("v_proj", None), ("o_proj", "heads")))
+        self.layout = _layout_of(weights)
+        repeat = 1 if self.layout is None else self.layout.kv_repeat
+        # kv_heads as stored: on a mesh with fewer KV heads than shards each is kept `repeat` times
+        self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.kv_heads = cfg.num_key_value_heads * repeat
         self.ops = ops
 
     def __call__(self, x, ctx: Context, rec: Recorder, cache: KV | None = None, layer=0):
         """cache: None (keys are this call's tokens), or this call's keys and values go to
         slots index[b] + t of row b in layer `layer`, and attention reads the cache."""
         B, T, _ = x.shape
+        lay = self.layout
         # a Linear each, each packed on its own in batch-invariant mode (torchref: one ops.linears call)
-        q = rec("q", self.q_proj(x, ctx.policy).reshape(B, T, self.heads, self.head_dim))
-        k = rec("k", self.k_proj(x, ctx.policy).reshape(B, T, self.kv_heads, self.head_dim))
-        v = rec("v", self.v_proj(x, ctx.policy).reshape(B, T, self.kv_heads, self.head_dim))
+        q = rec("q", shard(lay, self.q_proj(x, ctx.policy).reshape(B, T, self.heads, self.head_dim),
+                           "batch", None, "heads", None))
+        k = self.kv_tap(rec, "k", shard(lay, self.k_proj(x, ctx.policy).reshape(B, T, self.kv_heads, self.head_dim),
+                                        "batch", None, "kv_heads", None))
+        v = self.kv_tap(rec, "v", shard(lay, self.v_proj(x, ctx.policy).reshape(B, T, self.kv_heads, self.head_dim),
+                                        "batch", None, "kv_heads", None))
         q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
-        k = rec("k_rope", self.ops.apply_rope(k, *self.key_tables(ctx, cache)))
+        k = self.kv_tap(rec, "k_rope", self.ops.apply_rope(k, *self.key_tables(ctx, cache)))
         allowed = ctx.allowed
         if cache is not None:
             # one [L, B, S, Hkv, D] array, updated functionally in the donated buffer: attention's
@@ -139,8 +194,17 @@ class Attention(nnx.Module):
                                    v=cache.v.at[layer, rows, slots].set(self.stored(v).astype(cache.v.dtype)))
             allowed = self.cache_allowed(ctx.allowed, cache.index)
             k, v = cache.k[layer], cache.v[layer]
-        out = rec("attn_ctx", self.ops.attention(q, k, v, allowed, ctx.policy).reshape(B, T, -1))
+        out = shard(lay, self.ops.attention(q, k, v, allowed, ctx.policy), "batch", None, "heads", None)
+        out = rec("attn_ctx", out.reshape(B, T, -1))
         return self.o_proj(out, ctx.policy), cache
+
+    def kv_tap(self, rec: Recorder, name: str, x):
+        """rec(name, x) for keys and values [B, T, Hkv, D]: each KV head once in the tap when the
+        mesh layout keeps copies of them (sharding.py); x as it is for the computation."""
+        if self.layout is None or self.layout.kv_repeat == 1:
+            return rec(name, x)
+        rec(name, self.layout.unrepeat(x, 2))
+        return x
 
     # Seams: one step each of the cache path, which a planted-bug control may replace on one
     # layer (compare/controls); torchref's Attention has the same four.
@@ -164,14 +228,16 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, ops, policy: Policy):
         self.gate_proj, self.up_proj, self.down_proj = (
-            Linear(weights, prefix + name, dtype, cfg.mlp_bias, ops, policy)
-            for name in ("gate_proj", "up_proj", "down_proj"))
+            Linear(weights, prefix + name, dtype, cfg.mlp_bias, ops, policy, split)
+            for name, split in (("gate_proj", None), ("up_proj", None), ("down_proj", "mlp")))
         self.ops = ops
+        self.layout = _layout_of(weights)
 
     def __call__(self, x, policy: Policy, rec: Recorder):
         # a Linear each (torchref: gate and up in one ops.linears call)
-        gate = rec("gate", self.gate_proj(x, policy))
-        up = rec("up", self.up_proj(x, policy))
+        columns = ("batch", None, "mlp")
+        gate = rec("gate", shard(self.layout, self.gate_proj(x, policy), *columns))
+        up = rec("up", shard(self.layout, self.up_proj(x, policy), *columns))
         act = rec("act", self.ops.silu(gate) * up)
         return self.down_proj(act, policy)
 
@@ -184,14 +250,17 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(weights, p + "post_attention_layernorm", dtype, cfg.rms_norm_eps,
                                                 ops)
         self.mlp = MLP(cfg, weights, p + "mlp.", dtype, ops, policy)
+        self.layout = _layout_of(weights)
 
     def __call__(self, h, ctx: Context, rec: Recorder, cache: KV | None = None, layer=0):
         residual = of(ctx.policy.residual_dtype)
         x = rec("attn_norm", self.input_layernorm(h, ctx.policy))
         a, cache = self.self_attn(x, ctx, rec, cache, layer)
-        h = rec("resid_mid", h + rec("attn_out", a).astype(residual))
+        # the residual stream is whole on every tensor shard (o_proj's partial sums all-reduced)
+        h = rec("resid_mid", shard(self.layout, h + rec("attn_out", a).astype(residual), "batch", None, None))
         x = rec("mlp_norm", self.post_attention_layernorm(h, ctx.policy))
-        h = rec("out", h + rec("mlp_out", self.mlp(x, ctx.policy, rec)).astype(residual))
+        h = rec("out", shard(self.layout, h + rec("mlp_out", self.mlp(x, ctx.policy, rec)).astype(residual),
+                             "batch", None, None))
         return h, cache
 
 
@@ -200,8 +269,11 @@ class Llama(nnx.Module):
     state's paths are the checkpoint keys without the "model." prefix."""
 
     def __init__(self, cfg: LlamaConfig, policy: Policy, weights: dict[str, np.ndarray],
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, layout: MeshLayout | None = None):
         self.cfg, self.policy, self.batch_invariant = cfg, policy, batch_invariant
+        self.layout = layout   # None: one device; else the mesh layout of sharding.py
+        if layout is not None:
+            weights = OnMesh(weights, layout)
         self.ops = ops_for(batch_invariant)
         dt = numpy_dtype(policy.param_dtype)
         self.embed_tokens = Embedding(weights, "model.embed_tokens", dt)
@@ -210,7 +282,9 @@ class Llama(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, self.ops, policy)
         if batch_invariant:  # the lm_head packed once (the embedding table when tied)
             head = self.embed_tokens if self.lm_head is None else self.lm_head
-            self.head_packed, self.head_meta = _pack(head.weight[...], policy)
+            key = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+            host = weights.host(key, dt) if layout is not None else head.weight[...]
+            self.head_packed, self.head_meta = _pack(host, policy, layout)
 
     def head_weight(self):
         """The lm_head as the ops take it: the matrix, or (invariant) its packed form."""
@@ -229,7 +303,7 @@ class Llama(nnx.Module):
         policy = self.policy
         residual = of(policy.residual_dtype)
         rec = Recorder(taps)
-        h = rec("embed", self.embed_tokens(ids).astype(residual))
+        h = rec("embed", shard(self.layout, self.embed_tokens(ids).astype(residual), "batch", None, None))
         ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions)
         if scan:
             h, acts = self._scan_layers(h, ctx, taps, inject)
@@ -378,17 +452,31 @@ def causal_allowed(mask, n_queries: int, first_query_slot=0):
     return mask.astype(bool)[:, None, :] & (jnp.arange(S)[None, :] <= q_slot[:, None])[None]
 
 
+def _whole(model, tree):
+    """What a program hands back to its caller, whole on every device of the mesh (each
+    process then reads it as numpy); as it is on one device."""
+    return tree if model.layout is None else model.layout.replicated(tree)
+
+
+def _cache_out(model, cache: dict) -> dict:
+    """A cache to return: keys and values stay sharded (batch over data, KV heads over tensor),
+    the bookkeeping (mask, positions, index, lens) whole."""
+    kv = {n: shard(model.layout, cache[n], None, "batch", None, "kv_heads", None) for n in ("k", "v")}
+    return {**_whole(model, {n: x for n, x in cache.items() if n not in kv}), **kv}
+
+
 def _forward(graphdef, state, ids, mask, positions, inject, *, taps):
     model = nnx.merge(graphdef, state)
     logits, acts, _ = model(ids, positions, causal_allowed(mask, ids.shape[1]), taps=taps, inject=inject,
                             scan=True)
-    return logits, acts
+    return _whole(model, (logits, acts))
 
 
 def _empty_cache(model, B: int, S: int) -> KV:
     cfg = model.cfg
-    shape = (cfg.num_hidden_layers, B, S, cfg.num_key_value_heads, cfg.head_dim)
-    zeros = jnp.zeros(shape, of(model.policy.compute_dtype))
+    shape = (cfg.num_hidden_layers, B, S, model.layers[0].self_attn.kv_heads, cfg.head_dim)
+    zeros = shard(model.layout, jnp.zeros(shape, of(model.policy.compute_dtype)), None, "batch", None, "kv_heads",
+                  None)
     return KV(zeros, zeros, jnp.zeros(B, jnp.int32))
 
 
@@ -407,7 +495,7 @@ def _prefill_taps(graphdef, state, ids, mask, positions, inject, *, cache_len, t
     logits, acts, kv = model(ids, positions, causal_allowed(slots, T), taps=taps,
                              cache=_empty_cache(model, B, cache_len), last=jnp.full(B, T - 1), inject=inject)
     cache = {"k": kv.k, "v": kv.v, "mask": slots, "next_pos": mask.sum(1).astype(jnp.int32), "index": jnp.int32(T)}
-    return logits[:, 0], cache, acts
+    return _whole(model, logits[:, 0]), _cache_out(model, cache), _whole(model, acts)
 
 
 def _decode(graphdef, state, cache, next_ids):
@@ -426,7 +514,7 @@ def _decode_taps(graphdef, state, cache, next_ids, inject, *, taps):
     logits, acts, kv = model(next_ids[:, None], cache["next_pos"][:, None], causal_allowed(slots, 1, index),
                              taps=taps, cache=kv, inject=inject)
     cache = {"k": kv.k, "v": kv.v, "mask": slots, "next_pos": cache["next_pos"] + 1, "index": index + 1}
-    return logits[:, 0], cache, acts
+    return _whole(model, logits[:, 0]), _cache_out(model, cache), _whole(model, acts)
 
 
 def _prefill_invariant(graphdef, state, ids, mask, positions, *, cache_len):
@@ -438,7 +526,7 @@ def _prefill_invariant(graphdef, state, ids, mask, positions, *, cache_len):
     lens = mask.sum(1).astype(jnp.int32)
     logits, _, kv = model(ids, positions, causal_allowed(slots, T), cache=_empty_cache(model, B, cache_len),
                           last=lens - 1)
-    return logits[:, 0], {"k": kv.k, "v": kv.v, "lens": lens}
+    return _whole(model, logits[:, 0]), _cache_out(model, {"k": kv.k, "v": kv.v, "lens": lens})
 
 
 def _decode_invariant(graphdef, state, cache, next_ids):
@@ -448,7 +536,7 @@ def _decode_invariant(graphdef, state, cache, next_ids):
     S = cache["k"].shape[2]
     allowed = (jnp.arange(S)[None, :] <= lens[:, None])[:, None, :]
     logits, _, kv = model(next_ids[:, None], lens[:, None], allowed, cache=KV(cache["k"], cache["v"], lens))
-    return logits[:, 0], {"k": kv.k, "v": kv.v, "lens": lens + 1}
+    return _whole(model, logits[:, 0]), _cache_out(model, {"k": kv.k, "v": kv.v, "lens": lens + 1})
 
 
 @functools.lru_cache(maxsize=16)
@@ -496,8 +584,24 @@ class LlamaModel:
         self.cfg: LlamaConfig = module.cfg
         self.policy: Policy = module.policy
         self.batch_invariant: bool = module.batch_invariant
+        self.layout: MeshLayout | None = module.layout   # None: one device (sharding.py)
         self.graphdef, self.state = nnx.split(module)
         self._forward, self._prefill, self._decode = _programs(self.graphdef, self.batch_invariant)
+
+    @property
+    def mesh(self):
+        """The jax.sharding.Mesh the model runs on, or None (one device)."""
+        return None if self.layout is None else self.layout.mesh
+
+    def _put(self, x):
+        """A per-row input (ids, mask, positions, a forced hidden state) as the programs take it:
+        split over the mesh's data axis on a mesh, else as it is."""
+        return x if self.layout is None else self.layout.put_batch(x)
+
+    def _forced(self, forced: dict, run: Layout | None = None) -> dict:
+        """inject's states in the residual dtype (rounded on the host), placed."""
+        states = {i: to_residual(x if run is None else run.place(x), self.policy) for i, x in forced.items()}
+        return {i: jnp.asarray(x) if self.layout is None else self.layout.put_batch(x) for i, x in states.items()}
 
     @property
     def model(self) -> Llama:
@@ -511,7 +615,11 @@ class LlamaModel:
         when tied): the values the model computes with, ready for from_weights."""
         out = {}
         for path, var in nnx.to_flat_state(nnx.filter_state(self.state, nnx.Param)):
-            out[checkpoint_key(".".join(map(str, path)))] = np.asarray(var[...])
+            key = checkpoint_key(".".join(map(str, path)))
+            w = to_host(var[...])
+            if self.layout is not None and ("k_proj." in key or "v_proj." in key):
+                w = self.layout.unrepeat(w.reshape(-1, self.cfg.head_dim, *w.shape[1:]), 0).reshape(-1, *w.shape[1:])
+            out[key] = w
         return out
 
     def _layout(self, ids, mask, extra_length=0) -> Layout:
@@ -523,7 +631,7 @@ class LlamaModel:
         """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
-        logits, _ = self._forward(self.state, run.ids, run.mask, run.positions, {}, taps=())
+        logits, _ = self._forward(self.state, *map(self._put, (run.ids, run.mask, run.positions)), {}, taps=())
         return jnp.asarray(run.restore(logits)) if self.batch_invariant else logits
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
@@ -535,12 +643,12 @@ class LlamaModel:
         names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
-        forced = {i: jnp.asarray(to_residual(run.place(x), self.policy))
-                  for i, x in check_inject(self.cfg, inject, ids.shape).items()}
+        forced = self._forced(check_inject(self.cfg, inject, ids.shape), run)
         # the program depends on which tap names are asked for, not at which layers
         program_taps = tuple(sorted({n if tapnames.layer_of(n) is None
                                      else "layers.*." + tapnames.parse(n)[1] for n in names}))
-        logits, acts = self._forward(self.state, run.ids, run.mask, run.positions, forced, taps=program_taps)
+        logits, acts = self._forward(self.state, *map(self._put, (run.ids, run.mask, run.positions)), forced,
+                                     taps=program_taps)
         acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
         return run.restore(logits), {n: run.restore(_pick(acts, n)) for n in names}
 
@@ -553,13 +661,13 @@ class LlamaModel:
         run = self._layout(ids, mask, extra_length=total_len - ids.shape[1])
         cache_len = -(-max(total_len, run.ids.shape[1]) // CACHE_BLOCK) * CACHE_BLOCK
         forced = check_inject(self.cfg, inject, ids.shape)
+        inputs = tuple(map(self._put, (run.ids, run.mask, run.positions)))
         if not forced:
-            logits, cache = self._prefill(self.state, run.ids, run.mask, run.positions, cache_len=cache_len)
+            logits, cache = self._prefill(self.state, *inputs, cache_len=cache_len)
             return np.asarray(logits), cache
         if self.batch_invariant:
             raise NotImplementedError("prefill: inject is not taken in batch-invariant mode")
-        forced = {i: jnp.asarray(to_residual(run.place(x), self.policy)) for i, x in forced.items()}
-        logits, cache = self._prefill(self.state, run.ids, run.mask, run.positions, forced, cache_len=cache_len)
+        logits, cache = self._prefill(self.state, *inputs, self._forced(forced, run), cache_len=cache_len)
         return np.asarray(logits), cache
 
     def prefill_capture(self, ids, mask, total_len: int, taps=("layers.*.out",), inject=None):
@@ -573,10 +681,10 @@ class LlamaModel:
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         run = self._layout(ids, mask, extra_length=total_len - ids.shape[1])
         cache_len = -(-max(total_len, run.ids.shape[1]) // CACHE_BLOCK) * CACHE_BLOCK
-        forced = {i: jnp.asarray(to_residual(run.place(x), self.policy))
-                  for i, x in check_inject(self.cfg, inject, ids.shape).items()}
+        forced = self._forced(check_inject(self.cfg, inject, ids.shape), run)
         logits, cache, acts = _prefill_capture_program(self.graphdef)(
-            self.state, run.ids, run.mask, run.positions, forced, cache_len=cache_len, taps=tuple(names))
+            self.state, *map(self._put, (run.ids, run.mask, run.positions)), forced, cache_len=cache_len,
+            taps=tuple(names))
         return np.asarray(logits), cache, {n: np.asarray(acts[n]) for n in names}
 
     def decode(self, cache, next_ids):
@@ -586,7 +694,7 @@ class LlamaModel:
         else:
             (B, S), index = cache["mask"].shape, int(cache["index"])
         next_ids = check_next_ids(self.cfg, next_ids, B, index, S)
-        logits, cache = self._decode(self.state, cache, next_ids)
+        logits, cache = self._decode(self.state, cache, self._put(next_ids))
         return np.asarray(logits), cache
 
     def decode_capture(self, cache, next_ids, taps=("layers.*.out",), inject=None):
@@ -600,9 +708,9 @@ class LlamaModel:
         names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
         (B, S), index = cache["mask"].shape, int(cache["index"])
         next_ids = check_next_ids(self.cfg, next_ids, B, index, S)
-        forced = {i: jnp.asarray(to_residual(x, self.policy))
-                  for i, x in check_inject(self.cfg, inject, (B, 1)).items()}
-        logits, cache, acts = _decode_capture_program(self.graphdef)(self.state, cache, next_ids, forced, taps=names)
+        forced = self._forced(check_inject(self.cfg, inject, (B, 1)))
+        logits, cache, acts = _decode_capture_program(self.graphdef)(self.state, cache, self._put(next_ids), forced,
+                                                                     taps=names)
         return np.asarray(logits), cache, {n: np.asarray(acts[n]) for n in names}
 
     def generate(self, tokens, attention_mask=None, max_new_tokens=32, do_sample=False,
@@ -617,20 +725,25 @@ class LlamaModel:
 
 
 def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str | Policy = "fp32",
-                 batch_invariant: bool = False) -> LlamaModel:
+                 batch_invariant: bool = False, mesh=None) -> LlamaModel:
     """A model from checkpoint-keyed numpy weights (as load_weights or weights() give them),
     each rounded to the policy's param_dtype.
 
     batch_invariant=True: a sequence's logits and greedy completions are bitwise the same
-    whatever the rest of the batch, its row and its padding (see invariant.py)."""
-    module = Llama(cfg, Policy.get(policy), weights, batch_invariant)
+    whatever the rest of the batch, its row and its padding (see invariant.py).
+    mesh: a jax.sharding.Mesh with axes data/tensor, or their sizes ({"data": 2, "tensor": 4},
+    "data=2,tensor=4"): the model sharded as sharding.py lays it out, weights placed shard
+    by shard (None: one device)."""
+    layout = None if mesh is None else layout_for(cfg, mesh)
+    module = Llama(cfg, Policy.get(policy), weights, batch_invariant, layout)
     if batch_invariant:
         invariant.self_check(module)
     return LlamaModel(module)
 
 
 def from_pretrained(path, policy: str | Policy = "fp32", batch_invariant: bool = False,
-                    check_finite: bool = True) -> LlamaModel:
-    """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy."""
+                    check_finite: bool = True, mesh=None) -> LlamaModel:
+    """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy
+    (mesh: see from_weights; each device's shards are read from the memory-mapped files)."""
     cfg, weights = load_weights(path, check_finite=check_finite)
-    return from_weights(cfg, weights, policy, batch_invariant)
+    return from_weights(cfg, weights, policy, batch_invariant, mesh)

@@ -1,0 +1,70 @@
+"""Runs jaxmodel on forced host devices for tests/test_sharding.py, in a process of its own
+(the device count is fixed when JAX starts, and pytest's process has one device).
+
+    python tests/sharded_worker.py JOB.json OUT.npz
+
+JOB: {"checkpoint": folder, "devices": 8, "policies": [...], "meshes": [null or {"data": 2, ...}],
+"invariant": bool, "process": [id, count, port] (optional: jax.distributed on localhost)}.
+OUT holds, per policy and mesh, the raw results (logits, taps, greedy tokens, decode logits,
+per-device parameter bytes, the cache's shard shape); the test compares them. Only process 0
+writes (to a temporary name, renamed).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+job = json.loads(Path(sys.argv[1]).read_text())
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={job['devices']}")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+if job.get("process"):
+    pid, count, port = job["process"]
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid)
+else:
+    pid = 0
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jaxmodel  # noqa: E402
+from jaxmodel.sharding import per_device_bytes  # noqa: E402
+from llamaspec import load_weights  # noqa: E402
+
+cfg, weights = load_weights(job["checkpoint"])
+rng = np.random.default_rng(job.get("seed", 0))
+B, T = 4, 11
+ids = rng.integers(3, cfg.vocab_size, (B, T))
+mask = np.ones_like(ids)
+mask[1, :3] = 0           # a left-padded row
+mask[3, :1] = 0
+taps = ["embed", "layers.*.q_rope", "layers.*.k_rope", "layers.*.v", "layers.*.attn_ctx", "layers.*.attn_out",
+        "layers.*.act", "layers.*.out", "final_norm", "logits"]
+out = {}
+for policy in job["policies"]:
+    for mesh in job["meshes"]:
+        name = f"{policy}|{'none' if mesh is None else ','.join(f'{k}={v}' for k, v in sorted(mesh.items()))}"
+        m = jaxmodel.from_weights(cfg, weights, policy, batch_invariant=job.get("invariant", False), mesh=mesh)
+        if job.get("invariant"):
+            out[name + "|logits"] = np.asarray(m(ids, mask)).astype(np.float64)
+        else:
+            logits, acts = m.capture(ids, mask, taps=taps)
+            out[name + "|logits"] = logits.astype(np.float64)
+            for tap, a in acts.items():
+                out[name + "|tap|" + tap] = a.astype(np.float64)
+            first, cache = m.prefill(ids, mask, T + 4)
+            step, cache = m.decode(cache, first.argmax(-1))
+            out[name + "|prefill"] = first.astype(np.float64)
+            out[name + "|decode"] = step.astype(np.float64)
+            out[name + "|cache_shard"] = np.asarray(cache["k"].addressable_shards[0].data.shape)
+            w = m.weights()
+            out[name + "|k_proj"] = np.asarray(w["model.layers.0.self_attn.k_proj.weight"]).astype(np.float64)
+        out[name + "|greedy"] = m.generate(ids, mask, max_new_tokens=6)
+        out[name + "|bytes"] = np.asarray(sorted(per_device_bytes(m.state).values()))
+if pid == 0:
+    target = Path(sys.argv[2])
+    tmp = target.with_name(target.name + ".partial.npz")
+    np.savez(tmp, **out)
+    os.replace(tmp, target)

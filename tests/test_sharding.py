@@ -1,0 +1,180 @@
+"""jaxmodel on a mesh (jaxmodel/sharding.py): sharded runs against the unsharded one on forced
+host devices, in worker processes (tests/sharded_worker.py), two of them under
+jax.distributed; the size rules in this process."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamaspec import LlamaConfig
+from llamaspec.errors import InputError
+from llamaspec.testing import make_checkpoint
+
+WORKER = Path(__file__).with_name("sharded_worker.py")
+# eight query heads, so that tensor = 2, 4 and 8 all divide them; KV heads 8, 2, 1
+SHARDED = dict(num_attention_heads=8, hidden_size=32, intermediate_size=64, vocab_size=96)
+KINDS = {"mha": 8, "gqa": 2, "mqa": 1}
+MESHES = [None, {"tensor": 2}, {"tensor": 4}, {"tensor": 8}, {"data": 2}, {"data": 2, "tensor": 4}]
+
+
+def mesh_name(mesh) -> str:
+    return "none" if mesh is None else ",".join(f"{k}={v}" for k, v in sorted(mesh.items()))
+
+
+def run_workers(jobs: list[dict], folder: Path, timeout=600) -> list[dict]:
+    """Runs each job in its own worker process (in parallel) and returns each one's results;
+    a job with "process": [i, n, port] is one of n processes of a jax.distributed run."""
+    def one(i, job):
+        spec, out = folder / f"job{i}.json", folder / f"out{i}.npz"
+        spec.write_text(json.dumps(job))
+        done = subprocess.run([sys.executable, str(WORKER), str(spec), str(out)], capture_output=True,
+                              text=True, timeout=timeout, env={**os.environ, "PYTHONHASHSEED": "0"})
+        assert done.returncode == 0, f"worker {i} failed:\n{done.stderr[-4000:]}"
+        return dict(np.load(out)) if out.exists() else {}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(one, range(len(jobs)), jobs))
+
+
+@pytest.fixture(scope="module")
+def fp64_runs(tmp_path_factory):
+    """{kind: results} for MHA, GQA and MQA at fp64 on every mesh of MESHES."""
+    root = tmp_path_factory.mktemp("sharded")
+    jobs = [{"checkpoint": str(make_checkpoint(root / kind, num_key_value_heads=kv, **SHARDED)),
+             "devices": 8, "policies": ["fp64"], "meshes": MESHES} for kind, kv in KINDS.items()]
+    return dict(zip(KINDS, run_workers(jobs, root)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sharded_fp64_agrees_with_unsharded(fp64_runs, kind):
+    """Every tap, the logits, prefill and decode logits within 1e-12 of the unsharded model, at
+    TP 2/4/8, DP 2 and DP 2 x TP 4, with the same greedy tokens and the same weights back."""
+    r = fp64_runs[kind]
+    base = {k.split("|", 2)[2]: v for k, v in r.items() if k.startswith("fp64|none|")}
+    assert any(k.startswith("tap|layers.") for k in base) and "decode" in base
+    for mesh in MESHES[1:]:
+        name = mesh_name(mesh)
+        for what, ref in base.items():
+            got = r[f"fp64|{name}|{what}"]
+            if what in ("bytes", "cache_shard"):
+                continue
+            if what == "greedy":
+                np.testing.assert_array_equal(got, ref, err_msg=f"{kind} {name}: greedy tokens")
+                continue
+            assert got.shape == ref.shape, (kind, name, what)
+            err = float(np.max(np.abs(got - ref)))
+            assert err <= 1e-12, f"{kind} {name} {what}: max |sharded - unsharded| = {err:.3g}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_per_device_memory_falls_with_tensor_size(fp64_runs, kind):
+    """Parameter bytes per device: the sharded weights divided by TP, only the norms' vectors
+    (and KV heads kept twice or more where there are fewer than TP) on top; DP alone halves
+    nothing. The cache's shard holds its tensor share of the KV heads."""
+    r = fp64_runs[kind]
+    total = int(r["fp64|none|bytes"].sum())
+    kv = KINDS[kind]
+    L, d, hd = 2, SHARDED["hidden_size"], SHARDED["hidden_size"] // SHARDED["num_attention_heads"]
+    norms = (2 * L + 1) * d * 8
+    kv_bytes = 2 * L * kv * hd * d * 8            # k_proj and v_proj of every layer
+    for mesh in MESHES[1:]:
+        t = mesh.get("tensor", 1)
+        per = r[f"fp64|{mesh_name(mesh)}|bytes"]
+        assert len(per) == t * mesh.get("data", 1) and len(set(per.tolist())) == 1, (kind, mesh, per)
+        copies = max(1, t // kv)                  # each KV head kept t / kv times when kv < t
+        want = (total - norms - kv_bytes) // t + norms + kv_bytes * copies // t
+        assert int(per[0]) == want, f"{kind} {mesh}: {int(per[0])} bytes per device, expected {want}"
+        shard = r[f"fp64|{mesh_name(mesh)}|cache_shard"]
+        assert shard[3] == max(kv, t) // t and shard[1] == 4 // mesh.get("data", 1), (kind, mesh, shard)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_process_bitwise(tmp_path):
+    """jax.distributed on localhost, two processes of four host devices each, against one process
+    of eight, on the same meshes: logits, taps, greedy tokens and decode logits bitwise equal,
+    at fp32 (the cross-shard sums are added in shard order, not by the all-reduce of
+    the runtime, which differs between one process and two)."""
+    ckpt = make_checkpoint(tmp_path / "gqa", num_key_value_heads=2, **SHARDED)
+    meshes = [{"data": 2, "tensor": 4}, {"tensor": 8}]
+    common = {"checkpoint": str(ckpt), "policies": ["fp32"], "meshes": meshes}
+    port = _free_port()
+    one, two, _ = run_workers([{**common, "devices": 8},
+                               {**common, "devices": 4, "process": [0, 2, port]},
+                               {**common, "devices": 4, "process": [1, 2, port]}], tmp_path)
+    assert set(one) == set(two) and any("|tap|layers." in k for k in one)
+    for key in one:
+        if key.endswith("|bytes"):
+            continue
+        np.testing.assert_array_equal(two[key], one[key], err_msg=key)
+
+
+def test_invariant_mode_on_a_mesh_is_bitwise_the_unsharded_one(tmp_path):
+    """The batch-invariant mode on a mesh: the same logits and greedy tokens, bit for bit, as
+    without one (its fixed-order products run whole on each device: docs/sharding.md)."""
+    ckpt = make_checkpoint(tmp_path / "gqa", num_key_value_heads=2, **SHARDED)
+    meshes = [None, {"data": 2, "tensor": 4}, {"tensor": 8}]
+    (r,) = run_workers([{"checkpoint": str(ckpt), "devices": 8, "policies": ["bf16"], "meshes": meshes,
+                         "invariant": True}], tmp_path)
+    for mesh in meshes[1:]:
+        for what in ("logits", "greedy"):
+            np.testing.assert_array_equal(r[f"bf16|{mesh_name(mesh)}|{what}"], r[f"bf16|none|{what}"],
+                                          err_msg=f"{mesh} {what}")
+
+
+# ---- the size rules, in this process (no devices needed) ----
+
+def _cfg(**kw) -> LlamaConfig:
+    from llamaspec.testing import TINY
+    return LlamaConfig.from_dict({**TINY, **SHARDED, **kw})
+
+
+def test_sizes_that_do_not_divide_are_named():
+    from jaxmodel.sharding import ShardingError, check_sizes
+    with pytest.raises(ShardingError, match=r"num_attention_heads 8 does not divide over tensor=3 "
+                                            r"\(tensor sizes that do: 1, 2, 4, 8\)"):
+        check_sizes(_cfg(num_key_value_heads=8), 3)
+    with pytest.raises(ShardingError, match="num_key_value_heads 3 neither divides over tensor=2"):
+        check_sizes(_cfg(num_attention_heads=6, num_key_value_heads=3, hidden_size=36), 2)
+    with pytest.raises(ShardingError, match="intermediate_size 60 does not divide over tensor=8"):
+        check_sizes(_cfg(num_key_value_heads=8, intermediate_size=60), 8)
+
+
+def test_kv_heads_fewer_than_shards_are_repeated_and_vocab_replicated():
+    from jaxmodel.sharding import check_sizes, repeat_heads
+    rules, repeat = check_sizes(_cfg(num_key_value_heads=2, vocab_size=99), 8)
+    assert repeat == 4 and rules["vocab"] is None and rules["heads"] == "tensor"
+    assert check_sizes(_cfg(num_key_value_heads=8), 4) == ({**rules, "vocab": "tensor"}, 1)
+    # query head h reads KV head h // (Hq / Hkv) before and (a copy of it) after the repeat
+    w = np.arange(2 * 4 * 3).reshape(2 * 4, 3)          # 2 KV heads of head_dim 4
+    rep = repeat_heads(w, 4, 4).reshape(8, 4, 3)
+    for h in range(8):
+        np.testing.assert_array_equal(rep[h // (8 // 8)], w.reshape(2, 4, 3)[h // 4])
+
+
+def test_mesh_arguments_are_checked():
+    from jaxmodel.sharding import ShardingError, make_mesh, parse_mesh
+    assert parse_mesh("data=2, tensor=4") == {"data": 2, "tensor": 4}
+    with pytest.raises(ShardingError, match="each part is axis=size"):
+        parse_mesh("data:2")
+    with pytest.raises(ShardingError, match=r"unknown axis \['model'\]"):
+        make_mesh({"model": 2})
+    with pytest.raises(ShardingError, match="needs 64 devices; JAX has"):
+        make_mesh({"data": 8, "tensor": 8})
+
+
+def test_batch_that_does_not_divide_over_data_is_an_error():
+    from jaxmodel.sharding import check_batch
+    check_batch(4, 2)
+    with pytest.raises(InputError, match="batch of 3 rows does not divide over the mesh's data axis"):
+        check_batch(3, 2)
