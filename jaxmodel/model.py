@@ -332,9 +332,11 @@ class Llama(nnx.Module):
         """
         n_layers, resid = self.cfg.num_hidden_layers, of(self.policy.residual_dtype)
         graphdef = nnx.graphdef(self.layers[0])
+        names = frozenset(t.split(".", 2)[2] for t in taps if t.startswith("layers."))
+        if any(nnx.graphdef(block) != graphdef for block in self.layers[1:]):
+            return self._loop_layers(h, ctx, names, inject)
         stacked = jax.tree.map(lambda *w: jnp.stack(w),
                                *(nnx.state(block) for block in self.layers))
-        names = frozenset(t.split(".", 2)[2] for t in taps if t.startswith("layers."))
         forced_on = np.zeros(n_layers, bool)
         forced_on[list(inject or ())] = True
         forced = (jnp.stack([inject[i].astype(resid) if i in inject else jnp.zeros_like(h)
@@ -350,6 +352,19 @@ class Llama(nnx.Module):
 
         h, acts = lax.scan(step, h, (jnp.arange(n_layers), stacked, jnp.asarray(forced_on), forced))
         return h, {f"layers.*.{name}": stack for name, stack in acts.items()}
+
+    def _loop_layers(self, h, ctx: Context, names, inject):
+        """_scan_layers for blocks that differ in structure (a planted-bug control patched one
+        layer's seams), which one scan cannot run: the blocks one after the other, the
+        per-layer taps stacked as the scan stacks them."""
+        resid, per_layer = of(self.policy.residual_dtype), []
+        for i, block in enumerate(self.layers):
+            if inject and i in inject:
+                h = inject[i].astype(resid)
+            rec = Recorder(names)
+            h, _ = block(h, ctx, rec, None, i)
+            per_layer.append(rec.acts)
+        return h, {f"layers.*.{name}": jnp.stack([acts[name] for acts in per_layer]) for name in names}
 
 
 def checkpoint_key(name: str) -> str:

@@ -109,6 +109,18 @@ def make_mesh(mesh) -> Mesh:
     return Mesh(np.asarray(devices[:math.prod(shape)]).reshape(shape), AXES)
 
 
+def host_devices(n: int) -> None:
+    """Asks XLA:CPU for n host devices (XLA_FLAGS --xla_force_host_platform_device_count), so that
+    a mesh of n fits on one CPU: only before JAX has started its backends (the count is fixed
+    then) and only when the flag is not set already; GPUs and TPUs ignore it."""
+    import os
+
+    from jax._src import xla_bridge
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and not xla_bridge.backends_are_initialized() and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def parse_mesh(text: str) -> dict[str, int]:
     """"data=2,tensor=4" -> {"data": 2, "tensor": 4} (the CLI's --mesh)."""
     sizes = {}

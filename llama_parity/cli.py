@@ -153,6 +153,7 @@ def cmd_compare(args) -> int:
     folder = _input_folder(args, checkpoint) if not dumps else checkpoint_folder(checkpoint)
     ref_spec = dumps.get("reference") or args.reference or "torchref"
     cand_spec = dumps.get("candidate") or args.candidate or "jaxmodel"
+    mesh = _mesh(args.mesh, ref_spec, cand_spec)
     # a dump fixes the inputs and the policy, and the checkpoint must match its fingerprint
     folder, inputs, policy = bind_dumps(ref_spec, cand_spec, folder, None, args.policy)
     inputs = inputs if dumps else _inputs(args, folder)
@@ -170,7 +171,7 @@ def cmd_compare(args) -> int:
         say(f"[{time.perf_counter() - t0:5.1f}s] {m}")
     # the two sides (and their float64 twins) are loaded once for the ladder, --decode and --generate
     ref, cand, ids, mask, policy = prepare(_peer(ref_spec, folder, policy), _peer(cand_spec, folder, policy),
-                                           folder, inputs, policy, progress)
+                                           folder, inputs, policy, progress, mesh)
     report = run_ladder(ref, cand, ids, mask, policy, not args.no_teacher_forcing, progress,
                         stream=False if getattr(args, "no_stream", False) else None)
     print_verdict_table(report, colour=sys.stdout.isatty() and not args.no_colour)
@@ -202,6 +203,21 @@ def cmd_compare(args) -> int:
         finding = finding or greedy.verdict not in ("exact", "drift")
     say(f"done in {time.perf_counter() - t0:.1f} s")
     return EXIT_FINDING if finding else EXIT_OK
+
+
+def _mesh(text, *specs):
+    """--mesh data=N,tensor=M as a dict (None without it), for a side named jaxmodel; on a CPU
+    it asks XLA for N x M host devices before JAX starts (jaxmodel/sharding.py)."""
+    if not text:
+        return None
+    if "jaxmodel" not in specs:
+        raise UsageError("--mesh shards jaxmodel: give it as the reference or the candidate")
+    import math
+
+    from jaxmodel.sharding import host_devices, parse_mesh
+    sizes = parse_mesh(text)
+    host_devices(math.prod(sizes.values()))
+    return sizes
 
 
 def _dump_checkpoint(checkpoint, dumps):
@@ -359,7 +375,8 @@ def _add_compare_parser(sub, common) -> None:
               "  llama-parity compare                                  # jaxmodel vs torchref, SmolLM2, fp32\n"
               "  llama-parity compare MY_HF_FOLDER --candidate transformers --policy bf16\n"
               "  llama-parity compare --policy bf16 --generate 16 --prompt 'What is the capital of France?'\n"
-              "  llama-parity compare --candidate-dump DIR              # a dump captured elsewhere")
+              "  llama-parity compare --candidate-dump DIR              # a dump captured elsewhere\n"
+              "  llama-parity compare --mesh tensor=3                   # jaxmodel tensor-parallel over 3 devices")
     p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2, or the one a "
                    "dump recorded)")
     impls = ["torchref", "jaxmodel", "transformers"]
@@ -381,6 +398,8 @@ def _add_compare_parser(sub, common) -> None:
     p.add_argument("--no-teacher-forcing", action="store_true")
     p.add_argument("--no-stream", action="store_true",
                    help="capture whole runs instead of walking the checkpoint layer by layer (more memory)")
+    p.add_argument("--mesh", metavar="AXES", help="run jaxmodel sharded on a JAX mesh, e.g. tensor=3 or "
+                   "data=2,tensor=3 (on a CPU: as many host devices; docs/sharding.md)")
     _add_compare_extras(p)
     p.set_defaults(func=cmd_compare)
 

@@ -4,7 +4,8 @@
     python tests/sharded_worker.py JOB.json OUT.npz
 
 JOB: {"checkpoint": folder, "devices": 8, "policies": [...], "meshes": [null or {"data": 2, ...}],
-"invariant": bool, "process": [id, count, port] (optional: jax.distributed on localhost)}.
+"invariant": bool, "process": [id, count, port] (optional: jax.distributed on localhost),
+"controls": bool (compare/controls/sharding.py's controls through the ladder)}.
 OUT holds, per policy and mesh, the raw results (logits, taps, greedy tokens, decode logits,
 per-device parameter bytes, the cache's shard shape); the test compares them. Only process 0
 writes (to a temporary name, renamed).
@@ -43,7 +44,15 @@ mask[3, :1] = 0
 taps = ["embed", "layers.*.q_rope", "layers.*.k_rope", "layers.*.v", "layers.*.attn_ctx", "layers.*.attn_out",
         "layers.*.act", "layers.*.out", "final_norm", "logits"]
 out = {}
-for policy in job["policies"]:
+if job.get("controls"):       # the planted sharding bugs and the clean sharded run, through the ladder
+    from compare.controls import check, run_control
+    from compare.controls.sharding import SHARDING_CONTROLS
+    for name, control in SHARDING_CONTROLS.items():
+        report = run_control(control, job["checkpoint"], ids[:2], mask[:2])
+        d = report.first_divergence
+        out[name] = np.asarray([report.verdict, d.tap if d else "", str(d.layer) if d else "",
+                                d.component if d else "", "; ".join(check(control, report)), report.candidate])
+for policy in job.get("policies", ()):
     for mesh in job["meshes"]:
         name = f"{policy}|{'none' if mesh is None else ','.join(f'{k}={v}' for k, v in sorted(mesh.items()))}"
         m = jaxmodel.from_weights(cfg, weights, policy, batch_invariant=job.get("invariant", False), mesh=mesh)

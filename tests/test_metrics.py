@@ -366,3 +366,11 @@ def test_ulps_are_counted_in_the_taps_own_dtype():
     assert pair_metrics(c, r, taps.dtype_of("logits", bf16))["max_ulp"] == 1
     # arrays that hold the same dtype are counted in it, whatever the policy says
     assert pair_metrics(c, r, "bfloat16")["max_ulp"] == 1
+
+
+def test_an_exact_agreement_is_no_dtype_noise():
+    """A relative error of 0 (the RoPE angles of two runs agree exactly while the values do not)
+    fits no dtype's rounding; it used to raise a math domain error inside the ladder."""
+    from compare.ladder.verdicts import _fitted_noise
+    assert _fitted_noise(0.0, False, "angles") is None
+    assert _fitted_noise(2.0 ** -24, False, "angles").dtype == "float32"

@@ -178,3 +178,20 @@ def test_batch_that_does_not_divide_over_data_is_an_error():
     check_batch(4, 2)
     with pytest.raises(InputError, match="batch of 3 rows does not divide over the mesh's data axis"):
         check_batch(3, 2)
+
+
+def test_planted_sharding_bugs_are_found_at_their_layer_and_component(tmp_path):
+    """compare/controls/sharding.py through the ladder, tensor-parallel jaxmodel (tensor=2, GQA 8
+    heads / 2 KV heads) against torchref at fp32: the clean sharded run is drift; a missing
+    cross-shard sum of o_proj, query heads reading the next shard's KV heads and RoPE applied
+    per head_dim shard are each semantic, first at layer 1's attn_out, attn_ctx and q_rope."""
+    from compare.controls.sharding import SHARDING_CONTROLS
+    ckpt = make_checkpoint(tmp_path / "gqa", num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=3)
+    (r,) = run_workers([{"checkpoint": str(ckpt), "devices": 8, "controls": True}], tmp_path)
+    assert set(r) == set(SHARDING_CONTROLS)
+    for name, control in SHARDING_CONTROLS.items():
+        verdict, tap, layer, component, problems, candidate = r[name].tolist()
+        assert candidate.startswith("jaxmodel (mesh data=1, tensor=2)"), candidate
+        assert problems == "", f"{name}: {problems} (verdict {verdict}, first at {tap} {component})"
+        assert verdict == control.verdict and tap == (control.expected_tap or "")

@@ -45,16 +45,29 @@ class OurModel:
             raise TypeError(f"OurModel wraps a torchref or jaxmodel LlamaModel, got {type(model).__name__}")
         self.model = model
         self.checkpoint = checkpoint
-        self.name = self.package
+        mesh = getattr(model, "mesh", None)
+        # a sharded jaxmodel says so in every report: "jaxmodel (mesh data=1, tensor=3)"
+        self.name = self.package if mesh is None else (
+            f"{self.package} (mesh {', '.join(f'{a}={n}' for a, n in mesh.shape.items())})")
         self.taps = tuple(tapnames.all_taps(model.cfg.num_hidden_layers))
 
     @classmethod
-    def load(cls, package: str, checkpoint, policy, batch_invariant: bool = False) -> "OurModel":
+    def load(cls, package: str, checkpoint, policy, batch_invariant: bool = False, mesh=None) -> "OurModel":
+        """mesh: jaxmodel on a jax.sharding.Mesh (jaxmodel/sharding.py); torchref has none."""
         if package not in PACKAGES:
             raise ValueError(f"unknown implementation '{package}' (one of {', '.join(PACKAGES)})")
         mod = importlib.import_module(package)
         kw = {"batch_invariant": True} if batch_invariant else {}
+        if mesh is not None:
+            if package != "jaxmodel":
+                raise ValueError(f"a mesh is for jaxmodel; {package} runs on one device")
+            kw["mesh"] = mesh
         return cls(mod.from_pretrained(checkpoint, policy=policy, **kw), checkpoint)
+
+    @property
+    def mesh(self):
+        """The jax mesh a sharded jaxmodel runs on (its float64 twin runs on the same), else None."""
+        return getattr(self.model, "mesh", None)
 
     @property
     def cfg(self):
@@ -94,7 +107,8 @@ class OurModel:
         the folder is known (the ladder's oracle reads the same), else, or with
         rounded_weights, over the model's own weights as it rounded them."""
         mod = importlib.import_module(self.package)
+        kw = {} if self.mesh is None else {"mesh": self.mesh}     # a sharded model's twin, sharded alike
         if self.checkpoint is not None and not rounded_weights:
-            return OurModel(mod.from_pretrained(self.checkpoint, policy="fp64"), self.checkpoint)
-        twin = mod.from_weights(self.model.cfg, self.model.weights(), policy=fp64_policy(self.model.policy))
+            return OurModel(mod.from_pretrained(self.checkpoint, policy="fp64", **kw), self.checkpoint)
+        twin = mod.from_weights(self.model.cfg, self.model.weights(), policy=fp64_policy(self.model.policy), **kw)
         return OurModel(twin, self.checkpoint)

@@ -271,10 +271,11 @@ def _int_array(x, what: str) -> np.ndarray:
     return a
 
 
-def prepare(reference, candidate, checkpoint, inputs, policy, progress=lambda msg: None):
+def prepare(reference, candidate, checkpoint, inputs, policy, progress=lambda msg: None, mesh=None):
     """(ref Side, cand Side, ids, mask, Policy) from what compare_models takes; shared with
     the decode comparison. A Dump on either side fixes the inputs and the policy (None takes
-    the dump's) and supplies its recorded checkpoint, whose fingerprint must match."""
+    the dump's) and supplies its recorded checkpoint, whose fingerprint must match. mesh: a
+    side named "jaxmodel" is loaded whole on it (jaxmodel/sharding.py), not streamed."""
     from ..adapters.dump import bind_dumps
     checkpoint, inputs, policy = bind_dumps(reference, candidate, checkpoint, inputs, policy)
     policy = "fp32" if policy is None else policy
@@ -285,12 +286,19 @@ def prepare(reference, candidate, checkpoint, inputs, policy, progress=lambda ms
     ids, mask = parse_inputs(inputs, checkpoint)
     progress(f"loading {reference if isinstance(reference, str) else type(reference).__name__} "
              f"and {candidate if isinstance(candidate, str) else type(candidate).__name__}")
-    return _side(reference, checkpoint, policy), _side(candidate, checkpoint, policy), ids, mask, policy
+    if mesh is not None and "jaxmodel" not in (reference, candidate):
+        raise ValueError("mesh: neither side is jaxmodel named by string (a model object brings its own mesh)")
+    return (_side(reference, checkpoint, policy, mesh), _side(candidate, checkpoint, policy, mesh), ids, mask,
+            policy)
 
 
-def _side(spec, checkpoint, policy) -> Side:
+def _side(spec, checkpoint, policy, mesh=None) -> Side:
     """"torchref" / "jaxmodel" as CheckpointModels (streamed by the ladder, loaded whole only
-    for what needs the whole model), anything else as adapters.resolve_side makes it."""
+    for what needs the whole model), "jaxmodel" on a mesh loaded whole and sharded, anything
+    else as adapters.resolve_side makes it."""
+    if spec == "jaxmodel" and mesh is not None:
+        from ..adapters import OurModel
+        return Side.of(OurModel.load("jaxmodel", checkpoint, policy, mesh=mesh))
     if isinstance(spec, str) and spec in PACKAGES:
         return checkpoint_side(spec, checkpoint, policy)
     return resolve_side(spec, checkpoint, policy)
@@ -298,11 +306,13 @@ def _side(spec, checkpoint, policy) -> Side:
 
 def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, inputs=None,
                    policy=None, teacher_forcing=True, progress=lambda msg: None,
-                   stream: bool | None = None) -> Report:
+                   stream: bool | None = None, mesh=None) -> Report:
     """Runs the ladder for `candidate` against `reference` on one checkpoint (the public API).
     stream: None (default) walks the checkpoint layer by layer when both sides are torchref /
-    jaxmodel named by string, True insists on it, False runs whole captures (run_ladder)."""
-    ref, cand, ids, mask, policy = prepare(reference, candidate, checkpoint, inputs, policy, progress)
+    jaxmodel named by string, True insists on it, False runs whole captures (run_ladder).
+    mesh: the side named "jaxmodel" runs sharded on this jax mesh ({"tensor": 4}, a Mesh;
+    jaxmodel/sharding.py), loaded whole."""
+    ref, cand, ids, mask, policy = prepare(reference, candidate, checkpoint, inputs, policy, progress, mesh)
     return run_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress, stream)
 
 

@@ -257,7 +257,9 @@ def rope_band_ratio(r, c, o, floor, m=M) -> tuple[float, Span | None]:
 def _fitted_noise(err: float, keeps_f32: bool, shape: str) -> Noise | None:
     """The dtype one rounding of which (ONE_ROUNDING u) a relative error `err` fits best,
     within NOISE_BAND; f32 is not a candidate for a side that keeps f32 steps (that noise
-    is its normal)."""
+    is its normal). No error (err 0: the angles agree exactly) is no dtype's noise."""
+    if not err > 0:
+        return None
     fits = [(abs(math.log(err / unit_roundoff(dt) / ONE_ROUNDING)), dt, err / unit_roundoff(dt))
             for dt in NOISE_DTYPES if not (keeps_f32 and dt == "float32")]
     fits = [f for f in fits if NOISE_BAND[0] <= f[2] <= NOISE_BAND[1]]
