@@ -24,7 +24,7 @@ from .checks import UsageError, checkpoint_folder, count, output_file, positive_
 
 PROBE_KINDS = ("batch", "padding", "determinism", "divergence", "all")
 WHERE = "where"   # the layerwise circumstance comparison (cmd_where), not part of "all"
-CIRCUMSTANCES = ("batch", "padding", "append", "decode", "rerun", "invariant-mode")
+CIRCUMSTANCES = ("batch", "padding", "append", "decode", "rerun", "invariant-mode", "sharding")
 IMPLS = ("torchref", "jaxmodel", "transformers")
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -77,6 +77,9 @@ def add_parser(sub, common) -> None:
                    help="transformers' position ids: from the mask, or its own default (arange: left padding shifts)")
     w.add_argument("--pad", type=positive_int, default=5, help="pad slots (padding)")
     w.add_argument("--no-stream", action="store_true", help="capture whole runs instead of layer by layer")
+    w.add_argument("--mesh", action="append", metavar="AXES", help="sharding: a mesh to compare with one device, "
+                   "e.g. tensor=3 or data=2 (repeatable; default: every tensor size up to 8 the model allows, "
+                   "and data=2; jaxmodel only)")
     p.set_defaults(func=cmd_probe)
 
 
@@ -192,6 +195,9 @@ def _where_options(args) -> dict:
         return {"pad": args.pad}
     if c == "rerun":
         return {"repeats": args.repeats, "processes": args.processes}
+    if c == "sharding" and args.mesh:
+        from jaxmodel.sharding import parse_mesh
+        return {"meshes": [parse_mesh(m) for m in args.mesh]}
     return {}
 
 
@@ -205,6 +211,18 @@ def _where_one(impl, folder, policy, mode, target, args, say):
                        attn_implementation=args.attn, hf_positions=args.hf_positions, **kw)
 
 
+def _sharding_devices(args, impls) -> None:
+    """probe where --circumstance sharding: jaxmodel only; on a CPU, as many host devices as the
+    largest mesh needs (8 by default), asked for before JAX starts."""
+    import math
+
+    from jaxmodel.sharding import host_devices, parse_mesh
+    if impls != ["jaxmodel"]:
+        raise UsageError("probe where --circumstance sharding compares jaxmodel on meshes with one device: "
+                         "--impl jaxmodel")
+    host_devices(max([8] + [math.prod(parse_mesh(m).values()) for m in args.mesh or ()]))
+
+
 def cmd_where(args) -> int:
     """`probe where`: per implementation x policy x mode, the table; --json all, --html one."""
     from compare.environment import environment
@@ -212,7 +230,9 @@ def cmd_where(args) -> int:
     from llamaspec import Policy
 
     say = _log(time.perf_counter())
-    impls = _list(args.impl, "torchref", IMPLS, "implementation")
+    impls = _list(args.impl, "jaxmodel" if args.circumstance == "sharding" else "torchref", IMPLS, "implementation")
+    if args.circumstance == "sharding":
+        _sharding_devices(args, impls)
     policies = [Policy.get(p).name for p in _list(args.policy, "fp32")]
     modes = _list(args.mode, "invariant" if args.batch_invariant else "default", ("default", "invariant"), "mode")
     if args.html and len(impls) * len(policies) * len(modes) > 1:

@@ -5,7 +5,8 @@
 
 JOB: {"checkpoint": folder, "devices": 8, "policies": [...], "meshes": [null or {"data": 2, ...}],
 "invariant": bool, "process": [id, count, port] (optional: jax.distributed on localhost),
-"controls": bool (compare/controls/sharding.py's controls through the ladder)}.
+"controls": bool (compare/controls/sharding.py's controls through the ladder),
+"where": bool (probe where --circumstance sharding)}.
 OUT holds, per policy and mesh, the raw results (logits, taps, greedy tokens, decode logits,
 per-device parameter bytes, the cache's shard shape); the test compares them. Only process 0
 writes (to a temporary name, renamed).
@@ -52,6 +53,17 @@ if job.get("controls"):       # the planted sharding bugs and the clean sharded 
         d = report.first_divergence
         out[name] = np.asarray([report.verdict, d.tap if d else "", str(d.layer) if d else "",
                                 d.component if d else "", "; ".join(check(control, report)), report.candidate])
+if job.get("where"):          # probe where --circumstance sharding, default and batch-invariant mode
+    from compare.probes import load_model
+    from compare.probes.where import probe_where
+    for mode in ("default", "invariant"):
+        model = "jaxmodel" if mode == "default" else load_model("jaxmodel", job["checkpoint"], "fp32",
+                                                                batch_invariant=True)
+        r = probe_where(model, "sharding", checkpoint=job["checkpoint"], policy="fp32", length=12)
+        for c in r.comparisons:
+            fd = c.first_difference
+            out[f"where|{mode}|{c.b_run}"] = np.asarray([c.verdict, fd.tap if fd else "",
+                                                         str(sum(d.bitwise_equal for d in c.taps)), str(len(c.taps))])
 for policy in job.get("policies", ()):
     for mesh in job["meshes"]:
         name = f"{policy}|{'none' if mesh is None else ','.join(f'{k}={v}' for k, v in sorted(mesh.items()))}"

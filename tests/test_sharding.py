@@ -195,3 +195,19 @@ def test_planted_sharding_bugs_are_found_at_their_layer_and_component(tmp_path):
         assert candidate.startswith("jaxmodel (mesh data=1, tensor=2)"), candidate
         assert problems == "", f"{name}: {problems} (verdict {verdict}, first at {tap} {component})"
         assert verdict == control.verdict and tap == (control.expected_tap or "")
+
+
+def test_probe_where_sharding_circumstance(tmp_path):
+    """probe where --circumstance sharding on the tiny GQA model (8 heads, 2 KV heads): one device
+    against tensor 2, 4, 8 and data 2. The default mode parts from the one-device run only by
+    rounding (exact or drift, as this CPU's kernels split the products); the batch-invariant
+    mode is bitwise the same on every mesh (its products run whole on each device)."""
+    ckpt = make_checkpoint(tmp_path / "gqa", num_key_value_heads=2, **SHARDED)
+    (r,) = run_workers([{"checkpoint": str(ckpt), "devices": 8, "where": True}], tmp_path)
+    meshes = ["mesh tensor=2", "mesh tensor=4", "mesh tensor=8", "mesh data=2"]
+    assert sorted(r) == sorted(f"where|{mode}|{m}" for mode in ("default", "invariant") for m in meshes)
+    for m in meshes:
+        verdict, first, equal, taps = r[f"where|default|{m}"].tolist()
+        assert verdict in ("exact", "drift"), (m, verdict, first)
+        verdict, first, equal, taps = r[f"where|invariant|{m}"].tolist()
+        assert verdict == "exact" and equal == taps, (m, verdict, first, f"{equal}/{taps}")

@@ -54,7 +54,7 @@ from llamaspec.taps import input_tap
 from ..metrics import max_ulp, nonfinite
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
-from .where_plan import CIRCUMSTANCES, Pair, plan
+from .where_plan import CIRCUMSTANCES, Pair, mesh_label, plan
 from .where_sources import ReplayDiffers, stage_taps, stages
 
 BEYOND = ("precision", "semantic")
@@ -92,6 +92,7 @@ class TapDiff:
     first_position: int | None = None   # first compared position that differs
     worst_position: int | None = None   # position with the largest relative difference
     pad_fit: float | None = None        # attn_ctx: dist(b, pads attended) / dist(b, pads masked)
+    equal_fraction: float = 1.0         # the fraction of compared values bitwise equal in A and B
 
     @property
     def ratio(self) -> float:
@@ -259,6 +260,7 @@ def judge_tap(tap: str, a, b, oa, ob, yard: Yardstick) -> TapDiff:
                    rel(b, a), err_a, err_b, yard.m * err_a + yard.floor, twin_rel, yard.twin_floor, bad)
     if equal:
         return diff
+    diff.equal_fraction = equal_fraction(a, b)
     diff.first_position, diff.worst_position = _positions(a, b) if not bad else (None, None)
     if bad or (twin_rel is not None and not twin_rel <= yard.twin_floor):
         diff.kind = "semantic"
@@ -267,6 +269,14 @@ def judge_tap(tap: str, a, b, oa, ob, yard: Yardstick) -> TapDiff:
     else:
         diff.kind = "drift"
     return diff
+
+
+def equal_fraction(a: np.ndarray, b: np.ndarray) -> float:
+    """The fraction of values whose bits are the same in a and b (0 when dtype or shape differ)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return 0.0
+    bits = np.dtype(f"u{a.dtype.itemsize}")
+    return float(np.mean(np.ascontiguousarray(a).view(bits) == np.ascontiguousarray(b).view(bits)))
 
 
 def pad_fit(q, k, v, ctx, mask_row, slots) -> tuple[float, float]:
@@ -523,6 +533,50 @@ def _of_object(model, circumstance, checkpoint, policy, oracle, other):
                   bool(getattr(impl, "keeps_f32", False)), cfg, impls, tuple(impl.taps), spec=spec)
 
 
+def default_meshes(cfg, devices: int) -> list[dict]:
+    """Every tensor size from 2 to min(8, devices) the model's sizes allow, then data=2."""
+    from jaxmodel.sharding import ShardingError, check_sizes
+    out = []
+    for t in range(2, min(8, devices) + 1):
+        try:
+            check_sizes(cfg, t)
+            out.append({"tensor": t})
+        except ShardingError:
+            pass
+    return out + ([{"data": 2}] if devices >= 2 else [])
+
+
+def _sharded(setup: _Setup, meshes, progress) -> list[dict]:
+    """Adds jaxmodel on each mesh (and its float64 twin on the same mesh) to setup.impls, built
+    from the main model's weights in its mode; returns the meshes (default: default_meshes)."""
+    import jax
+
+    import jaxmodel
+    from jaxmodel.sharding import make_mesh
+
+    from ..adapters import OurModel
+    main = setup.impls["main"]
+    if getattr(main, "package", None) != "jaxmodel" or getattr(main, "mesh", None) is not None:
+        raise ValueError(f"probe where, sharding: the model must be jaxmodel on one device, not "
+                         f"{getattr(main, 'name', type(main).__name__)} (the sharded runs are jaxmodel on meshes)")
+    meshes = [dict(m) for m in (meshes or default_meshes(setup.cfg, len(jax.devices())))]
+    if not meshes:
+        raise ValueError(f"probe where, sharding: JAX has {len(jax.devices())} device(s), too few for a mesh "
+                         "(on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts; the "
+                         "CLI sets it)")
+    model = main.model
+    weights = model.weights()
+    for mesh in meshes:
+        make_mesh(mesh)   # enough devices, known axes: checked before anything is built
+        key = f"mesh {mesh_label(mesh)}"
+        if progress:
+            progress(f"where: loading jaxmodel on {key} and its float64 twin")
+        sharded = OurModel(jaxmodel.from_weights(model.cfg, weights, model.policy, model.batch_invariant, mesh=mesh))
+        setup.impls[key] = sharded
+        setup.impls[key + " twin"] = sharded.float64(rounded_weights=True)
+    return meshes
+
+
 def _target(cfg, ids, length: int, seed: int) -> np.ndarray:
     if ids is None:
         return np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, length)).astype(np.int64)
@@ -561,6 +615,8 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
                          {"attn_implementation": attn_implementation, "positions": hf_positions})
     else:
         setup = _of_object(model, circumstance, checkpoint, policy, oracle, other)
+    if circumstance == "sharding":
+        options["meshes"] = _sharded(setup, options.get("meshes"), progress)
     target = _target(setup.cfg, ids, length, seed)
     pad = getattr(setup.cfg, "pad_token_id", None)
     runs, pairs = plan(circumstance, target, int(setup.cfg.vocab_size), 0 if pad is None else int(pad), seed,

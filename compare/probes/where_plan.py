@@ -11,8 +11,8 @@ Sample is the target inside a run: its row and the slots of the positions compar
 a decode Run: [0], the step; `feed`: the slots teacher forcing replaces, there the row's
 real prompt slots and the step, in the prompt + step layout of the layer inputs). A
 Pair compares sample A with sample B; own_twin says whether B's circumstance gets its own
-float64 twin run (batch, padding, append: the twin run in B's circumstance is the fp64
-rung of the comparison) or is judged against A's (rerun, invariant-mode: same input).
+float64 twin run (batch, padding, append, sharding: the twin run in B's circumstance is the
+fp64 rung of the comparison) or is judged against A's (rerun, invariant-mode: same input).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-CIRCUMSTANCES = ("batch", "padding", "append", "decode", "rerun", "invariant-mode")
+CIRCUMSTANCES = ("batch", "padding", "append", "decode", "rerun", "invariant-mode", "sharding")
 ALONE = "alone"
 
 
@@ -30,7 +30,7 @@ class Run:
     key: str
     ids: np.ndarray          # [B, W] int64
     mask: np.ndarray         # [B, W] 0/1
-    model: str = "main"      # main | other (the invariant-mode model)
+    model: str = "main"      # main | other (the invariant-mode model) | "mesh <axes>" (a sharded model)
     fresh: bool = False      # made in a fresh Python process (rerun)
     twin: bool = True        # its float64 twin run is needed
     step: np.ndarray | None = None   # [B] a decode Run: the token each row is fed after the prompt
@@ -223,10 +223,33 @@ def plan_invariant_mode(target, rng, vocab, pad_id, batch=4):
     return runs, pairs
 
 
+def mesh_label(mesh: dict) -> str:
+    """{"data": 2, "tensor": 1} -> "data=2"; {"tensor": 3} -> "tensor=3" (axes of size 1 left out)."""
+    return ",".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "one device"
+
+
+def plan_sharding(target, rng, vocab, pad_id, meshes=(), batch=4):
+    """One batch (the target at row 0, companions of mixed lengths) on one device vs the same
+    batch on each mesh (jaxmodel sharded: tensor-parallel, data-parallel); the sharded runs have
+    their own float64 twin, sharded alike, so that a sharding bug is in the fp64 rung."""
+    if not meshes:
+        raise ValueError("probe where, sharding: no mesh to compare (meshes=[{'tensor': 2}, ...])")
+    ids, mask = _mixed_batch(target, rng, vocab, pad_id, batch)
+    slots = np.flatnonzero(mask[0])
+    one = Run("one device", ids, mask)
+    runs, pairs = [one], []
+    for mesh in meshes:
+        label = mesh_label(mesh)
+        runs.append(Run(f"mesh {label}", ids, mask, f"mesh {label}"))
+        pairs.append(Pair(f"B={batch} mixed, row 0: mesh {label} vs one device", "mesh", Sample(one.key, 0, slots),
+                          Sample(runs[-1].key, 0, slots)))
+    return runs, pairs
+
+
 def plan(circumstance: str, target, vocab_size: int, pad_id: int = 0, seed: int = 0, **options):
     """(runs, pairs) of one circumstance; options: batch_sizes, kinds, side (batch); pad
     (padding); appended (append); batch_sizes, kinds, token (decode); batch, repeats,
-    processes (rerun); batch (invariant-mode)."""
+    processes (rerun); batch (invariant-mode); meshes, batch (sharding)."""
     rng = np.random.default_rng(seed + 11)
     if circumstance == "batch":
         return plan_batch(target, rng, vocab_size, pad_id, **options)
@@ -240,4 +263,6 @@ def plan(circumstance: str, target, vocab_size: int, pad_id: int = 0, seed: int 
         return plan_rerun(target, rng, vocab_size, pad_id, **options)
     if circumstance == "invariant-mode":
         return plan_invariant_mode(target, rng, vocab_size, pad_id, **options)
+    if circumstance == "sharding":
+        return plan_sharding(target, rng, vocab_size, pad_id, **options)
     raise ValueError(f"unknown circumstance '{circumstance}' (one of {', '.join(CIRCUMSTANCES)})")

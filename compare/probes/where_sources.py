@@ -172,6 +172,14 @@ def _label(k) -> str:
     return f"{k[0]}{' (fp64 twin)' if k[1] else ''}"
 
 
+def impl_key(model: str, twin: bool) -> str:
+    """The impls entry a run of `model` uses: main's twin is "twin", another model's (a sharded
+    one) "<model> twin"; the invariant-mode model has none (its runs are judged against A's)."""
+    if not twin:
+        return model
+    return "twin" if model == "main" else f"{model} twin"
+
+
 class CaptureSource(_Timed):
     """Whole captures of an Implementation (and of its float64 twin, of `other` for runs of
     the other model, of fresh processes from `spec`), target rows kept per stage."""
@@ -189,7 +197,7 @@ class CaptureSource(_Timed):
                     rows = self.timed(_label((r.key, twin)), fresh_capture, spec, r, rows_of[r.key], self.taps)
                     self.kept.update({(r.key, twin, row): acts for row, acts in rows.items()})
                     continue
-                impl = impls[("twin" if twin else r.model)]
+                impl = impls[impl_key(r.model, twin)]
                 _, acts = self.timed(_label((r.key, twin)), impl.capture, r.ids, r.mask, list(self.taps))
                 for row in rows_of[r.key]:
                     self.kept[(r.key, twin, row)] = {t: np.asarray(a)[row] for t, a in acts.items()}
@@ -210,7 +218,7 @@ class CaptureSource(_Timed):
 
     def force(self, key, twin, layer, h) -> dict:
         r = self.runs[key]
-        impl = self.impls["twin" if twin else r.model]
+        impl = self.impls[impl_key(r.model, twin)]
         names = stage_taps(layer, self.taps)
         _, acts = self.timed("teacher forcing", impl.capture, r.ids, r.mask, names, {layer: h})
         return acts
