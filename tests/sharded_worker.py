@@ -6,7 +6,7 @@
 JOB: {"checkpoint": folder, "devices": 8, "policies": [...], "meshes": [null or {"data": 2, ...}],
 "invariant": bool, "process": [id, count, port] (optional: jax.distributed on localhost),
 "controls": bool (compare/controls/sharding.py's controls through the ladder),
-"where": bool (probe where --circumstance sharding)}.
+"where": bool (probe where --circumstance sharding), "port": bool (a user's sharded JaxFunction)}.
 OUT holds, per policy and mesh, the raw results (logits, taps, greedy tokens, decode logits,
 per-device parameter bytes, the cache's shard shape); the test compares them. Only process 0
 writes (to a temporary name, renamed).
@@ -44,7 +44,7 @@ mask[1, :3] = 0           # a left-padded row
 mask[3, :1] = 0
 taps = ["embed", "layers.*.q_rope", "layers.*.k_rope", "layers.*.v", "layers.*.attn_ctx", "layers.*.attn_out",
         "layers.*.act", "layers.*.out", "final_norm", "logits"]
-out = {}
+out = {"mask": mask}
 if job.get("controls"):       # the planted sharding bugs and the clean sharded run, through the ladder
     from compare.controls import check, run_control
     from compare.controls.sharding import SHARDING_CONTROLS
@@ -64,6 +64,29 @@ if job.get("where"):          # probe where --circumstance sharding, default and
             fd = c.first_difference
             out[f"where|{mode}|{c.b_run}"] = np.asarray([c.verdict, fd.tap if fd else "",
                                                          str(sum(d.bitwise_equal for d in c.taps)), str(len(c.taps))])
+if job.get("port"):           # a user's own JAX port with sharded params, through JaxFunction
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from test_generic_adapters import llama_forward
+
+    import compare
+    from compare.adapters.generic import JaxFunction
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    params = {k: jax.device_put(np.asarray(v, np.float32), NamedSharding(mesh, P("model", *(None,) * (v.ndim - 1))))
+              for k, v in weights.items()}
+
+    def forward(params, ids, mask, positions, inject=None):
+        return llama_forward(jnp, params, cfg, jnp.asarray(ids), mask, positions, inject)
+    port = JaxFunction(forward, params, name="sharded jax llama", taps="*", num_layers=cfg.num_hidden_layers)
+    report = compare.compare_models("torchref", port, job["checkpoint"], inputs=(ids, mask))
+    twin = port.float64()
+    out["port|verdict"] = np.asarray(report.verdict)
+    out["port|twin_devices"] = np.asarray(sorted(len(v.sharding.device_set) for v in twin.params.values()))
+    out["port|twin_logits"] = twin.capture(ids, mask, ["logits"])[0].astype(np.float64)
+    import torchref
+    out["port|ref_logits"] = torchref.from_pretrained(job["checkpoint"], policy="fp64").capture(
+        ids, mask, ["logits"])[0]
 for policy in job.get("policies", ()):
     for mesh in job["meshes"]:
         name = f"{policy}|{'none' if mesh is None else ','.join(f'{k}={v}' for k, v in sorted(mesh.items()))}"

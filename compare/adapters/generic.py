@@ -407,6 +407,12 @@ class TorchModule(_Port):
 def _x64_leaf(x):
     dtype = getattr(x, "dtype", None)
     if dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact) or str(dtype) == "bfloat16":
+        if len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1:
+            # a sharded jax array stays sharded alike (no gathered host copy): cast where it lies
+            import jax
+            import jax.numpy as jnp
+            with jax.enable_x64(True):
+                return jax.jit(lambda a: a.astype(jnp.float64), out_shardings=x.sharding)(x)
         return np.asarray(x).astype(np.float64)
     return x
 
