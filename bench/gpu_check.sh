@@ -8,8 +8,11 @@
 # 1. fp64/fp32/tf32/bf16 agreement of torchref and jaxmodel vs an fp64 oracle on a
 #    random checkpoint with SmolLM2-135M's shapes (bench/gpu_check.py);
 # 2. the speed benchmark (bench/bench_models.py) on the same checkpoint, side by side
-#    with transformers, at fp32, tf32 and bf16.
-# Results: OUT_DIR/gpu_check.json, OUT_DIR/bench.json, OUT_DIR/log.txt.
+#    with transformers, at fp32, tf32 and bf16;
+# 3. jaxmodel on one GPU vs tensor-parallel over as many GPUs as the model's sizes allow
+#    (bench/bench_sharding.py: times, and whether the logits are bitwise those of one GPU);
+#    on a one-GPU host it measures one device and says so.
+# Results: OUT_DIR/gpu_check.json, OUT_DIR/bench.json, OUT_DIR/sharding.json, OUT_DIR/log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-bench/results}}"
@@ -24,4 +27,6 @@ status=${PIPESTATUS[0]}
 ckpt=$(grep '^checkpoint for the benchmark:' "$OUT/log.txt" | tail -1 | cut -d' ' -f5-)
 timeout 240 "$PY" -m bench.bench_models --checkpoint "$ckpt" --policy fp32 tf32 bf16 \
     --repeats 5 --decode 32 --out "$OUT/bench.json" 2>&1 | tee -a "$OUT/log.txt"
+timeout 240 "$PY" -m bench.bench_sharding --checkpoint "$ckpt" --policies fp32,bf16 --repeats 5 \
+    --out "$OUT/sharding.json" 2>&1 | tee -a "$OUT/log.txt"
 exit $status

@@ -740,7 +740,7 @@ class LlamaModel:
 
 
 def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str | Policy = "fp32",
-                 batch_invariant: bool = False, mesh=None) -> LlamaModel:
+                 batch_invariant: bool = False, mesh=None, shard_sums: str = "ordered") -> LlamaModel:
     """A model from checkpoint-keyed numpy weights (as load_weights or weights() give them),
     each rounded to the policy's param_dtype.
 
@@ -748,8 +748,9 @@ def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str |
     whatever the rest of the batch, its row and its padding (see invariant.py).
     mesh: a jax.sharding.Mesh with axes data/tensor, or their sizes ({"data": 2, "tensor": 4},
     "data=2,tensor=4"): the model sharded as sharding.py lays it out, weights placed shard
-    by shard (None: one device)."""
-    layout = None if mesh is None else layout_for(cfg, mesh)
+    by shard (None: one device). shard_sums: "ordered" (cross-shard sums added in shard order:
+    bitwise the same in one process or several) or "all-reduce" (XLA's psum), sharding.py."""
+    layout = None if mesh is None else layout_for(cfg, mesh, shard_sums)
     module = Llama(cfg, Policy.get(policy), weights, batch_invariant, layout)
     if batch_invariant:
         invariant.self_check(module)
@@ -757,8 +758,9 @@ def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str |
 
 
 def from_pretrained(path, policy: str | Policy = "fp32", batch_invariant: bool = False,
-                    check_finite: bool = True, mesh=None) -> LlamaModel:
+                    check_finite: bool = True, mesh=None, shard_sums: str = "ordered") -> LlamaModel:
     """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy
-    (mesh: see from_weights; each device's shards are read from the memory-mapped files)."""
+    (mesh, shard_sums: see from_weights; each device's shards are read from the memory-mapped
+    files)."""
     cfg, weights = load_weights(path, check_finite=check_finite)
-    return from_weights(cfg, weights, policy, batch_invariant, mesh)
+    return from_weights(cfg, weights, policy, batch_invariant, mesh, shard_sums)

@@ -152,6 +152,7 @@ class MeshLayout:
     rules: tuple          # ((logical axis, mesh axis or None), ...)
     kv_repeat: int = 1
     head_dim: int = 0     # for repeating KV heads
+    sums: str = "ordered"  # cross-shard sums: "ordered" (gathered, added in shard order) | "all-reduce"
 
     @property
     def data(self) -> int:
@@ -218,12 +219,20 @@ def repeat_heads(w: np.ndarray, r: int, head_dim: int) -> np.ndarray:
                                                                                   *w.shape[1:])
 
 
-def layout_for(cfg: LlamaConfig, mesh) -> MeshLayout:
+SUMS = ("ordered", "all-reduce")
+
+
+def layout_for(cfg: LlamaConfig, mesh, sums: str = "ordered") -> MeshLayout:
     """The layout of model `cfg` on `mesh` (a Mesh, a {"data": n, "tensor": m} dict or a
-    "data=n,tensor=m" string), or ShardingError naming the sizes that do not divide."""
+    "data=n,tensor=m" string), or ShardingError naming the sizes that do not divide. sums: how
+    o_proj's and down_proj's partial sums are added across tensor shards, "ordered" (the
+    default: bitwise the same in one process or several) or "all-reduce" (XLA's collective:
+    less data moved, an order of its runtime's choosing)."""
+    if sums not in SUMS:
+        raise ShardingError(f"sums={sums!r}: one of {', '.join(SUMS)}")
     mesh = make_mesh(mesh)
     rules, kv_repeat = check_sizes(cfg, mesh.shape.get("tensor", 1))
-    return MeshLayout(mesh, tuple(sorted(rules.items())), kv_repeat, cfg.head_dim)
+    return MeshLayout(mesh, tuple(sorted(rules.items())), kv_repeat, cfg.head_dim, sums)
 
 
 def check_sizes(cfg: LlamaConfig, tensor: int) -> tuple[dict, int]:
@@ -273,21 +282,25 @@ def row_parallel(layout: MeshLayout, x, w, b, policy: Policy, axis: str, reduce=
     `axis`: "heads" for o_proj, "mlp" for down_proj), x split the same way: every shard's partial
     products in accum_dtype, gathered to every shard (exact), added in shard order by `reduce`
     (default: add_in_order; a planted-bug control replaces it), then the bias and one rounding,
-    as ops.linear does."""
+    as ops.linear does. With layout.sums "all-reduce" the partial sums go to XLA's psum instead."""
     from . import ops
     from .dtypes import of
     accum = of(policy.accum_dtype)
     lead = (None,) * (x.ndim - 2)
     dims = (((x.ndim - 1,), (1,)), ((), ()))
 
-    def partial_sums(x, w):
-        return jax.lax.all_gather(ops._matmul(x, w, dims, policy), "tensor")
+    in_specs = (layout.spec("batch", *lead, axis), layout.spec(None, axis))
+    if layout.sums == "all-reduce":
+        y = jax.shard_map(lambda x, w: jax.lax.psum(ops._matmul(x, w, dims, policy), "tensor"), mesh=layout.mesh,
+                          in_specs=in_specs, out_specs=layout.spec("batch", *lead, None))(x, w)
+    else:
+        def partial_sums(x, w):
+            return jax.lax.all_gather(ops._matmul(x, w, dims, policy), "tensor")
 
-    parts = jax.shard_map(partial_sums, mesh=layout.mesh,
-                          in_specs=(layout.spec("batch", *lead, axis), layout.spec(None, axis)),
-                          # all_gather's result is the same on every tensor shard (not inferred)
-                          out_specs=layout.spec(None, "batch", *lead, None), check_vma=False)(x, w)
-    y = (reduce or add_in_order)(parts)
+        parts = jax.shard_map(partial_sums, mesh=layout.mesh, in_specs=in_specs,
+                              # all_gather's result is the same on every tensor shard (not inferred)
+                              out_specs=layout.spec(None, "batch", *lead, None), check_vma=False)(x, w)
+        y = (reduce or add_in_order)(parts)
     if b is not None:
         y = y + b.astype(accum)
     return y.astype(out_dtype or of(policy.compute_dtype))

@@ -3,7 +3,8 @@
 
     python tests/sharded_worker.py JOB.json OUT.npz
 
-JOB: {"checkpoint": folder, "devices": 8, "policies": [...], "meshes": [null or {"data": 2, ...}],
+JOB: {"checkpoint": folder, "devices": 8, "policies": [...], "meshes": [null or {"data": 2, ...}] (a mesh's
+"sums" key: shard_sums),
 "invariant": bool, "process": [id, count, port] (optional: jax.distributed on localhost),
 "controls": bool (compare/controls/sharding.py's controls through the ladder),
 "where": bool (probe where --circumstance sharding), "port": bool (a user's sharded JaxFunction)}.
@@ -90,7 +91,9 @@ if job.get("port"):           # a user's own JAX port with sharded params, throu
 for policy in job.get("policies", ()):
     for mesh in job["meshes"]:
         name = f"{policy}|{'none' if mesh is None else ','.join(f'{k}={v}' for k, v in sorted(mesh.items()))}"
-        m = jaxmodel.from_weights(cfg, weights, policy, batch_invariant=job.get("invariant", False), mesh=mesh)
+        axes = None if mesh is None else {k: v for k, v in mesh.items() if k != "sums"}
+        m = jaxmodel.from_weights(cfg, weights, policy, batch_invariant=job.get("invariant", False), mesh=axes,
+                                  shard_sums=(mesh or {}).get("sums", "ordered"))
         if job.get("invariant"):
             out[name + "|logits"] = np.asarray(m(ids, mask)).astype(np.float64)
         else:
@@ -103,6 +106,14 @@ for policy in job.get("policies", ()):
             out[name + "|prefill"] = first.astype(np.float64)
             out[name + "|decode"] = step.astype(np.float64)
             out[name + "|cache_shard"] = np.asarray(cache["k"].addressable_shards[0].data.shape)
+            # teacher forcing on the decode path: layer 1's input replaced in the prompt and at the step
+            forced = np.random.default_rng(1).standard_normal((B, T + 1, cfg.hidden_size))
+            first, cache, _ = m.prefill_capture(ids, mask, T + 4, taps=["layers.1.out"], inject={1: forced[:, :T]})
+            step, _, acts = m.decode_capture(cache, first.argmax(-1), taps=["layers.1.k_rope", "logits"],
+                                             inject={1: forced[:, T:]})
+            out[name + "|forced_prefill"] = first.astype(np.float64)
+            out[name + "|forced_decode"] = step.astype(np.float64)
+            out[name + "|forced_k_rope"] = acts["layers.1.k_rope"].astype(np.float64)
             w = m.weights()
             out[name + "|k_proj"] = np.asarray(w["model.layers.0.self_attn.k_proj.weight"]).astype(np.float64)
         out[name + "|greedy"] = m.generate(ids, mask, max_new_tokens=6)

@@ -100,8 +100,20 @@ def test_llama_parity_lines_run(cmd, tokenized_tiny, tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     argv = shlex.split(_as_written(cmd, tokenized_tiny, tmp_path))
     assert Path(argv[0]).name == "llama-parity", cmd
+    if _needs_devices(argv):     # a mesh needs host devices, fixed when JAX starts: a process of its own
+        import subprocess
+        import sys
+        done = subprocess.run([sys.executable, "-c", "import sys; from llama_parity.cli import main; "
+                               "sys.exit(main())", *argv[1:]], capture_output=True, text=True, timeout=1800)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return
     rc = main(argv[1:])
     assert rc == 0, capsys.readouterr()
+
+
+def _needs_devices(argv) -> bool:
+    """A command that shards jaxmodel (--mesh, probe where's sharding circumstance)."""
+    return "--mesh" in argv or "sharding" in argv
 
 
 @pytest.mark.parametrize("line,code", [pytest.param(line, code, id=f"line{line}") for line, code in _blocks("python")])

@@ -21,10 +21,12 @@ WORKER = Path(__file__).with_name("sharded_worker.py")
 # eight query heads, so that tensor = 2, 4 and 8 all divide them; KV heads 8, 2, 1
 SHARDED = dict(num_attention_heads=8, hidden_size=32, intermediate_size=64, vocab_size=96)
 KINDS = {"mha": 8, "gqa": 2, "mqa": 1}
-MESHES = [None, {"tensor": 2}, {"tensor": 4}, {"tensor": 8}, {"data": 2}, {"data": 2, "tensor": 4}]
+MESHES = [None, {"tensor": 2}, {"tensor": 4}, {"tensor": 8}, {"data": 2}, {"data": 2, "tensor": 4},
+          {"data": 2, "tensor": 4, "sums": "all-reduce"}]     # the last: XLA's psum for the cross-shard sums
 
 
 def mesh_name(mesh) -> str:
+    """The worker's name for a mesh (its "sums" key included)."""
     return "none" if mesh is None else ",".join(f"{k}={v}" for k, v in sorted(mesh.items()))
 
 
@@ -53,11 +55,13 @@ def fp64_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_sharded_fp64_agrees_with_unsharded(fp64_runs, kind):
-    """Every tap, the logits, prefill and decode logits within 1e-12 of the unsharded model, at
-    TP 2/4/8, DP 2 and DP 2 x TP 4, with the same greedy tokens and the same weights back."""
+    """Every tap, the logits, prefill and decode logits (also teacher-forced: prefill_capture and
+    decode_capture with inject) within 1e-12 of the unsharded model, at TP 2/4/8, DP 2 and DP 2 x
+    TP 4 (shard-order sums and XLA's all-reduce), with the same greedy tokens and the same
+    weights back."""
     r = fp64_runs[kind]
     base = {k.split("|", 2)[2]: v for k, v in r.items() if k.startswith("fp64|none|")}
-    assert any(k.startswith("tap|layers.") for k in base) and "decode" in base
+    assert any(k.startswith("tap|layers.") for k in base) and {"decode", "forced_decode"} <= set(base)
     for mesh in MESHES[1:]:
         name = mesh_name(mesh)
         for what, ref in base.items():
