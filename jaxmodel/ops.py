@@ -95,10 +95,17 @@ def linear(x, w, b, policy: Policy, out_dtype=None):
     """x @ w.T with w in HF layout [out, in]: inputs in compute_dtype, products and sums
     in accum_dtype, bias added in accum_dtype, one rounding to out_dtype (or compute)."""
     compute, accum = of(policy.compute_dtype), of(policy.accum_dtype)
-    y = _matmul(x, w, (((x.ndim - 1,), (1,)), ((), ())), policy)
+    y = linear_sums(x, w, policy)
     if b is not None:
         y = y + b.astype(accum)
     return y.astype(out_dtype or compute)
+
+
+def linear_sums(x, w, policy: Policy):
+    """linear's products and sums, x @ w.T in accum_dtype, not yet rounded: also the partial sums
+    a tensor shard of a row-parallel product adds to the others' (sharding.row_parallel;
+    torchref does not shard, so it has no such function)."""
+    return _matmul(x, w, (((x.ndim - 1,), (1,)), ((), ())), policy)
 
 
 def silu(x):

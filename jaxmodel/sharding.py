@@ -287,15 +287,14 @@ def row_parallel(layout: MeshLayout, x, w, b, policy: Policy, axis: str, reduce=
     from .dtypes import of
     accum = of(policy.accum_dtype)
     lead = (None,) * (x.ndim - 2)
-    dims = (((x.ndim - 1,), (1,)), ((), ()))
 
     in_specs = (layout.spec("batch", *lead, axis), layout.spec(None, axis))
     if layout.sums == "all-reduce":
-        y = jax.shard_map(lambda x, w: jax.lax.psum(ops._matmul(x, w, dims, policy), "tensor"), mesh=layout.mesh,
+        y = jax.shard_map(lambda x, w: jax.lax.psum(ops.linear_sums(x, w, policy), "tensor"), mesh=layout.mesh,
                           in_specs=in_specs, out_specs=layout.spec("batch", *lead, None))(x, w)
     else:
         def partial_sums(x, w):
-            return jax.lax.all_gather(ops._matmul(x, w, dims, policy), "tensor")
+            return jax.lax.all_gather(ops.linear_sums(x, w, policy), "tensor")
 
         parts = jax.shard_map(partial_sums, mesh=layout.mesh, in_specs=in_specs,
                               # all_gather's result is the same on every tensor shard (not inferred)
