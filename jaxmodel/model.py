@@ -66,12 +66,21 @@ class OnMesh(NamedTuple):
         return w
 
 
-def _param(weights, key, dtype):
+def _param(weights, key, dtype, store=None):
     """A checkpoint tensor rounded to param_dtype on the host (numpy/ml_dtypes round to
-    nearest even, the same on every platform); on a mesh, placed shard by shard."""
+    nearest even, the same on every platform); on a mesh, placed shard by shard. store: a
+    wider dtype to keep the rounded values in (exactly; ops.Widened), else dtype."""
     if isinstance(weights, OnMesh):
-        return nnx.Param(weights.layout.weight(key, weights.tensors[key], dtype))
-    return nnx.Param(_as_param(weights[key], dtype))
+        return nnx.Param(weights.layout.weight(key, weights.tensors[key], dtype, store))
+    w = _as_param(weights[key], dtype)
+    return nnx.Param(w if store is None else w.astype(store))
+
+
+def _store(ops, policy: Policy):
+    """The dtype matrices are kept in: ops.widened_dtype on the default path (a bf16/f16 policy on
+    the CPU: their values rounded to param_dtype, held in f32, so no dot converts them), else
+    None (param_dtype). The memory is then the fp32 model's; the numbers are the same."""
+    return None if ops is invariant else ops.widened_dtype(policy)
 
 
 def _layout_of(weights) -> MeshLayout | None:
@@ -112,7 +121,8 @@ class Linear(nnx.Module):
     mesh ("heads" for o_proj, "mlp" for down_proj; None: its output rows, or nothing, are)."""
 
     def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy, split_in: str | None = None):
-        self.weight = _param(weights, key + ".weight", dtype)
+        self.widened = _store(ops, policy) is not None      # weight kept as ops.Widened takes it
+        self.weight = _param(weights, key + ".weight", dtype, _store(ops, policy))
         self.bias = _param(weights, key + ".bias", dtype) if bias else None
         self.ops = ops
         layout = _layout_of(weights)
@@ -129,6 +139,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x, policy: Policy, out_dtype=None):
         w = self.packed_weight() if self.ops is invariant else self.weight[...]
+        w = ops.Widened(w) if self.widened else w
         b = None if self.bias is None else self.bias[...]
         if self.row_parallel:
             return row_parallel(self.layout, x, w, b, policy, self.row_parallel, self.reduce, out_dtype)
@@ -141,8 +152,11 @@ class Linear(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    def __init__(self, weights, key, dtype):
-        self.weight = _param(weights, key + ".weight", dtype)
+    """The token table. store: a wider dtype to keep it in (_store: when it is also the lm_head)."""
+
+    def __init__(self, weights, key, dtype, store=None):
+        self.weight = _param(weights, key + ".weight", dtype, store)
+        self.widened = store is not None
 
     def __call__(self, ids):
         return self.weight[...][ids]
@@ -276,7 +290,9 @@ class Llama(nnx.Module):
             weights = OnMesh(weights, layout)
         self.ops = ops_for(batch_invariant)
         dt = numpy_dtype(policy.param_dtype)
-        self.embed_tokens = Embedding(weights, "model.embed_tokens", dt)
+        # a tied table is also the lm_head's matrix: kept as the Linears keep theirs
+        self.embed_tokens = Embedding(weights, "model.embed_tokens", dt,
+                                      _store(self.ops, policy) if cfg.tie_word_embeddings else None)
         self.layers = nnx.List([Block(cfg, weights, i, dt, self.ops, policy) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, self.ops, policy)
@@ -290,7 +306,8 @@ class Llama(nnx.Module):
         """The lm_head as the ops take it: the matrix, or (invariant) its packed form."""
         if self.batch_invariant:
             return invariant.PackedWeight(self.head_packed[...], *self.head_meta)
-        return (self.embed_tokens if self.lm_head is None else self.lm_head).weight[...]
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return ops.Widened(head.weight[...]) if head.widened else head.weight[...]
 
     def __call__(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None,
                  scan=False):
@@ -631,7 +648,7 @@ class LlamaModel:
         out = {}
         for path, var in nnx.to_flat_state(nnx.filter_state(self.state, nnx.Param)):
             key = checkpoint_key(".".join(map(str, path)))
-            w = to_host(var[...])
+            w = to_host(var[...]).astype(numpy_dtype(self.policy.param_dtype))   # a widened matrix: exact
             if self.layout is not None and ("k_proj." in key or "v_proj." in key):
                 w = self.layout.unrepeat(w.reshape(-1, self.cfg.head_dim, *w.shape[1:]), 0).reshape(-1, *w.shape[1:])
             out[key] = w

@@ -7,6 +7,8 @@ meaning of each knob is defined in llamaspec/policy.py).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -138,6 +140,23 @@ def attention(q, k, v, allowed, policy: Policy):
     return o.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Widened:
+    """A weight already as _matmul's CPU path feeds it to the dot: rounded to compute_dtype,
+    stored in accum_dtype (exact: every bf16 / f16 value is an f32). model.py keeps the
+    matrices of a bf16/f16 policy so on the CPU (widened_dtype), so that a dot does not convert
+    the whole weight on every call (a decode step's matrix-vector products read it once)."""
+    data: jax.Array
+
+
+def widened_dtype(policy: Policy):
+    """accum_dtype when _matmul widens compute_dtype operands to it (a bf16/f16 policy on the
+    CPU), else None: the dtype model.py stores the matrices in."""
+    compute, accum = of(policy.compute_dtype), of(policy.accum_dtype)
+    return accum if accum.itemsize > compute.itemsize and jax.default_backend() == "cpu" else None
+
+
 def _matmul(a, b, dims, policy: Policy):
     """dot_general with inputs rounded to compute_dtype and sums in accum_dtype.
 
@@ -145,11 +164,20 @@ def _matmul(a, b, dims, policy: Policy):
     to accum first on CPU: products of bf16/f16 numbers are exact in f32, so this is the
     same arithmetic on XLA:CPU's f32 kernels (chosen for speed: docs/measurements.md).
     GPUs keep the native low-precision dot, which is what their tensor cores are for.
+    b may be Widened (a weight stored so): then it goes to the dot as it is, the same values
+    in the same dtype as the conversions would make.
     """
     compute, accum = of(policy.compute_dtype), of(policy.accum_dtype)
-    a, b = a.astype(compute), b.astype(compute)
-    if accum.itemsize > compute.itemsize and jax.default_backend() == "cpu":
-        a, b = a.astype(accum), b.astype(accum)
+    wide = widened_dtype(policy) is not None
+    a = a.astype(compute)
+    if isinstance(b, Widened):
+        b = b.data if wide else b.data.astype(compute)
+    else:
+        b = b.astype(compute)
+        if wide:
+            b = b.astype(accum)
+    if wide:
+        a = a.astype(accum)
     return lax.dot_general(a, b, dims, precision=matmul_precision(policy),
                            preferred_element_type=accum)
 

@@ -178,13 +178,16 @@ class MeshLayout:
         full = NamedSharding(self.mesh, P())
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, full), tree)
 
-    def put(self, x, *logical, dtype=None) -> jax.Array:
+    def put(self, x, *logical, dtype=None, store=None) -> jax.Array:
         """A host array (a memory-mapped checkpoint tensor included) as a global array laid out by
         its logical axes: each device's block read, rounded to dtype (numpy: round to nearest
-        even, as on every platform) and copied on its own."""
+        even, as on every platform), kept in `store` (a wider dtype: exact; default dtype) and
+        copied on its own."""
         dtype = np.dtype(dtype or x.dtype)
+        store = np.dtype(store or dtype)
         sharding = self.sharding(*logical)
-        return jax.make_array_from_callback(tuple(x.shape), sharding, lambda idx: np.asarray(x[idx]).astype(dtype))
+        return jax.make_array_from_callback(tuple(x.shape), sharding,
+                                            lambda idx: np.asarray(x[idx]).astype(dtype).astype(store))
 
     def put_batch(self, x) -> jax.Array:
         """A per-row input [B, ...] (ids, mask, positions, injected states) split over `data`."""
@@ -196,11 +199,12 @@ class MeshLayout:
         x = np.asarray(x)
         return self.put(x, *((None,) * x.ndim))
 
-    def weight(self, key: str, w, dtype) -> jax.Array:
-        """Checkpoint tensor `key` in param_dtype, laid out by PARAM_AXES (KV heads repeated)."""
+    def weight(self, key: str, w, dtype, store=None) -> jax.Array:
+        """Checkpoint tensor `key` in param_dtype (kept in `store`), laid out by PARAM_AXES (KV
+        heads repeated)."""
         if self.kv_repeat > 1 and ("k_proj." in key or "v_proj." in key):
             w = repeat_heads(np.asarray(w), self.kv_repeat, self.head_dim)
-        return self.put(w, *param_axes(key), dtype=dtype)
+        return self.put(w, *param_axes(key), dtype=dtype, store=store)
 
     def unrepeat(self, x, axis: int):
         """An array with each KV head kept kv_repeat times along `axis` -> each head once."""

@@ -312,3 +312,38 @@ def test_the_two_models_mirror_each_other(tiny_dir):
         _, cache = m.decode(cache, ids[:, 0])
         keys.append(sorted(cache))
     assert keys[0] == keys[1] == ["index", "k", "mask", "next_pos", "v"]
+
+
+@pytest.mark.parametrize("policy,config", [("bf16", "gqa"), ("bf16", "tied"), ("fp16", "bias")])
+def test_jaxmodel_widened_weights_change_no_bit(policy, config, tiny_dir, monkeypatch):
+    """A 16-bit policy on the CPU keeps jaxmodel's matrices widened to f32 (their values rounded to
+    the param dtype, held exactly), so no dot converts a whole weight per call: logits, every tap,
+    the prefill, a decode step and the greedy tokens are bitwise those of the model that keeps them
+    in the param dtype; weights() still gives the param dtype."""
+    import jax
+
+    import jaxmodel
+    import jaxmodel.model as jm
+    from llamaspec import load_weights
+    if jax.default_backend() != "cpu":
+        pytest.skip("the widened storage is the CPU path")
+    cfg, w = load_weights(tiny_dir(config))
+    ids, mask = np.random.default_rng(3).integers(3, 96, (3, 13)), np.ones((3, 13), np.int64)
+    mask[2, :5] = 0
+
+    def run(m):
+        logits, acts = m.capture(ids, mask, taps=["*"])
+        first, cache = m.prefill(ids, mask, 20)
+        step, _ = m.decode(cache, first.argmax(-1))
+        return {"logits": logits, **acts, "prefill": first, "decode": step,
+                "greedy": m.generate(ids, mask, max_new_tokens=5)}
+
+    wide = jaxmodel.from_weights(cfg, w, policy)
+    assert wide.model.layers[0].mlp.up_proj.weight[...].dtype == np.float32
+    assert wide.weights()["model.layers.0.mlp.up_proj.weight"].dtype == jm.numpy_dtype(Policy.get(policy).param_dtype)
+    monkeypatch.setattr(jm, "_store", lambda ops, policy: None)
+    narrow = jaxmodel.from_weights(cfg, w, policy)
+    assert narrow.model.layers[0].mlp.up_proj.weight[...].dtype != np.float32
+    a, b = run(wide), run(narrow)
+    for key in b:
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
