@@ -88,6 +88,23 @@ if job.get("port"):           # a user's own JAX port with sharded params, throu
     import torchref
     out["port|ref_logits"] = torchref.from_pretrained(job["checkpoint"], policy="fp64").capture(
         ids, mask, ["logits"])[0]
+    # an NNX module with a sharded state (jaxmodel's own Llama on a mesh, as a user's module), NnxModule
+    from compare.adapters.generic import NnxModule
+    from jaxmodel.model import Llama, causal_allowed
+    from jaxmodel.sharding import layout_for
+    from llamaspec import Policy
+    module = Llama(cfg, Policy.get("fp32"), weights, False, layout_for(cfg, {"data": 2, "tensor": 2}))
+
+    def nnx_forward(module, ids, mask, positions):
+        return module(jnp.asarray(ids), jnp.asarray(positions), causal_allowed(jnp.asarray(mask), ids.shape[1]))[0]
+    nnx_port = NnxModule(module, {"layers.{i}.out": "layers.{i}"}, name="sharded nnx llama", forward=nnx_forward,
+                         num_layers=cfg.num_hidden_layers)
+    report = compare.compare_models("torchref", nnx_port, job["checkpoint"], inputs=(ids, mask),
+                                    teacher_forcing=False)
+    out["nnx|verdict"] = np.asarray(report.verdict)
+    twin = nnx_port.float64()
+    out["nnx|twin_devices"] = np.asarray(sorted({len(x.sharding.device_set) for x in jax.tree.leaves(
+        twin.module.layers[0].mlp.up_proj.weight[...])}))
 for policy in job.get("policies", ()):
     for mesh in job["meshes"]:
         name = f"{policy}|{'none' if mesh is None else ','.join(f'{k}={v}' for k, v in sorted(mesh.items()))}"

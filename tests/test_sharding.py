@@ -221,10 +221,15 @@ def test_probe_where_sharding_circumstance(tmp_path):
 def test_a_users_sharded_jax_port(tmp_path):
     """A user's own JAX port (a plain function, JaxFunction) whose params are sharded over a 2 x 2
     mesh of their own: compared with torchref as it is (its taps gathered to numpy), drift at
-    fp32; its float64 twin keeps the params sharded and agrees with torchref at fp64."""
+    fp32; its float64 twin keeps the params sharded and agrees with torchref at fp64. An NNX module
+    with a sharded state (jaxmodel's own Llama on a 2 x 2 mesh, through NnxModule): drift at fp32,
+    its twin's state still sharded (its logits are not checked: that module computes at its
+    policy whatever its state's dtype, unlike a user's)."""
     ckpt = make_checkpoint(tmp_path / "gqa", num_key_value_heads=2, **SHARDED)
     (r,) = run_workers([{"checkpoint": str(ckpt), "devices": 4, "port": True}], tmp_path)
     assert str(r["port|verdict"]) in ("exact", "drift")
     assert set(r["port|twin_devices"].tolist()) == {4}
     real = r["mask"].astype(bool)
     assert np.abs(r["port|twin_logits"][real] - r["port|ref_logits"][real]).max() < 1e-10
+    assert str(r["nnx|verdict"]) in ("exact", "drift")
+    assert set(r["nnx|twin_devices"].tolist()) == {4}
