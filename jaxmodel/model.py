@@ -13,7 +13,8 @@ every decode step, and passing the state as an argument keeps the weights inputs
 compiled program, never constants in it.
 
 The KV cache is a plain dict passed in and returned, with torchref's keys: k, v [L, B, S,
-Hkv, D] in compute_dtype, mask [B, S] (slots holding a real token), next_pos [B] (next
+Hkv, D] in compute_dtype (a 16-bit policy on the CPU holds them widened to f32: the same
+values, ops.Widened), mask [B, S] (slots holding a real token), next_pos [B] (next
 position per row) and index (the slot the next token is written to). With dynamic NTK
 RoPE past max_position_embeddings, cached keys keep the rotation they were written with,
 as in transformers.
@@ -208,6 +209,8 @@ class Attention(nnx.Module):
                                    v=cache.v.at[layer, rows, slots].set(self.stored(v).astype(cache.v.dtype)))
             allowed = self.cache_allowed(ctx.allowed, cache.index)
             k, v = cache.k[layer], cache.v[layer]
+            if k.dtype != q.dtype:      # a widened cache (_empty_cache): compute values held in f32
+                k, v = ops.Widened(k), ops.Widened(v)
         out = shard(lay, self.ops.attention(q, k, v, allowed, ctx.policy), "batch", None, "heads", None)
         out = rec("attn_ctx", out.reshape(B, T, -1))
         return self.o_proj(out, ctx.policy), cache
@@ -505,10 +508,12 @@ def _forward(graphdef, state, ids, mask, positions, inject, *, taps):
 
 
 def _empty_cache(model, B: int, S: int) -> KV:
+    """Keys and values in compute_dtype; a 16-bit policy on the CPU keeps them widened to f32
+    (the same values: _store), as its matrices."""
     cfg = model.cfg
     shape = (cfg.num_hidden_layers, B, S, model.layers[0].self_attn.kv_heads, cfg.head_dim)
-    zeros = shard(model.layout, jnp.zeros(shape, of(model.policy.compute_dtype)), None, "batch", None, "kv_heads",
-                  None)
+    dtype = _store(model.ops, model.policy) or of(model.policy.compute_dtype)
+    zeros = shard(model.layout, jnp.zeros(shape, dtype), None, "batch", None, "kv_heads", None)
     return KV(zeros, zeros, jnp.zeros(B, jnp.int32))
 
 

@@ -149,6 +149,10 @@ class Widened:
     the whole weight on every call (a decode step's matrix-vector products read it once)."""
     data: jax.Array
 
+    @property
+    def shape(self):
+        return self.data.shape
+
 
 def widened_dtype(policy: Policy):
     """accum_dtype when _matmul widens compute_dtype operands to it (a bf16/f16 policy on the
