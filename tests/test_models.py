@@ -214,9 +214,17 @@ def test_weights_keep_checkpoint_names_shapes_and_param_dtype(framework, tiny_di
         assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == got    # the loaded model: HF's keys
     else:
         from flax import nnx
-        flat = nnx.to_flat_state(m.state)
+
+        from jaxmodel import ops
+        flat = [(p, np.asarray(v[...])) for p, v in nnx.to_flat_state(m.state)]
         got = {key(".".join(map(str, p))): tuple(v.shape) for p, v in flat}
-        assert all(v.dtype == ml_dtypes.bfloat16 for _, v in flat)
+        # on the CPU a bf16 model keeps its matrices widened to f32 (ops.Widened): bf16 values, held exactly
+        wide = ops.widened_dtype(m.policy)
+        for p, v in flat:
+            assert v.dtype == ml_dtypes.bfloat16 or (v.dtype == wide and v.ndim == 2), (p, v.dtype)
+            assert np.array_equal(v.astype(ml_dtypes.bfloat16).astype(v.dtype), v), p
+        assert wide is None or any(v.dtype == wide for _, v in flat)
+        assert all(w.dtype == ml_dtypes.bfloat16 for w in m.weights().values())
     assert got == want
 
 

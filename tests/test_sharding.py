@@ -123,6 +123,7 @@ def test_two_processes_match_one_process_bitwise(tmp_path):
         np.testing.assert_array_equal(two[key], one[key], err_msg=key)
 
 
+@pytest.mark.slow     # on demand (make test-all): the default suite keeps the fp64, process and control tests
 def test_invariant_mode_on_a_mesh_is_bitwise_the_unsharded_one(tmp_path):
     """The batch-invariant mode on a mesh: the same logits and greedy tokens, bit for bit, as
     without one (its fixed-order products run whole on each device: docs/sharding.md)."""
@@ -201,6 +202,7 @@ def test_planted_sharding_bugs_are_found_at_their_layer_and_component(tmp_path):
         assert verdict == control.verdict and tap == (control.expected_tap or "")
 
 
+@pytest.mark.slow     # on demand (make test-all): the default suite keeps the fp64, process and control tests
 def test_probe_where_sharding_circumstance(tmp_path):
     """probe where --circumstance sharding on the tiny GQA model (8 heads, 2 KV heads): one device
     against tensor 2, 4, 8 and data 2. The default mode parts from the one-device run only by
@@ -218,6 +220,7 @@ def test_probe_where_sharding_circumstance(tmp_path):
         assert verdict == "exact" and equal == taps, (m, verdict, first, f"{equal}/{taps}")
 
 
+@pytest.mark.slow     # on demand (make test-all): the default suite keeps the fp64, process and control tests
 def test_a_users_sharded_jax_port(tmp_path):
     """A user's own JAX port (a plain function, JaxFunction) whose params are sharded over a 2 x 2
     mesh of their own: compared with torchref as it is (its taps gathered to numpy), drift at
