@@ -43,7 +43,7 @@ from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill
 
 from . import invariant, ops
 from .dtypes import compiler_options, numpy_dtype, of
-from .sharding import MeshLayout, add_in_order, layout_for, repeat_heads, row_parallel, to_host
+from .sharding import MeshLayout, add_in_order, layout_for, row_parallel, to_host
 
 CACHE_BLOCK = 64  # cache length is rounded up to this, so prompts of similar length share a compile
 
@@ -61,10 +61,7 @@ class OnMesh(NamedTuple):
 
     def host(self, key, dtype) -> np.ndarray:
         """Tensor `key` rounded to dtype on the host, KV heads repeated as on the devices."""
-        w = np.asarray(self.tensors[key]).astype(dtype)
-        if self.layout.kv_repeat > 1 and ("k_proj." in key or "v_proj." in key):
-            w = repeat_heads(w, self.layout.kv_repeat, self.layout.head_dim)
-        return w
+        return np.asarray(self.layout.as_stored(key, self.tensors[key])).astype(dtype)
 
 
 def _param(weights, key, dtype, store=None):
@@ -122,8 +119,9 @@ class Linear(nnx.Module):
     mesh ("heads" for o_proj, "mlp" for down_proj; None: its output rows, or nothing, are)."""
 
     def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy, split_in: str | None = None):
-        self.widened = _store(ops, policy) is not None      # weight kept as ops.Widened takes it
-        self.weight = _param(weights, key + ".weight", dtype, _store(ops, policy))
+        store = _store(ops, policy)
+        self.widened = store is not None      # weight kept as ops.Widened takes it
+        self.weight = _param(weights, key + ".weight", dtype, store)
         self.bias = _param(weights, key + ".bias", dtype) if bias else None
         self.ops = ops
         layout = _layout_of(weights)
@@ -635,10 +633,14 @@ class LlamaModel:
         split over the mesh's data axis on a mesh, else as it is."""
         return x if self.layout is None else self.layout.put_batch(x)
 
+    def _inputs(self, run: Layout) -> tuple:
+        """The run's ids, mask and positions, placed (_put)."""
+        return tuple(map(self._put, (run.ids, run.mask, run.positions)))
+
     def _forced(self, forced: dict, run: Layout | None = None) -> dict:
         """inject's states in the residual dtype (rounded on the host), placed."""
         states = {i: to_residual(x if run is None else run.place(x), self.policy) for i, x in forced.items()}
-        return {i: jnp.asarray(x) if self.layout is None else self.layout.put_batch(x) for i, x in states.items()}
+        return {i: jnp.asarray(x) if self.layout is None else self._put(x) for i, x in states.items()}
 
     @property
     def model(self) -> Llama:
@@ -654,9 +656,7 @@ class LlamaModel:
         for path, var in nnx.to_flat_state(nnx.filter_state(self.state, nnx.Param)):
             key = checkpoint_key(".".join(map(str, path)))
             w = to_host(var[...]).astype(numpy_dtype(self.policy.param_dtype))   # a widened matrix: exact
-            if self.layout is not None and ("k_proj." in key or "v_proj." in key):
-                w = self.layout.unrepeat(w.reshape(-1, self.cfg.head_dim, *w.shape[1:]), 0).reshape(-1, *w.shape[1:])
-            out[key] = w
+            out[key] = w if self.layout is None else self.layout.as_checkpoint(key, w)
         return out
 
     def _layout(self, ids, mask, extra_length=0) -> Layout:
@@ -668,7 +668,7 @@ class LlamaModel:
         """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
-        logits, _ = self._forward(self.state, *map(self._put, (run.ids, run.mask, run.positions)), {}, taps=())
+        logits, _ = self._forward(self.state, *self._inputs(run), {}, taps=())
         return jnp.asarray(run.restore(logits)) if self.batch_invariant else logits
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
@@ -684,8 +684,7 @@ class LlamaModel:
         # the program depends on which tap names are asked for, not at which layers
         program_taps = tuple(sorted({n if tapnames.layer_of(n) is None
                                      else "layers.*." + tapnames.parse(n)[1] for n in names}))
-        logits, acts = self._forward(self.state, *map(self._put, (run.ids, run.mask, run.positions)), forced,
-                                     taps=program_taps)
+        logits, acts = self._forward(self.state, *self._inputs(run), forced, taps=program_taps)
         acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
         return run.restore(logits), {n: run.restore(_pick(acts, n)) for n in names}
 
@@ -698,7 +697,7 @@ class LlamaModel:
         run = self._layout(ids, mask, extra_length=total_len - ids.shape[1])
         cache_len = -(-max(total_len, run.ids.shape[1]) // CACHE_BLOCK) * CACHE_BLOCK
         forced = check_inject(self.cfg, inject, ids.shape)
-        inputs = tuple(map(self._put, (run.ids, run.mask, run.positions)))
+        inputs = self._inputs(run)
         if not forced:
             logits, cache = self._prefill(self.state, *inputs, cache_len=cache_len)
             return np.asarray(logits), cache
@@ -720,8 +719,7 @@ class LlamaModel:
         cache_len = -(-max(total_len, run.ids.shape[1]) // CACHE_BLOCK) * CACHE_BLOCK
         forced = self._forced(check_inject(self.cfg, inject, ids.shape), run)
         logits, cache, acts = _prefill_capture_program(self.graphdef)(
-            self.state, *map(self._put, (run.ids, run.mask, run.positions)), forced, cache_len=cache_len,
-            taps=tuple(names))
+            self.state, *self._inputs(run), forced, cache_len=cache_len, taps=tuple(names))
         return np.asarray(logits), cache, {n: np.asarray(acts[n]) for n in names}
 
     def decode(self, cache, next_ids):

@@ -50,6 +50,9 @@ from jax.sharding import PartitionSpec as P
 from llamaspec import LlamaConfig, Policy
 from llamaspec.errors import ConfigError, InputError
 
+from . import ops
+from .dtypes import of
+
 AXES = ("data", "tensor")
 
 # logical axis -> mesh axis. The whole layout policy of the model is this table.
@@ -202,9 +205,21 @@ class MeshLayout:
     def weight(self, key: str, w, dtype, store=None) -> jax.Array:
         """Checkpoint tensor `key` in param_dtype (kept in `store`), laid out by PARAM_AXES (KV
         heads repeated)."""
-        if self.kv_repeat > 1 and ("k_proj." in key or "v_proj." in key):
-            w = repeat_heads(np.asarray(w), self.kv_repeat, self.head_dim)
-        return self.put(w, *param_axes(key), dtype=dtype, store=store)
+        return self.put(self.as_stored(key, w), *param_axes(key), dtype=dtype, store=store)
+
+    def repeats(self, key: str) -> bool:
+        """Whether the weight under checkpoint key `key` is stored with its KV heads repeated."""
+        return self.kv_repeat > 1 and ("k_proj." in key or "v_proj." in key)
+
+    def as_stored(self, key: str, w):
+        """A checkpoint tensor as the model stores it (KV heads repeated where they are)."""
+        return repeat_heads(np.asarray(w), self.kv_repeat, self.head_dim) if self.repeats(key) else w
+
+    def as_checkpoint(self, key: str, w: np.ndarray) -> np.ndarray:
+        """A stored tensor back in the checkpoint's shape (each KV head once)."""
+        if not self.repeats(key):
+            return w
+        return self.unrepeat(w.reshape(-1, self.head_dim, *w.shape[1:]), 0).reshape(-1, *w.shape[1:])
 
     def unrepeat(self, x, axis: int):
         """An array with each KV head kept kv_repeat times along `axis` -> each head once."""
@@ -287,8 +302,6 @@ def row_parallel(layout: MeshLayout, x, w, b, policy: Policy, axis: str, reduce=
     products in accum_dtype, gathered to every shard (exact), added in shard order by `reduce`
     (default: add_in_order; a planted-bug control replaces it), then the bias and one rounding,
     as ops.linear does. With layout.sums "all-reduce" the partial sums go to XLA's psum instead."""
-    from . import ops
-    from .dtypes import of
     accum = of(policy.accum_dtype)
     lead = (None,) * (x.ndim - 2)
 

@@ -15,6 +15,7 @@ import pytest
 
 from llamaspec import LlamaConfig
 from llamaspec.errors import InputError
+from llamaspec.files import atomic_write
 from llamaspec.testing import make_checkpoint
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
@@ -35,7 +36,7 @@ def run_workers(jobs: list[dict], folder: Path, timeout=600) -> list[dict]:
     a job with "process": [i, n, port] is one of n processes of a jax.distributed run."""
     def one(i, job):
         spec, out = folder / f"job{i}.json", folder / f"out{i}.npz"
-        spec.write_text(json.dumps(job))
+        atomic_write(spec, json.dumps(job), "worker job")
         done = subprocess.run([sys.executable, str(WORKER), str(spec), str(out)], capture_output=True,
                               text=True, timeout=timeout, env={**os.environ, "PYTHONHASHSEED": "0"})
         assert done.returncode == 0, f"worker {i} failed:\n{done.stderr[-4000:]}"
@@ -160,11 +161,12 @@ def test_kv_heads_fewer_than_shards_are_repeated_and_vocab_replicated():
     rules, repeat = check_sizes(_cfg(num_key_value_heads=2, vocab_size=99), 8)
     assert repeat == 4 and rules["vocab"] is None and rules["heads"] == "tensor"
     assert check_sizes(_cfg(num_key_value_heads=8), 4) == ({**rules, "vocab": "tensor"}, 1)
-    # query head h reads KV head h // (Hq / Hkv) before and (a copy of it) after the repeat
-    w = np.arange(2 * 4 * 3).reshape(2 * 4, 3)          # 2 KV heads of head_dim 4
+    # 8 query heads: before, query head h reads KV head h // 4 (2 KV heads); after the repeat there
+    # are 8 stored heads, one per query head, and stored head h must be a copy of KV head h // 4
+    w = np.arange(2 * 4 * 3).reshape(2 * 4, 3)          # 2 KV heads of head_dim 4, hidden 3
     rep = repeat_heads(w, 4, 4).reshape(8, 4, 3)
     for h in range(8):
-        np.testing.assert_array_equal(rep[h // (8 // 8)], w.reshape(2, 4, 3)[h // 4])
+        np.testing.assert_array_equal(rep[h], w.reshape(2, 4, 3)[h // 4])
 
 
 def test_mesh_arguments_are_checked():

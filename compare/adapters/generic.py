@@ -412,7 +412,7 @@ def _x64_leaf(x):
             import jax
             import jax.numpy as jnp
             with jax.enable_x64(True):
-                return jax.jit(lambda a: a.astype(jnp.float64), out_shardings=x.sharding)(x)
+                return x.astype(jnp.float64)
         return np.asarray(x).astype(np.float64)
     return x
 

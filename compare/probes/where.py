@@ -555,6 +555,7 @@ def _sharded(setup: _Setup, meshes, progress) -> list[dict]:
     from jaxmodel.sharding import make_mesh
 
     from ..adapters import OurModel
+    from ..adapters.ours import fp64_policy
     main = setup.impls["main"]
     if getattr(main, "package", None) != "jaxmodel" or getattr(main, "mesh", None) is not None:
         raise ValueError(f"probe where, sharding: the model must be jaxmodel on one device, not "
@@ -571,9 +572,12 @@ def _sharded(setup: _Setup, meshes, progress) -> list[dict]:
         key = f"mesh {mesh_label(mesh)}"
         if progress:
             progress(f"where: loading jaxmodel on {key} and its float64 twin")
-        sharded = OurModel(jaxmodel.from_weights(model.cfg, weights, model.policy, model.batch_invariant, mesh=mesh))
-        setup.impls[key] = sharded
-        setup.impls[key + " twin"] = sharded.float64(rounded_weights=True)
+        # both from the main model's rounded weights, read once (a twin from the sharded model's
+        # weights() would gather the same values again per mesh)
+        setup.impls[key] = OurModel(jaxmodel.from_weights(model.cfg, weights, model.policy, model.batch_invariant,
+                                                          mesh=mesh))
+        setup.impls[key + " twin"] = OurModel(jaxmodel.from_weights(model.cfg, weights, fp64_policy(model.policy),
+                                                                    mesh=mesh))
     return meshes
 
 
