@@ -61,5 +61,11 @@ test-all: model
 bench: model
 	$(BIN)/python -m bench.bench_models
 
+# The same benchmark with the libraries capped to an instruction set (CAP_avx2 ...), as on
+# other users' CPUs: `make bench-cap-avx2`.
+bench-cap-%: model
+	@test -n "$(CAP_$*)" || { echo "unknown cap $* (avx512, avx2, baseline)"; exit 2; }
+	env $(CAP_$*) $(BIN)/python -m bench.bench_models
+
 clean-venv:
 	rm -rf $(VENV)

@@ -1,12 +1,25 @@
-"""Prefill and decode speed of torchref, jaxmodel and transformers, side by side, one run.
+"""Prefill and decode speed of torchref, jaxmodel and transformers (sdpa and eager), side by
+side in one run, each as a ratio to transformers sdpa.
 
     .venv/bin/python -m bench.bench_models [--checkpoint DIR] [--policy fp32 bf16]
-                                           [--prompt-len 256] [--decode 32] [--repeats 3]
+        [--prefill 128 512 2048] [--decode-batch 1 8] [--decode-steps 32] [--repeats 5]
+        [--impl torchref jaxmodel sdpa eager] [--out FILE]
 
-Prefill: one forward over a [1, prompt_len] prompt (last-position logits), median of
-repeats after one warm-up (which includes JAX compilation). Decode: ms per token over
-`decode` greedy steps after a prefill, with a KV cache in every implementation.
-Prints a table and writes JSON to bench/results/models-<time>.json.
+Every model is loaded once, then each case (prefill of T tokens at batch 1: the last
+position's logits and a filled KV cache; decode at batch B: ms per greedy step after a
+128-token prefill) runs once per implementation in turn, `repeats` rounds, so that a
+slow phase of the machine hits every implementation alike (interleaved); the table shows
+the median. Each case's first call is timed apart ("first s": JAX's compile, or its load
+from the persistent compilation cache, plus the first run; torch's allocator warm-up) and
+left out of the median. ratio = transformers sdpa's median / this one's (above 1: faster).
+
+Under an instruction-set cap (the libraries' own switches, as `make test-cap-avx2` sets
+them): `make bench-cap-avx2`. The CPU and the caps in force are printed with the table and
+saved in the JSON (bench/results/models-<time>.json unless --out).
+
+--first-forward: also measures what a second process pays before its first jaxmodel
+forward and prefill (the compilation cache): one process runs them, a second one runs them
+again, and a third prefills another prompt length of the same shape bucket.
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,128 +35,218 @@ from pathlib import Path
 import numpy as np
 
 from compare.environment import environment
+from llamaspec.files import atomic_write
+
+IMPLS = ("torchref", "jaxmodel", "sdpa", "eager")
+DECODE_PROMPT = 128      # the prompt a decode case starts from
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up: compilation, allocator, caches
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class Ours:
+    """torchref / jaxmodel: prefill(ids, mask, total) and decode(cache, ids), as generate uses them."""
+
+    def __init__(self, package: str, folder, policy: str):
+        import importlib
+        self.m = importlib.import_module(package).from_pretrained(folder, policy=policy)
+
+    def prefill(self, ids, total: int):
+        logits, cache = self.m.prefill(ids, np.ones_like(ids), total)
+        return np.asarray(logits), cache
+
+    def step(self, cache, nxt):
+        logits, cache = self.m.decode(cache, nxt)
+        return np.asarray(logits), cache
 
 
-def bench_ours(module, folder, policy, ids, n_decode, repeats):
-    return time_prefill_decode(module.from_pretrained(folder, policy=policy), ids, n_decode,
-                               repeats)
+class Transformers:
+    """LlamaForCausalLM at the policy's param dtype with one attention implementation."""
+
+    def __init__(self, folder, policy: str, attn: str):
+        import torch
+        from transformers import LlamaForCausalLM
+
+        from llamaspec import Policy
+        from torchref.dtypes import dt
+        self.torch = torch
+        # transformers follows torch's global fp32 matmul mode; pinned as our policies pin it
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if policy == "tf32" else "ieee"
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.hf = LlamaForCausalLM.from_pretrained(folder, dtype=dt(Policy.get(policy).param_dtype),
+                                                   attn_implementation=attn).eval().to(self.device)
+
+    def _sync(self):
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def _cache_kw(self, kv) -> dict:
+        """transformers 5 names the KV cache argument `cache` (past_key_values before)."""
+        import inspect
+        name = "cache" if "cache" in inspect.signature(self.hf.model.forward).parameters else "past_key_values"
+        return {name: kv}
+
+    def prefill(self, ids, total: int):
+        from transformers import DynamicCache
+        with self.torch.inference_mode():
+            kv = DynamicCache(config=self.hf.config)    # filled in place, then decoded on
+            out = self.hf(self.torch.from_numpy(ids).to(self.device), use_cache=True, logits_to_keep=1,
+                          **self._cache_kw(kv))
+            self._sync()
+            return out.logits[:, -1].float().cpu().numpy(), kv
+
+    def step(self, kv, nxt):
+        with self.torch.inference_mode():
+            x = self.torch.from_numpy(np.asarray(nxt).reshape(-1, 1)).to(self.device)
+            out = self.hf(x, use_cache=True, **self._cache_kw(kv))
+            self._sync()
+            return out.logits[:, -1].float().cpu().numpy(), kv
 
 
-def time_prefill_decode(m, ids, n_decode, repeats):
-    """(prefill seconds, decode seconds per token) of a loaded model of ours: medians of
-    `repeats` runs after a warm-up (which includes JAX compilation)."""
-    prefill = _median_time(lambda: m.prefill(ids, np.ones_like(ids), ids.shape[1] + n_decode), repeats)
-    decode_seconds_per_token(m, ids, n_decode)
-    decode = statistics.median(decode_seconds_per_token(m, ids, n_decode) for _ in range(repeats))
-    return prefill, decode
+def load(impl: str, folder, policy: str):
+    if impl in ("torchref", "jaxmodel"):
+        return Ours(impl, folder, policy)
+    return Transformers(folder, policy, impl)
+
+
+def prefill_case(model, ids) -> float:
+    t0 = time.perf_counter()
+    model.prefill(ids, ids.shape[1] + 1)
+    return time.perf_counter() - t0
+
+
+def decode_case(model, ids, steps: int) -> float:
+    """Seconds per greedy step after an (untimed) prefill of ids."""
+    logits, cache = model.prefill(ids, ids.shape[1] + steps)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits, cache = model.step(cache, logits.argmax(-1))
+    return (time.perf_counter() - t0) / steps
 
 
 def decode_seconds_per_token(m, ids, n_decode) -> float:
-    """One prefill of ids (untimed), then n_decode greedy steps: seconds per step."""
-    logits, cache = m.prefill(ids, np.ones_like(ids), ids.shape[1] + n_decode)
-    t0 = time.perf_counter()
-    for _ in range(n_decode):
-        logits, cache = m.decode(cache, np.asarray(logits).argmax(-1))
-    return (time.perf_counter() - t0) / n_decode
+    """decode_case for a loaded torchref / jaxmodel LlamaModel (bench_invariant uses it)."""
+    wrapped = Ours.__new__(Ours)
+    wrapped.m = m
+    return decode_case(wrapped, np.asarray(ids), n_decode)
 
 
-def bench_transformers(folder, policy, ids, n_decode, repeats):
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from llamaspec import Policy
-    from torchref.dtypes import dt
-    dtype = dt(Policy.get(policy).param_dtype)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    # transformers follows torch's global fp32 matmul mode; pin it like our policies do.
-    torch.backends.cuda.matmul.fp32_precision = "tf32" if policy == "tf32" else "ieee"
-    hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval().to(device)
-    x = torch.from_numpy(ids).to(device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    @torch.inference_mode()
-    def prefill_run():
-        out = hf(x, use_cache=True, logits_to_keep=1)
-        sync()
-        return out
-
-    prefill = _median_time(prefill_run, repeats)
-
-    @torch.inference_mode()
-    def decode_run():
-        out = hf(x, use_cache=True, logits_to_keep=1)
-        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+def run_policy(folder, policy, impls, cases, repeats, say) -> list[dict]:
+    """Every case for every implementation at one policy: first call apart, then `repeats`
+    interleaved rounds. Returns one row per (case, impl)."""
+    models = {}
+    for impl in impls:
         t0 = time.perf_counter()
-        for _ in range(n_decode):
-            out = hf(nxt, past_key_values=past, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        sync()
-        return (time.perf_counter() - t0) / n_decode
+        models[impl] = load(impl, folder, policy)
+        say(f"  {policy} {impl}: loaded in {time.perf_counter() - t0:.1f} s")
+    first = {(c["name"], impl): c["run"](models[impl]) for c in cases for impl in impls}
+    times = {key: [] for key in first}
+    for r in range(repeats):
+        for c in cases:
+            for impl in impls:
+                times[(c["name"], impl)].append(c["run"](models[impl]))
+        say(f"  {policy}: round {r + 1}/{repeats} done")
+    rows = []
+    for c in cases:
+        base = statistics.median(times[(c["name"], "sdpa")]) if "sdpa" in impls else None
+        for impl in impls:
+            med = statistics.median(times[(c["name"], impl)])
+            rows.append({"policy": policy, "case": c["name"], "unit": c["unit"], "impl": impl,
+                         "median_s": med, "first_s": first[(c["name"], impl)],
+                         "all_s": times[(c["name"], impl)],
+                         "x_sdpa": None if base is None else base / med})
+    del models
+    return rows
 
-    decode_run()
-    decode = statistics.median(decode_run() for _ in range(repeats))
-    return prefill, decode
+
+FIRST_FORWARD = r"""
+import json, sys, time
+import numpy as np
+t0 = time.perf_counter()
+import jaxmodel
+folder, T, policy = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+m = jaxmodel.from_pretrained(folder, policy=policy)
+ids = (np.arange(T)[None] % 1000 + 3).astype(np.int64)
+out = {"import_and_load_s": time.perf_counter() - t0}
+for what, fn in (("forward", lambda: np.asarray(m(ids))),
+                 ("prefill", lambda: m.prefill(ids, np.ones_like(ids), T + 32)[0])):
+    t = time.perf_counter(); fn(); first = time.perf_counter() - t
+    t = time.perf_counter(); fn(); again = time.perf_counter() - t
+    out[what] = {"first_s": first, "again_s": again, "overhead_s": first - again}
+print(json.dumps(out))
+"""
+
+
+def first_forward(folder, policy: str, say) -> dict:
+    """What a fresh process pays before its first jaxmodel forward / prefill: process 1 (T=100)
+    fills the compilation cache, process 2 (T=100 again) and process 3 (T=110: another length in
+    the same prefill bucket; a forward of a new length compiles anew) are measured."""
+    out = {}
+    for label, T in (("process 1, T=100", 100), ("process 2, T=100", 100), ("process 3, T=110", 110)):
+        p = subprocess.run([sys.executable, "-c", FIRST_FORWARD, str(folder), str(T), policy],
+                           capture_output=True, text=True, check=True)
+        out[label] = json.loads(p.stdout.strip().splitlines()[-1])
+        r = out[label]
+        say(f"  {policy} {label}: forward first call {r['forward']['first_s']:.2f} s (again "
+            f"{r['forward']['again_s']:.2f}), prefill first call {r['prefill']['first_s']:.2f} s (again "
+            f"{r['prefill']['again_s']:.2f})")
+    return out
+
+
+def table(rows, env) -> str:
+    lines = [f"CPU: {env.get('cpu')} ({env.get('cpu isa')}; caps: {env.get('isa caps')}); "
+             f"GPU: {env.get('gpu', 'none')}",
+             f"{'policy':<7}{'case':<18}{'impl':<10}{'median':>10}{'first s':>9}{'x sdpa':>8}"]
+    for r in rows:
+        unit = r["unit"]
+        med = f"{r['median_s'] * 1e3:.1f} ms" if unit == "s" else f"{r['median_s'] * 1e3:.1f} ms/t"
+        ratio = "" if r["x_sdpa"] is None else f"{r['x_sdpa']:.2f}"
+        lines.append(f"{r['policy']:<7}{r['case']:<18}{r['impl']:<10}{med:>10}{r['first_s']:>9.2f}{ratio:>8}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--policy", nargs="+", default=["fp32", "bf16"])
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--impl", nargs="+", default=["torchref", "jaxmodel", "transformers"],
-                    choices=["torchref", "jaxmodel", "transformers"])
+    ap.add_argument("--prefill", nargs="+", type=int, default=[128, 512, 2048])
+    ap.add_argument("--decode-batch", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--first-forward", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/models-<time>.json)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
 
-    import jaxmodel
-    import torchref
     from llama_parity.fetch import resolve_checkpoint
-
     folder = resolve_checkpoint(args.checkpoint)
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
-    ids = np.random.default_rng(0).integers(3, vocab, (1, args.prompt_len))
-    runners = {
-        "torchref": lambda p: bench_ours(torchref, folder, p, ids, args.decode, args.repeats),
-        "jaxmodel": lambda p: bench_ours(jaxmodel, folder, p, ids, args.decode, args.repeats),
-        "transformers": lambda p: bench_transformers(folder, p, ids, args.decode, args.repeats),
-    }
-    impls = [(name, runners[name]) for name in args.impl]
+    rng = np.random.default_rng(0)
+    cases = []
+    for T in args.prefill:
+        ids = rng.integers(3, vocab, (1, T))
+        cases.append({"name": f"prefill {T}", "unit": "s", "run": lambda m, ids=ids: prefill_case(m, ids)})
+    for B in args.decode_batch:
+        ids = rng.integers(3, vocab, (B, DECODE_PROMPT))
+        cases.append({"name": f"decode batch {B}", "unit": "s/token",
+                      "run": lambda m, ids=ids: decode_case(m, ids, args.decode_steps)})
 
+    say = lambda msg: print(msg, flush=True)  # noqa: E731
+    env = environment(args.policy[0], True)
     rows = []
     for policy in args.policy:
-        for name, run in impls:
-            print(f"  {policy:>5} {name:<12} ...", end="", flush=True)
-            prefill, decode = run(policy)
-            print(f" prefill {prefill * 1e3:8.1f} ms, decode {decode * 1e3:7.1f} ms/token", flush=True)
-            rows.append({"policy": policy, "impl": name, "prefill_ms": prefill * 1e3,
-                         "decode_ms_per_token": decode * 1e3})
-
-    env = environment("fp32")
-    print(f"\nprefill {args.prompt_len} tokens (batch 1) and decode ms/token ({args.decode} steps), "
-          f"median of {args.repeats}; CPU: {env['cpu']} ({env['cpu isa']}; caps: {env['isa caps']}); "
-          f"GPU: {env.get('gpu', 'none')}")
-    print(f"{'policy':<7}{'impl':<14}{'prefill ms':>12}{'decode ms/tok':>15}")
-    for r in rows:
-        print(f"{r['policy']:<7}{r['impl']:<14}{r['prefill_ms']:>12.1f}{r['decode_ms_per_token']:>15.1f}")
-
+        rows += run_policy(folder, policy, args.impl, cases, args.repeats, say)
+    extra = {p: first_forward(folder, p, say) for p in args.policy} if args.first_forward else {}
+    print(f"\nprefill: batch 1, last position's logits and the KV cache; decode: ms per greedy step "
+          f"after a {DECODE_PROMPT}-token prefill, {args.decode_steps} steps; median of {args.repeats} "
+          "interleaved rounds; first s: the first call (compile or cache load + first run), apart")
+    print(table(rows, env))
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / \
         f"models-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"checkpoint": str(folder), "prompt_len": args.prompt_len,
-                               "decode_steps": args.decode, "repeats": args.repeats,
-                               "environment": env, "results": rows}, indent=1))
+    atomic_write(out, json.dumps({"checkpoint": str(folder), "repeats": args.repeats,
+                                  "decode_steps": args.decode_steps, "decode_prompt": DECODE_PROMPT,
+                                  "environment": env, "results": rows, "first_forward": extra}, indent=1),
+                 "benchmark results")
     print(f"\nwrote {out}")
     return 0
 

@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee 
 status=${PIPESTATUS[0]}
 ckpt=$(grep '^checkpoint for the benchmark:' "$OUT/log.txt" | tail -1 | cut -d' ' -f5-)
 timeout 240 "$PY" -m bench.bench_models --checkpoint "$ckpt" --policy fp32 tf32 bf16 \
-    --repeats 5 --decode 32 --out "$OUT/bench.json" 2>&1 | tee -a "$OUT/log.txt"
+    --repeats 5 --decode-steps 32 --prefill 128 512 2048 --out "$OUT/bench.json" 2>&1 | tee -a "$OUT/log.txt"
 timeout 240 "$PY" -m bench.bench_sharding --checkpoint "$ckpt" --policies fp32,bf16 --repeats 5 \
     --out "$OUT/sharding.json" 2>&1 | tee -a "$OUT/log.txt"
 exit $status

@@ -39,13 +39,20 @@ from jax import lax
 from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, generate, load_weights, positions_from_mask
 from llamaspec import taps as tapnames
 from llamaspec.forward import KV, Context, Recorder
-from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill, layout
+from llamaspec.inputs import Layout, bucket_length, check_inject, check_next_ids, check_prefill, front_padded, layout
 
 from . import invariant, ops
 from .dtypes import compiler_options, numpy_dtype, of
 from .sharding import MeshLayout, add_in_order, layout_for, row_parallel, to_host
 
 CACHE_BLOCK = 64  # cache length is rounded up to this, so prompts of similar length share a compile
+# Shape buckets: outside batch-invariant mode a prefill's prompt is front-padded to
+# llamaspec.inputs.bucket_length, so prompt lengths in one bucket share one compiled prefill
+# (and its persistent compilation cache entry) and, through the cache length, one decode step;
+# padding slots are masked and positions come from the mask, so the function is the same
+# (front_padded), its rounding the bucket's. capture / __call__ run at the caller's length
+# (the streamed ladder walks the same shapes layer by layer, bit for bit). LlamaModel.buckets
+# = False runs prefill at the prompt's own length too.
 
 
 def ops_for(batch_invariant: bool):
@@ -623,6 +630,13 @@ class LlamaModel:
         self.graphdef, self.state = nnx.split(module)
         self._forward, self._prefill, self._decode = _programs(self.graphdef, self.batch_invariant)
 
+    def compiled_programs(self) -> dict[str, int]:
+        """How many programs jit holds compiled (or loaded from the persistent cache) for the
+        forward, prefill and decode of this model's structure: one per shape (and tap set)
+        seen; models of the same structure share them. What the shape buckets save shows here."""
+        return {name: fn._cache_size() for name, fn in
+                (("forward", self._forward), ("prefill", self._prefill), ("decode", self._decode))}
+
     @property
     def mesh(self):
         """The jax.sharding.Mesh the model runs on, or None (one device)."""
@@ -659,17 +673,31 @@ class LlamaModel:
             out[key] = w if self.layout is None else self.layout.as_checkpoint(key, w)
         return out
 
-    def _layout(self, ids, mask, extra_length=0) -> Layout:
-        """The batch as the programs run it: canonical in batch-invariant mode."""
-        return layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE if self.batch_invariant else None,
-                      extra_length)
+    buckets = True     # prefill front-padded to a shape bucket (CACHE_BLOCK's comment); False: as given
+
+    def _layout(self, ids, mask, extra_length=0, bucket=False) -> Layout:
+        """The batch as the programs run it: canonical in batch-invariant mode, else front-padded
+        to its shape bucket when asked (and buckets is on), else as given."""
+        if self.batch_invariant:
+            return layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE, extra_length)
+        if bucket and self.buckets:
+            return front_padded(ids, mask, bucket_length(ids.shape[1]))
+        return layout(self.cfg, ids, mask)
+
+    @staticmethod
+    def _cache_len(run: Layout, total_len: int, prompt_len: int) -> int:
+        """KV cache slots for a prefill of prompt_len tokens to total_len, rounded up to
+        CACHE_BLOCK: total_len plus the front padding of a bucketed run (decode writes after
+        the run's width); in the canonical layout, total_len or its width if longer."""
+        need = max(total_len + run.offset, run.ids.shape[1])
+        return -(-need // CACHE_BLOCK) * CACHE_BLOCK
 
     def __call__(self, tokens, attention_mask=None):
         """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
         logits, _ = self._forward(self.state, *self._inputs(run), {}, taps=())
-        return jnp.asarray(run.restore(logits)) if self.batch_invariant else logits
+        return jnp.asarray(run.restore(logits))
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
         """(logits as numpy, {tap: numpy activation}) for the requested tap names/patterns.
@@ -694,8 +722,8 @@ class LlamaModel:
         inject {layer: [B, T, hidden]}: teacher forcing, as capture takes it (jit compiles a
         program per set of injected layers; the cache holds the forced keys and values)."""
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
-        run = self._layout(ids, mask, extra_length=total_len - ids.shape[1])
-        cache_len = -(-max(total_len, run.ids.shape[1]) // CACHE_BLOCK) * CACHE_BLOCK
+        run = self._layout(ids, mask, extra_length=total_len - ids.shape[1], bucket=True)
+        cache_len = self._cache_len(run, total_len, ids.shape[1])
         forced = check_inject(self.cfg, inject, ids.shape)
         inputs = self._inputs(run)
         if not forced:
@@ -715,12 +743,14 @@ class LlamaModel:
             raise NotImplementedError("prefill_capture: not in batch-invariant mode")
         names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
-        run = self._layout(ids, mask, extra_length=total_len - ids.shape[1])
-        cache_len = -(-max(total_len, run.ids.shape[1]) // CACHE_BLOCK) * CACHE_BLOCK
+        run = self._layout(ids, mask, extra_length=total_len - ids.shape[1], bucket=True)
+        cache_len = self._cache_len(run, total_len, ids.shape[1])
         forced = self._forced(check_inject(self.cfg, inject, ids.shape), run)
         logits, cache, acts = _prefill_capture_program(self.graphdef)(
             self.state, *self._inputs(run), forced, cache_len=cache_len, taps=tuple(names))
-        return np.asarray(logits), cache, {n: np.asarray(acts[n]) for n in names}
+        width = run.ids.shape[1]    # per-slot taps back to the caller's slots (logits, final_norm: the last)
+        acts = {n: np.asarray(acts[n]) for n in names}
+        return np.asarray(logits), cache, {n: run.restore(a) if a.shape[1] == width else a for n, a in acts.items()}
 
     def decode(self, cache, next_ids):
         """Appends one token per row at the cache's write index; returns (logits [B, V], cache)."""

@@ -2,21 +2,23 @@
 
 Per policy: both models answer the prompts greedily, each prompt alone and all of them in
 one left-padded batch (compare.probes.greedy_trace: the tokens and the top two logits at
-every step). Then every pair of answers that differ is explained with the tool's own
-machinery:
+every step; a run stops once every row has produced EOS). Then every pair of answers that
+differ is explained with the tool's own machinery:
 
     a prompt alone vs in the batch (one model)  -> the step, both tokens, each run's margin,
         the fp64 oracle's choice, and drift vs bug by the invariance probes' rule (a flip is
         rounding when the margin is within 2 x the model's own rounding threshold,
         compare.probes.compare_completion); then the same prompt in the batch-invariant mode,
         alone and batched
-    torchref vs jaxmodel, a prompt alone        -> compare.ladder.greedy.run_greedy: the step,
-        both tokens, the margin, the cause (near tie / the ladder's finding), plus the oracle
+    torchref vs jaxmodel, a prompt alone        -> compare.ladder.greedy.run_greedy on the
+        answers already generated: the step, both tokens, the margin, the cause (near tie /
+        the ladder's finding), plus the oracle
     torchref vs jaxmodel in the batch           -> the two above together
 
 Where nothing differs it says so and shows the nearest tie it found (the smallest top-1 /
 top-2 margin of any answer), so the output is true on every CPU. Last, the ladder's verdict
-per layer and component (compare_models on the batch), and what each step cost.
+per layer and component (run_ladder on the batch, whole captures: both models are loaded
+already), and what each step cost.
 """
 
 from __future__ import annotations
@@ -61,10 +63,11 @@ def _alone(ids, mask, i):
     return np.asarray(ids[i][real], np.int64)[None], np.ones((1, int(real.sum())), np.int64)
 
 
-def greedy_runs(pm, ids, mask, new_tokens: int) -> Runs:
+def greedy_runs(pm, ids, mask, new_tokens: int, eos) -> Runs:
+    """Each run stops once every row has answered (EOS): no answer reads past its EOS."""
     from compare.probes import greedy_trace
-    batched = greedy_trace(pm, ids, mask, new_tokens)
-    alone = [greedy_trace(pm, *_alone(ids, mask, i), new_tokens) for i in range(len(ids))]
+    batched = greedy_trace(pm, ids, mask, new_tokens, eos)
+    alone = [greedy_trace(pm, *_alone(ids, mask, i), new_tokens, eos) for i in range(len(ids))]
     return Runs(pm.impl, batched, alone, pm)
 
 
@@ -145,12 +148,14 @@ def invariant_check(say, tok, folder, policy, impl, prompts_i, ids, mask, new_to
     """The batch-invariant mode of impl: the flipped prompts' answers alone and in the batch."""
     from compare.probes import greedy_trace, load_model
     pm = load_model(impl, folder, policy.name, batch_invariant=True)
-    batched = greedy_trace(pm, ids, mask, new_tokens)
+    batched = greedy_trace(pm, ids, mask, new_tokens, eos)
     out = {}
     for i in prompts_i:
-        alone = greedy_trace(pm, *_alone(ids, mask, i), new_tokens)
-        same = all(np.array_equal(x[i], y[0]) for x, y in ((batched.tokens, alone.tokens),
-                                                           (batched.top1, alone.top1), (batched.top2, alone.top2)))
+        alone = greedy_trace(pm, *_alone(ids, mask, i), new_tokens, eos)
+        n = len(_tokens(alone, 0, eos))     # the answer's steps, its EOS included
+        same = all(np.array_equal(x[i, :n], y[0, :n]) for x, y in ((batched.tokens, alone.tokens),
+                                                                   (batched.top1, alone.top1),
+                                                                   (batched.top2, alone.top2)))
         out[i] = same
         say(f"    {impl} batch_invariant=True, prompt {i + 1}: alone and in the batch "
             f"{'bitwise the same (tokens and top logits)' if same else 'DIFFER'}: "
@@ -168,7 +173,8 @@ def explain_models(say, tok, ref, cand, runs: dict, ids, mask, policy, new_token
         if _first_difference(a, b) is None:
             continue
         one, ones = _alone(ids, mask, i)
-        row = run_greedy(ref, cand, one, ones, policy, new_tokens).rows[0]
+        row = run_greedy(ref, cand, one, ones, policy, new_tokens,
+                         generations=[runs[impl].alone[i].tokens for impl in IMPLS], stream=False).rows[0]
         if row.step is None:
             say(f"    prompt {i + 1} alone: torchref and jaxmodel part only at EOS")
             continue
@@ -266,9 +272,9 @@ def demo_policy(say, tok, folder, prompts, ids, mask, policy_name, new_tokens, o
     clock = Clock(say)
     ref, cand, ids, mask, policy = prepare("torchref", "jaxmodel", folder, (ids, mask), policy_name)
     eos = tuple(tok.eos_ids)
-    runs = {impl: clock.run(f"{impl}: loaded, {new_tokens} greedy tokens x {len(ids)} prompts, in the batch "
+    runs = {impl: clock.run(f"{impl}: loaded, up to {new_tokens} greedy tokens x {len(ids)} prompts, in the batch "
                             "and each alone", lambda s=side: greedy_runs(as_probe_model(s.at_policy.model),
-                                                                         ids, mask, new_tokens))
+                                                                         ids, mask, new_tokens, eos))
             for impl, side in (("torchref", ref), ("jaxmodel", cand))}
     print_answers(say, tok, prompts, runs, eos)
     splits = _splits(say, tok, ref, cand, runs, ids, mask, policy, new_tokens, eos, clock)
@@ -276,7 +282,8 @@ def demo_policy(say, tok, folder, prompts, ids, mask, policy_name, new_tokens, o
     t0 = time.perf_counter()
     report = clock.run("the ladder: jaxmodel vs torchref, every tap, fp64 oracle, teacher forcing", run_ladder,
                        ref, cand, ids, mask, policy, True,
-                       lambda m: say(f"  [{time.perf_counter() - t0:5.1f}s] {m}"))
+                       lambda m: say(f"  [{time.perf_counter() - t0:5.1f}s] {m}"),
+                       stream=False)   # both models are loaded whole already (the greedy runs)
     print_table(report)
     say(report.summary())
     html = report.to_html(out_dir / f"demo-jaxmodel-vs-torchref-{policy_name}.html")

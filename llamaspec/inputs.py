@@ -174,21 +174,57 @@ def invariant_layout(cfg: LlamaConfig, ids: np.ndarray, mask: np.ndarray, multip
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A checked batch as a model runs it, and the way back to the caller's slots: the
-    canonical layout of batch-invariant mode (invariant_layout), or the batch as given."""
+    canonical layout of batch-invariant mode (invariant_layout), the batch with `offset`
+    padding slots put in front (bucketed), or the batch as given (offset 0)."""
     ids: np.ndarray        # [B, W]
     mask: np.ndarray       # [B, W]
     positions: np.ndarray  # [B, W]
     back: np.ndarray | None  # [B, T]: the canonical slot of each caller's slot; None: as given
     caller_mask: np.ndarray  # [B, T]
+    offset: int = 0          # padding slots in front of the caller's (back is None)
 
-    def restore(self, x) -> np.ndarray:
-        """A per-slot result [B, W, ...] -> the caller's slots [B, T, ...], zeros on padding."""
-        return np.asarray(x) if self.back is None else from_canonical(x, self.back, self.caller_mask)
+    def restore(self, x):
+        """A per-slot result [B, W, ...] -> the caller's slots [B, T, ...]: zeros on padding
+        (canonical layout), or the slots after the front padding as computed (a jax array
+        stays one)."""
+        if self.back is not None:
+            return from_canonical(x, self.back, self.caller_mask)
+        return x[:, self.offset:] if self.offset else x
 
     def place(self, x) -> np.ndarray:
         """Per-slot inputs [B, T, ...] in the caller's slots -> [B, W, ...]."""
-        return np.asarray(x) if self.back is None else to_canonical(x, self.back, self.caller_mask,
-                                                                    self.ids.shape[1])
+        x = np.asarray(x)
+        if self.back is not None:
+            return to_canonical(x, self.back, self.caller_mask, self.ids.shape[1])
+        if not self.offset:
+            return x
+        return np.concatenate([np.zeros((x.shape[0], self.offset, *x.shape[2:]), x.dtype), x], axis=1)
+
+
+def bucket_length(T: int) -> int:
+    """The width a bucketed model runs T slots at: a power of two up to 64 (at least 16),
+    then a multiple of 64 up to 512, then of 256. Prompts whose lengths share a bucket share
+    one compiled program; the padding costs at most 2x at the short end (where compiling,
+    not computing, is what costs) and at most 1.5x from 512 slots on."""
+    if T <= 64:
+        return max(16, 1 << max(T - 1, 0).bit_length())
+    step = 64 if T <= 512 else 256
+    return -(-T // step) * step
+
+
+def front_padded(ids: np.ndarray, mask: np.ndarray, width: int) -> Layout:
+    """The batch with width - T padding slots (mask 0, token 0) in front of every row.
+    Neutral for any mask: positions count real tokens (positions_from_mask) and no slot
+    attends a masked one, so the real slots compute the same function; only the shapes (and
+    so, in a model that is not batch-invariant, the rounding) are the bucket's."""
+    ids, mask = np.asarray(ids), np.asarray(mask)
+    B, T = ids.shape
+    pad = width - T
+    if pad < 0:
+        raise ValueError(f"front_padded: width {width} is shorter than the batch ({T} slots)")
+    ids_p = np.concatenate([np.zeros((B, pad), ids.dtype), ids], axis=1)
+    mask_p = np.concatenate([np.zeros((B, pad), mask.dtype), mask], axis=1)
+    return Layout(ids_p, mask_p, positions_from_mask(mask_p), None, mask, pad)
 
 
 def layout(cfg: LlamaConfig, ids: np.ndarray, mask: np.ndarray, multiple: int | None = None,

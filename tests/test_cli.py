@@ -114,7 +114,7 @@ def test_demo_calls_a_planted_batching_change_where_the_model_was_sure_a_bug(smo
     tok = Tokenizer.from_pretrained(folder)
     ids, mask = tok.batch_encode(["Hi", "What is 2 + 2?"], chat=True, padding_side="left")
     ref, _, ids, mask, _ = prepare("torchref", "jaxmodel", folder, (ids, mask), "fp32")
-    runs = demo.greedy_runs(as_probe_model(ref.at_policy.model), ids, mask, 3)
+    runs = demo.greedy_runs(as_probe_model(ref.at_policy.model), ids, mask, 3, eos=())   # 3 steps whatever comes
     runs.batched.tokens[0, 1] = (runs.batched.tokens[0, 1] + 1) % 49152     # planted: another token
     lines = []
     found = demo.explain_batching(lines.append, tok, ref, runs, 0, ids, mask, tuple(tok.eos_ids))

@@ -355,3 +355,59 @@ def test_jaxmodel_widened_weights_change_no_bit(policy, config, tiny_dir, monkey
     a, b = run(wide), run(narrow)
     for key in b:
         np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+
+
+def test_bucket_lengths_and_front_padding_are_neutral():
+    """bucket_length: at least T, the stated widths, monotone; front_padded keeps the caller's
+    slots and positions (positions count real tokens) and puts masked slots in front."""
+    from llamaspec.inputs import bucket_length, front_padded
+    widths = [bucket_length(t) for t in range(1, 3000)]
+    assert all(w >= t for t, w in zip(range(1, 3000), widths))
+    assert widths == sorted(widths)
+    assert [bucket_length(t) for t in (1, 16, 17, 33, 64, 65, 129, 512, 513, 2048)] == \
+        [16, 16, 32, 64, 64, 128, 192, 512, 768, 2048]
+    assert len(set(widths[:2048])) == 3 + 7 + 6      # 16/32/64, 128..512 by 64, 768..2048 by 256
+    ids = np.array([[0, 0, 5, 6, 7], [4, 5, 6, 7, 8]])
+    mask = (ids > 0).astype(np.int64)
+    run = front_padded(ids, mask, 16)
+    assert run.ids.shape == (2, 16) and run.offset == 11 and not run.mask[:, :11].any()
+    np.testing.assert_array_equal(run.restore(run.ids), ids)
+    np.testing.assert_array_equal(run.restore(run.positions)[mask.astype(bool)], [0, 1, 2, 0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(run.restore(run.place(np.ones((2, 5, 3)))), np.ones((2, 5, 3)))
+
+
+def test_jaxmodel_prefill_buckets_share_a_program_and_keep_the_function(tiny_dir):
+    """Prompts of 17..32 tokens prefill under one compiled program (the bucket), and one decode
+    step program serves them (unbucketed they compile apart); at fp64 the bucketed prefill, decode and greedy tokens equal the
+    unbucketed ones to 1e-12 (the padding is masked, positions come from the mask)."""
+    import jaxmodel
+    m = jaxmodel.from_pretrained(tiny_dir("gqa"), policy="fp64")
+    plain = jaxmodel.from_pretrained(tiny_dir("gqa"), policy="fp64")
+    plain.buckets = False
+    cases = []
+    for T in (17, 23, 32):
+        ids = tokens(B=2, T=T, seed=T)
+        mask = np.ones_like(ids)
+        ids[1, :4], mask[1, :4] = 0, 0
+        cases.append((ids, mask))
+    runs, seen = [], []
+    for ids, mask in cases:
+        logits, cache = m.prefill(ids, mask, ids.shape[1] + 6)
+        steps = [logits]
+        for _ in range(3):
+            logits, cache = m.decode(cache, np.asarray(logits).argmax(-1))
+            steps.append(logits)
+        runs.append((steps, m.generate(ids, mask, max_new_tokens=6)))
+        seen.append(m.compiled_programs())
+    # the first length compiles (or found compiled by an earlier test); the other two add nothing.
+    # Counted before `plain` runs: both models share the compiled programs of their structure
+    assert seen[0]["prefill"] == seen[2]["prefill"], "three prompt lengths in one bucket: one prefill program"
+    assert seen[0]["decode"] == seen[2]["decode"], "one decode program for the bucket's cache length"
+    plain_before = plain.compiled_programs()["prefill"]
+    for (ids, mask), (steps, tokens_) in zip(cases, runs):
+        logits, cache = plain.prefill(ids, mask, ids.shape[1] + 6)
+        for k, step in enumerate(steps):
+            assert rel_l2(step, logits) <= 1e-12, f"T={ids.shape[1]}, step {k}"
+            logits, cache = plain.decode(cache, np.asarray(step).argmax(-1))
+        np.testing.assert_array_equal(tokens_, plain.generate(ids, mask, max_new_tokens=6))
+    assert plain.compiled_programs()["prefill"] > plain_before, "unbucketed, each length is a program of its own"

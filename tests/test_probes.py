@@ -328,3 +328,26 @@ def test_smollm2_bf16_padding_probe_tells_a_mask_leak_from_drift(smollm2):
     leak = probe_padding(ProbeModel(MaskIgnored(m), oracle=twin), ids, pad=4)
     assert leak.verdict == "semantic" and leak.details["pad_content_leaks"], leak.summary()
     assert not math.isnan(leak.rounding_rel)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_greedy_trace_stops_once_every_row_has_answered(models, impl):
+    """With eos, greedy_trace stops after the step where the last row produced one: every row's
+    answer up to its EOS, and its top logits there, are the full trace's; the rest holds EOS."""
+    from compare.probes import greedy_trace
+    from llamaspec.generate import until_eos
+    pm = models[impl]
+    ids = np.random.default_rng(5).integers(3, 96, (3, 9))
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0
+    full = greedy_trace(pm, ids, mask, 12)
+    # the token each row emits at its third step serves as an "EOS": every row ends by step 3
+    eos = tuple(int(t) for t in full.tokens[:, 2])
+    short = greedy_trace(pm, ids, mask, 12, eos)
+    ends = [len(until_eos(full.tokens[b], eos)) for b in range(3)]
+    assert short.steps_run == max(ends) < 12 and full.steps_run == 12
+    for b, n in enumerate(ends):
+        for got, want in zip(short.row(b), full.row(b)):
+            np.testing.assert_array_equal(got[:n], want[:n])
+        assert until_eos(short.tokens[b], eos) == until_eos(full.tokens[b], eos)
+    assert (short.tokens[:, max(ends):] == eos[0]).all()

@@ -312,12 +312,18 @@ def test_rerun_in_a_fresh_process_is_exact(tiny):
 
 
 def test_streamed_and_whole_captures_give_the_same_records(tiny):
+    """The same taps, kinds and a-vs-b differences; the errors against the fp64 oracle to fp64's
+    own rounding: the streamed oracle computes the lm_head in vocabulary chunks, and on some CPUs
+    (AMD EPYC Zen 4: MKL's dgemm blocks a chunk's K sums otherwise) its logits differ from the
+    whole matrix's in the last bit (measured: err 0.004157215057548355 vs ...354)."""
     a = probe_where("torchref", "padding", checkpoint=tiny, policy="bf16")
     b = probe_where("torchref", "padding", checkpoint=tiny, policy="bf16", stream=False)
     assert a.streamed and not b.streamed
     for ca, cb in zip(a.comparisons, b.comparisons):
-        assert [(d.tap, d.kind, d.rel_l2, d.err_a, d.err_b) for d in ca.taps] == \
-               [(d.tap, d.kind, d.rel_l2, d.err_a, d.err_b) for d in cb.taps]
+        assert [(d.tap, d.kind, d.rel_l2) for d in ca.taps] == [(d.tap, d.kind, d.rel_l2) for d in cb.taps]
+        for da, db in zip(ca.taps, cb.taps):
+            np.testing.assert_allclose([da.err_a, da.err_b], [db.err_a, db.err_b], rtol=1e-12, atol=0,
+                                       err_msg=da.tap)
 
 
 @pytest.mark.slow

@@ -238,7 +238,7 @@ def _parting_rows(gr, gc, mask, eos) -> tuple[list[GreedyRow], dict]:
 
 
 def _split(row: GreedyRow, ref: Side, cand: Side, prefix, replayed: tuple, policy: Policy, hidden,
-           progress) -> Report:
+           progress, stream=None) -> Report:
     """One parting row: both sides' full recompute of the common prefix, the replayed
     generation paths' logits there, the ladder on the prefix, and the row explained."""
     b, a, c_tok = row.row, row.reference_token, row.candidate_token
@@ -255,7 +255,7 @@ def _split(row: GreedyRow, ref: Side, cand: Side, prefix, replayed: tuple, polic
                           "candidate_vs_recompute": _diff(gc_[b], c, a, c_tok)}
     progress(f"row {b}: the ladder on the common prefix")
     ladder = run_ladder(ref, cand, prefix, np.ones_like(prefix), policy, teacher_forcing=True,
-                        progress=lambda msg: progress(f"row {b}, ladder: {msg}"))
+                        progress=lambda msg: progress(f"row {b}, ladder: {msg}"), stream=stream)
     if ladder.verdict in ("exact", "drift") and row.reference_margin > 2 * row.logit_difference and row.generation:
         progress(f"row {b}: the recomputes cannot split; the generation paths against the fp64 oracle")
         _oracle_ratios(row, ref, prefix, r, gr_[b], gc_[b], policy, hidden)
@@ -264,8 +264,12 @@ def _split(row: GreedyRow, ref: Side, cand: Side, prefix, replayed: tuple, polic
 
 
 def run_greedy(ref: Side, cand: Side, ids, mask, policy: Policy, new_tokens: int = 32,
-               progress=lambda msg: None) -> GreedyReport:
-    """compare_greedy on two prepared Sides and a prompt batch (ids, mask) [B, T]."""
+               progress=lambda msg: None, generations=None, stream: bool | None = None) -> GreedyReport:
+    """compare_greedy on two prepared Sides and a prompt batch (ids, mask) [B, T].
+    generations: (reference's, candidate's) new ids [B, N], already generated greedily by
+    these sides at this policy from these prompts (the demo has them), instead of generating
+    again; each side's replay still checks that its generation path gives them. stream: the
+    ladders on the common prefixes, as run_ladder takes it."""
     ref.needs_twin("reference", "greedy divergence (the oracle's margin at the parting step)")
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, (int, np.integer)) or new_tokens < 1:
         raise InputError(f"new_tokens={new_tokens!r} must be an integer >= 1")
@@ -273,10 +277,16 @@ def run_greedy(ref: Side, cand: Side, ids, mask, policy: Policy, new_tokens: int
         _check_generate(side)
     ids, mask = left_align(np.asarray(ids, np.int64), np.asarray(mask, np.int64))
     cfg = getattr(ref.at_policy, "cfg", None) or getattr(cand.at_policy, "cfg", None)
-    progress(f"reference {ref.name} at {policy.name}: greedy, {new_tokens} new tokens")
-    gr = _generate(ref, ids, mask, new_tokens)
-    progress(f"candidate {cand.name} at {policy.name}: greedy, {new_tokens} new tokens")
-    gc = _generate(cand, ids, mask, new_tokens)
+    if generations is None:
+        progress(f"reference {ref.name} at {policy.name}: greedy, {new_tokens} new tokens")
+        gr = _generate(ref, ids, mask, new_tokens)
+        progress(f"candidate {cand.name} at {policy.name}: greedy, {new_tokens} new tokens")
+        gc = _generate(cand, ids, mask, new_tokens)
+    else:
+        gr, gc = (np.asarray(g, np.int64).reshape(len(ids), -1) for g in generations)
+        if gr.shape[1] > new_tokens or gc.shape[1] > new_tokens:
+            raise InputError(f"generations of {gr.shape[1]} and {gc.shape[1]} tokens: more than "
+                             f"new_tokens={new_tokens}")
     rows, parting = _parting_rows(gr, gc, mask, tuple(getattr(cfg, "eos_token_ids", ()) or ()))
     replays = {}
     if parting:
@@ -287,7 +297,7 @@ def run_greedy(ref: Side, cand: Side, ids, mask, policy: Policy, new_tokens: int
     for b, s in parting.items():
         prefix = np.concatenate([ids[b][mask[b].astype(bool)], np.asarray(rows[b].reference_tokens[:s], np.int64)])
         ladders[b] = _split(rows[b], ref, cand, prefix[None], (replays.get("reference"), replays.get("candidate")),
-                            policy, getattr(cfg, "hidden_size", None), progress)
+                            policy, getattr(cfg, "hidden_size", None), progress, stream)
     verdict = max((r.kind for r in rows), key=GREEDY_KINDS.index)
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
     return GreedyReport(ref.name, cand.name, policy.to_dict(), int(new_tokens), verdict, rows,

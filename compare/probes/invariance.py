@@ -509,27 +509,37 @@ class Trace:
     top1: np.ndarray        # [B, N] float64 (exact copies of the logits' values)
     top2: np.ndarray        # [B, N]
     dtype: np.dtype         # the logits' own dtype (for ULPs)
+    # steps decoded: N, or fewer when greedy_trace stopped at EOS in every row (the steps
+    # after hold the row's EOS and top logits 0; every reader stops at a row's first EOS)
+    steps_run: int | None = None
 
     def row(self, r):
         return self.tokens[r], self.top1[r], self.top2[r]
 
 
-def greedy_trace(pm: ProbeModel, ids, mask, steps: int) -> Trace:
-    """Greedy decoding for `steps` tokens (no EOS stop), recording top-1/top-2 logits.
-    Ties go to the lowest id (argmax), as in llamaspec.generate."""
+def greedy_trace(pm: ProbeModel, ids, mask, steps: int, eos=()) -> Trace:
+    """Greedy decoding for `steps` tokens, recording top-1/top-2 logits. Ties go to the
+    lowest id (argmax), as in llamaspec.generate. eos (token ids): stop once every row has
+    produced one (what follows a row's EOS is not part of its answer; the rest of the
+    trace then holds EOS); empty: always `steps` tokens."""
     ids, mask = left_align(np.asarray(ids, np.int64), np.asarray(mask, np.int64))
     B = ids.shape[0]
     toks, t1, t2 = (np.zeros((B, steps), np.int64), np.zeros((B, steps)), np.zeros((B, steps)))
     logits, cache = pm.prefill(ids, mask, ids.shape[1] + steps)
     dtype = np.asarray(logits).dtype
+    ended, eos = np.zeros(B, bool), np.asarray(tuple(eos), np.int64)
     for s in range(steps):
         x = np.asarray(logits, np.float64)
         nxt = x.argmax(-1)
         top2 = np.partition(x, -2, axis=-1)[:, -2:]
         toks[:, s], t1[:, s], t2[:, s] = nxt, top2[:, 1], top2[:, 0]
+        ended |= np.isin(nxt, eos)
+        if eos.size and ended.all():
+            toks[:, s + 1:] = eos[0]
+            return Trace(toks, t1, t2, dtype, s + 1)
         if s + 1 < steps:
             logits, cache = pm.decode(cache, nxt)
-    return Trace(toks, t1, t2, dtype)
+    return Trace(toks, t1, t2, dtype, steps)
 
 
 def _until_eos(tokens, eos) -> int:
