@@ -697,7 +697,7 @@ class LlamaModel:
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
         logits, _ = self._forward(self.state, *self._inputs(run), {}, taps=())
-        return jnp.asarray(run.restore(logits))
+        return jnp.asarray(run.restore(logits)) if self.batch_invariant else logits
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
         """(logits as numpy, {tap: numpy activation}) for the requested tap names/patterns.
@@ -709,11 +709,13 @@ class LlamaModel:
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
         forced = self._forced(check_inject(self.cfg, inject, ids.shape), run)
-        # the program depends on which tap names are asked for, not at which layers
+        # the program depends on which tap names are asked for, not at which layers; "logits"
+        # is what every program returns, so asking for it alone runs the plain forward's program
         program_taps = tuple(sorted({n if tapnames.layer_of(n) is None
-                                     else "layers.*." + tapnames.parse(n)[1] for n in names}))
+                                     else "layers.*." + tapnames.parse(n)[1] for n in names} - {"logits"}))
         logits, acts = self._forward(self.state, *self._inputs(run), forced, taps=program_taps)
         acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
+        acts["logits"] = logits = np.asarray(logits)
         return run.restore(logits), {n: run.restore(_pick(acts, n)) for n in names}
 
     def prefill(self, ids, mask, total_len: int, inject=None):

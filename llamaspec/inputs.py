@@ -183,13 +183,12 @@ class Layout:
     caller_mask: np.ndarray  # [B, T]
     offset: int = 0          # padding slots in front of the caller's (back is None)
 
-    def restore(self, x):
-        """A per-slot result [B, W, ...] -> the caller's slots [B, T, ...]: zeros on padding
-        (canonical layout), or the slots after the front padding as computed (a jax array
-        stays one)."""
+    def restore(self, x) -> np.ndarray:
+        """A per-slot result [B, W, ...] -> the caller's slots [B, T, ...] as numpy: zeros on
+        padding (canonical layout), or the slots after the front padding as computed."""
         if self.back is not None:
             return from_canonical(x, self.back, self.caller_mask)
-        return x[:, self.offset:] if self.offset else x
+        return np.asarray(x)[:, self.offset:] if self.offset else np.asarray(x)
 
     def place(self, x) -> np.ndarray:
         """Per-slot inputs [B, T, ...] in the caller's slots -> [B, W, ...]."""

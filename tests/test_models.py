@@ -378,8 +378,9 @@ def test_bucket_lengths_and_front_padding_are_neutral():
 
 def test_jaxmodel_prefill_buckets_share_a_program_and_keep_the_function(tiny_dir):
     """Prompts of 17..32 tokens prefill under one compiled program (the bucket), and one decode
-    step program serves them (unbucketed they compile apart); at fp64 the bucketed prefill, decode and greedy tokens equal the
-    unbucketed ones to 1e-12 (the padding is masked, positions come from the mask)."""
+    step program serves them (unbucketed they compile apart); at fp64 the bucketed prefill,
+    decode and greedy tokens equal the unbucketed ones to 1e-12 (the padding is masked,
+    positions come from the mask)."""
     import jaxmodel
     m = jaxmodel.from_pretrained(tiny_dir("gqa"), policy="fp64")
     plain = jaxmodel.from_pretrained(tiny_dir("gqa"), policy="fp64")
