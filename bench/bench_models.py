@@ -25,6 +25,7 @@ again, and a third prefills another prompt length of the same shape bucket.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import subprocess
@@ -42,11 +43,11 @@ DECODE_PROMPT = 128      # the prompt a decode case starts from
 
 
 class Ours:
-    """torchref / jaxmodel: prefill(ids, mask, total) and decode(cache, ids), as generate uses them."""
+    """A loaded torchref / jaxmodel model: prefill(ids, mask, total) and decode(cache, ids), as
+    generate uses them."""
 
-    def __init__(self, package: str, folder, policy: str):
-        import importlib
-        self.m = importlib.import_module(package).from_pretrained(folder, policy=policy)
+    def __init__(self, model):
+        self.m = model
 
     def prefill(self, ids, total: int):
         logits, cache = self.m.prefill(ids, np.ones_like(ids), total)
@@ -72,37 +73,35 @@ class Transformers:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.hf = LlamaForCausalLM.from_pretrained(folder, dtype=dt(Policy.get(policy).param_dtype),
                                                    attn_implementation=attn).eval().to(self.device)
+        # transformers 5 names the KV cache argument `cache` (past_key_values before)
+        self.cache_arg = ("cache" if "cache" in inspect.signature(self.hf.model.forward).parameters
+                          else "past_key_values")
 
     def _sync(self):
         if self.device == "cuda":
             self.torch.cuda.synchronize()
-
-    def _cache_kw(self, kv) -> dict:
-        """transformers 5 names the KV cache argument `cache` (past_key_values before)."""
-        import inspect
-        name = "cache" if "cache" in inspect.signature(self.hf.model.forward).parameters else "past_key_values"
-        return {name: kv}
 
     def prefill(self, ids, total: int):
         from transformers import DynamicCache
         with self.torch.inference_mode():
             kv = DynamicCache(config=self.hf.config)    # filled in place, then decoded on
             out = self.hf(self.torch.from_numpy(ids).to(self.device), use_cache=True, logits_to_keep=1,
-                          **self._cache_kw(kv))
+                          **{self.cache_arg: kv})
             self._sync()
             return out.logits[:, -1].float().cpu().numpy(), kv
 
     def step(self, kv, nxt):
         with self.torch.inference_mode():
             x = self.torch.from_numpy(np.asarray(nxt).reshape(-1, 1)).to(self.device)
-            out = self.hf(x, use_cache=True, **self._cache_kw(kv))
+            out = self.hf(x, use_cache=True, **{self.cache_arg: kv})
             self._sync()
             return out.logits[:, -1].float().cpu().numpy(), kv
 
 
 def load(impl: str, folder, policy: str):
     if impl in ("torchref", "jaxmodel"):
-        return Ours(impl, folder, policy)
+        import importlib
+        return Ours(importlib.import_module(impl).from_pretrained(folder, policy=policy))
     return Transformers(folder, policy, impl)
 
 
@@ -123,9 +122,7 @@ def decode_case(model, ids, steps: int) -> float:
 
 def decode_seconds_per_token(m, ids, n_decode) -> float:
     """decode_case for a loaded torchref / jaxmodel LlamaModel (bench_invariant uses it)."""
-    wrapped = Ours.__new__(Ours)
-    wrapped.m = m
-    return decode_case(wrapped, np.asarray(ids), n_decode)
+    return decode_case(Ours(m), np.asarray(ids), n_decode)
 
 
 def run_policy(folder, policy, impls, cases, repeats, say) -> list[dict]:

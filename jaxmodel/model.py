@@ -45,6 +45,7 @@ from . import invariant, ops
 from .dtypes import compiler_options, numpy_dtype, of
 from .sharding import MeshLayout, add_in_order, layout_for, row_parallel, to_host
 
+LAST_SLOT_TAPS = ("logits",)   # prefill computes the lm_head at each row's last slot only
 CACHE_BLOCK = 64  # cache length is rounded up to this, so prompts of similar length share a compile
 # Shape buckets: outside batch-invariant mode a prefill's prompt is front-padded to
 # llamaspec.inputs.bucket_length, so prompt lengths in one bucket share one compiled prefill
@@ -685,10 +686,10 @@ class LlamaModel:
         return layout(self.cfg, ids, mask)
 
     @staticmethod
-    def _cache_len(run: Layout, total_len: int, prompt_len: int) -> int:
-        """KV cache slots for a prefill of prompt_len tokens to total_len, rounded up to
-        CACHE_BLOCK: total_len plus the front padding of a bucketed run (decode writes after
-        the run's width); in the canonical layout, total_len or its width if longer."""
+    def _cache_len(run: Layout, total_len: int) -> int:
+        """KV cache slots for a prefill to total_len tokens, rounded up to CACHE_BLOCK: total_len
+        plus the front padding of a bucketed run (decode writes after the run's width); in the
+        canonical layout, total_len or its width if longer."""
         need = max(total_len + run.offset, run.ids.shape[1])
         return -(-need // CACHE_BLOCK) * CACHE_BLOCK
 
@@ -725,7 +726,7 @@ class LlamaModel:
         program per set of injected layers; the cache holds the forced keys and values)."""
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         run = self._layout(ids, mask, extra_length=total_len - ids.shape[1], bucket=True)
-        cache_len = self._cache_len(run, total_len, ids.shape[1])
+        cache_len = self._cache_len(run, total_len)
         forced = check_inject(self.cfg, inject, ids.shape)
         inputs = self._inputs(run)
         if not forced:
@@ -738,21 +739,21 @@ class LlamaModel:
 
     def prefill_capture(self, ids, mask, total_len: int, taps=("layers.*.out",), inject=None):
         """prefill, also returning the prompt's activations as the prefill computed them:
-        (logits [B, V], cache, {tap: numpy [B, T, ...]}; logits and final_norm at the last
-        slot only). A program of its own (compiled per set of tap names and injected layers);
+        (logits [B, V], cache, {tap: numpy [B, T, ...]}; the logits tap at the last slot only,
+        [B, 1, V]). A program of its own (compiled per set of tap names and injected layers);
         prefill's stays as it is."""
         if self.batch_invariant:
             raise NotImplementedError("prefill_capture: not in batch-invariant mode")
         names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         run = self._layout(ids, mask, extra_length=total_len - ids.shape[1], bucket=True)
-        cache_len = self._cache_len(run, total_len, ids.shape[1])
+        cache_len = self._cache_len(run, total_len)
         forced = self._forced(check_inject(self.cfg, inject, ids.shape), run)
         logits, cache, acts = _prefill_capture_program(self.graphdef)(
             self.state, *self._inputs(run), forced, cache_len=cache_len, taps=tuple(names))
-        width = run.ids.shape[1]    # per-slot taps back to the caller's slots (logits, final_norm: the last)
-        acts = {n: np.asarray(acts[n]) for n in names}
-        return np.asarray(logits), cache, {n: run.restore(a) if a.shape[1] == width else a for n, a in acts.items()}
+        # per-slot taps back to the caller's slots; logits holds the last slot only
+        return np.asarray(logits), cache, {n: np.asarray(acts[n]) if n in LAST_SLOT_TAPS else run.restore(acts[n])
+                                           for n in names}
 
     def decode(self, cache, next_ids):
         """Appends one token per row at the cache's write index; returns (logits [B, V], cache)."""

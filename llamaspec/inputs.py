@@ -195,9 +195,12 @@ class Layout:
         x = np.asarray(x)
         if self.back is not None:
             return to_canonical(x, self.back, self.caller_mask, self.ids.shape[1])
-        if not self.offset:
-            return x
-        return np.concatenate([np.zeros((x.shape[0], self.offset, *x.shape[2:]), x.dtype), x], axis=1)
+        return _pad_front(x, self.offset)
+
+
+def _pad_front(x: np.ndarray, n: int) -> np.ndarray:
+    """x [B, T, ...] with n zero slots in front: [B, n + T, ...] (x itself when n is 0)."""
+    return np.pad(x, [(0, 0), (n, 0)] + [(0, 0)] * (x.ndim - 2)) if n else x
 
 
 def bucket_length(T: int) -> int:
@@ -217,13 +220,12 @@ def front_padded(ids: np.ndarray, mask: np.ndarray, width: int) -> Layout:
     attends a masked one, so the real slots compute the same function; only the shapes (and
     so, in a model that is not batch-invariant, the rounding) are the bucket's."""
     ids, mask = np.asarray(ids), np.asarray(mask)
-    B, T = ids.shape
+    T = ids.shape[1]
     pad = width - T
     if pad < 0:
         raise ValueError(f"front_padded: width {width} is shorter than the batch ({T} slots)")
-    ids_p = np.concatenate([np.zeros((B, pad), ids.dtype), ids], axis=1)
-    mask_p = np.concatenate([np.zeros((B, pad), mask.dtype), mask], axis=1)
-    return Layout(ids_p, mask_p, positions_from_mask(mask_p), None, mask, pad)
+    mask_p = _pad_front(mask, pad)
+    return Layout(_pad_front(ids, pad), mask_p, positions_from_mask(mask_p), None, mask, pad)
 
 
 def layout(cfg: LlamaConfig, ids: np.ndarray, mask: np.ndarray, multiple: int | None = None,

@@ -411,4 +411,12 @@ def test_jaxmodel_prefill_buckets_share_a_program_and_keep_the_function(tiny_dir
             assert rel_l2(step, logits) <= 1e-12, f"T={ids.shape[1]}, step {k}"
             logits, cache = plain.decode(cache, np.asarray(step).argmax(-1))
         np.testing.assert_array_equal(tokens_, plain.generate(ids, mask, max_new_tokens=6))
+        # prefill_capture: per-slot taps in the caller's slots, the logits tap at the last slot
+        taps = ["layers.0.out", "final_norm", "logits"]
+        got, want = m.prefill_capture(ids, mask, ids.shape[1] + 6, taps)[2], \
+            plain.prefill_capture(ids, mask, ids.shape[1] + 6, taps)[2]
+        for t in taps:
+            assert got[t].shape == want[t].shape == ((2, ids.shape[1], 32) if t != "logits" else (2, 1, 96)), t
+            real = mask.astype(bool) if t != "logits" else slice(None)
+            assert rel_l2(got[t][real], want[t][real]) <= 1e-12, t
     assert plain.compiled_programs()["prefill"] > plain_before, "unbucketed, each length is a program of its own"
