@@ -24,6 +24,7 @@ already), and what each step cost.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import tempfile
@@ -218,6 +219,41 @@ def nearest_tie(say, tok, runs: dict, ids, mask, eos) -> dict:
             "threshold": judge.threshold}
 
 
+class KeptRuns:
+    """An implementation whose captures are kept by their inputs, tap names and injected states,
+    so a second identical call reads the first one's arrays (made read-only, so that no reader can
+    change what the next one gets); everything else (the plain forward, attributes) goes to the
+    implementation. For float64 runs, which repeat bitwise on the same inputs in one process: the
+    demo's second policy asks the ladder's oracle, fp64 rung and the fp64 rung's teacher-forced
+    run (fed the oracle's layer inputs) for exactly the first one's runs."""
+
+    def __init__(self, impl):
+        self.impl, self._kept = impl, {}
+
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
+        ids, mask = np.asarray(tokens), np.asarray(attention_mask)
+        fed = hashlib.sha256()
+        for layer, h in sorted((inject or {}).items()):
+            h = np.ascontiguousarray(h)
+            fed.update(f"{layer} {h.dtype} {h.shape}".encode())
+            fed.update(h.data)
+        key = (ids.shape, ids.tobytes(), mask.tobytes(), tuple(taps), fed.hexdigest())
+        if key not in self._kept:
+            logits, acts = self.impl.capture(tokens, attention_mask, taps, inject=inject)
+            for a in (logits, *acts.values()):
+                if isinstance(a, np.ndarray):
+                    a.setflags(write=False)
+            self._kept[key] = (logits, acts)
+        logits, acts = self._kept[key]
+        return logits, dict(acts)
+
+    def __call__(self, tokens, attention_mask=None):
+        return self.impl(tokens, attention_mask=attention_mask)
+
+    def __getattr__(self, name):
+        return getattr(self.impl, name)
+
+
 def write_json(path: Path, data: dict) -> Path:
     """Through llamaspec.files' atomic writer (a temp file in the same folder, renamed), or the
     same by hand where that module is absent."""
@@ -264,17 +300,26 @@ def _splits(say, tok, ref, cand, runs, ids, mask, policy, new_tokens, eos, clock
     return out
 
 
-def demo_policy(say, tok, folder, prompts, ids, mask, policy_name, new_tokens, out_dir, print_table) -> dict:
-    """One policy: answers, their splits explained, the ladder's verdict, the seconds."""
+def demo_policy(say, tok, folder, prompts, ids, mask, policy_name, new_tokens, out_dir, print_table,
+                fp64: dict) -> dict:
+    """One policy: answers, their splits explained, the ladder's verdict, the seconds. fp64: the
+    float64 model of each implementation (KeptRuns), shared by every policy (run's docstring)."""
     from compare.ladder.engine import prepare, run_ladder
     from compare.probes import as_probe_model
+    from llamaspec.checkpoint import Checkpoint
     say(f"=== policy {policy_name} ===")
     clock = Clock(say)
     ref, cand, ids, mask, policy = prepare("torchref", "jaxmodel", folder, (ids, mask), policy_name)
+    ref, cand = (dataclasses.replace(side, at_fp64=fp64[side.name]) for side in (ref, cand))
+    # the probes' fp64 twin computes over the weights as the policy rounds them: where it rounds
+    # none, that is the shared float64 model (else the probes make their own, on first use)
+    twin = Checkpoint(folder).exact_in(policy.param_dtype)
     eos = tuple(tok.eos_ids)
     runs = {impl: clock.run(f"{impl}: loaded, up to {new_tokens} greedy tokens x {len(ids)} prompts, in the batch "
-                            "and each alone", lambda s=side: greedy_runs(as_probe_model(s.at_policy.model),
-                                                                         ids, mask, new_tokens, eos))
+                            "and each alone",
+                            lambda s=side: greedy_runs(as_probe_model(s.at_policy.model,
+                                                                      oracle=fp64[s.name] if twin else None),
+                                                       ids, mask, new_tokens, eos))
             for impl, side in (("torchref", ref), ("jaxmodel", cand))}
     print_answers(say, tok, prompts, runs, eos)
     splits = _splits(say, tok, ref, cand, runs, ids, mask, policy, new_tokens, eos, clock)
@@ -310,7 +355,11 @@ def run(folder, prompts, policies, new_tokens: int, out_dir: Path, print_table, 
     say(f"on: {env.get('cpu')} ({env.get('cpu isa')}; caps: {env.get('isa caps')})")
     say(f"{len(prompts)} prompts, each alone and together in one batch of {ids.shape[0]} x {ids.shape[1]} "
         "tokens (left padded)\n")
-    results = [demo_policy(say, tok, folder, prompts, ids, mask, p, new_tokens, out_dir, print_table)
+    # one float64 model per implementation for the whole demo, its plain captures kept: the
+    # ladder's oracle and fp64 rung are the same runs at every policy (checkpoint values, inputs)
+    from compare.ladder.stream import CheckpointModel
+    fp64 = {impl: KeptRuns(CheckpointModel(impl, folder, "fp64")) for impl in IMPLS}
+    results = [demo_policy(say, tok, folder, prompts, ids, mask, p, new_tokens, out_dir, print_table, fp64)
                for p in policies]
     for r in results:
         flips = ", ".join(f"{f['impl']} prompt {f['prompt'] + 1} ({f['kind']})" for f in r["batching"]) or "none"

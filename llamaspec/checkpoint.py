@@ -250,6 +250,12 @@ class Checkpoint:
     def storage_dtype(self, key: str) -> np.dtype:
         return self._files[self._where[key]].entries[key][0]
 
+    def exact_in(self, dtype: str) -> bool:
+        """Whether every stored tensor converts to `dtype` (a policy's dtype name: "float32",
+        "bfloat16", ...) without rounding: bf16 or f32 storage in float32, not f32 in bfloat16."""
+        target = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+        return all(np.can_cast(self.storage_dtype(k), target, "safe") for k in self.keys())
+
     def get(self, key: str) -> np.ndarray:
         """One tensor as a read-only numpy array in its storage dtype."""
         if key not in self._where:

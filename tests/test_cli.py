@@ -3,6 +3,9 @@
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from llama_parity.cli import main
 
 
@@ -121,3 +124,32 @@ def test_demo_calls_a_planted_batching_change_where_the_model_was_sure_a_bug(smo
     assert found["step"] == 2 and found["kind"] == "semantic", lines
     assert found["margin_alone"] > 2 * found["threshold"] and "the model was sure" in "\n".join(lines)
     assert set(found["oracle"]) == {"a", "b", "top"}
+
+
+def test_demo_keeps_a_float64_run_and_gives_it_back_unchanged(tiny_dir):
+    """KeptRuns: the same capture asked twice (same ids, mask, taps, injected states) runs the
+    model once and gives back the first run's arrays, read-only; other inputs or another
+    injected state run the model again."""
+    import torchref
+    from compare.adapters import OurModel
+    from llama_parity.demo import KeptRuns
+    model = OurModel(torchref.from_pretrained(tiny_dir(), policy="fp64"))
+    calls = []
+    real = model.capture
+    model.capture = lambda *a, **kw: calls.append(kw.get("inject")) or real(*a, **kw)
+    kept = KeptRuns(model)
+    ids = np.array([[3, 5, 7, 9], [0, 2, 4, 6]])
+    mask = np.array([[1, 1, 1, 1], [0, 1, 1, 1]])
+    logits, acts = kept.capture(ids, mask, ["layers.0.out", "logits"])
+    again, acts2 = kept.capture(ids, mask, ["layers.0.out", "logits"])
+    assert len(calls) == 1 and again is logits and acts2["layers.0.out"] is acts["layers.0.out"]
+    with pytest.raises(ValueError):
+        logits[0, 0, 0] = 0.0           # read-only: no reader changes what the next one gets
+    h = acts["layers.0.out"]
+    kept.capture(ids, mask, ["layers.1.out"], inject={1: h})
+    kept.capture(ids, mask, ["layers.1.out"], inject={1: h.copy()})     # same values: kept
+    kept.capture(ids, mask, ["layers.1.out"], inject={1: h + 1.0})      # another state: run
+    kept.capture(ids[:, 1:], mask[:, 1:], ["layers.0.out", "logits"])   # other inputs: run
+    assert len(calls) == 4 and calls[1] is not None and calls[3] is None
+    assert np.array_equal(kept(ids, attention_mask=mask), model(ids, attention_mask=mask))
+

@@ -230,3 +230,11 @@ def test_tap_names():
     assert taps.component_of("logits") == "lm_head"
     with pytest.raises(KeyError, match="unknown tap 'layers.5.out'"):
         taps.resolve("layers.5.out", 2)
+
+
+@pytest.mark.parametrize("stored, policy_dtype, exact", [("float32", "float32", True), ("float32", "bfloat16", False),
+                                                         ("bfloat16", "float32", True), ("float32", "float64", True),
+                                                         ("float16", "bfloat16", False)])
+def test_checkpoint_says_whether_a_dtype_holds_every_tensor_exactly(tiny_dir, stored, policy_dtype, exact):
+    from llamaspec.checkpoint import Checkpoint
+    assert Checkpoint(tiny_dir(dtype=stored)).exact_in(policy_dtype) is exact
