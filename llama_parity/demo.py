@@ -18,7 +18,9 @@ differ is explained with the tool's own machinery:
 Where nothing differs it says so and shows the nearest tie it found (the smallest top-1 /
 top-2 margin of any answer), so the output is true on every CPU. Last, the ladder's verdict
 per layer and component (run_ladder on the batch, whole captures: both models are loaded
-already), and what each step cost.
+already), and what each step cost. The float64 models (the oracle, the fp64 rung, and the
+probes' twin where the policy rounds no weight) are loaded once for all policies, and their
+runs on the same inputs are kept (KeptRuns): the second policy's ladder reads the first's.
 """
 
 from __future__ import annotations
@@ -355,8 +357,9 @@ def run(folder, prompts, policies, new_tokens: int, out_dir: Path, print_table, 
     say(f"on: {env.get('cpu')} ({env.get('cpu isa')}; caps: {env.get('isa caps')})")
     say(f"{len(prompts)} prompts, each alone and together in one batch of {ids.shape[0]} x {ids.shape[1]} "
         "tokens (left padded)\n")
-    # one float64 model per implementation for the whole demo, its plain captures kept: the
-    # ladder's oracle and fp64 rung are the same runs at every policy (checkpoint values, inputs)
+    # one float64 model per implementation for the whole demo, its captures kept (KeptRuns): the
+    # ladder's oracle and fp64 rungs are the same runs at every policy (checkpoint values, inputs).
+    # They hold about 0.5 GB per all-tap capture of SmolLM2 on the demo's 4 x 40 batch.
     from compare.ladder.stream import CheckpointModel
     fp64 = {impl: KeptRuns(CheckpointModel(impl, folder, "fp64")) for impl in IMPLS}
     results = [demo_policy(say, tok, folder, prompts, ids, mask, p, new_tokens, out_dir, print_table, fp64)
