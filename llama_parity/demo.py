@@ -233,13 +233,14 @@ class KeptRuns:
         self.impl, self._kept = impl, {}
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
-        ids, mask = np.asarray(tokens), np.asarray(attention_mask)
+        ids = np.asarray(tokens)
+        mask = None if attention_mask is None else np.asarray(attention_mask).tobytes()
         fed = hashlib.sha256()
         for layer, h in sorted((inject or {}).items()):
             h = np.ascontiguousarray(h)
             fed.update(f"{layer} {h.dtype} {h.shape}".encode())
             fed.update(h.data)
-        key = (ids.shape, ids.tobytes(), mask.tobytes(), tuple(taps), fed.hexdigest())
+        key = (ids.shape, ids.tobytes(), mask, tuple(taps), fed.hexdigest())
         if key not in self._kept:
             logits, acts = self.impl.capture(tokens, attention_mask, taps, inject=inject)
             for a in (logits, *acts.values()):

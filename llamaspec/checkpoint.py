@@ -253,7 +253,7 @@ class Checkpoint:
     def exact_in(self, dtype: str) -> bool:
         """Whether every stored tensor converts to `dtype` (a policy's dtype name: "float32",
         "bfloat16", ...) without rounding: bf16 or f32 storage in float32, not f32 in bfloat16."""
-        target = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+        target = numpy_dtype(dtype)
         return all(np.can_cast(self.storage_dtype(k), target, "safe") for k in self.keys())
 
     def get(self, key: str) -> np.ndarray:
@@ -271,6 +271,11 @@ class Checkpoint:
 
     def file_of(self, key: str) -> Path:
         return self.folder / self._where[key]
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """A policy's dtype name ("float32", "bfloat16", ...) as a numpy dtype (bf16 via ml_dtypes)."""
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

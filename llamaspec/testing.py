@@ -9,7 +9,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from .checkpoint import expected_shapes
+from .checkpoint import expected_shapes, numpy_dtype
 from .config import LlamaConfig
 from .files import atomic_write
 
@@ -57,7 +57,7 @@ def make_checkpoint(folder, dtype="float32", seed=0, shards=1, scale=0.5,
     atomic_write(folder / "config.json", json.dumps(cfg_dict, indent=1), "config.json")
     cfg = LlamaConfig.from_dict(cfg_dict)
     rng = np.random.default_rng(seed)
-    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    np_dtype = numpy_dtype(dtype)
     tensors = {}
     for key, shape in expected_shapes(cfg).items():
         if key.endswith("norm.weight") or key.endswith("layernorm.weight"):

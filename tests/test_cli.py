@@ -151,5 +151,8 @@ def test_demo_keeps_a_float64_run_and_gives_it_back_unchanged(tiny_dir):
     kept.capture(ids, mask, ["layers.1.out"], inject={1: h + 1.0})      # another state: run
     kept.capture(ids[:, 1:], mask[:, 1:], ["layers.0.out", "logits"])   # other inputs: run
     assert len(calls) == 4 and calls[1] is not None and calls[3] is None
+    kept.capture(ids, None, ["logits"])
+    kept.capture(ids, None, ["logits"])                                 # no mask: kept as such
+    assert len(calls) == 5
     assert np.array_equal(kept(ids, attention_mask=mask), model(ids, attention_mask=mask))
 
