@@ -34,17 +34,8 @@ ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MK
 def cpu() -> dict:
     """The CPU (model name, its ISA extensions that matter), the caps set on the libraries,
     and the code paths they report using; the GPU when there is one."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
+    from llamaspec.cpuinfo import name_and_flags
+    name, flags = name_and_flags()
     out = {"cpu": name, "cpu isa": " ".join(f for f in ISA_FLAGS if f in flags) or "unknown",
            "isa caps": ", ".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if k in os.environ) or "none"}
     try:

@@ -113,6 +113,19 @@ class Packed(nnx.Variable):
     """A weight packed for the batch-invariant mode's fixed-order kernels (flat array)."""
 
 
+class NativeCopy(nnx.Variable):
+    """A widened weight's values again in param_dtype, for the products ops.native_dots runs
+    in bf16 itself (not a Param: weights() and the checkpoint keys do not see it)."""
+
+
+def _native_copy(ops, policy: Policy, weight, layout: MeshLayout | None) -> NativeCopy | None:
+    """The weight (held widened) as a NativeCopy when ops.native_dots says so, on one device
+    (a mesh keeps the widened path), else None."""
+    if ops is invariant or layout is not None or not ops.native_dots(policy):
+        return None
+    return NativeCopy(weight[...].astype(numpy_dtype(policy.param_dtype)))
+
+
 def _pack(w, policy: Policy, layout: MeshLayout | None = None) -> tuple[Packed, tuple]:
     """(the packed array, the static rest of its PackedWeight) for invariant.linear; w a host
     array. On a mesh the packed array is replicated (the fixed-order kernels are per-device
@@ -130,6 +143,7 @@ class Linear(nnx.Module):
         store = _store(ops, policy)
         self.widened = store is not None      # weight kept as ops.Widened takes it
         self.weight = _param(weights, key + ".weight", dtype, store)
+        self.native = _native_copy(ops, policy, self.weight, _layout_of(weights)) if self.widened else None
         self.bias = _param(weights, key + ".bias", dtype) if bias else None
         self.ops = ops
         layout = _layout_of(weights)
@@ -146,7 +160,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x, policy: Policy, out_dtype=None):
         w = self.packed_weight() if self.ops is invariant else self.weight[...]
-        w = ops.Widened(w) if self.widened else w
+        w = ops.Widened(w, None if self.native is None else self.native[...]) if self.widened else w
         b = None if self.bias is None else self.bias[...]
         if self.row_parallel:
             return row_parallel(self.layout, x, w, b, policy, self.row_parallel, self.reduce, out_dtype)
@@ -161,9 +175,10 @@ class Linear(nnx.Module):
 class Embedding(nnx.Module):
     """The token table. store: a wider dtype to keep it in (_store: when it is also the lm_head)."""
 
-    def __init__(self, weights, key, dtype, store=None):
+    def __init__(self, weights, key, dtype, store=None, ops=None, policy: Policy | None = None):
         self.weight = _param(weights, key + ".weight", dtype, store)
         self.widened = store is not None
+        self.native = _native_copy(ops, policy, self.weight, _layout_of(weights)) if self.widened else None
 
     def __call__(self, ids):
         return self.weight[...][ids]
@@ -301,7 +316,7 @@ class Llama(nnx.Module):
         dt = numpy_dtype(policy.param_dtype)
         # a tied table is also the lm_head's matrix: kept as the Linears keep theirs
         self.embed_tokens = Embedding(weights, "model.embed_tokens", dt,
-                                      _store(self.ops, policy) if cfg.tie_word_embeddings else None)
+                                      _store(self.ops, policy) if cfg.tie_word_embeddings else None, self.ops, policy)
         self.layers = nnx.List([Block(cfg, weights, i, dt, self.ops, policy) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, self.ops, policy)
@@ -316,7 +331,9 @@ class Llama(nnx.Module):
         if self.batch_invariant:
             return invariant.PackedWeight(self.head_packed[...], *self.head_meta)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return ops.Widened(head.weight[...]) if head.widened else head.weight[...]
+        if not head.widened:
+            return head.weight[...]
+        return ops.Widened(head.weight[...], None if head.native is None else head.native[...])
 
     def __call__(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None,
                  scan=False):

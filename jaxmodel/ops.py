@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from llamaspec import Policy, RopeConfig
+from llamaspec import Policy, RopeConfig, cpuinfo
 
 from .dtypes import matmul_precision, of, opmath
 
@@ -140,14 +141,17 @@ def attention(q, k, v, allowed, policy: Policy):
     return o.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "native"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Widened:
     """A weight already as _matmul's CPU path feeds it to the dot: rounded to compute_dtype,
     stored in accum_dtype (exact: every bf16 / f16 value is an f32). model.py keeps the
     matrices of a bf16/f16 policy so on the CPU (widened_dtype), so that a dot does not convert
-    the whole weight on every call (a decode step's matrix-vector products read it once)."""
+    the whole weight on every call (a decode step's matrix-vector products read it once).
+    native: the same values in compute_dtype, kept where native_dots says the CPU multiplies
+    them faster so (products of NATIVE_MIN_ROWS rows or more take it), else None."""
     data: jax.Array
+    native: jax.Array | None = None
 
     @property
     def shape(self):
@@ -161,6 +165,45 @@ def widened_dtype(policy: Policy):
     return accum if accum.itemsize > compute.itemsize and jax.default_backend() == "cpu" else None
 
 
+# $LLAMA_PARITY_BF16_DOTS: auto (native_dots' rule), native or widened (either, on any CPU: the
+# benchmark and the tests run both paths on one machine)
+BF16_DOTS_ENV = "LLAMA_PARITY_BF16_DOTS"
+# A product of this many rows or more takes a native bf16 weight. A matrix-vector product (one row:
+# a batch-1 decode step) reads the widened one: XLA:CPU's one-row bf16 product is 2-12x slower than
+# its f32 one, while from two rows on the bf16 product is 1.3-3.7x faster (SmolLM2's shapes on an
+# AMX Xeon, docs/measurements.md).
+NATIVE_MIN_ROWS = 2
+
+
+def native_dots(policy: Policy) -> bool:
+    """Whether products of a bf16 policy's weights with many rows run in bf16 itself on this
+    CPU (XLA:CPU hands them to its YNNPACK kernels, which use AMX's bf16 tiles: 3-5x the
+    widened f32 product's speed, measured) instead of on f32 widened copies.
+
+    Both compute the same products (bf16 x bf16 is exact in f32) and sum them in f32, in
+    different orders: the results differ by f32 rounding, not by the policy. Decided by the
+    CPU's features, never by a timing, so a machine always runs the same path: on when the
+    CPU has AMX-BF16 and no XLA instruction-set cap below AMX is set (XLA_FLAGS'
+    --xla_cpu_max_isa, which YNNPACK does not itself follow); $LLAMA_PARITY_BF16_DOTS
+    overrides. CPUs with only AVX-512-BF16 keep the widened path (not measured there)."""
+    if widened_dtype(policy) is None or of(policy.compute_dtype) != jnp.dtype(jnp.bfloat16):
+        return False
+    choice = os.environ.get(BF16_DOTS_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "native", "widened"):
+        raise ValueError(f"{BF16_DOTS_ENV}={choice!r}: expected auto, native or widened")
+    if choice != "auto":
+        return choice == "native"
+    caps = [a.split("=", 1)[1] for a in os.environ.get("XLA_FLAGS", "").split()
+            if a.startswith("--xla_cpu_max_isa=")]
+    return cpuinfo.has("amx_bf16") and all(cap.strip().upper().startswith("AMX") for cap in caps)
+
+
+def _rows(a, dims) -> int:
+    """How many rows a product of `a` has: its elements over its contracted and batch sizes."""
+    (contract, _), (batch, _) = dims
+    return math.prod(n for i, n in enumerate(a.shape) if i not in contract and i not in batch)
+
+
 def _matmul(a, b, dims, policy: Policy):
     """dot_general with inputs rounded to compute_dtype and sums in accum_dtype.
 
@@ -169,11 +212,14 @@ def _matmul(a, b, dims, policy: Policy):
     same arithmetic on XLA:CPU's f32 kernels (chosen for speed: docs/measurements.md).
     GPUs keep the native low-precision dot, which is what their tensor cores are for.
     b may be Widened (a weight stored so): then it goes to the dot as it is, the same values
-    in the same dtype as the conversions would make.
+    in the same dtype as the conversions would make; or, when it holds a native copy and
+    the product has NATIVE_MIN_ROWS rows or more, that copy goes to a bf16 dot with f32 sums.
     """
     compute, accum = of(policy.compute_dtype), of(policy.accum_dtype)
     wide = widened_dtype(policy) is not None
     a = a.astype(compute)
+    if isinstance(b, Widened) and b.native is not None and _rows(a, dims) >= NATIVE_MIN_ROWS:
+        return lax.dot_general(a, b.native, dims, precision=matmul_precision(policy), preferred_element_type=accum)
     if isinstance(b, Widened):
         b = b.data if wide else b.data.astype(compute)
     else:

@@ -216,8 +216,14 @@ def test_weights_keep_checkpoint_names_shapes_and_param_dtype(framework, tiny_di
         from flax import nnx
 
         from jaxmodel import ops
-        flat = [(p, np.asarray(v[...])) for p, v in nnx.to_flat_state(m.state)]
+        from jaxmodel.model import NativeCopy
+        flat = [(p, np.asarray(v[...])) for p, v in nnx.to_flat_state(nnx.filter_state(m.state, nnx.Param))]
         got = {key(".".join(map(str, p))): tuple(v.shape) for p, v in flat}
+        # beside a widened matrix, on an AMX CPU, its native bf16 copy (ops.native_dots): the same values
+        params, copies = dict(flat), nnx.to_flat_state(nnx.filter_state(m.state, NativeCopy))
+        for p, v in copies:
+            np.testing.assert_array_equal(np.asarray(v[...]), params[p[:-1] + ("weight",)].astype(ml_dtypes.bfloat16))
+        assert len(flat) + len(copies) == len(nnx.to_flat_state(m.state))
         # on the CPU a bf16 model keeps its matrices widened to f32 (ops.Widened): bf16 values, held exactly
         wide = ops.widened_dtype(m.policy)
         for p, v in flat:
@@ -327,7 +333,8 @@ def test_jaxmodel_widened_weights_change_no_bit(policy, config, tiny_dir, monkey
     """A 16-bit policy on the CPU keeps jaxmodel's matrices widened to f32 (their values rounded to
     the param dtype, held exactly), so no dot converts a whole weight per call: logits, every tap,
     the prefill, a decode step and the greedy tokens are bitwise those of the model that keeps them
-    in the param dtype; weights() still gives the param dtype."""
+    in the param dtype; weights() still gives the param dtype. (On the widened path: the native bf16
+    dots of an AMX CPU sum in another order, test_jaxmodel_native_bf16_dots_are_drift.)"""
     import jax
 
     import jaxmodel
@@ -335,6 +342,7 @@ def test_jaxmodel_widened_weights_change_no_bit(policy, config, tiny_dir, monkey
     from llamaspec import load_weights
     if jax.default_backend() != "cpu":
         pytest.skip("the widened storage is the CPU path")
+    monkeypatch.setenv("LLAMA_PARITY_BF16_DOTS", "widened")
     cfg, w = load_weights(tiny_dir(config))
     ids, mask = np.random.default_rng(3).integers(3, 96, (3, 13)), np.ones((3, 13), np.int64)
     mask[2, :5] = 0
@@ -420,3 +428,76 @@ def test_jaxmodel_prefill_buckets_share_a_program_and_keep_the_function(tiny_dir
             real = mask.astype(bool) if t != "logits" else slice(None)
             assert rel_l2(got[t][real], want[t][real]) <= 1e-12, t
     assert plain.compiled_programs()["prefill"] > plain_before, "unbucketed, each length is a program of its own"
+
+
+@pytest.mark.parametrize("config", ["gqa", "tied"])
+def test_jaxmodel_native_bf16_dots_are_drift(config, tiny_dir, monkeypatch):
+    """Native bf16 dots (ops.native_dots: on by default on AMX CPUs, forced here on any CPU) hold
+    a bf16 copy of each widened matrix beside it and use it for products of NATIVE_MIN_ROWS rows
+    or more: the same products summed in f32 in another order. The ladder against torchref calls
+    that drift, as it does the widened path; weights() are the same bits; the program really
+    multiplies bf16 operands; capture and forward stay bitwise one run; prefill then decode
+    (rows below the threshold: the widened copy) generates."""
+    import jax
+
+    import compare
+    import jaxmodel
+    from jaxmodel import ops
+    from jaxmodel.model import NativeCopy
+    from llamaspec import load_weights
+    if jax.default_backend() != "cpu":
+        pytest.skip("native vs widened bf16 dots is a CPU choice")
+    folder = tiny_dir(config)
+    cfg, w = load_weights(folder)
+    ids, mask = np.random.default_rng(5).integers(3, 96, (2, 24)), np.ones((2, 24), np.int64)
+    mask[1, :4] = 0
+    models = {}
+    for choice in ("widened", "native"):
+        monkeypatch.setenv(ops.BF16_DOTS_ENV, choice)
+        assert ops.native_dots(Policy.get("bf16")) == (choice == "native")
+        models[choice] = m = jaxmodel.from_weights(cfg, w, "bf16")
+        copies = [v for _, v in nnx_variables(m, NativeCopy)]
+        assert (len(copies) > 0) == (choice == "native")
+        assert all(c[...].dtype == ml_dtypes.bfloat16 for c in copies)
+        report = compare.compare_models("torchref", "jaxmodel", folder, inputs=(ids, mask), policy="bf16")
+        assert report.verdict in ("exact", "drift"), (choice, report.summary())
+    wide, native = models["widened"], models["native"]
+    for key, value in wide.weights().items():
+        np.testing.assert_array_equal(native.weights()[key], value, err_msg=key)
+    run = native._layout(*(np.asarray(a) for a in (ids, mask)))
+    hlo = native._forward.lower(native.state, *native._inputs(run), {}, taps=()).as_text()
+    assert any("dot_general" in line and "bf16" in line for line in hlo.splitlines())
+    logits, acts = native.capture(ids, mask, taps=["*"])
+    np.testing.assert_array_equal(np.asarray(native(ids, mask)), logits)
+    assert np.isfinite(logits.astype(np.float32)).all()
+    out = native.generate(ids, mask, max_new_tokens=4)
+    assert out.shape == (2, 4)
+
+
+def nnx_variables(m, kind):
+    from flax import nnx
+    return nnx.to_flat_state(nnx.filter_state(m.state, kind))
+
+
+def test_native_bf16_dots_rule(monkeypatch):
+    """The rule is the CPU's features and the caps, never a timing: auto is on only with AMX-BF16
+    and no XLA instruction-set cap below AMX; bf16 only; a bad value names the variable."""
+    from jaxmodel import ops
+    from llamaspec import cpuinfo
+    bf16, fp32, fp16 = (Policy.get(p) for p in ("bf16", "fp32", "fp16"))
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv(ops.BF16_DOTS_ENV, "auto")
+    for amx in (True, False):
+        monkeypatch.setattr(cpuinfo, "has", lambda flag, amx=amx: amx and flag == "amx_bf16")
+        assert ops.native_dots(bf16) is amx
+        assert not ops.native_dots(fp32) and not ops.native_dots(fp16)
+        monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX2")
+        assert not ops.native_dots(bf16)
+        monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AMX")
+        assert ops.native_dots(bf16) is amx
+        monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setenv(ops.BF16_DOTS_ENV, "native")
+    assert ops.native_dots(bf16) and not ops.native_dots(fp32)
+    monkeypatch.setenv(ops.BF16_DOTS_ENV, "fast")
+    with pytest.raises(ValueError, match=ops.BF16_DOTS_ENV):
+        ops.native_dots(bf16)
