@@ -64,18 +64,22 @@ def _torch_settings(policy) -> dict:
     return out
 
 
-def _jax_settings() -> dict:
+def _jax_settings(policy) -> dict:
     import jax
 
-    from jaxmodel import kernels
+    from jaxmodel import kernels, ops
     from jaxmodel.dtypes import compiler_options
+    bf16 = ("native bf16 for 2+ rows (AMX), widened f32 for one row" if ops.native_dots(policy)
+            else "widened to f32" if ops.widened_dtype(policy) is not None else "as the policy's dtypes")
     return {"jax backend": jax.default_backend(),
             "jax devices": ", ".join(str(d) for d in jax.devices()),
             "jax_enable_x64": bool(jax.config.jax_enable_x64),
             "jaxmodel compiler options": ", ".join(f"{k}={v}" for k, v in compiler_options().items()),
             "jaxmodel batch-invariant extra options": ", ".join(
                 f"{k}={v}" for k, v in compiler_options(True).items() if k not in compiler_options()) or "none",
-            "jaxmodel batch-invariant kernels": kernels.state()}
+            "jaxmodel batch-invariant kernels": kernels.state(),
+            f"jaxmodel {ops.BF16_DOTS_ENV}": os.environ.get(ops.BF16_DOTS_ENV, "(unset)"),
+            f"jaxmodel products at {policy.name}": bf16}
 
 
 def environment(policy, uses_jax: bool = True) -> dict:
@@ -88,5 +92,5 @@ def environment(policy, uses_jax: bool = True) -> dict:
     env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "(unset)")
     env.update(_torch_settings(policy))
     if uses_jax:
-        env.update(_jax_settings())
+        env.update(_jax_settings(policy))
     return env

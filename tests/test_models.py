@@ -443,7 +443,7 @@ def test_jaxmodel_native_bf16_dots_are_drift(config, tiny_dir, monkeypatch):
     import compare
     import jaxmodel
     from jaxmodel import ops
-    from jaxmodel.model import NativeCopy
+    from jaxmodel.model import NativeCopy, causal_allowed
     from llamaspec import load_weights
     if jax.default_backend() != "cpu":
         pytest.skip("native vs widened bf16 dots is a CPU choice")
@@ -464,9 +464,11 @@ def test_jaxmodel_native_bf16_dots_are_drift(config, tiny_dir, monkeypatch):
     wide, native = models["widened"], models["native"]
     for key, value in wide.weights().items():
         np.testing.assert_array_equal(native.weights()[key], value, err_msg=key)
-    run = native._layout(*(np.asarray(a) for a in (ids, mask)))
-    hlo = native._forward.lower(native.state, *native._inputs(run), {}, taps=()).as_text()
-    assert any("dot_general" in line and "bf16" in line for line in hlo.splitlines())
+    positions = np.broadcast_to(np.arange(24), (2, 24))
+    for m, bf16_dots in ((native, True), (wide, False)):
+        jaxpr = jax.make_jaxpr(lambda i, m=m: m.model(i, positions, causal_allowed(np.ones((2, 24)), 24))[0])(ids)
+        assert any(e.primitive.name == "dot_general" and e.invars[1].aval.dtype == ml_dtypes.bfloat16
+                   for e in jaxpr.eqns) == bf16_dots
     logits, acts = native.capture(ids, mask, taps=["*"])
     np.testing.assert_array_equal(np.asarray(native(ids, mask)), logits)
     assert np.isfinite(logits.astype(np.float32)).all()
