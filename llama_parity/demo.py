@@ -148,14 +148,17 @@ def explain_batching(say, tok, ref_side, r: Runs, i, ids, mask, eos) -> dict | N
 
 
 def invariant_check(say, tok, folder, policy, impl, prompts_i, ids, mask, new_tokens, eos) -> dict:
-    """The batch-invariant mode of impl: the flipped prompts' answers alone and in the batch."""
+    """The batch-invariant mode of impl: the flipped prompts' answers alone and in the batch.
+    Each prompt alone first: the batch then runs only as many steps as the longest of those
+    answers (its EOS included), the steps compared; the other rows' later tokens are not needed."""
     from compare.probes import greedy_trace, load_model
     pm = load_model(impl, folder, policy.name, batch_invariant=True)
-    batched = greedy_trace(pm, ids, mask, new_tokens, eos)
+    runs = {i: greedy_trace(pm, *_alone(ids, mask, i), new_tokens, eos) for i in prompts_i}
+    steps = {i: len(_tokens(trace, 0, eos)) for i, trace in runs.items()}     # the answer's steps, EOS included
+    batched = greedy_trace(pm, ids, mask, max(steps.values()), eos)
     out = {}
     for i in prompts_i:
-        alone = greedy_trace(pm, *_alone(ids, mask, i), new_tokens, eos)
-        n = len(_tokens(alone, 0, eos))     # the answer's steps, its EOS included
+        alone, n = runs[i], steps[i]
         same = all(np.array_equal(x[i, :n], y[0, :n]) for x, y in ((batched.tokens, alone.tokens),
                                                                    (batched.top1, alone.top1),
                                                                    (batched.top2, alone.top2)))
