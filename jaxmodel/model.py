@@ -42,7 +42,7 @@ from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, bucket_length, check_inject, check_next_ids, check_prefill, front_padded, layout
 
 from . import invariant, ops
-from .dtypes import compiler_options, numpy_dtype, of
+from .dtypes import compiler_options, numpy_dtype, of, opmath
 from .sharding import MeshLayout, add_in_order, layout_for, row_parallel, to_host
 
 LAST_SLOT_TAPS = ("logits",)   # prefill computes the lm_head at each row's last slot only
@@ -336,12 +336,13 @@ class Llama(nnx.Module):
         return ops.Widened(head.weight[...], None if head.native is None else head.native[...])
 
     def __call__(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None,
-                 scan=False):
+                 scan=False, stacked=None):
         """Embedding -> blocks -> final norm -> lm_head; returns (logits, {tap: activation}, cache).
 
         ids, positions [B, T]; allowed [B, T, S]. last [B]: logits for slot last[b] of each
         row only. inject {i: h}: teacher forcing, layer i's input is replaced by h.
-        scan: run the blocks under one lax.scan (no cache; see _scan_layers).
+        scan: run the blocks under one lax.scan (no cache; see _scan_layers), over `stacked` (the
+        blocks' states stacked on a layer axis, stack_layers) when given.
         """
         policy = self.policy
         residual = of(policy.residual_dtype)
@@ -349,7 +350,7 @@ class Llama(nnx.Module):
         h = rec("embed", shard(self.layout, self.embed_tokens(ids).astype(residual), "batch", None, None))
         ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions)
         if scan:
-            h, acts = self._scan_layers(h, ctx, taps, inject)
+            h, acts = self._scan_layers(h, ctx, taps, inject, stacked)
             rec.acts.update(acts)
         else:
             for i, block in enumerate(self.layers):
@@ -362,28 +363,31 @@ class Llama(nnx.Module):
         logits = rec("logits", head_logits(x, self.head_weight(), self.ops, policy))
         return logits, rec.acts, cache
 
-    def _scan_layers(self, h, ctx: Context, taps, inject):
+    def _scan_layers(self, h, ctx: Context, taps, inject, stacked=None):
         """The blocks as one lax.scan over their weights stacked on a layer axis, so XLA
         compiles one block instead of num_hidden_layers copies (docs/measurements.md).
 
-        The stacking copies the layer weights on each call, cheap next to a forward pass
-        but not next to one decode step, which stays unrolled. Per-layer taps come out
+        stacked: the stacked weights (stack_layers), which LlamaModel builds once and keeps;
+        None: stacked here, a copy of the layer weights on each call (which cost more than the
+        forward itself on SmolLM2). A decode step stays unrolled. Per-layer taps come out
         stacked: a tap asked for at any layer is returned for every layer as
         "layers.*.<name>" [L, ...], and the caller picks the layers (one output per layer
         would cost compile time per output). inject {i: h}: layer i's input is replaced by
         h (a select, so exact).
         """
         n_layers, resid = self.cfg.num_hidden_layers, of(self.policy.residual_dtype)
-        graphdef = nnx.graphdef(self.layers[0])
+        graphdef = nnx.graphdef(scan_block(self.layers[0]))
         names = frozenset(t.split(".", 2)[2] for t in taps if t.startswith("layers."))
-        if any(nnx.graphdef(block) != graphdef for block in self.layers[1:]):
+        if not self.same_blocks():
             return self._loop_layers(h, ctx, names, inject)
-        stacked = jax.tree.map(lambda *w: jnp.stack(w),
-                               *(nnx.state(block) for block in self.layers))
+        if stacked is None:
+            stacked = stack_layers(self)
         forced_on = np.zeros(n_layers, bool)
         forced_on[list(inject or ())] = True
         forced = (jnp.stack([inject[i].astype(resid) if i in inject else jnp.zeros_like(h)
                              for i in range(n_layers)]) if inject else None)
+
+        dtypes = {}
 
         def step(h, xs):
             i, weights, on, h_in = xs
@@ -391,10 +395,20 @@ class Llama(nnx.Module):
                 h = jnp.where(on, h_in, h)
             rec = Recorder(names)
             h, _ = nnx.merge(graphdef, weights)(h, ctx, rec, None, i)
-            return h, rec.acts
+            # 16-bit taps leave the loop widened to f32 (exact) and are rounded back after it (exact
+            # again): XLA:CPU writes a bf16 slice into the stacked output by converting the whole
+            # stack to f32 and back on every layer (docs/measurements.md)
+            dtypes.update({name: x.dtype for name, x in rec.acts.items()})
+            return h, {name: x.astype(opmath(x.dtype)) for name, x in rec.acts.items()}
 
         h, acts = lax.scan(step, h, (jnp.arange(n_layers), stacked, jnp.asarray(forced_on), forced))
-        return h, {f"layers.*.{name}": stack for name, stack in acts.items()}
+        return h, {f"layers.*.{name}": stack.astype(dtypes[name]) for name, stack in acts.items()}
+
+    def same_blocks(self) -> bool:
+        """Whether every block has the first one's structure, so that one lax.scan runs them all
+        (not so when a planted-bug control patched one layer's seams)."""
+        graphdef = nnx.graphdef(self.layers[0])
+        return all(nnx.graphdef(block) == graphdef for block in self.layers[1:])
 
     def _loop_layers(self, h, ctx: Context, names, inject):
         """_scan_layers for blocks that differ in structure (a planted-bug control patched one
@@ -408,6 +422,29 @@ class Llama(nnx.Module):
             h, _ = block(h, ctx, rec, None, i)
             per_layer.append(rec.acts)
         return h, {f"layers.*.{name}": jnp.stack([acts[name] for acts in per_layer]) for name in names}
+
+
+def scan_block(block: Block) -> Block:
+    """The block as the layers' lax.scan runs it: a copy without its native bf16 weights
+    (NativeCopy), since inside XLA:CPU's loop a bf16 product runs slower than the widened one
+    (SmolLM2's [100, 576] x [576, 1536] over 30 layers: 42 ms native, 31 ms widened, against
+    20 ms native unrolled; docs/measurements.md). Only the scan's products take the widened path."""
+    copy = nnx.merge(*nnx.split(block))
+    for _, module in nnx.iter_modules(copy):
+        if isinstance(module, Linear) and module.native is not None:
+            module.native = None
+    return copy
+
+
+def stack_layers(model: Llama):
+    """The blocks' states (weights, packed weights) stacked on a leading layer axis, as
+    _scan_layers' lax.scan takes them (scan_block: without native copies)."""
+    return jax.tree.map(lambda *w: jnp.stack(w), *(nnx.state(scan_block(block)) for block in model.layers))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _stack_state(graphdef, state):
+    return stack_layers(nnx.merge(graphdef, state))
 
 
 def checkpoint_key(name: str) -> str:
@@ -462,7 +499,7 @@ class LayerRunner:
     def block(self, i: int, weights: dict, h, taps=()) -> dict:
         """Layer i on the hidden state h (layer i's input); {tap name: numpy} for the
         requested per-layer tap names ("layers.i.<name>") plus "layers.i.out" always."""
-        block = Block(self.cfg, weights, i, self.dtype, ops, self.policy)
+        block = scan_block(Block(self.cfg, weights, i, self.dtype, ops, self.policy))   # as the forward's scan
         graphdef, state = nnx.split(block)
         names = tuple(sorted({tapnames.parse(t)[1] for t in taps} | {"out"}))
         acts = _block_program(graphdef, self.policy, names)(state, jnp.asarray(to_residual(h, self.policy)),
@@ -474,8 +511,12 @@ class LayerRunner:
         return np.asarray(_piece_programs(self.cfg, self.policy)[1](norm.weight[...], jnp.asarray(h)))
 
     def logits(self, x, head_rows) -> np.ndarray:
-        """The logits of final_norm output x for the lm_head rows given (a vocabulary chunk)."""
+        """The logits of final_norm output x for the lm_head rows given (a vocabulary chunk), the
+        rows held as Llama holds its head (widened, with a native copy where ops.native_dots)."""
         w = _as_param(head_rows, self.dtype)
+        wide = ops.widened_dtype(self.policy)
+        if wide is not None:
+            w = ops.Widened(w.astype(wide), w if ops.native_dots(self.policy) else None)
         return np.asarray(_piece_programs(self.cfg, self.policy)[2](jnp.asarray(x), w))
 
 
@@ -523,10 +564,12 @@ def _cache_out(model, cache: dict) -> dict:
     return {**_whole(model, {n: x for n, x in cache.items() if n not in kv}), **kv}
 
 
-def _forward(graphdef, state, ids, mask, positions, inject, *, taps):
+def _forward(graphdef, state, stacked, ids, mask, positions, inject, *, taps):
+    """The whole prompt through the blocks' lax.scan, over `stacked` (stack_layers; None: stacked
+    in the program)."""
     model = nnx.merge(graphdef, state)
     logits, acts, _ = model(ids, positions, causal_allowed(mask, ids.shape[1]), taps=taps, inject=inject,
-                            scan=True)
+                            scan=True, stacked=stacked)
     return _whole(model, (logits, acts))
 
 
@@ -647,6 +690,19 @@ class LlamaModel:
         self.layout: MeshLayout | None = module.layout   # None: one device (sharding.py)
         self.graphdef, self.state = nnx.split(module)
         self._forward, self._prefill, self._decode = _programs(self.graphdef, self.batch_invariant)
+        self._stack = (None, None)    # (the state it was built from, stack_layers of it or None)
+
+    def _stacked(self):
+        """The blocks' weights stacked on a layer axis for the forward's lax.scan (stack_layers):
+        built on the first forward or capture and kept, so each call does not copy every layer
+        weight again (on SmolLM2 at bf16 that copy took 0.38 s of a 0.41 s forward). The layer
+        weights are then held twice. None when the blocks differ in structure (they then run
+        one after the other, Llama._loop_layers)."""
+        state, stacked = self._stack
+        if state is not self.state:
+            stacked = _stack_state(self.graphdef, self.state) if self.model.same_blocks() else None
+            self._stack = (self.state, stacked)
+        return stacked
 
     def compiled_programs(self) -> dict[str, int]:
         """How many programs jit holds compiled (or loaded from the persistent cache) for the
@@ -714,7 +770,7 @@ class LlamaModel:
         """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
-        logits, _ = self._forward(self.state, *self._inputs(run), {}, taps=())
+        logits, _ = self._forward(self.state, self._stacked(), *self._inputs(run), {}, taps=())
         return jnp.asarray(run.restore(logits)) if self.batch_invariant else logits
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
@@ -731,7 +787,7 @@ class LlamaModel:
         # is what every program returns, so asking for it alone runs the plain forward's program
         program_taps = tuple(sorted({n if tapnames.layer_of(n) is None
                                      else "layers.*." + tapnames.parse(n)[1] for n in names} - {"logits"}))
-        logits, acts = self._forward(self.state, *self._inputs(run), forced, taps=program_taps)
+        logits, acts = self._forward(self.state, self._stacked(), *self._inputs(run), forced, taps=program_taps)
         acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
         acts["logits"] = logits = np.asarray(logits)
         return run.restore(logits), {n: run.restore(_pick(acts, n)) for n in names}
