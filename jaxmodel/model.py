@@ -118,12 +118,24 @@ class NativeCopy(nnx.Variable):
     in bf16 itself (not a Param: weights() and the checkpoint keys do not see it)."""
 
 
-def _native_copy(ops, policy: Policy, weight, layout: MeshLayout | None) -> NativeCopy | None:
-    """The weight (held widened) as a NativeCopy when ops.native_dots says so, on one device
-    (a mesh keeps the widened path), else None."""
-    if ops is invariant or layout is not None or not ops.native_dots(policy):
+def native_values(policy: Policy, w, layout: MeshLayout | None = None):
+    """A widened weight's values in param_dtype for ops.native_dots' products, when it says so
+    and the model runs on one device (a mesh keeps the widened path), else None. The one rule
+    for Llama's matrices (as NativeCopy) and LayerRunner's lm_head rows."""
+    if layout is not None or not ops.native_dots(policy):
         return None
-    return NativeCopy(weight[...].astype(numpy_dtype(policy.param_dtype)))
+    return w.astype(numpy_dtype(policy.param_dtype))
+
+
+def _native_copy(policy: Policy, weight, layout: MeshLayout | None) -> NativeCopy | None:
+    """A widened Linear's or Embedding's weight as a NativeCopy (native_values), or None."""
+    native = native_values(policy, weight[...], layout)
+    return None if native is None else NativeCopy(native)
+
+
+def _as_widened(module) -> ops.Widened:
+    """A widened module's matrix as ops.Widened takes it, with its native copy if it keeps one."""
+    return ops.Widened(module.weight[...], None if module.native is None else module.native[...])
 
 
 def _pack(w, policy: Policy, layout: MeshLayout | None = None) -> tuple[Packed, tuple]:
@@ -143,7 +155,6 @@ class Linear(nnx.Module):
         store = _store(ops, policy)
         self.widened = store is not None      # weight kept as ops.Widened takes it
         self.weight = _param(weights, key + ".weight", dtype, store)
-        self.native = _native_copy(ops, policy, self.weight, _layout_of(weights)) if self.widened else None
         self.bias = _param(weights, key + ".bias", dtype) if bias else None
         self.ops = ops
         layout = _layout_of(weights)
@@ -151,6 +162,7 @@ class Linear(nnx.Module):
         self.row_parallel = (split_in if layout is not None and layout.tensor > 1 and ops is not invariant
                              else None)
         self.layout = layout
+        self.native = _native_copy(policy, self.weight, layout) if self.widened else None
         if ops is invariant:  # packed once here, from the weight as rounded to param_dtype
             host = weights.host(key + ".weight", dtype) if isinstance(weights, OnMesh) else self.weight[...]
             self.packed, self.packed_meta = _pack(host, policy, _layout_of(weights))
@@ -159,8 +171,7 @@ class Linear(nnx.Module):
         return invariant.PackedWeight(self.packed[...], *self.packed_meta)
 
     def __call__(self, x, policy: Policy, out_dtype=None):
-        w = self.packed_weight() if self.ops is invariant else self.weight[...]
-        w = ops.Widened(w, None if self.native is None else self.native[...]) if self.widened else w
+        w = self.packed_weight() if self.ops is invariant else _as_widened(self) if self.widened else self.weight[...]
         b = None if self.bias is None else self.bias[...]
         if self.row_parallel:
             return row_parallel(self.layout, x, w, b, policy, self.row_parallel, self.reduce, out_dtype)
@@ -175,10 +186,10 @@ class Linear(nnx.Module):
 class Embedding(nnx.Module):
     """The token table. store: a wider dtype to keep it in (_store: when it is also the lm_head)."""
 
-    def __init__(self, weights, key, dtype, store=None, ops=None, policy: Policy | None = None):
+    def __init__(self, weights, key, dtype, store=None, policy: Policy | None = None):
         self.weight = _param(weights, key + ".weight", dtype, store)
         self.widened = store is not None
-        self.native = _native_copy(ops, policy, self.weight, _layout_of(weights)) if self.widened else None
+        self.native = _native_copy(policy, self.weight, _layout_of(weights)) if self.widened else None
 
     def __call__(self, ids):
         return self.weight[...][ids]
@@ -316,7 +327,7 @@ class Llama(nnx.Module):
         dt = numpy_dtype(policy.param_dtype)
         # a tied table is also the lm_head's matrix: kept as the Linears keep theirs
         self.embed_tokens = Embedding(weights, "model.embed_tokens", dt,
-                                      _store(self.ops, policy) if cfg.tie_word_embeddings else None, self.ops, policy)
+                                      _store(self.ops, policy) if cfg.tie_word_embeddings else None, policy)
         self.layers = nnx.List([Block(cfg, weights, i, dt, self.ops, policy) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, self.ops, policy)
@@ -331,9 +342,7 @@ class Llama(nnx.Module):
         if self.batch_invariant:
             return invariant.PackedWeight(self.head_packed[...], *self.head_meta)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if not head.widened:
-            return head.weight[...]
-        return ops.Widened(head.weight[...], None if head.native is None else head.native[...])
+        return _as_widened(head) if head.widened else head.weight[...]
 
     def __call__(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None,
                  scan=False, stacked=None):
@@ -516,7 +525,7 @@ class LayerRunner:
         w = _as_param(head_rows, self.dtype)
         wide = ops.widened_dtype(self.policy)
         if wide is not None:
-            w = ops.Widened(w.astype(wide), w if ops.native_dots(self.policy) else None)
+            w = ops.Widened(w.astype(wide), native_values(self.policy, w))
         return np.asarray(_piece_programs(self.cfg, self.policy)[2](jnp.asarray(x), w))
 
 

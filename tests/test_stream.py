@@ -46,6 +46,22 @@ def test_streamed_run_bit_for_bit_on_tied_biased_sharded_bf16_checkpoints(name, 
         assert _same(full, streamed) == [], package
 
 
+@pytest.mark.parametrize("name", ["gqa", "tied"])
+def test_streamed_jaxmodel_with_native_bf16_dots_is_the_full_run_bit_for_bit(name, tiny_dir, monkeypatch):
+    """With native bf16 products (forced here on any CPU; on by default on AMX) the full run's
+    scan keeps its blocks on the widened path and its lm_head on the native copy: the streamed
+    runner must do both the same way (LayerRunner.block, LayerRunner.logits)."""
+    from jaxmodel import ops
+    monkeypatch.setenv(ops.BF16_DOTS_ENV, "native")
+    # wide enough (hidden 256) that the f32 sums' order shows in the last bit of a bf16 product
+    folder = tiny_dir(name, hidden_size=256, intermediate_size=512)
+    logits, full = jaxmodel.from_pretrained(folder, policy="bf16").capture(IDS, MASK, ["*"])
+    s_logits, streamed = stream_capture(CheckpointModel("jaxmodel", folder, "bf16"), IDS, MASK, ["*"])
+    assert list(streamed) == list(full)
+    assert _same(full, streamed) == []
+    assert np.array_equal(logits, s_logits)
+
+
 def _numbers(report) -> dict:
     """The Report's numbers, but for timings, the environment and the capture check (its
     plain runs differ by design: the streamed ladder walks the logits alone, the full one
