@@ -117,9 +117,41 @@ def _native(compute: torch.dtype, accum: torch.dtype, out: torch.dtype) -> bool:
     return compute in (torch.bfloat16, torch.float16) and accum == torch.float32 and out == compute
 
 
+# Queries per attention block: a long prompt's scores are computed QUERY_BLOCK queries at a
+# time (jaxmodel.ops has the same constant).
+QUERY_BLOCK = 128
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
               policy: Policy) -> torch.Tensor:
-    """Causal GQA attention. q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S].
+    """Causal GQA attention (block_attention's arithmetic), QUERY_BLOCK queries at a time.
+
+    q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S]. A long prompt's [B, Hq, T, S]
+    scores are never held at once, and a block reads only the keys up to the last one its mask
+    allows (a causal block: none after its last query). The keys left out are masked for every
+    query of the block: their probabilities are exactly 0, so only the grouping of the sums over
+    keys changes (drift; the tests hold it to rounding). A block with a query that may see
+    nothing (a padding position) reads every key, so that query averages all S values as one
+    block would. jaxmodel.ops.attention runs the same blocks over every key (under jit this
+    data-dependent cut would need a lax.cond per block: docs/measurements.md).
+    """
+    T, S = q.shape[1], k.shape[1]
+    if T < 2 * QUERY_BLOCK:
+        return block_attention(q, k, v, allowed, policy)
+    out = []
+    for a in range(0, T, QUERY_BLOCK):
+        seen = allowed[:, a:a + QUERY_BLOCK]
+        n = S
+        if bool(seen.any(-1).all()):
+            n = int(seen.any(0).any(0).nonzero().max()) + 1
+        out.append(block_attention(q[:, a:a + QUERY_BLOCK], k[:, :n], v[:, :n], seen[..., :n], policy))
+    return torch.cat(out, dim=1)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                    policy: Policy) -> torch.Tensor:
+    """Causal GQA attention over every key given. q [B, T, Hq, D]; k, v [B, S, Hkv, D];
+    allowed [B, T, S].
 
     Query head h reads kv head h // G (HF's repeat_kv order). Instead of repeating K
     and V, the G query heads of a group are folded into the row dimension:
