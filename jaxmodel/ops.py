@@ -118,42 +118,8 @@ def silu(x):
     return (xf * lax.logistic(xf)).astype(x.dtype)
 
 
-# Queries per attention block: a long prompt's scores are computed QUERY_BLOCK queries at a
-# time (torchref.ops has the same constant).
-QUERY_BLOCK = 128
-
-
 def attention(q, k, v, allowed, policy: Policy):
-    """Scaled dot-product attention (block_attention's arithmetic), QUERY_BLOCK queries at a time.
-
-    q [B, T, Hq, D]; k, v [B, S, Hkv, D] (or Widened); allowed [B, T, S]. Each block of queries
-    reads every key, so each query's scores, softmax and weighted sum are computed as one block
-    over all T queries computes them: only the number of rows in each product changes (the
-    results were bitwise those of one block in every case measured, docs/measurements.md; the
-    tests hold them to rounding, since a library may sum a product differently by its row
-    count). A long prompt's [B, Hq, T, S] scores are never held at once: blocks run one after
-    another in a lax.map (one compiled body). torchref.ops.attention also skips the keys after
-    a causal block, a data-dependent cut that here would need a lax.cond per block; in the
-    unrolled prefill those multiplied its compile time (a 2048-token prefill: 102 s).
-    """
-    B, T, Hq, D = q.shape
-    full = T // QUERY_BLOCK * QUERY_BLOCK
-    if full <= QUERY_BLOCK:
-        return block_attention(q, k, v, allowed, policy)
-    n = full // QUERY_BLOCK
-
-    def blocks(x):          # [B, full, ...] -> [n, B, QUERY_BLOCK, ...]
-        return jnp.moveaxis(x[:, :full].reshape((B, n, QUERY_BLOCK) + x.shape[2:]), 1, 0)
-
-    out = lax.map(lambda qa: block_attention(qa[0], k, v, qa[1], policy), (blocks(q), blocks(allowed)))
-    out = jnp.moveaxis(out, 0, 1).reshape(B, full, Hq, D)
-    if full == T:
-        return out
-    return jnp.concatenate([out, block_attention(q[:, full:], k, v, allowed[:, full:], policy)], axis=1)
-
-
-def block_attention(q, k, v, allowed, policy: Policy):
-    """Scaled dot-product attention with a boolean mask, over every key given.
+    """Scaled dot-product attention with a boolean mask.
 
     q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S]. GQA by reshaping q to
     [B, T, Hkv, G, D] (query head h reads kv head h // G, as HF's repeat_kv), so K/V
