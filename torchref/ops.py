@@ -1,7 +1,8 @@
 """The Llama ops as small pure functions, each following the policy's dtypes exactly.
 
 jaxmodel/ops.py has the same functions with the same names; the two files differ only
-in the framework. Numerics follow transformers' LlamaForCausalLM (eager attention):
+in the framework, and in that torchref's attention runs a long prompt in blocks of queries
+(block_attention is jaxmodel's attention). Numerics follow transformers' LlamaForCausalLM (eager attention):
 RoPE half-split layout, scores = (q @ k^T) * scale, mask then softmax.
 """
 
