@@ -106,6 +106,36 @@ def table(rows: list[dict], device: str) -> str:
     return "\n".join(lines)
 
 
+def run_one(args, policy: Policy, scratch: str, flops_s, bytes_s, rng, say) -> list[dict]:
+    """Every case at one policy, on --checkpoint or on a random checkpoint of --shape written
+    under scratch; rows with their rooflines."""
+    from llamaspec.testing import make_checkpoint
+    folder = args.checkpoint
+    if folder is None:
+        t0 = time.perf_counter()
+        folder = make_checkpoint(Path(scratch) / f"{args.shape}-shaped", dtype=policy.param_dtype, seed=0,
+                                 **SHAPES[args.shape])
+        say(f"  {args.shape}-shaped random checkpoint ({policy.param_dtype}) written in "
+            f"{time.perf_counter() - t0:.1f} s")
+    cfg = LlamaConfig.from_dict(json.loads((Path(folder) / "config.json").read_text()))
+    cases, ideal = [], {}
+    for T in args.prefill:
+        ids = rng.integers(3, cfg.vocab_size, (1, T))
+        name = f"prefill {T}"
+        cases.append({"name": name, "unit": "s", "run": lambda m, ids=ids: prefill_case(m, ids)})
+        if flops_s:
+            ideal[name] = prefill_flops(cfg, T) / flops_s
+    for B in args.decode_batch:
+        ids = rng.integers(3, cfg.vocab_size, (B, args.decode_prompt))
+        name = f"decode batch {B} (prompt {args.decode_prompt})"
+        cases.append({"name": name, "unit": "s/token",
+                      "run": lambda m, ids=ids: decode_case(m, ids, args.decode_steps)})
+        if bytes_s:
+            context = args.decode_prompt + (args.decode_steps + 1) / 2
+            ideal[name] = decode_bytes(cfg, policy, B, context) / bytes_s
+    return with_roofline(run_policy(folder, policy.name, args.impl, cases, args.repeats, say), ideal)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
@@ -127,7 +157,6 @@ def main(argv=None) -> int:
     import torch
 
     from compare.environment import environment
-    from llamaspec.testing import make_checkpoint
     say = lambda msg: print(msg, flush=True)  # noqa: E731
     on_gpu = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
@@ -135,30 +164,8 @@ def main(argv=None) -> int:
     rows, rng = [], np.random.default_rng(0)
     for policy_name in args.policy:
         policy = Policy.get(policy_name)
-        folder = args.checkpoint
-        if folder is None:
-            t0 = time.perf_counter()
-            folder = make_checkpoint(Path(tempfile.mkdtemp()) / f"{args.shape}-shaped", dtype=policy.param_dtype,
-                                     seed=0, **SHAPES[args.shape])
-            say(f"  {args.shape}-shaped random checkpoint ({policy.param_dtype}) written in "
-                f"{time.perf_counter() - t0:.1f} s: {folder}")
-        cfg = LlamaConfig.from_dict(json.loads((Path(folder) / "config.json").read_text()))
-        cases, ideal = [], {}
-        for T in args.prefill:
-            ids = rng.integers(3, cfg.vocab_size, (1, T))
-            name = f"prefill {T}"
-            cases.append({"name": name, "unit": "s", "run": lambda m, ids=ids: prefill_case(m, ids)})
-            if flops_s:
-                ideal[name] = prefill_flops(cfg, T) / flops_s
-        for B in args.decode_batch:
-            ids = rng.integers(3, cfg.vocab_size, (B, args.decode_prompt))
-            name = f"decode batch {B} (prompt {args.decode_prompt})"
-            cases.append({"name": name, "unit": "s/token",
-                          "run": lambda m, ids=ids: decode_case(m, ids, args.decode_steps)})
-            if bytes_s:
-                context = args.decode_prompt + (args.decode_steps + 1) / 2
-                ideal[name] = decode_bytes(cfg, policy, B, context) / bytes_s
-        rows += with_roofline(run_policy(folder, policy_name, args.impl, cases, args.repeats, say), ideal)
+        with tempfile.TemporaryDirectory() as scratch:    # the random checkpoint, removed after
+            rows += run_one(args, policy, scratch, flops_s, bytes_s, rng, say)
 
     peaks = ("no roofline: unknown device peaks (--peak-tflops, --hbm-gbs)" if not (flops_s or bytes_s) else
              f"peaks: {flops_s and flops_s / 1e12} TFLOP/s (prefill), {bytes_s and bytes_s / 1e9} GB/s (decode)")
