@@ -130,14 +130,14 @@ def attention(q, k, v, allowed, policy: Policy):
     Hkv = k.shape[2]
     qg = q.astype(compute).reshape(B, T, Hkv, Hq // Hkv, D)
     # [B, T, K, G, D] x [B, S, K, D] -> [B, K, T, G, S]
-    s = _matmul(qg, k, (((4,), (3,)), ((0, 2), (0, 2))), policy).astype(compute)
+    s = _attention_product(qg, k, (((4,), (3,)), ((0, 2), (0, 2))), policy).astype(compute)
     s = mul_scalar(s, D ** -0.5)  # HF order: matmul, round, then scale
     s = s.astype(smx)
     # A finite fill (not -inf) keeps fully masked rows (padding queries) free of NaN.
     s = jnp.where(allowed[:, None, :, None, :], s, jnp.finfo(smx).min)
     p = softmax(s).astype(compute)
     # [B, K, T, G, S] x [B, S, K, D] -> [B, K, T, G, D]
-    o = _matmul(p, v, (((4,), (1,)), ((0, 1), (0, 2))), policy).astype(compute)
+    o = _attention_product(p, v, (((4,), (1,)), ((0, 1), (0, 2))), policy).astype(compute)
     return o.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
 
 
@@ -176,9 +176,10 @@ NATIVE_MIN_ROWS = 2
 
 
 def native_dots(policy: Policy) -> bool:
-    """Whether products of a bf16 policy's weights with many rows run in bf16 itself on this
-    CPU (XLA:CPU hands them to its YNNPACK kernels, which use AMX's bf16 tiles: 3-5x the
-    widened f32 product's speed, measured) instead of on f32 widened copies.
+    """Whether products of a bf16 policy's weights with many rows, and attention's products
+    (_attention_product), run in bf16 itself on this CPU (XLA:CPU hands them to its YNNPACK
+    kernels, which use AMX's bf16 tiles: 3-5x the widened f32 product's speed, measured)
+    instead of on f32 widened copies.
 
     Both compute the same products (bf16 x bf16 is exact in f32) and sum them in f32, in
     different orders: the results differ by f32 rounding, not by the policy. Decided by the
@@ -230,6 +231,21 @@ def _matmul(a, b, dims, policy: Policy):
         a = a.astype(accum)
     return lax.dot_general(a, b, dims, precision=matmul_precision(policy),
                            preferred_element_type=accum)
+
+
+def _attention_product(a, b, dims, policy: Policy):
+    """One of attention's two products (queries x keys, probabilities x values). Where native_dots
+    says so and it has NATIVE_MIN_ROWS rows or more (per KV head: a decode step's G query heads
+    count), bf16 operands with f32 sums, as the matrices' native products; a widened cache's
+    values go back to bf16 for it (exact: they are bf16 values). Else _matmul's widened product.
+    Same products, other summation order: drift. SmolLM2's attention at 512 tokens, bf16, AMX
+    Xeon: 8.9 ms a layer widened, 3.3 native (docs/measurements.md)."""
+    if native_dots(policy) and _rows(a, dims) >= NATIVE_MIN_ROWS:
+        compute = of(policy.compute_dtype)
+        b = b.data if isinstance(b, Widened) else b
+        return lax.dot_general(a.astype(compute), b.astype(compute), dims, precision=matmul_precision(policy),
+                               preferred_element_type=of(policy.accum_dtype))
+    return _matmul(a, b, dims, policy)
 
 
 def softmax(s):

@@ -482,8 +482,8 @@ def test_jaxmodel_native_bf16_dots_are_drift(config, tiny_dir, monkeypatch):
     a bf16 copy of each widened matrix beside it and use it for products of NATIVE_MIN_ROWS rows
     or more: the same products summed in f32 in another order. The ladder against torchref calls
     that drift, as it does the widened path; weights() are the same bits; the program really
-    multiplies bf16 operands; capture and forward stay bitwise one run; prefill then decode
-    (rows below the threshold: the widened copy) generates."""
+    multiplies bf16 operands, in attention's products too; capture and forward stay bitwise one
+    run; prefill then decode (rows below the threshold: the widened copy) generates."""
     import jax
 
     import compare
@@ -512,9 +512,15 @@ def test_jaxmodel_native_bf16_dots_are_drift(config, tiny_dir, monkeypatch):
         np.testing.assert_array_equal(native.weights()[key], value, err_msg=key)
     positions = np.broadcast_to(np.arange(24), (2, 24))
     for m, bf16_dots in ((native, True), (wide, False)):
+        monkeypatch.setenv(ops.BF16_DOTS_ENV, "native" if bf16_dots else "widened")   # read as it traces
         jaxpr = jax.make_jaxpr(lambda i, m=m: m.model(i, positions, causal_allowed(np.ones((2, 24)), 24))[0])(ids)
-        assert any(e.primitive.name == "dot_general" and e.invars[1].aval.dtype == ml_dtypes.bfloat16
-                   for e in jaxpr.eqns) == bf16_dots
+        dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+        assert any(e.invars[1].aval.dtype == ml_dtypes.bfloat16 for e in dots) == bf16_dots
+        # attention's two products (the dots with batch dimensions) follow the same rule
+        batched = [e for e in dots if e.params["dimension_numbers"][1][0]]
+        assert len(batched) == 2 * cfg.num_hidden_layers
+        assert all((e.invars[0].aval.dtype == e.invars[1].aval.dtype == ml_dtypes.bfloat16) == bf16_dots
+                   for e in batched)
     logits, acts = native.capture(ids, mask, taps=["*"])
     np.testing.assert_array_equal(np.asarray(native(ids, mask)), logits)
     assert np.isfinite(logits.astype(np.float32)).all()
