@@ -354,6 +354,38 @@ def test_torchref_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch)
     assert rel_l2(got, every_key) <= 1e-14 and rel_l2(every_key, cut) > 1e-3
 
 
+def test_torchref_query_blocks_read_the_keys_their_masks_allow(monkeypatch):
+    """keys_read, the keys each query block of torchref's attention reads, against its definition
+    block by block: one past the last key any query of the block (any row) may see, or every key
+    when a query of the block may see none. Masks: causal, left-padded, a leak past the causal
+    bound, a fully masked row, over a longer cache, T not a multiple of the block."""
+    import torch
+
+    from torchref import ops
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 8)
+
+    def by_definition(allowed):
+        T, S = allowed.shape[1:]
+        out = []
+        for a in range(0, T, 8):
+            seen = allowed[:, a:a + 8]
+            out.append(int(seen.any(0).any(0).nonzero().max()) + 1 if bool(seen.any(-1).all()) else S)
+        return out
+
+    rng = np.random.default_rng(3)
+    for T, S in ((42, 42), (40, 40), (42, 60), (17, 17)):
+        causal = torch.ones(T, S, dtype=torch.bool).tril(S - T)[None].repeat(2, 1, 1)
+        padded = causal.clone()
+        padded[1, :, :5] = False                       # row 1 left-padded by 5: its first queries see nothing
+        leak = causal | torch.ones(T, S, dtype=torch.bool).tril(S - T + 1)[None]
+        dead = causal.clone()
+        dead[0, T // 2] = False
+        noise = torch.from_numpy(rng.random((2, T, S)) < 0.3)
+        for allowed in (causal, padded, leak, dead, noise):
+            assert ops.keys_read(allowed) == by_definition(allowed), (T, S)
+    causal = torch.ones(42, 42, dtype=torch.bool).tril()[None]
+    assert ops.keys_read(causal) == [8, 16, 24, 32, 40, 42]
+
 def test_the_two_models_mirror_each_other(tiny_dir):
     """One name, one role in both files: the same classes, public functions and Attention
     seams, `model` the network (a Llama) with head_weight() a method, the same cache keys."""

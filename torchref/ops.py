@@ -137,17 +137,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     nothing (a padding position) reads every key, so that query averages all S values as one
     block would.
     """
-    T, S = q.shape[1], k.shape[1]
+    T = q.shape[1]
     if T < 2 * QUERY_BLOCK:
         return block_attention(q, k, v, allowed, policy)
     out = []
-    for a in range(0, T, QUERY_BLOCK):
-        seen = allowed[:, a:a + QUERY_BLOCK]
-        n = S
-        if bool(seen.any(-1).all()):
-            n = int(seen.any(0).any(0).nonzero().max()) + 1
-        out.append(block_attention(q[:, a:a + QUERY_BLOCK], k[:, :n], v[:, :n], seen[..., :n], policy))
+    for a, n in zip(range(0, T, QUERY_BLOCK), keys_read(allowed)):
+        out.append(block_attention(q[:, a:a + QUERY_BLOCK], k[:, :n], v[:, :n], allowed[:, a:a + QUERY_BLOCK, :n],
+                                   policy))
     return torch.cat(out, dim=1)
+
+
+def keys_read(allowed: torch.Tensor) -> list[int]:
+    """How many keys each block of QUERY_BLOCK queries reads (attention): one past the last key
+    that any query of the block, in any row, may see; every key (S) when some query of the block
+    may see none. allowed [B, T, S]. Read from the mask in one pass (one host sync per call)."""
+    B, T, S = allowed.shape
+    pad = -T % QUERY_BLOCK
+    by_query = allowed.any(0)                                              # [T, S]
+    sees_some = torch.nn.functional.pad(allowed.any(-1).all(0), (0, pad), value=True)
+    by_block = torch.nn.functional.pad(by_query, (0, 0, 0, pad)).view(-1, QUERY_BLOCK, S).any(1)
+    last = S - by_block.flip(-1).to(torch.uint8).argmax(-1)               # one past the last True
+    everything = ~sees_some.view(-1, QUERY_BLOCK).all(-1) | ~by_block.any(-1)
+    return torch.where(everything, S, last).tolist()
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -169,7 +180,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
     scores = _matmul(qg, k.permute(0, 2, 3, 1), policy) * (D ** -0.5)     # [B, Hkv, G*T, S]
     scores = scores.view(B, Hkv, G, T, -1).to(soft)
-    scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(soft).min)
+    scores.masked_fill_(~allowed[:, None, None], torch.finfo(soft).min)         # scores is this call's own
     probs = softmax(scores).to(compute).view(B, Hkv, G * T, -1)
     ctx = _matmul(probs, v.permute(0, 2, 1, 3), policy)                   # [B, Hkv, G*T, D]
     return ctx.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
