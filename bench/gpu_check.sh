@@ -14,9 +14,13 @@
 #    on a one-GPU host it measures one device and says so;
 # 4. prefill (2048 tokens) and decode (batch 1 and 8) of a Llama-3.2-1B-shaped random
 #    checkpoint at bf16 against the device's roofline: bf16 peak flops for prefill, memory
-#    bandwidth for decode (bench/bench_roofline.py; peaks of known GPUs by name).
+#    bandwidth for decode (bench/bench_roofline.py; peaks of known GPUs by name);
+# 5. batch invariance of the GPU's default kernels on the step-1 checkpoint: does a row's output
+#    change with the batch it shares (probe batch, torchref and jaxmodel, fp32 and bf16), and
+#    from which layer and op (probe where, bf16). The invariant mode is CPU code: not run here.
+#    On the 2-core CPU (SmolLM2): about 1 min each.
 # Results: OUT_DIR/gpu_check.json, OUT_DIR/bench.json, OUT_DIR/sharding.json,
-# OUT_DIR/roofline.json, OUT_DIR/log.txt.
+# OUT_DIR/roofline.json, OUT_DIR/probes.json, OUT_DIR/where.json, OUT_DIR/log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-bench/results}}"
@@ -35,4 +39,8 @@ timeout 240 "$PY" -m bench.bench_sharding --checkpoint "$ckpt" --policies fp32,b
     --out "$OUT/sharding.json" 2>&1 | tee -a "$OUT/log.txt"
 timeout 300 "$PY" -m bench.bench_roofline --shape 1b --policy bf16 --prefill 2048 --decode-batch 1 8 \
     --repeats 3 --out "$OUT/roofline.json" 2>&1 | tee -a "$OUT/log.txt"
+timeout 180 "$PY" -m llama_parity.cli probe batch --checkpoint "$ckpt" --impl torchref,jaxmodel \
+    --policy fp32,bf16 --mode default --json "$OUT/probes.json" --no-colour 2>&1 | tee -a "$OUT/log.txt"
+timeout 180 "$PY" -m llama_parity.cli probe where --checkpoint "$ckpt" --impl torchref,jaxmodel \
+    --policy bf16 --circumstance batch --json "$OUT/where.json" --no-colour 2>&1 | tee -a "$OUT/log.txt"
 exit $status
