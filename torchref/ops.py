@@ -151,7 +151,7 @@ def keys_read(allowed: torch.Tensor) -> list[int]:
     """How many keys each block of QUERY_BLOCK queries reads (attention): one past the last key
     that any query of the block, in any row, may see; every key (S) when some query of the block
     may see none. allowed [B, T, S]. Read from the mask in one pass (one host sync per call)."""
-    B, T, S = allowed.shape
+    T, S = allowed.shape[1:]
     pad = -T % QUERY_BLOCK
     by_query = allowed.any(0)                                              # [T, S]
     sees_some = torch.nn.functional.pad(allowed.any(-1).all(0), (0, pad), value=True)
