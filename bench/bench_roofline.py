@@ -1,7 +1,7 @@
 """Prefill and decode against the device's roofline: how far each implementation is from what
 the hardware allows, on a model of a given shape with random weights.
 
-    python -m bench.bench_roofline [--shape 1b|smollm2|tiny] [--checkpoint DIR] [--policy bf16]
+    python -m bench.bench_roofline [--shape llama-3.2-1b|smollm2-135m|...|tiny] [--checkpoint DIR] [--policy bf16]
         [--prefill 2048] [--decode-batch 1 8] [--decode-prompt 512] [--decode-steps 32]
         [--repeats 5] [--impl torchref jaxmodel sdpa] [--peak-tflops X] [--hbm-gbs Y] [--out FILE]
 
@@ -36,19 +36,13 @@ from pathlib import Path
 import numpy as np
 
 from bench.bench_models import IMPLS, decode_case, prefill_case, run_policy
-from bench.gpu_check import SMOLLM2_SHAPES
-from llamaspec import LlamaConfig, Policy
+from llamaspec import LlamaConfig, Policy, shapes
 from llamaspec.checkpoint import numpy_dtype
 from llamaspec.files import atomic_write
 
-# Llama 3.2 1B's config (transformers' names), the "1B shape" of the GPU check.
-LLAMA_1B_SHAPES = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
-                       max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=None,
-                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                        "original_max_position_embeddings": 8192})
-SHAPES = {"1b": LLAMA_1B_SHAPES, "smollm2": SMOLLM2_SHAPES, "tiny": {}}
+# The real models' shapes (llamaspec.shapes, as `llama-parity make-checkpoint` writes them), and
+# llamaspec.testing's tiny one for a quick run on a CPU.
+SHAPES = (*shapes.SHAPES, "tiny")
 
 # name fragment -> (bf16 dense tensor-core TFLOP/s, HBM GB/s): NVIDIA's datasheets, SXM parts
 DEVICES = {"H200": (989.5, 4800.0), "H100": (989.5, 3350.0), "A100": (312.0, 2039.0)}
@@ -113,8 +107,11 @@ def run_one(args, policy: Policy, scratch: str, flops_s, bytes_s, rng, say) -> l
     folder = args.checkpoint
     if folder is None:
         t0 = time.perf_counter()
-        folder = make_checkpoint(Path(scratch) / f"{args.shape}-shaped", dtype=policy.param_dtype, seed=0,
-                                 **SHAPES[args.shape])
+        folder = Path(scratch) / f"{args.shape}-shaped"
+        if args.shape == "tiny":
+            make_checkpoint(folder, dtype=policy.param_dtype, seed=0)
+        else:
+            shapes.write_checkpoint(folder, args.shape, dtype=policy.param_dtype, seed=0)
         say(f"  {args.shape}-shaped random checkpoint ({policy.param_dtype}) written in "
             f"{time.perf_counter() - t0:.1f} s")
     cfg = LlamaConfig.from_dict(json.loads((Path(folder) / "config.json").read_text()))
@@ -138,7 +135,7 @@ def run_one(args, policy: Policy, scratch: str, flops_s, bytes_s, rng, say) -> l
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--shape", choices=SHAPES, default="llama-3.2-1b")
     ap.add_argument("--checkpoint", default=None, help="an HF folder instead of random weights of --shape")
     ap.add_argument("--policy", nargs="+", default=["bf16"])
     ap.add_argument("--prefill", nargs="+", type=int, default=[2048])

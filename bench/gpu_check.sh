@@ -37,7 +37,7 @@ timeout 240 "$PY" -m bench.bench_models --checkpoint "$ckpt" --policy fp32 tf32 
     --repeats 5 --decode-steps 32 --prefill 128 512 2048 --out "$OUT/bench.json" 2>&1 | tee -a "$OUT/log.txt"
 timeout 240 "$PY" -m bench.bench_sharding --checkpoint "$ckpt" --policies fp32,bf16 --repeats 5 \
     --out "$OUT/sharding.json" 2>&1 | tee -a "$OUT/log.txt"
-timeout 300 "$PY" -m bench.bench_roofline --shape 1b --policy bf16 --prefill 2048 --decode-batch 1 8 \
+timeout 300 "$PY" -m bench.bench_roofline --shape llama-3.2-1b --policy bf16 --prefill 2048 --decode-batch 1 8 \
     --repeats 3 --out "$OUT/roofline.json" 2>&1 | tee -a "$OUT/log.txt"
 timeout 180 "$PY" -m llama_parity.cli probe batch --checkpoint "$ckpt" --impl torchref,jaxmodel \
     --policy fp32,bf16 --mode default --json "$OUT/probes.json" --no-colour 2>&1 | tee -a "$OUT/log.txt"

@@ -8,19 +8,20 @@ import pytest
 
 from bench import bench_roofline as roof
 from llamaspec import LlamaConfig, Policy, expected_shapes
+from llamaspec.shapes import shape_config
 from llamaspec.testing import TINY
 
 
-@pytest.mark.parametrize("shape", ["1b", "smollm2", "tiny"])
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "smollm2-135m", "tiny"])
 def test_counted_work_and_bytes_follow_the_checkpoint_shapes(shape):
     """matrix_params counted another way: every 2-D block weight of the checkpoint's own
     shapes (llamaspec.expected_shapes), embedding and lm_head apart; the 1B shape is Llama 3.2
     1B (1.24e9 parameters with its tied embedding)."""
-    cfg = LlamaConfig.from_dict({k: v for k, v in {**TINY, **roof.SHAPES[shape]}.items() if v is not None})
+    cfg = LlamaConfig.from_dict(TINY if shape == "tiny" else shape_config(shape))
     shapes = expected_shapes(cfg)
     blocks = sum(int(np.prod(s)) for k, s in shapes.items() if len(s) == 2 and ".layers." in k)
     assert roof.matrix_params(cfg) == blocks
-    if shape == "1b":
+    if shape == "llama-3.2-1b":
         assert abs(sum(int(np.prod(s)) for s in shapes.values()) - 1.2358e9) < 1e6
     T = 64
     causal_pairs = T * (T + 1) // 2
