@@ -243,7 +243,13 @@ class Attention(nnx.Module):
             k, v = cache.k[layer], cache.v[layer]
             if k.dtype != q.dtype:      # a widened cache (_empty_cache): compute values held in f32
                 k, v = ops.Widened(k), ops.Widened(v)
-        out = shard(lay, self.ops.attention(q, k, v, allowed, ctx.policy), "batch", None, "heads", None)
+        if ctx.causal_from is not None and allowed is ctx.allowed and self.ops.attention is ops.attention:
+            # the call's own causal mask (no seam changed it) and the module's own attention (no
+            # control replaced it): a long prompt's queries in blocks over the keys they may see
+            out = ops.causal_attention(q, k, v, allowed, ctx.policy, ctx.causal_from)
+        else:
+            out = self.ops.attention(q, k, v, allowed, ctx.policy)
+        out = shard(lay, out, "batch", None, "heads", None)
         out = rec("attn_ctx", out.reshape(B, T, -1))
         return self.o_proj(out, ctx.policy), cache
 
@@ -345,19 +351,20 @@ class Llama(nnx.Module):
         return _as_widened(head) if head.widened else head.weight[...]
 
     def __call__(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None,
-                 scan=False, stacked=None):
+                 scan=False, stacked=None, causal_from=None):
         """Embedding -> blocks -> final norm -> lm_head; returns (logits, {tap: activation}, cache).
 
         ids, positions [B, T]; allowed [B, T, S]. last [B]: logits for slot last[b] of each
         row only. inject {i: h}: teacher forcing, layer i's input is replaced by h.
         scan: run the blocks under one lax.scan (no cache; see _scan_layers), over `stacked` (the
         blocks' states stacked on a layer axis, stack_layers) when given.
+        causal_from: Context.causal_from, where `allowed` is causal_allowed's (None: no promise).
         """
         policy = self.policy
         residual = of(policy.residual_dtype)
         rec = Recorder(taps)
         h = rec("embed", shard(self.layout, self.embed_tokens(ids).astype(residual), "batch", None, None))
-        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions)
+        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions, causal_from)
         if scan:
             h, acts = self._scan_layers(h, ctx, taps, inject, stacked)
             rec.acts.update(acts)
@@ -536,7 +543,8 @@ def _block_program(graphdef, policy: Policy, names: tuple):
 
     def run(state, h, cos, sin, allowed):
         rec = Recorder(names)
-        nnx.merge(graphdef, state)(h.astype(resid), Context(cos, sin, allowed, policy), rec, None, 0)
+        # allowed is causal_allowed's (LayerRunner.start): the forward's causal promise, so the same blocks
+        nnx.merge(graphdef, state)(h.astype(resid), Context(cos, sin, allowed, policy, causal_from=0), rec, None, 0)
         return rec.acts
     return jax.jit(run, compiler_options=compiler_options(False))
 
@@ -578,7 +586,7 @@ def _forward(graphdef, state, stacked, ids, mask, positions, inject, *, taps):
     in the program)."""
     model = nnx.merge(graphdef, state)
     logits, acts, _ = model(ids, positions, causal_allowed(mask, ids.shape[1]), taps=taps, inject=inject,
-                            scan=True, stacked=stacked)
+                            scan=True, stacked=stacked, causal_from=0)
     return _whole(model, (logits, acts))
 
 
@@ -605,7 +613,8 @@ def _prefill_taps(graphdef, state, ids, mask, positions, inject, *, cache_len, t
     B, T = ids.shape
     slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
     logits, acts, kv = model(ids, positions, causal_allowed(slots, T), taps=taps,
-                             cache=_empty_cache(model, B, cache_len), last=jnp.full(B, T - 1), inject=inject)
+                             cache=_empty_cache(model, B, cache_len), last=jnp.full(B, T - 1), inject=inject,
+                             causal_from=0)
     cache = {"k": kv.k, "v": kv.v, "mask": slots, "next_pos": mask.sum(1).astype(jnp.int32), "index": jnp.int32(T)}
     return _whole(model, logits[:, 0]), _cache_out(model, cache), _whole(model, acts)
 
@@ -680,6 +689,16 @@ def _decode_capture_program(graphdef):
     """The jitted _decode_taps for one model structure (LlamaModel.decode_capture)."""
     jit = functools.partial(jax.jit, compiler_options=compiler_options(False))
     return jit(functools.partial(_decode_taps, graphdef), static_argnames="taps", donate_argnums=1)
+
+
+def clear_programs() -> None:
+    """Forget every traced and compiled program of this process (the jit caches and the programs
+    bound per model structure), so that the next call traces again: after changing a constant
+    that tracing reads (ops.QUERY_BLOCK, $LLAMA_PARITY_BF16_DOTS). The persistent compilation
+    cache on disk is keyed by the program itself and stays."""
+    jax.clear_caches()
+    for cached in (_programs, _block_program, _piece_programs, _prefill_capture_program, _decode_capture_program):
+        cached.cache_clear()
 
 
 def _pick(acts: dict, tap: str) -> np.ndarray:

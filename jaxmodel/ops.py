@@ -141,6 +141,42 @@ def attention(q, k, v, allowed, policy: Policy):
     return o.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
 
 
+# Queries per block of causal_attention. Blocks of a long prompt's queries, each over the keys its
+# causal mask leaves, compute about (n + 1) / 2n of the [T, S] scores in n blocks, and each block's
+# scores are small enough to stay in the CPU's caches (docs/measurements.md).
+QUERY_BLOCK = 256
+
+
+def causal_attention(q, k, v, allowed, policy: Policy, causal_from: int):
+    """attention() over a causal mask (Context.causal_from: allowed[b, t, s] only for
+    s <= causal_from + t), QUERY_BLOCK queries at a time, each block over the keys up to the
+    last one its queries may see; prompts under 2 * QUERY_BLOCK are one block.
+
+    The same function: in attention() a key past that one has the fill's score, so its
+    probability is exactly 0 (exp of about -3.4e38 less a real score) and its value adds
+    nothing; leaving it out changes only how the remaining sums group (drift, not bits).
+    A query that may see no key at all (front padding) gets from attention() the average of
+    all S values; here it gets the same average, from one masked query over every key.
+    k, v may be Widened (a widened cache)."""
+    T, S = q.shape[1], k.shape[1]
+    if T < 2 * QUERY_BLOCK:
+        return attention(q, k, v, allowed, policy)
+    out = []
+    for a in range(0, T, QUERY_BLOCK):
+        n = min(S, causal_from + a + QUERY_BLOCK)
+        out.append(attention(q[:, a:a + QUERY_BLOCK], _first_keys(k, n), _first_keys(v, n),
+                             allowed[:, a:a + QUERY_BLOCK, :n], policy))
+    blind = attention(q[:, :1], k, v, jnp.zeros_like(allowed[:, :1]), policy)    # [B, 1, Hq, D]
+    return jnp.where(allowed.any(-1)[:, :, None, None], jnp.concatenate(out, axis=1), blind)
+
+
+def _first_keys(x, n: int):
+    """Keys or values [B, S, Hkv, D] (or Widened) up to slot n."""
+    if isinstance(x, Widened):
+        return Widened(x.data[:, :n], None if x.native is None else x.native[:, :n])
+    return x[:, :n]
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "native"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Widened:

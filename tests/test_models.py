@@ -311,7 +311,7 @@ CACHE_SEAMS = ("key_tables", "write_slots", "stored", "cache_allowed")
 def test_torchref_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch):
     """torchref.ops.attention computes QUERY_BLOCK queries at a time, each block over the keys
     up to the last one its mask allows (all of them when it holds a query that may see nothing;
-    jaxmodel stays one block: it gained nothing there). With the block shrunk to 8 on a
+    jaxmodel's blocks: the next test). With the block shrunk to 8 on a
     42-token batch (one row left-padded), at fp64: the blocked forward is the one-block forward
     to float64 rounding at every position, padding included, and prefill + decode (blocks over a
     longer cache) match it; a mask that lets each query see the next key (a planted leak) is
@@ -385,6 +385,88 @@ def test_torchref_query_blocks_read_the_keys_their_masks_allow(monkeypatch):
             assert ops.keys_read(allowed) == by_definition(allowed), (T, S)
     causal = torch.ones(42, 42, dtype=torch.bool).tril()[None]
     assert ops.keys_read(causal) == [8, 16, 24, 32, 40, 42]
+
+def test_jaxmodel_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch, request):
+    """jaxmodel's attention over the causal mask it builds itself (Context.causal_from: forward,
+    capture, prefill, the streamed layers) takes QUERY_BLOCK queries at a time, each block over
+    the keys up to its causal bound (ops.causal_attention). With the block shrunk to 8 on a
+    42-token batch (one row left-padded: its first queries see no key), at fp64: forward, the
+    streamed layers, prefill + decode and every layer's attention output are the one-block ones
+    to float64 rounding, padding positions included; the program holds the blocks (attention's
+    products per layer); a mask changed through the cache_allowed seam (a planted leak: each
+    query also sees the next key) or an attention replaced by a control runs as one block over
+    every key, so the leak is honoured, not cut at the causal bound."""
+    import jax
+
+    import jaxmodel
+    import jaxmodel.model as jm
+    from compare.controls.prefill import Ops
+    from jaxmodel import ops
+    from llamaspec import load_weights
+    request.addfinalizer(jm.clear_programs)
+    folder = tiny_dir("gqa")
+    cfg, weights = load_weights(folder)
+    ids = tokens(B=2, T=42, seed=7)
+    mask = np.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    real = mask.astype(bool)
+
+    def run(block):
+        monkeypatch.setattr(ops, "QUERY_BLOCK", block)
+        jm.clear_programs()
+        m = jaxmodel.from_weights(cfg, weights, "fp64")
+        logits, acts = m.capture(ids, mask, taps=["layers.*.attn_ctx", "layers.*.out"])
+        runner = jm.LayerRunner(cfg, "fp64")
+        runner.start(ids, mask)
+        h, streamed = runner.embed(weights["model.embed_tokens.weight"][ids]), []
+        for i in range(cfg.num_hidden_layers):
+            layer = {k: v for k, v in weights.items() if k.startswith(f"model.layers.{i}.")}
+            h = runner.block(i, layer, h)[f"layers.{i}.out"]
+            streamed.append(h)
+        out, cache = m.prefill(ids[:, :37], mask[:, :37], 44)
+        steps = [np.asarray(out)]
+        for t in range(37, 42):
+            out, cache = m.decode(cache, ids[:, t])
+            steps.append(np.asarray(out))
+        layers = {name: np.stack([acts[f"layers.{i}.{name}"] for i in range(cfg.num_hidden_layers)])
+                  for name in ("attn_ctx", "out")}
+        return m, np.asarray(logits), layers, np.stack(streamed), np.stack(steps, 1)
+
+    m1, one_block, acts1, streamed1, steps1 = run(10 ** 6)
+    m8, blocked, acts8, streamed8, steps8 = run(8)
+    assert np.isfinite(blocked).all()
+    for rows in (real, ~real):
+        assert rel_l2(blocked[rows], one_block[rows]) <= 1e-13
+        for name in ("attn_ctx", "out"):
+            assert rel_l2(acts8[name][:, rows], acts1[name][:, rows]) <= 1e-13, name
+        assert rel_l2(streamed8[:, rows], acts8["out"][:, rows]) <= 1e-13
+    assert rel_l2(steps8, steps1) <= 1e-13 and rel_l2(steps8, blocked[:, 36:42]) <= 1e-12
+
+    positions = np.broadcast_to(np.arange(42), (2, 42))
+    allowed = jm.causal_allowed(mask, 42)
+
+    def products(module, causal_from):
+        jaxpr = jax.make_jaxpr(lambda i: module(i, positions, allowed, causal_from=causal_from)[0])(ids)
+        return sum(1 for e in jaxpr.eqns if e.primitive.name == "dot_general"
+                   and e.params["dimension_numbers"][1][0])      # attention's (batched) products
+    L, module = cfg.num_hidden_layers, m8.model
+    assert products(module, None) == 2 * L                   # no causal promise: one block
+    assert products(module, 0) == 2 * (6 + 1) * L            # 6 blocks and the blind query
+    attn = module.layers[0].self_attn
+    attn.ops = Ops(attn.ops, attention=lambda *a: ops.attention(*a))     # a control's attention
+    assert products(module, 0) == 2 * (6 + 1) * (L - 1) + 2
+
+    def leak(self, allowed, index):
+        return allowed.at[:, :, 1:].set(allowed[:, :, 1:] | allowed[:, :, :-1])
+    monkeypatch.setattr(jm.Attention, "cache_allowed", leak)
+    leaked = {}
+    for block in (10 ** 6, 8):
+        monkeypatch.setattr(ops, "QUERY_BLOCK", block)
+        jm.clear_programs()
+        out, _ = jaxmodel.from_weights(cfg, weights, "fp64").prefill(ids[:, :37], mask[:, :37], 44)
+        leaked[block] = np.asarray(out)
+    assert rel_l2(leaked[8], leaked[10 ** 6]) <= 1e-14 and rel_l2(leaked[8], steps1[:, 0]) > 1e-3
+
 
 def test_the_two_models_mirror_each_other(tiny_dir):
     """One name, one role in both files: the same classes, public functions and Attention

@@ -120,8 +120,8 @@ def _native(compute: torch.dtype, accum: torch.dtype, out: torch.dtype) -> bool:
 
 
 # Queries per attention block: a long prompt's scores are computed QUERY_BLOCK queries at a
-# time. jaxmodel.ops.attention stays one block: the blocks gained it nothing measurable under
-# XLA (docs/measurements.md).
+# time. jaxmodel blocks too (jaxmodel.ops.causal_attention), with the cut from a causal promise
+# its jitted programs can read statically, not from the mask (docs/measurements.md).
 QUERY_BLOCK = 128
 
 
