@@ -386,6 +386,7 @@ def test_torchref_query_blocks_read_the_keys_their_masks_allow(monkeypatch):
     causal = torch.ones(42, 42, dtype=torch.bool).tril()[None]
     assert ops.keys_read(causal) == [8, 16, 24, 32, 40, 42]
 
+
 def test_jaxmodel_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch, request):
     """jaxmodel's attention over the causal mask it builds itself (Context.causal_from: forward,
     capture, prefill, the streamed layers) takes QUERY_BLOCK queries at a time, each block over
@@ -432,7 +433,7 @@ def test_jaxmodel_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch,
                   for name in ("attn_ctx", "out")}
         return m, np.asarray(logits), layers, np.stack(streamed), np.stack(steps, 1)
 
-    m1, one_block, acts1, streamed1, steps1 = run(10 ** 6)
+    _, one_block, acts1, _, steps1 = run(10 ** 6)
     m8, blocked, acts8, streamed8, steps8 = run(8)
     assert np.isfinite(blocked).all()
     for rows in (real, ~real):
