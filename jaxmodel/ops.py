@@ -128,10 +128,14 @@ def attention(q, k, v, allowed, policy: Policy):
     compute, smx = of(policy.compute_dtype), of(policy.softmax_dtype)
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
-    qg = q.astype(compute).reshape(B, T, Hkv, Hq // Hkv, D)
+    scale = D ** -0.5
+    early = scale_queries(scale, compute)   # HF's order, matmul, round, then scale, in fewer steps
+    qg = q.astype(compute)
+    qg = (mul_scalar(qg, scale) if early else qg).reshape(B, T, Hkv, Hq // Hkv, D)
     # [B, T, K, G, D] x [B, S, K, D] -> [B, K, T, G, S]
     s = _attention_product(qg, k, (((4,), (3,)), ((0, 2), (0, 2))), policy).astype(compute)
-    s = mul_scalar(s, D ** -0.5)  # HF order: matmul, round, then scale
+    if not early:
+        s = mul_scalar(s, scale)
     s = s.astype(smx)
     # A finite fill (not -inf) keeps fully masked rows (padding queries) free of NaN.
     s = jnp.where(allowed[:, None, :, None, :], s, jnp.finfo(smx).min)
@@ -282,6 +286,20 @@ def _attention_product(a, b, dims, policy: Policy):
         return lax.dot_general(a.astype(compute), b.astype(compute), dims, precision=matmul_precision(policy),
                                preferred_element_type=of(policy.accum_dtype))
     return _matmul(a, b, dims, policy)
+
+
+def scale_queries(scale: float, compute) -> bool:
+    """Whether attention may scale the queries [T, D] before their product with the keys instead
+    of the scores [T, S] after it: the same bits, less work on the scores.
+
+    It is when scale is a power of two (head_dim 16, 64, 256) and compute_dtype has f32's
+    exponent range (bf16, f32, f64): each product, partial sum and rounded result of the
+    product with queries times scale is then the one without it times scale, exactly, whatever
+    the kernel's summation order. Except near the ends of the range: a value under 2^-126 / scale
+    in magnitude (subnormal once scaled; about 1e-37 at head_dim 64) or a sum that overflows
+    only unscaled. f16 keeps HF's order: its normal range ends at 6e-5, where real queries lie.
+    torchref.ops.scale_queries is the same rule."""
+    return math.frexp(scale)[0] == 0.5 and jnp.dtype(compute) in (jnp.bfloat16, jnp.float32, jnp.float64)
 
 
 def softmax(s):

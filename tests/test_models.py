@@ -302,6 +302,64 @@ def test_teacher_forcing_replaces_layer_inputs(framework, tiny_dir):
         m64.capture(ids, inject={0: ref["embed"][:, :3]})
 
 
+def _as_framework(framework, dtype: str, *arrays):
+    """numpy arrays as the framework's tensors in dtype (rounded there: numpy has no bf16)."""
+    if framework == "torchref":
+        import torch
+        return [torch.from_numpy(a).to(getattr(torch, dtype)) for a in arrays]
+    import jax.numpy as jnp
+    return [jnp.asarray(a).astype(dtype) for a in arrays]
+
+
+def _framework_dtype(framework, name: str):
+    if framework == "torchref":
+        import torch
+        return getattr(torch, name)
+    import jax.numpy as jnp
+    return jnp.dtype(name)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_attention_scales_the_queries_first_only_where_no_bit_changes(framework, monkeypatch):
+    """ops.scale_queries: attention scales the queries before their product with the keys, not
+    the scores after it (HF's order), when the scale is a power of two and compute_dtype has
+    f32's exponent range. There the output is bitwise the late order's, for queries and keys
+    spread over many binades (scores still of order 1, the softmax not saturated) and a padded
+    row; at a head_dim whose scale is not a power of two the
+    early order does change bits (so this comparison can see a difference), and f16 keeps the
+    late order."""
+    ops = importlib.import_module(framework + ".ops")
+    rule = ops.scale_queries
+    rng = np.random.default_rng(5)
+    B, T, Hq, Hkv = 2, 19, 4, 2
+    allowed = np.tril(np.ones((T, T), bool))[None].repeat(B, 0)
+    allowed[1, :, :4] = False                       # row 1 front-padded: 4 queries see nothing
+
+    def both_orders(policy, D, early_rule):
+        """attention's output in f64 with early_rule as scale_queries, and with the late order."""
+        spread = [rng.standard_normal(s) * 2.0 ** rng.uniform(-8, 1, s) for s in ((B, T, Hq, D), (B, T, Hkv, D))]
+        q, k, v = _as_framework(framework, Policy.get(policy).compute_dtype, *spread,
+                                rng.standard_normal((B, T, Hkv, D)))
+        mask, = _as_framework(framework, "bool", allowed)
+        out = []
+        for choice in (early_rule, lambda scale, dtype: False):
+            monkeypatch.setattr(ops, "scale_queries", choice)
+            y = ops.attention(q, k, v, mask, Policy.get(policy))
+            out.append(y.double().numpy() if framework == "torchref" else np.asarray(y).astype(np.float64))
+        return out
+
+    for policy in ("fp32", "bf16", "fp64"):
+        compute = _framework_dtype(framework, Policy.get(policy).compute_dtype)
+        for D in (16, 64):
+            assert rule(D ** -0.5, compute)
+            early, late = both_orders(policy, D, rule)
+            np.testing.assert_array_equal(early, late, err_msg=f"{policy}, head_dim {D}")
+        assert not rule(32 ** -0.5, compute)
+        early, late = both_orders(policy, 32, lambda scale, dtype: True)
+        assert not np.array_equal(early, late), f"{policy}: a scale of 32^-0.5 applied early changed no bit"
+    assert not rule(0.125, _framework_dtype(framework, "float16"))
+
+
 MIRRORED_CLASSES = ("Linear", "Embedding", "RMSNorm", "Attention", "MLP", "Block", "Llama", "LlamaModel", "LayerRunner")
 MIRRORED_FUNCTIONS = ("ops_for", "rope_tables", "head_logits", "causal_allowed", "checkpoint_key", "from_weights",
                       "from_pretrained")

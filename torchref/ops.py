@@ -177,13 +177,31 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     Hkv = k.shape[2]
     G = Hq // Hkv
     compute, soft = dt(policy.compute_dtype), dt(policy.softmax_dtype)
-    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-    scores = _matmul(qg, k.permute(0, 2, 3, 1), policy) * (D ** -0.5)     # [B, Hkv, G*T, S]
+    scale = D ** -0.5
+    early = scale_queries(scale, compute)   # HF's order, (q @ k^T) * scale, in fewer passes
+    qg = (q.to(compute) * scale if early else q).reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
+    scores = _matmul(qg.reshape(B, Hkv, G * T, D), k.permute(0, 2, 3, 1), policy)  # [B, Hkv, G*T, S]
+    if not early:
+        scores = scores * scale
     scores = scores.view(B, Hkv, G, T, -1).to(soft)
     scores.masked_fill_(~allowed[:, None, None], torch.finfo(soft).min)         # scores is this call's own
     probs = softmax(scores).to(compute).view(B, Hkv, G * T, -1)
     ctx = _matmul(probs, v.permute(0, 2, 1, 3), policy)                   # [B, Hkv, G*T, D]
     return ctx.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+
+def scale_queries(scale: float, compute: torch.dtype) -> bool:
+    """Whether attention may scale the queries [T, D] before their product with the keys instead
+    of the scores [T, S] after it: the same bits, one pass over the scores less.
+
+    It is when scale is a power of two (head_dim 16, 64, 256) and compute_dtype has f32's
+    exponent range (bf16, f32, f64): each product, partial sum and rounded result of the
+    product with queries times scale is then the one without it times scale, exactly, whatever
+    the kernel's summation order. Except near the ends of the range: a value under 2^-126 / scale
+    in magnitude (subnormal once scaled; about 1e-37 at head_dim 64) or a sum that overflows
+    only unscaled. f16 keeps HF's order: its normal range ends at 6e-5, where real queries lie.
+    jaxmodel.ops.scale_queries is the same rule."""
+    return math.frexp(scale)[0] == 0.5 and compute in (torch.bfloat16, torch.float32, torch.float64)
 
 
 def softmax(s: torch.Tensor) -> torch.Tensor:
