@@ -153,11 +153,14 @@ def keys_read(allowed: torch.Tensor) -> list[int]:
     may see none. allowed [B, T, S]. Read from the mask in one pass (one host sync per call)."""
     T, S = allowed.shape[1:]
     pad = -T % QUERY_BLOCK
-    by_query = allowed.any(0)                                              # [T, S]
-    sees_some = torch.nn.functional.pad(allowed.any(-1).all(0), (0, pad), value=True)
-    by_block = torch.nn.functional.pad(by_query, (0, 0, 0, pad)).view(-1, QUERY_BLOCK, S).any(1)
-    last = S - by_block.flip(-1).to(torch.uint8).argmax(-1)               # one past the last True
-    everything = ~sees_some.view(-1, QUERY_BLOCK).all(-1) | ~by_block.any(-1)
+    # the mask's bytes as 0/1: torch reduces uint8 with vector code, bool not (max over the last
+    # axis of a [2048, 2048] mask: 0.05 ms against 1.5 ms for any(), AMX Xeon)
+    seen = allowed.bool().view(torch.uint8)
+    by_query = seen.amax(0)                                                # [T, S]
+    sees_some = torch.nn.functional.pad(seen.amax(-1).amin(0), (0, pad), value=1)
+    by_block = torch.nn.functional.pad(by_query, (0, 0, 0, pad)).view(-1, QUERY_BLOCK, S).amax(1)
+    last = S - by_block.flip(-1).argmax(-1)                               # one past the last 1
+    everything = (sees_some.view(-1, QUERY_BLOCK).amin(-1) == 0) | (by_block.amax(-1) == 0)
     return torch.where(everything, S, last).tolist()
 
 
