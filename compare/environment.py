@@ -36,8 +36,11 @@ def cpu() -> dict:
     and the code paths they report using; the GPU when there is one."""
     from llamaspec.cpuinfo import name_and_flags
     name, flags = name_and_flags()
+    caps = [f"{k}={os.environ[k]}" for k in ISA_CAPS if k in os.environ]
+    # XLA's cap is one flag among XLA_FLAGS (recorded whole elsewhere in the environment)
+    caps += [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_cpu_max_isa=")]
     out = {"cpu": name, "cpu isa": " ".join(f for f in ISA_FLAGS if f in flags) or "unknown",
-           "isa caps": ", ".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if k in os.environ) or "none"}
+           "isa caps": ", ".join(caps) or "none"}
     try:
         import torch
         out["torch cpu capability"] = torch.backends.cpu.get_cpu_capability()

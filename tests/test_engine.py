@@ -130,3 +130,14 @@ def test_probe_and_bench_records_name_the_cpu():
     from compare.environment import environment
     env = environment("bf16")
     assert env["cpu"] and "isa caps" in env and "fixed-order kernels" in env
+
+
+def test_the_recorded_caps_name_xlas_cap(monkeypatch):
+    """XLA's instruction-set cap is one flag among XLA_FLAGS: the caps line names it with the
+    libraries' own variables (the benchmark's header printed "caps: ..." without it)."""
+    from compare.environment import ISA_CAPS, cpu
+    for name in ISA_CAPS:                   # the test-caps runs set them
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_cpu_max_isa=AVX2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu()["isa caps"] == "ONEDNN_MAX_CPU_ISA=AVX2, --xla_cpu_max_isa=AVX2"

@@ -200,9 +200,9 @@ def scale_queries(scale: float, compute: torch.dtype) -> bool:
     It is when scale is a power of two (head_dim 16, 64, 256) and compute_dtype has f32's
     exponent range (bf16, f32, f64): each product, partial sum and rounded result of the
     product with queries times scale is then the one without it times scale, exactly, whatever
-    the kernel's summation order. Except near the ends of the range: a value under 2^-126 / scale
-    in magnitude (subnormal once scaled; about 1e-37 at head_dim 64) or a sum that overflows
-    only unscaled. f16 keeps HF's order: its normal range ends at 6e-5, where real queries lie.
+    the kernel's summation order. Except at the ends of the range: a value that is subnormal
+    once scaled (below 2^-123 in f32 and bf16 at head_dim 64, about 1e-37) or a sum that
+    overflows only unscaled. f16 keeps HF's order: its normal range ends at 6e-5, where real queries lie.
     jaxmodel.ops.scale_queries is the same rule."""
     return math.frexp(scale)[0] == 0.5 and compute in (torch.bfloat16, torch.float32, torch.float64)
 
