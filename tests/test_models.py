@@ -325,9 +325,8 @@ def test_attention_scales_the_queries_first_only_where_no_bit_changes(framework,
     the scores after it (HF's order), when the scale is a power of two and compute_dtype has
     f32's exponent range. There the output is bitwise the late order's, for queries and keys
     spread over many binades (scores still of order 1, the softmax not saturated) and a padded
-    row; at a head_dim whose scale is not a power of two the
-    early order does change bits (so this comparison can see a difference), and f16 keeps the
-    late order."""
+    row; at a head_dim whose scale is not a power of two the early order does change bits (so
+    this comparison can see a difference), and f16 keeps the late order."""
     ops = importlib.import_module(framework + ".ops")
     rule = ops.scale_queries
     rng = np.random.default_rng(5)
