@@ -290,15 +290,9 @@ def _attention_product(a, b, dims, policy: Policy):
 
 def scale_queries(scale: float, compute) -> bool:
     """Whether attention may scale the queries [T, D] before their product with the keys instead
-    of the scores [T, S] after it: the same bits, less work on the scores.
-
-    It is when scale is a power of two (head_dim 16, 64, 256) and compute_dtype has f32's
-    exponent range (bf16, f32, f64): each product, partial sum and rounded result of the
-    product with queries times scale is then the one without it times scale, exactly, whatever
-    the kernel's summation order. Except at the ends of the range: a value that is subnormal
-    once scaled (below 2^-123 in f32 and bf16 at head_dim 64, about 1e-37) or a sum that
-    overflows only unscaled. f16 keeps HF's order: its normal range ends at 6e-5, where real queries lie.
-    torchref.ops.scale_queries is the same rule."""
+    of the scores [T, S] after it, with the same bits: a power-of-two scale (head_dim 16, 64,
+    256) and a compute_dtype with f32's exponent range. torchref.ops.scale_queries is the same
+    rule; its docstring gives the reason and the ends of the range where it does not hold."""
     return math.frexp(scale)[0] == 0.5 and jnp.dtype(compute) in (jnp.bfloat16, jnp.float32, jnp.float64)
 
 
