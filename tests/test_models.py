@@ -302,21 +302,22 @@ def test_teacher_forcing_replaces_layer_inputs(framework, tiny_dir):
         m64.capture(ids, inject={0: ref["embed"][:, :3]})
 
 
-def _as_framework(framework, dtype: str, *arrays):
-    """numpy arrays as the framework's tensors in dtype (rounded there: numpy has no bf16)."""
-    if framework == "torchref":
-        import torch
-        return [torch.from_numpy(a).to(getattr(torch, dtype)) for a in arrays]
-    import jax.numpy as jnp
-    return [jnp.asarray(a).astype(dtype) for a in arrays]
+def _dtype_of(framework, name: str):
+    """A policy's dtype name as the framework's dtype (its own dtypes module's lookup)."""
+    dtypes = importlib.import_module(framework + ".dtypes")
+    return dtypes.dt(name) if framework == "torchref" else dtypes.of(name)
 
 
-def _framework_dtype(framework, name: str):
+def _as_framework(framework, dtype: str | None, *arrays):
+    """numpy arrays as the framework's tensors in a policy dtype (rounded there: numpy has no
+    bf16), or in their own dtype (None)."""
     if framework == "torchref":
         import torch
-        return getattr(torch, name)
+        out = [torch.from_numpy(a) for a in arrays]
+        return out if dtype is None else [x.to(_dtype_of(framework, dtype)) for x in out]
     import jax.numpy as jnp
-    return jnp.dtype(name)
+    out = [jnp.asarray(a) for a in arrays]
+    return out if dtype is None else [x.astype(_dtype_of(framework, dtype)) for x in out]
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -339,7 +340,7 @@ def test_attention_scales_the_queries_first_only_where_no_bit_changes(framework,
         spread = [rng.standard_normal(s) * 2.0 ** rng.uniform(-8, 1, s) for s in ((B, T, Hq, D), (B, T, Hkv, D))]
         q, k, v = _as_framework(framework, Policy.get(policy).compute_dtype, *spread,
                                 rng.standard_normal((B, T, Hkv, D)))
-        mask, = _as_framework(framework, "bool", allowed)
+        mask, = _as_framework(framework, None, allowed)
         out = []
         for choice in (early_rule, lambda scale, dtype: False):
             monkeypatch.setattr(ops, "scale_queries", choice)
@@ -348,7 +349,7 @@ def test_attention_scales_the_queries_first_only_where_no_bit_changes(framework,
         return out
 
     for policy in ("fp32", "bf16", "fp64"):
-        compute = _framework_dtype(framework, Policy.get(policy).compute_dtype)
+        compute = _dtype_of(framework, Policy.get(policy).compute_dtype)
         for D in (16, 64):
             assert rule(D ** -0.5, compute)
             early, late = both_orders(policy, D, rule)
@@ -356,7 +357,7 @@ def test_attention_scales_the_queries_first_only_where_no_bit_changes(framework,
         assert not rule(32 ** -0.5, compute)
         early, late = both_orders(policy, 32, lambda scale, dtype: True)
         assert not np.array_equal(early, late), f"{policy}: a scale of 32^-0.5 applied early changed no bit"
-    assert not rule(0.125, _framework_dtype(framework, "float16"))
+    assert not rule(0.125, _dtype_of(framework, "float16"))
 
 
 MIRRORED_CLASSES = ("Linear", "Embedding", "RMSNorm", "Attention", "MLP", "Block", "Llama", "LlamaModel", "LayerRunner")

@@ -202,8 +202,8 @@ def scale_queries(scale: float, compute: torch.dtype) -> bool:
     product with queries times scale is then the one without it times scale, exactly, whatever
     the kernel's summation order. Except at the ends of the range: a value that is subnormal
     once scaled (below 2^-123 in f32 and bf16 at head_dim 64, about 1e-37) or a sum that
-    overflows only unscaled. f16 keeps HF's order: its normal range ends at 6e-5, where real queries lie.
-    jaxmodel.ops.scale_queries is the same rule."""
+    overflows only unscaled. f16 keeps HF's order: its normal range ends at 6e-5, where real
+    queries lie. jaxmodel.ops.scale_queries is the same rule."""
     return math.frexp(scale)[0] == 0.5 and compute in (torch.bfloat16, torch.float32, torch.float64)
 
 
