@@ -235,10 +235,19 @@ class Attention(nnx.Module):
         if cache is not None:
             # one [L, B, S, Hkv, D] array, updated functionally in the donated buffer: attention's
             # own key layout (torchref: a [B, Hkv, S, D] tensor per layer, read as strided views)
-            rows = jnp.arange(B)[:, None]
-            slots = self.write_slots(cache.index, T, cache.k.shape[2])
-            cache = cache._replace(k=cache.k.at[layer, rows, slots].set(self.stored(k).astype(cache.k.dtype)),
-                                   v=cache.v.at[layer, rows, slots].set(self.stored(v).astype(cache.v.dtype)))
+            new_k, new_v = self.stored(k).astype(cache.k.dtype), self.stored(v).astype(cache.v.dtype)
+            start = _shared_start(cache.index, T, cache.k.shape[2])
+            if start is not None and getattr(self.write_slots, "__func__", None) is _OWN_WRITE_SLOTS:
+                # the module's own slots (no control replaced the seam), every row's from one slot
+                # known while tracing (a fresh cache): one block, not a scatter (_shared_start)
+                at = (layer, 0, start, 0, 0)
+                cache = cache._replace(k=lax.dynamic_update_slice(cache.k, new_k[None], at),
+                                       v=lax.dynamic_update_slice(cache.v, new_v[None], at))
+            else:
+                rows = jnp.arange(B)[:, None]
+                slots = self.write_slots(cache.index, T, cache.k.shape[2])
+                cache = cache._replace(k=cache.k.at[layer, rows, slots].set(new_k),
+                                       v=cache.v.at[layer, rows, slots].set(new_v))
             allowed = self.cache_allowed(ctx.allowed, cache.index)
             k, v = cache.k[layer], cache.v[layer]
             if k.dtype != q.dtype:      # a widened cache (_empty_cache): compute values held in f32
@@ -278,6 +287,23 @@ class Attention(nnx.Module):
     def cache_allowed(self, allowed, index):
         """The mask [B, T, S] over the cache this call attends with: the call's own."""
         return allowed
+
+
+# write_slots as defined here: a seam replaced on the instance or on the class (a control, a test)
+# is not this function, and its slots go through the scatter
+_OWN_WRITE_SLOTS = Attention.write_slots
+
+
+def _shared_start(index, T: int, S: int) -> int | None:
+    """The slot every row's T new keys start at when the cache's index is known while tracing
+    (a numpy array: _empty_cache's zeros), is the same for every row and leaves room for them;
+    else None. Then Attention.write_slots' slots (index[b] + t) are one block of the cache, and
+    writing it as such is the same as the scatter. XLA:CPU runs a scatter as a loop over its
+    B * T rows, several ops a step: a 2048-token prefill ran 2 x 30 loops of 2048 steps."""
+    if T == 1 or not isinstance(index, np.ndarray) or index.size == 0 or (index != index.flat[0]).any():
+        return None
+    start = int(index.flat[0])
+    return start if 0 <= start and start + T <= S else None
 
 
 class MLP(nnx.Module):
@@ -597,7 +623,7 @@ def _empty_cache(model, B: int, S: int) -> KV:
     shape = (cfg.num_hidden_layers, B, S, model.layers[0].self_attn.kv_heads, cfg.head_dim)
     dtype = _store(model.ops, model.policy) or of(model.policy.compute_dtype)
     zeros = shard(model.layout, jnp.zeros(shape, dtype), None, "batch", None, "kv_heads", None)
-    return KV(zeros, zeros, jnp.zeros(B, jnp.int32))
+    return KV(zeros, zeros, np.zeros(B, np.int32))     # numpy: known while tracing (_shared_start)
 
 
 def _prefill(graphdef, state, ids, mask, positions, inject=None, *, cache_len):
@@ -842,6 +868,15 @@ class LlamaModel:
             raise NotImplementedError("prefill: inject is not taken in batch-invariant mode")
         logits, cache = self._prefill(self.state, *inputs, self._forced(forced, run), cache_len=cache_len)
         return np.asarray(logits), cache
+
+    def prefill_program_text(self, ids, mask, total_len: int) -> str:
+        """The compiled HLO text of the program prefill runs for inputs of these shapes (with
+        the call stack of every op in its metadata: bench/profile_ops.py reads it). Compiles,
+        or loads from the compilation cache, as prefill would."""
+        ids, mask = check_prefill(self.cfg, ids, mask, total_len)
+        run = self._layout(ids, mask, extra_length=total_len - ids.shape[1], bucket=True)
+        lowered = self._prefill.lower(self.state, *self._inputs(run), cache_len=self._cache_len(run, total_len))
+        return lowered.compile().as_text()
 
     def prefill_capture(self, ids, mask, total_len: int, taps=("layers.*.out",), inject=None):
         """prefill, also returning the prompt's activations as the prefill computed them:

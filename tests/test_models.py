@@ -527,6 +527,42 @@ def test_jaxmodel_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch,
     assert rel_l2(leaked[8], leaked[10 ** 6]) <= 1e-14 and rel_l2(leaked[8], steps1[:, 0]) > 1e-3
 
 
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_jaxmodel_prefill_writes_the_prompt_to_its_cache_as_one_block(tiny_dir, monkeypatch, request, policy):
+    """A prefill's keys and values go to the fresh cache one block per layer
+    (lax.dynamic_update_slice), not through a scatter, which XLA:CPU runs as a loop over every
+    token: the prefill program has no loop. The cache and the logits are bitwise the scatter's,
+    which a prefill still takes when write_slots is replaced on the class or on an instance (here
+    by wrappers returning the module's own slots: the program then has its loops again). B=2 with
+    a left-padded row, fp32 and bf16 (a cache widened to f32 on the CPU)."""
+    import functools
+
+    import jaxmodel.model as jm
+    request.addfinalizer(jm.clear_programs)
+    ids = tokens(B=2, T=20, seed=3)
+    mask = np.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+
+    def prefill(m):
+        text = m.prefill_program_text(ids, mask, 30)
+        logits, cache = m.prefill(ids, mask, 30)
+        return text.count(" while("), np.asarray(logits), {n: np.asarray(cache[n]) for n in ("k", "v")}
+
+    loops, logits, cache = prefill(load("jaxmodel", tiny_dir("gqa"), policy))
+    assert loops == 0
+    own = jm.Attention.write_slots
+    module = load("jaxmodel", tiny_dir("gqa"), policy).model
+    module.layers[1].self_attn.write_slots = functools.partial(own, module.layers[1].self_attn)
+    on_instance = prefill(jm.LlamaModel(module))
+    monkeypatch.setattr(jm.Attention, "write_slots", lambda self, index, T, S: own(self, index, T, S))
+    jm.clear_programs()       # programs are kept per structure, and the class is not part of it
+    for scattered in (on_instance, prefill(load("jaxmodel", tiny_dir("gqa"), policy))):
+        assert scattered[0] > 0
+        assert np.array_equal(scattered[1], logits)
+        for n in ("k", "v"):
+            assert scattered[2][n].dtype == cache[n].dtype and np.array_equal(scattered[2][n], cache[n]), n
+
+
 def test_the_two_models_mirror_each_other(tiny_dir):
     """One name, one role in both files: the same classes, public functions and Attention
     seams, `model` the network (a Llama) with head_weight() a method, the same cache keys."""
