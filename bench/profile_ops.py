@@ -3,14 +3,14 @@
     .venv/bin/python -m bench.profile_ops [--checkpoint DIR] [--policy fp32] [--tokens 2048]
         [--batch 1] [--top 20] [--out FILE]
 
-One prefill of `tokens` random tokens is compiled and run twice (compile and warm-up), then a
-third run is traced with jax.profiler. Every XLA:CPU op in the trace (a thunk: a fusion, a
+A prefill of `tokens` random tokens is compiled, timed three times, then run once more under
+jax.profiler. Every XLA:CPU op in the trace (a thunk: a fusion, a
 library product, a copy) is looked up in the compiled program's HLO, whose metadata carries the
 Python call stack that built it; the op's time is charged to
 
   part: the first jaxmodel frame under Block.__call__ (RMSNorm.__call__, Attention.__call__,
         MLP.__call__ ...), else under Llama.__call__ (embedding, final norm, lm_head), else
-        the outermost jaxmodel frame;
+        the innermost jaxmodel function (the cache's set-up, the mask);
   site: the innermost jaxmodel frame, function:line (ops.attention:142, ops._matmul:272 ...).
 
 Two times per row. wall: each moment of the traced call split among the ops running then
@@ -163,7 +163,7 @@ def attribute(chain) -> tuple[str, str]:
             part = names[i + 1] if i + 1 < len(names) else anchor
             break
     module, fn, line = ours[0]
-    return part or names[0], f"{module}.{fn}:{line}"
+    return part or fn, f"{module}.{fn}:{line}"
 
 
 # ----- the trace -------------------------------------------------------------------------
@@ -242,8 +242,8 @@ def breakdown(events, ops: dict[str, dict], stacks) -> dict:
 # ----- one prefill, traced ----------------------------------------------------------------
 
 def profile_prefill(folder, policy: str, tokens: int, batch: int = 1, seed: int = 0) -> dict:
-    """Traces one jaxmodel prefill (after two untimed ones) and returns breakdown() plus the
-    wall time of the traced call and of the untraced one before it."""
+    """Traces one jaxmodel prefill and returns breakdown() plus the wall time of the traced call
+    and the median of three untraced ones before it (after a first that compiles)."""
     import jax
 
     import jaxmodel
@@ -253,10 +253,12 @@ def profile_prefill(folder, policy: str, tokens: int, batch: int = 1, seed: int 
     vocab = model.cfg.vocab_size
     ids = np.random.default_rng(seed).integers(min(3, vocab - 1), vocab, (batch, tokens))
     mask = np.ones_like(ids)
-    model.prefill(ids, mask, tokens + 1)
-    t0 = time.perf_counter()
-    model.prefill(ids, mask, tokens + 1)
-    untraced = time.perf_counter() - t0
+    times = []
+    for _ in range(4):          # the first compiles (or loads the program)
+        t0 = time.perf_counter()
+        model.prefill(ids, mask, tokens + 1)
+        times.append(time.perf_counter() - t0)
+    untraced = float(np.median(times[1:]))
     with tempfile.TemporaryDirectory(prefix="llama-parity-profile-") as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             t0 = time.perf_counter()
@@ -282,13 +284,13 @@ def lost(r: dict) -> list[str]:
 
 def tables(r: dict, env: dict, top: int) -> str:
     lines = [f"jaxmodel prefill, {r['policy']}, batch {r['batch']} x {r['tokens']} tokens: "
-             f"{r['wall_ms']:.0f} ms wall ({r['traced_wall_ms']:.0f} ms while traced; ops running "
+             f"{r['wall_ms']:.0f} ms wall (median of 3; {r['traced_wall_ms']:.0f} ms traced, ops running "
              f"{r['busy_wall_ms']:.0f} ms of it), {r['thread_ms']:.0f} ms of thread time in ops",
              f"CPU: {env.get('cpu')} ({env.get('cpu isa')}; caps: {env.get('isa caps')})",
              "wall: each moment split among the ops running then; thread: their summed durations; ops: "
              "distinct ops, runs: their executions (a loop's ops run once a step)",
-             f"tracing cost {r['traced_wall_ms'] - r['wall_ms']:.0f} ms over {r['events']} op runs: sites "
-             "with many short runs read high", *lost(r), "",
+             f"traced run {r['traced_wall_ms'] - r['wall_ms']:+.0f} ms against the untraced median, "
+             f"{r['events']} op runs: sites of many short runs read high", *lost(r), "",
              f"{'part':28s} {'wall ms':>8s} {'share':>6s} {'thread ms':>10s} {'share':>6s}"]
     lines += [f"{p['part']:28s} {p['wall_ms']:8.1f} {p['wall_share']:6.1%} {p['thread_ms']:10.1f} "
               f"{p['thread_share']:6.1%}" for p in r["parts"]]
