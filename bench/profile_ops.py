@@ -4,9 +4,9 @@
         [--batch 1] [--top 20] [--out FILE]
 
 A prefill of `tokens` random tokens is compiled, timed three times, then run once more under
-jax.profiler. Every XLA:CPU op in the trace (a thunk: a fusion, a
-library product, a copy) is looked up in the compiled program's HLO, whose metadata carries the
-Python call stack that built it; the op's time is charged to
+jax.profiler. Every XLA:CPU op in the trace (a thunk: a fusion, a library product, a copy) is
+looked up in the compiled program's HLO, whose metadata carries the Python call stack that
+built it; the op's time is charged to
 
   part: the first jaxmodel frame under Block.__call__ (RMSNorm.__call__, Attention.__call__,
         MLP.__call__ ...), else under Llama.__call__ (embedding, final norm, lm_head), else
@@ -17,7 +17,8 @@ Two times per row. wall: each moment of the traced call split among the ops runn
 (XLA:CPU runs independent ops on two threads at once), so the rows add up to the time some op
 ran and an op that runs beside another is not charged as if alone; thread: the ops' summed
 durations (more than the wall time when ops overlap). Tracing costs a few µs per op run, so
-sites of many short runs (a loop's steps) read high; the header gives the cost. jax.profiler
+sites of many short runs (a loop's steps) read high; the header compares the traced run with
+the untraced ones. jax.profiler
 keeps at most a million events: when the trace lacks ops the program ran, the table says so.
 An op whose metadata has no call stack takes the one of the instruction that calls it or of
 its inputs (instructions() says how); one with none at all is counted as "(no call stack)".
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import importlib.util
 import json
 import re
 import sys
@@ -46,7 +48,8 @@ import numpy as np
 from compare.environment import environment
 from llamaspec.files import atomic_write
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent / "jaxmodel"
+# jaxmodel's folder, wherever it is imported from (found without importing it)
+PACKAGE_DIR = Path(importlib.util.find_spec("jaxmodel").origin).resolve().parent
 NO_STACK = "(no call stack)"
 # Ops whose trace event spans other ops' (a loop's body runs as ops of its own, traced apart):
 # left out of the sums, which would count their bodies twice.
@@ -94,7 +97,9 @@ def call_stacks(hlo_text: str) -> dict[int, list[tuple[str, str, int]]]:
 
 
 def instructions(hlo_text: str) -> dict[str, dict]:
-    """{instruction name: {"kind", "op_name", "frame"}} for every instruction of the program.
+    """{instruction name: {"kind" (fusion kind or opcode), "op_name" (the jax primitive),
+    "frame" (its stack_frame_id), "opcode", "calls", "operands", "entry" (in the entry
+    computation)}} for every instruction of the program.
 
     XLA leaves the call stack off some instructions: a library fusion takes the stack of the
     first instruction inside it that has one (a dot's first); an instruction of a loop's body
