@@ -13,6 +13,10 @@ built it; the op's time is charged to
         the innermost jaxmodel function (the cache's set-up, the mask);
   site: the innermost jaxmodel frame, function:line (ops.attention:142, ops._matmul:272 ...).
 
+A fusion runs the ops of several lines in one pass: it is charged to the line its metadata
+names (its last op's, usually), and the table lists the other lines fused into it ("fused
+with"): a product's rounding to bf16 runs together with the residual add or SiLU that reads it.
+
 Two times per row. wall: each moment of the traced call split among the ops running then
 (XLA:CPU runs independent ops on two threads at once), so the rows add up to the time some op
 ran and an op that runs beside another is not charged as if alone; thread: the ops' summed
@@ -132,6 +136,7 @@ def instructions(hlo_text: str) -> dict[str, dict]:
         if frame:
             inside[current].append((opcode != "dot", int(frame.group(1)), out[name]["op_name"]))
     for op in out.values():
+        op["fused_frames"] = sorted({f for _, f, _ in inside.get(op["calls"], ())})
         if op["frame"] is None and inside.get(op["calls"]):
             _, op["frame"], inner = min(inside[op["calls"]], key=lambda x: x[0])
             op["op_name"] = op["op_name"] or inner
@@ -209,7 +214,7 @@ def breakdown(events, ops: dict[str, dict], stacks) -> dict:
     wall = wall_shares(mine)
     keys, unknown = {}, collections.Counter()
     thread, walls, counts, runs = (collections.Counter() for _ in range(4))
-    kinds = collections.defaultdict(collections.Counter)
+    kinds, fused_with = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
     for _, us, name in mine:
         if name not in keys:
             op = ops[name]
@@ -219,6 +224,10 @@ def breakdown(events, ops: dict[str, dict], stacks) -> dict:
         thread[key] += ms
         runs[key] += 1
         kinds[key][op["kind"] + (f" {op['op_name']}" if op["op_name"] else "")] += ms
+        for f in op["fused_frames"]:
+            other = attribute(stacks.get(f, []))[1]
+            if other != key[1]:
+                fused_with[key][other] += ms
         if op["frame"] is None:
             unknown[name] += ms
     for name, key in keys.items():
@@ -239,7 +248,8 @@ def breakdown(events, ops: dict[str, dict], stacks) -> dict:
             "parts": sorted(({"part": p, **row(*v)} for p, v in parts.items()), key=lambda r: -r["wall_ms"]),
             "sites": sorted(({"site": s, "part": p, **row(ms, walls[p, s]), "ops": counts[p, s],
                               "runs": runs[p, s],
-                              "kinds": [k for k, _ in kinds[p, s].most_common(3)]}
+                              "kinds": [k for k, _ in kinds[p, s].most_common(3)],
+                              "fused_with": [k for k, _ in fused_with[p, s].most_common(4)]}
                              for (p, s), ms in thread.items()), key=lambda r: -r["wall_ms"]),
             "no_call_stack": [{"op": n, "thread_ms": ms} for n, ms in unknown.most_common(20)]}
 
@@ -303,7 +313,8 @@ def tables(r: dict, env: dict, top: int) -> str:
               f"{'ops':>5s} {'runs':>7s}  kinds"]
     for s in r["sites"][:top]:
         lines.append(f"{s['site']:32s} {s['part']:20s} {s['wall_ms']:8.1f} {s['wall_share']:6.1%} "
-                     f"{s['thread_ms']:10.1f} {s['ops']:5d} {s['runs']:7d}  " + "; ".join(s["kinds"]))
+                     f"{s['thread_ms']:10.1f} {s['ops']:5d} {s['runs']:7d}  " + "; ".join(s["kinds"])
+                     + (f" (fused with {', '.join(s['fused_with'])})" if s["fused_with"] else ""))
     return "\n".join(lines)
 
 

@@ -20,7 +20,8 @@ def test_wall_time_is_split_among_the_ops_running_at_once():
 def test_a_traced_prefill_is_charged_to_the_model_parts_that_built_its_ops(tiny_dir, policy):
     """On a tiny checkpoint: every op the trace shows is found in the compiled program and traced
     back to a jaxmodel function and line; attention's and the MLP's products are theirs (a dot
-    among each part's kinds); per-part and per-site times add up to the totals; every one of the
+    among each part's kinds; SiLU among what the MLP's elementwise fusion holds); per-part and
+    per-site times add up to the totals; every one of the
     program's top-level ops each ran and were traced (no event was lost; lost() says so when
     one was)."""
     from llamaspec import LlamaConfig
@@ -39,6 +40,8 @@ def test_a_traced_prefill_is_charged_to_the_model_parts_that_built_its_ops(tiny_
         assert s["site"] == po.NO_STACK or re.fullmatch(r"(ops|model)\.[\w.]+:\d+", s["site"]), s["site"]
     dots = {s["part"] for s in r["sites"] if any("dot" in k for k in s["kinds"])}
     assert {"Attention.__call__", "MLP.__call__"} <= dots
+    # SiLU runs inside the fusion that multiplies it by up (and, at bf16, rounds the products)
+    assert any(w.startswith("ops.silu:") for s in r["sites"] if s["part"] == "MLP.__call__" for w in s["fused_with"])
     assert r["entry_ops"] > 10 * layers and r["entry_ops_traced"] == r["entry_ops"] and not po.lost(r)
     assert po.lost({**r, "entry_ops_traced": r["entry_ops"] - 3})[0].startswith("WARNING: the trace lacks 3 ")
 
