@@ -21,9 +21,8 @@ def test_a_traced_prefill_is_charged_to_the_model_parts_that_built_its_ops(tiny_
     """On a tiny checkpoint: every op the trace shows is found in the compiled program and traced
     back to a jaxmodel function and line; attention's and the MLP's products are theirs (a dot
     among each part's kinds; SiLU among what the MLP's elementwise fusion holds); per-part and
-    per-site times add up to the totals; every one of the
-    program's top-level ops each ran and were traced (no event was lost; lost() says so when
-    one was)."""
+    per-site times add up to the totals; every top-level op of the program was traced (no event
+    lost; lost() says so when one was)."""
     from llamaspec import LlamaConfig
     folder = tiny_dir("gqa")
     layers = LlamaConfig.from_file(folder).num_hidden_layers
