@@ -280,7 +280,14 @@ def profile_prefill(folder, policy: str, tokens: int, batch: int = 1, seed: int 
             model.prefill(ids, mask, tokens + 1)
             traced = time.perf_counter() - t0
         events = trace_events(Path(d))
-    hlo = model.prefill_program_text(ids, mask, tokens + 1)
+    # Compiled here, not loaded from the persistent cache: a cached program's call stacks name the
+    # files and lines of the checkout that compiled it first
+    previous = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        hlo = model.prefill_program_text(ids, mask, tokens + 1)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", previous)
     result = breakdown(events, instructions(hlo), call_stacks(hlo))
     return {"policy": policy, "tokens": tokens, "batch": batch, "wall_ms": untraced * 1e3,
             "traced_wall_ms": traced * 1e3, **result}
