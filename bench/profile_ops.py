@@ -155,8 +155,9 @@ def instructions(hlo_text: str) -> dict[str, dict]:
 
 
 def _ours(chain):
-    """The frames of a call stack that lie in jaxmodel/, innermost first."""
-    return [(Path(f).stem, fn, line) for f, fn, line in chain if Path(f).resolve().parent == PACKAGE_DIR]
+    """The frames of a call stack that lie in a jaxmodel/ folder (this checkout's or, for a program
+    from the compilation cache, the one that compiled it: compiled_from), innermost first."""
+    return [(Path(f).stem, fn, line) for f, fn, line in chain if Path(f).parent.name == PACKAGE_DIR.name]
 
 
 def attribute(chain) -> tuple[str, str]:
@@ -280,17 +281,18 @@ def profile_prefill(folder, policy: str, tokens: int, batch: int = 1, seed: int 
             model.prefill(ids, mask, tokens + 1)
             traced = time.perf_counter() - t0
         events = trace_events(Path(d))
-    # Compiled here, not loaded from the persistent cache: a cached program's call stacks name the
-    # files and lines of the checkout that compiled it first
-    previous = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        hlo = model.prefill_program_text(ids, mask, tokens + 1)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", previous)
+    hlo = model.prefill_program_text(ids, mask, tokens + 1)
     result = breakdown(events, instructions(hlo), call_stacks(hlo))
     return {"policy": policy, "tokens": tokens, "batch": batch, "wall_ms": untraced * 1e3,
-            "traced_wall_ms": traced * 1e3, **result}
+            "traced_wall_ms": traced * 1e3, "compiled_from": compiled_from(hlo), **result}
+
+
+def compiled_from(hlo_text: str) -> list[str]:
+    """The jaxmodel folders the program's call stacks name. A program loaded from the persistent
+    compilation cache carries the stacks of the process that compiled it: another checkout's
+    folder, and its line numbers (LLAMA_PARITY_JAX_CACHE=0 compiles afresh)."""
+    files = (v.strip().strip('"') for v in _table(hlo_text, "FileNames").values())
+    return sorted({str(Path(f).parent) for f in files if Path(f).parent.name == PACKAGE_DIR.name})
 
 
 def lost(r: dict) -> list[str]:
@@ -304,6 +306,15 @@ def lost(r: dict) -> list[str]:
             f"({r['events']} op runs traced: the profiler dropped events); the shares are of what it holds"]
 
 
+def elsewhere(r: dict) -> list[str]:
+    """A note when the program's call stacks name another checkout's jaxmodel than this one's."""
+    other = [d for d in r["compiled_from"] if Path(d).resolve() != PACKAGE_DIR]
+    if not other:
+        return []
+    return [f"note: the program came from the compilation cache, compiled from {', '.join(other)}: its line "
+            f"numbers are that checkout's (LLAMA_PARITY_JAX_CACHE=0 compiles afresh)"]
+
+
 def tables(r: dict, env: dict, top: int) -> str:
     lines = [f"jaxmodel prefill, {r['policy']}, batch {r['batch']} x {r['tokens']} tokens: "
              f"{r['wall_ms']:.0f} ms wall (median of 3; {r['traced_wall_ms']:.0f} ms traced, ops running "
@@ -312,7 +323,7 @@ def tables(r: dict, env: dict, top: int) -> str:
              "wall: each moment split among the ops running then; thread: their summed durations; ops: "
              "distinct ops, runs: their executions (a loop's ops run once a step)",
              f"traced run {r['traced_wall_ms'] - r['wall_ms']:+.0f} ms against the untraced median, "
-             f"{r['events']} op runs: sites of many short runs read high", *lost(r), "",
+             f"{r['events']} op runs: sites of many short runs read high", *lost(r), *elsewhere(r), "",
              f"{'part':28s} {'wall ms':>8s} {'share':>6s} {'thread ms':>10s} {'share':>6s}"]
     lines += [f"{p['part']:28s} {p['wall_ms']:8.1f} {p['wall_share']:6.1%} {p['thread_ms']:10.1f} "
               f"{p['thread_share']:6.1%}" for p in r["parts"]]
