@@ -212,6 +212,9 @@ def breakdown(events, ops: dict[str, dict], stacks) -> dict:
     time (wall_shares: each moment split among the ops running then), from the trace's events
     of the program's instructions (the runtime's and Python's events are left out)."""
     mine = [e for e in events if e[2] in ops and ops[e[2]]["opcode"] not in CONTAINERS]
+    if not mine:
+        raise ValueError(f"the trace's {len(events)} events name none of the program's {len(ops)} "
+                         "instructions (does this jaxlib trace XLA:CPU's ops under other names?)")
     wall = wall_shares(mine)
     keys, unknown = {}, collections.Counter()
     thread, walls, counts, runs = (collections.Counter() for _ in range(4))
@@ -239,9 +242,9 @@ def breakdown(events, ops: dict[str, dict], stacks) -> dict:
         return {"thread_ms": ms_thread, "thread_share": ms_thread / total_thread,
                 "wall_ms": ms_wall, "wall_share": ms_wall / total_wall}
     parts = collections.defaultdict(lambda: [0.0, 0.0])
-    for (p, _), ms in thread.items():
+    for (p, site), ms in thread.items():
         parts[p][0] += ms
-        parts[p][1] += walls[p, _]
+        parts[p][1] += walls[p, site]
     ran = {name for _, _, name in mine}
     expected = [n for n, op in ops.items() if op["entry"] and op["opcode"] not in NOT_RUN + CONTAINERS]
     return {"thread_ms": total_thread, "busy_wall_ms": total_wall, "events": len(mine),

@@ -14,6 +14,8 @@ def test_wall_time_is_split_among_the_ops_running_at_once():
     share = po.wall_shares(events)
     assert share == {"a": 7.5, "b": 7.5, "c": 4.0}
     assert sum(share.values()) == 19.0
+    with pytest.raises(ValueError, match="name none of the program"):
+        po.breakdown(events, {}, {})
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
