@@ -219,19 +219,19 @@ def breakdown(events, ops: dict[str, dict], stacks) -> dict:
     keys, unknown = {}, collections.Counter()
     thread, walls, counts, runs = (collections.Counter() for _ in range(4))
     kinds, fused_with = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
+    others = {}      # op name -> the other sites fused into it (once per op, not per run)
     for _, us, name in mine:
+        op = ops[name]
         if name not in keys:
-            op = ops[name]
             keys[name] = attribute(stacks.get(op["frame"], [])) if op["frame"] else (NO_STACK, NO_STACK)
+            others[name] = {attribute(stacks.get(f, []))[1] for f in op["fused_frames"]} - {keys[name][1]}
             counts[keys[name]] += 1
-        key, op, ms = keys[name], ops[name], us / 1e3
+        key, ms = keys[name], us / 1e3
         thread[key] += ms
         runs[key] += 1
         kinds[key][op["kind"] + (f" {op['op_name']}" if op["op_name"] else "")] += ms
-        for f in op["fused_frames"]:
-            other = attribute(stacks.get(f, []))[1]
-            if other != key[1]:
-                fused_with[key][other] += ms
+        for other in others[name]:
+            fused_with[key][other] += ms
         if op["frame"] is None:
             unknown[name] += ms
     for name, key in keys.items():

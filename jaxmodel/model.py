@@ -856,11 +856,8 @@ class LlamaModel:
         as numpy, cache). The cache holds total_len tokens, rounded up to CACHE_BLOCK.
         inject {layer: [B, T, hidden]}: teacher forcing, as capture takes it (jit compiles a
         program per set of injected layers; the cache holds the forced keys and values)."""
-        ids, mask = check_prefill(self.cfg, ids, mask, total_len)
-        run = self._layout(ids, mask, extra_length=total_len - ids.shape[1], bucket=True)
-        cache_len = self._cache_len(run, total_len)
-        forced = check_inject(self.cfg, inject, ids.shape)
-        inputs = self._inputs(run)
+        shape, run, inputs, cache_len = self._prefill_inputs(ids, mask, total_len)
+        forced = check_inject(self.cfg, inject, shape)
         if not forced:
             logits, cache = self._prefill(self.state, *inputs, cache_len=cache_len)
             return np.asarray(logits), cache
@@ -873,10 +870,15 @@ class LlamaModel:
         """The compiled HLO text of the program prefill runs for inputs of these shapes (with
         the call stack of every op in its metadata: bench/profile_ops.py reads it). Compiles,
         or loads from the compilation cache, as prefill would."""
+        _, _, inputs, cache_len = self._prefill_inputs(ids, mask, total_len)
+        return self._prefill.lower(self.state, *inputs, cache_len=cache_len).compile().as_text()
+
+    def _prefill_inputs(self, ids, mask, total_len: int):
+        """A prefill's prompt checked and laid out in its shape bucket: (the prompt's [B, T] shape,
+        the layout, its placed inputs, the cache length)."""
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         run = self._layout(ids, mask, extra_length=total_len - ids.shape[1], bucket=True)
-        lowered = self._prefill.lower(self.state, *self._inputs(run), cache_len=self._cache_len(run, total_len))
-        return lowered.compile().as_text()
+        return ids.shape, run, self._inputs(run), self._cache_len(run, total_len)
 
     def prefill_capture(self, ids, mask, total_len: int, taps=("layers.*.out",), inject=None):
         """prefill, also returning the prompt's activations as the prefill computed them:
@@ -886,12 +888,10 @@ class LlamaModel:
         if self.batch_invariant:
             raise NotImplementedError("prefill_capture: not in batch-invariant mode")
         names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
-        ids, mask = check_prefill(self.cfg, ids, mask, total_len)
-        run = self._layout(ids, mask, extra_length=total_len - ids.shape[1], bucket=True)
-        cache_len = self._cache_len(run, total_len)
-        forced = self._forced(check_inject(self.cfg, inject, ids.shape), run)
+        shape, run, inputs, cache_len = self._prefill_inputs(ids, mask, total_len)
+        forced = self._forced(check_inject(self.cfg, inject, shape), run)
         logits, cache, acts = _prefill_capture_program(self.graphdef)(
-            self.state, *self._inputs(run), forced, cache_len=cache_len, taps=tuple(names))
+            self.state, *inputs, forced, cache_len=cache_len, taps=tuple(names))
         # per-slot taps back to the caller's slots; logits holds the last slot only
         return np.asarray(logits), cache, {n: np.asarray(acts[n]) if n in LAST_SLOT_TAPS else run.restore(acts[n])
                                            for n in names}

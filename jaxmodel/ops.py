@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from llamaspec import Policy, RopeConfig, cpuinfo
+from llamaspec.forward import scale_queries
 
 from .dtypes import matmul_precision, of, opmath
 
@@ -129,7 +130,7 @@ def attention(q, k, v, allowed, policy: Policy):
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     scale = D ** -0.5
-    early = scale_queries(scale, compute)   # HF's order, matmul, round, then scale, in fewer steps
+    early = scale_queries(scale, policy.compute_dtype)   # HF's order, matmul, round, then scale, in fewer steps
     qg = q.astype(compute)
     qg = (mul_scalar(qg, scale) if early else qg).reshape(B, T, Hkv, Hq // Hkv, D)
     # [B, T, K, G, D] x [B, S, K, D] -> [B, K, T, G, S]
@@ -286,14 +287,6 @@ def _attention_product(a, b, dims, policy: Policy):
         return lax.dot_general(a.astype(compute), b.astype(compute), dims, precision=matmul_precision(policy),
                                preferred_element_type=of(policy.accum_dtype))
     return _matmul(a, b, dims, policy)
-
-
-def scale_queries(scale: float, compute) -> bool:
-    """Whether attention may scale the queries [T, D] before their product with the keys instead
-    of the scores [T, S] after it, with the same bits: a power-of-two scale (head_dim 16, 64,
-    256) and a compute_dtype with f32's exponent range. torchref.ops.scale_queries is the same
-    rule; its docstring gives the reason and the ends of the range where it does not hold."""
-    return math.frexp(scale)[0] == 0.5 and jnp.dtype(compute) in (jnp.bfloat16, jnp.float32, jnp.float64)
 
 
 def softmax(s):

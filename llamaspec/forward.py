@@ -3,6 +3,7 @@ per-call context and the KV cache a call writes to. Arrays are the framework's o
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 from .policy import Policy
@@ -51,3 +52,18 @@ class KV(NamedTuple):
     k: Any
     v: Any
     index: Any
+
+
+def scale_queries(scale: float, compute_dtype: str) -> bool:
+    """Whether attention may scale the queries [T, D] before their product with the keys instead
+    of the scores [T, S] after it (HF's order): the same bits, one pass over the scores less.
+    Both models' ops.attention follow it.
+
+    It is when scale is a power of two (head_dim 16, 64, 256) and compute_dtype (a policy's
+    name) has f32's exponent range (bfloat16, float32, float64): each product, partial sum and
+    rounded result of the product with queries times scale is then the one without it times
+    scale, exactly, whatever the kernel's summation order. Except at the ends of the range: a
+    value that is subnormal once scaled (below 2^-123 in f32 and bf16 at head_dim 64, about
+    1e-37) or a sum that overflows only unscaled. float16 keeps HF's order: its normal range
+    ends at 6e-5, where real queries lie."""
+    return math.frexp(scale)[0] == 0.5 and compute_dtype in ("bfloat16", "float32", "float64")

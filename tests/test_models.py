@@ -322,7 +322,8 @@ def _as_framework(framework, dtype: str | None, *arrays):
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_attention_scales_the_queries_first_only_where_no_bit_changes(framework, monkeypatch):
-    """ops.scale_queries: attention scales the queries before their product with the keys, not
+    """llamaspec.forward.scale_queries, as each model's ops module imports it: attention scales
+    the queries before their product with the keys, not
     the scores after it (HF's order), when the scale is a power of two and compute_dtype has
     f32's exponent range. There the output is bitwise the late order's, for queries and keys
     spread over many binades (scores still of order 1, the softmax not saturated) and a padded
@@ -349,7 +350,7 @@ def test_attention_scales_the_queries_first_only_where_no_bit_changes(framework,
         return out
 
     for policy in ("fp32", "bf16", "fp64"):
-        compute = _dtype_of(framework, Policy.get(policy).compute_dtype)
+        compute = Policy.get(policy).compute_dtype
         for D in (16, 64):
             assert rule(D ** -0.5, compute)
             early, late = both_orders(policy, D, rule)
@@ -357,7 +358,7 @@ def test_attention_scales_the_queries_first_only_where_no_bit_changes(framework,
         assert not rule(32 ** -0.5, compute)
         early, late = both_orders(policy, 32, lambda scale, dtype: True)
         assert not np.array_equal(early, late), f"{policy}: a scale of 32^-0.5 applied early changed no bit"
-    assert not rule(0.125, _dtype_of(framework, "float16"))
+    assert not rule(0.125, "float16")
 
 
 MIRRORED_CLASSES = ("Linear", "Embedding", "RMSNorm", "Attention", "MLP", "Block", "Llama", "LlamaModel", "LayerRunner")

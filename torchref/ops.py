@@ -14,6 +14,7 @@ import math
 import torch
 
 from llamaspec import Policy, RopeConfig
+from llamaspec.forward import scale_queries
 
 from .dtypes import dt
 
@@ -181,7 +182,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     G = Hq // Hkv
     compute, soft = dt(policy.compute_dtype), dt(policy.softmax_dtype)
     scale = D ** -0.5
-    early = scale_queries(scale, compute)   # HF's order, (q @ k^T) * scale, in fewer passes
+    early = scale_queries(scale, policy.compute_dtype)   # HF's order, (q @ k^T) * scale, in fewer passes
     qg = (q.to(compute) * scale if early else q).reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
     scores = _matmul(qg.reshape(B, Hkv, G * T, D), k.permute(0, 2, 3, 1), policy)  # [B, Hkv, G*T, S]
     if not early:
@@ -191,20 +192,6 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     probs = softmax(scores).to(compute).view(B, Hkv, G * T, -1)
     ctx = _matmul(probs, v.permute(0, 2, 1, 3), policy)                   # [B, Hkv, G*T, D]
     return ctx.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
-
-
-def scale_queries(scale: float, compute: torch.dtype) -> bool:
-    """Whether attention may scale the queries [T, D] before their product with the keys instead
-    of the scores [T, S] after it: the same bits, one pass over the scores less.
-
-    It is when scale is a power of two (head_dim 16, 64, 256) and compute_dtype has f32's
-    exponent range (bf16, f32, f64): each product, partial sum and rounded result of the
-    product with queries times scale is then the one without it times scale, exactly, whatever
-    the kernel's summation order. Except at the ends of the range: a value that is subnormal
-    once scaled (below 2^-123 in f32 and bf16 at head_dim 64, about 1e-37) or a sum that
-    overflows only unscaled. f16 keeps HF's order: its normal range ends at 6e-5, where real
-    queries lie. jaxmodel.ops.scale_queries is the same rule."""
-    return math.frexp(scale)[0] == 0.5 and compute in (torch.bfloat16, torch.float32, torch.float64)
 
 
 def softmax(s: torch.Tensor) -> torch.Tensor:
