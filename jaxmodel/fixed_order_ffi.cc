@@ -5,6 +5,7 @@
 #include <memory>
 #include <thread>
 
+#include "attention.h"
 #include "fixed_order.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -88,7 +89,51 @@ ffi::Error ExpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyB
   return ffi::Error::Success();
 }
 
+// attention.h's program: q, out [B, Hkv, T, G, D] (f32, bf16 or f64); k, v [B, S, Hkv, D] in
+// q's dtype or (bf16 q) f32; allowed [B, T, S] (pred).
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::AnyBuffer allowed, ffi::Result<ffi::AnyBuffer> out, double scale, int32_t early) {
+  using T = ffi::DataType;
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), ad = allowed.dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || ad.size() != 3)
+    return ffi::Error::InvalidArgument("fused attention: q must be [B, Hkv, T, G, D], k and v [B, S, Hkv, D], "
+                                       "allowed [B, T, S]");
+  const int64_t B = qd[0], Hkv = qd[1], T_ = qd[2], G = qd[3], D = qd[4], S = kd[1];
+  for (int i = 0; i < 4; ++i)
+    if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("fused attention: k and v differ in shape");
+  if (kd[0] != B || kd[2] != Hkv || kd[3] != D || ad[0] != B || ad[1] != T_ || ad[2] != S)
+    return ffi::Error::InvalidArgument("fused attention: q, k, v and allowed disagree in B, T, S, Hkv or D");
+  const T qt = q.element_type(), kt = k.element_type();
+  const bool types = allowed.element_type() == T::PRED && v.element_type() == kt &&
+                     ((qt == T::F32 && kt == T::F32) || (qt == T::F64 && kt == T::F64) ||
+                      (qt == T::BF16 && (kt == T::BF16 || kt == T::F32)));
+  if (!types) return ffi::Error::InvalidArgument("fused attention: unsupported dtypes");
+  auto code = [](T t) { return t == T::F64 ? fa::kF64 : t == T::BF16 ? fa::kBF16 : fa::kF32; };
+  fa::AttentionJob job{B, T_, S, Hkv, G, D, q.untyped_data(), code(qt), k.untyped_data(), v.untyped_data(),
+                       code(kt), static_cast<const uint8_t*>(allowed.untyped_data()), out->untyped_data(),
+                       scale, early != 0};
+  const int64_t tasks = job.Tasks(Threads(pool));
+  if (tasks == 0 || S == 0) return ffi::Error::Success();
+  thread_local std::vector<int64_t> scratch;  // this thread's, kept between calls (no fresh pages each call)
+  scratch.resize((job.ScratchBytes() + 7) / 8);
+  job.scratch = scratch.data();
+  RunOnPool(pool, fa::AttentionJob::Prepare{&job}, B * Hkv, B * Hkv > 1);
+  RunOnPool(pool, job, tasks, tasks > 1);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FoAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<double>("scale")
+                                  .Attr<int32_t>("early"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FoGemm, GemmImpl,
                               ffi::Ffi::Bind()

@@ -23,7 +23,9 @@ from llamaspec import fixed_order as fo
 from llamaspec.errors import InvarianceError
 
 SOURCE = Path(__file__).with_name("fixed_order_ffi.cc")
-TARGETS = {"gemm": "FoGemm", "gemm_batched": "FoGemmBatched", "row_sums": "FoRowSums", "exp": "FoExp"}
+ATTENTION = Path(__file__).with_name("attention.h")
+TARGETS = {"gemm": "FoGemm", "gemm_batched": "FoGemmBatched", "row_sums": "FoRowSums", "exp": "FoExp",
+           "attention": "FoAttention"}
 PREFIX = "llama_parity_fo_"
 
 
@@ -35,7 +37,7 @@ def library() -> ctypes.CDLL:
         raise InvarianceError(f"batch_invariant=True runs on the CPU only (its fixed-order kernels are CPU "
                               f"code); JAX's backend is {jax.default_backend()}")
     lib = fo.load("fixed_order_ffi", [SOURCE], ("-I", jax.ffi.include_dir()),
-                  (jax.__version__, jax.ffi.include_dir()))
+                  (jax.__version__, jax.ffi.include_dir(), ATTENTION.read_text()))
     for name, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(PREFIX + name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     fo.select_isa(lib)
@@ -96,3 +98,12 @@ def exp(x):
     """exp by fixed_order's program; f32 or f64."""
     library()
     return jax.ffi.ffi_call(PREFIX + "exp", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+
+def attention(q, k, v, allowed, scale: float, early: bool):
+    """attention.h's program: q [B, Hkv, T, G, D] in the compute dtype (f32, bf16 or f64; scaled
+    already when early), k and v [B, S, Hkv, D] in q's dtype (or f32 copies of bf16 values),
+    allowed [B, T, S] bool -> [B, Hkv, T, G, D] in q's dtype."""
+    library()
+    return jax.ffi.ffi_call(PREFIX + "attention", jax.ShapeDtypeStruct(q.shape, q.dtype))(
+        q, k, v, allowed, scale=np.float64(scale), early=np.int32(early))

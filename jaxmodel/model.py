@@ -255,7 +255,8 @@ class Attention(nnx.Module):
         if ctx.causal_from is not None and allowed is ctx.allowed and self.ops.attention is ops.attention:
             # the call's own causal mask (no seam changed it) and the module's own attention (no
             # control replaced it): a long prompt's queries in blocks over the keys they may see
-            out = ops.causal_attention(q, k, v, allowed, ctx.policy, ctx.causal_from)
+            # (on a mesh XLA's: the fused kernel is one custom call, which XLA cannot partition)
+            out = ops.causal_attention(q, k, v, allowed, ctx.policy, ctx.causal_from, fused=lay is None)
         else:
             out = self.ops.attention(q, k, v, allowed, ctx.policy)
         out = shard(lay, out, "batch", None, "heads", None)

@@ -11,12 +11,15 @@ import dataclasses
 import functools
 import math
 import os
+import platform
+import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from llamaspec import Policy, RopeConfig, cpuinfo
+from llamaspec.errors import InvarianceError
 from llamaspec.forward import scale_queries
 
 from .dtypes import matmul_precision, of, opmath
@@ -152,10 +155,11 @@ def attention(q, k, v, allowed, policy: Policy):
 QUERY_BLOCK = 256
 
 
-def causal_attention(q, k, v, allowed, policy: Policy, causal_from: int):
+def causal_attention(q, k, v, allowed, policy: Policy, causal_from: int, fused: bool = True):
     """attention() over a causal mask (Context.causal_from: allowed[b, t, s] only for
-    s <= causal_from + t), QUERY_BLOCK queries at a time, each block over the keys up to the
-    last one its queries may see; prompts under 2 * QUERY_BLOCK are one block.
+    s <= causal_from + t): in one fused kernel where fused_attention_applies (and `fused`: the
+    caller's layout allows it), else in XLA, QUERY_BLOCK queries at a time, each block over the
+    keys up to the last one its queries may see; prompts under 2 * QUERY_BLOCK are one block.
 
     The same function: in attention() a key past that one has the fill's score, so its
     probability is exactly 0 (exp of about -3.4e38 less a real score) and its value adds
@@ -163,6 +167,8 @@ def causal_attention(q, k, v, allowed, policy: Policy, causal_from: int):
     A query that may see no key at all (front padding) gets from attention() the average of
     all S values; here it gets the same average, from one masked query over every key.
     k, v may be Widened (a widened cache)."""
+    if fused and fused_attention_applies(policy):
+        return fused_attention(q, k, v, allowed, policy)
     T, S = q.shape[1], k.shape[1]
     if T < 2 * QUERY_BLOCK:
         return attention(q, k, v, allowed, policy)
@@ -173,6 +179,68 @@ def causal_attention(q, k, v, allowed, policy: Policy, causal_from: int):
                              allowed[:, a:a + QUERY_BLOCK, :n], policy))
     blind = attention(q[:, :1], k, v, jnp.zeros_like(allowed[:, :1]), policy)    # [B, 1, Hq, D]
     return jnp.where(allowed.any(-1)[:, :, None, None], jnp.concatenate(out, axis=1), blind)
+
+
+# $LLAMA_PARITY_ATTENTION: auto (fused_attention_applies' rule), fused (wherever the kernel
+# computes the policy: also f64), or xla (never the kernel)
+ATTENTION_ENV = "LLAMA_PARITY_ATTENTION"
+
+
+def fused_attention_applies(policy: Policy) -> bool:
+    """Whether causal_attention runs as fused_attention: on an x86-64 CPU (JAX's backend), for a
+    policy whose scores, softmax and sums the kernel computes as the policy says (compute f32 or
+    bf16, softmax and accumulation in f32; f64 throughout only when $LLAMA_PARITY_ATTENTION is
+    "fused": its f64 exp is scalar code), unless that variable says "xla". Decided by the
+    platform and the policy, never by a timing. A kernel that cannot be built (no C++
+    compiler) leaves XLA's attention, with one warning; asked for by name, it is an error."""
+    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "fused", "xla"):
+        raise ValueError(f"{ATTENTION_ENV}={choice!r}: expected auto, fused or xla")
+    if choice == "xla" or jax.default_backend() != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    compute, accum, smx = of(policy.compute_dtype), of(policy.accum_dtype), of(policy.softmax_dtype)
+    f32, f64 = jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)
+    kinds = {(f32, f32, f32), (jnp.dtype(jnp.bfloat16), f32, f32)} | ({(f64, f64, f64)} if choice == "fused" else set())
+    if (compute, accum, smx) not in kinds:
+        return False
+    if choice == "fused":
+        from . import kernels
+        kernels.library()
+        return True
+    return _fused_kernel_builds()
+
+
+@functools.cache
+def _fused_kernel_builds() -> bool:
+    from . import kernels
+    try:
+        kernels.library()
+    except InvarianceError as e:
+        warnings.warn(f"jaxmodel's fused attention kernel is not available ({e}); attention runs in XLA "
+                      f"({ATTENTION_ENV}=xla silences this)", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def fused_attention(q, k, v, allowed, policy: Policy):
+    """attention() as one XLA:CPU custom call (jaxmodel/attention.h's program, on
+    llamaspec/fixed_order.h's tiles): per block of 16 queries and one KV head, the scores of
+    the keys its queries may see, rounded and scaled as attention() does, softmax in f32 with
+    probabilities rounded to compute_dtype, their product with the values in f32, the result
+    rounded; nothing [T, S] leaves the CPU's caches. The same function as attention(): the sums
+    group otherwise (drift), and the bits do not depend on the batch, the thread count or the
+    instruction set. docs/measurements.md has the speed."""
+    from . import kernels
+    compute = of(policy.compute_dtype)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    scale = D ** -0.5
+    early = scale_queries(scale, policy.compute_dtype)
+    qg = q.astype(compute)
+    qg = (mul_scalar(qg, scale) if early else qg).reshape(B, T, Hkv, Hq // Hkv, D).transpose(0, 2, 1, 3, 4)
+    k, v = (x.data if isinstance(x, Widened) else x.astype(compute) for x in (k, v))
+    o = kernels.attention(qg, k, v, allowed, scale, early)
+    return o.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
 
 
 def _first_keys(x, n: int):

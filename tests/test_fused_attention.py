@@ -1,0 +1,188 @@
+"""jaxmodel's fused attention (ops.fused_attention, jaxmodel/attention.h): the function
+ops.attention computes, with the policy's rounding points, in bits that depend on neither the
+batch nor the instruction set; used where fused_attention_applies, never on a mesh's layout."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import jaxmodel  # noqa: F401  (x64 on, the persistent cache)
+import jax
+import jax.numpy as jnp
+
+from compare.metrics import rel_l2
+from jaxmodel import kernels, ops
+from llamaspec import Policy
+from llamaspec import fixed_order as fo
+
+PATHS = [name for name, level in fo.ISAS.items() if level <= kernels.library().fo_max_isa()]
+
+
+@contextlib.contextmanager
+def code_path(name: str):
+    lib = kernels.library()
+    before = lib.fo_isa()
+    assert lib.fo_set_isa(fo.ISAS[name]) == fo.ISAS[name]
+    try:
+        yield
+    finally:
+        lib.fo_set_isa(before)
+
+
+def inputs(B, T, S, Hq, Hkv, D, dtype, seed=0, scale=2.0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(B, T, Hq, D)) * scale, dtype)
+    k = jnp.asarray(rng.normal(size=(B, S, Hkv, D)) * scale, dtype)
+    v = jnp.asarray(rng.normal(size=(B, S, Hkv, D)), dtype)
+    return q, k, v
+
+
+def masks(B, T, S, seed=0):
+    """Causal (queries at the end of S slots), left-padded (the first queries of row 0 see no
+    key: they average every value), a leak (each query also sees the next key), a dead query,
+    and random noise."""
+    rng = np.random.default_rng(seed)
+    causal = np.tril(np.ones((T, S), bool), S - T)[None].repeat(B, 0)
+    padded = causal.copy()
+    padded[0, :, :5] = False
+    leak = causal.copy()
+    leak[:, :, 1:] |= causal[:, :, :-1]
+    dead = causal.copy()
+    dead[-1, T // 2] = False
+    noise = rng.random((B, T, S)) < 0.3
+    return {"causal": causal, "padded": padded, "leak": leak, "dead": dead, "noise": noise}
+
+
+def fused(q, k, v, allowed, policy):
+    return np.asarray(jax.jit(lambda *a: ops.fused_attention(*a, policy))(q, k, v, jnp.asarray(allowed)))
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 37, 6, 2, 64), (1, 70, 100, 4, 4, 32), (2, 5, 130, 3, 1, 48)])
+def test_fused_attention_is_attention_at_fp64(shape, monkeypatch):
+    """At fp64 every rounding is 1e-16: the kernel and ops.attention agree to 1e-13 on every
+    mask, so they compute one function (keys picked, masked, scaled, softmax, the blind
+    queries' average, GQA's head mapping). head_dim 48 scales the scores after their product
+    (its scale 48^-0.5 is no power of two); 64 and 32 scale the queries first."""
+    monkeypatch.setenv(ops.ATTENTION_ENV, "fused")
+    B, T, S, Hq, Hkv, D = shape
+    fp64 = Policy.get("fp64")
+    q, k, v = inputs(B, T, S, Hq, Hkv, D, jnp.float64)
+    for name, allowed in masks(B, T, S).items():
+        want = np.asarray(ops.attention(q, k, v, jnp.asarray(allowed), fp64))
+        got = fused(q, k, v, allowed, fp64)
+        assert rel_l2(got, want) <= 1e-13, name
+        for b in range(B):   # row by row too: a mix-up of rows or heads is not an average
+            assert rel_l2(got[b], want[b]) <= 1e-13, (name, b)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_fused_attention_keeps_the_policys_rounding_points(policy):
+    """At fp32 and bf16 the kernel and ops.attention keep the same roundings (scores and
+    probabilities in compute_dtype, softmax in f32) and sum in other orders: fp32 results
+    within f32 drift, and at bf16 all but a few elements bitwise ops.attention's (a sum-order
+    difference of ~1e-7 seldom crosses a bf16 rounding boundary; rounding anywhere else, e.g.
+    a softmax left in f32, changes most of them: 30% stay equal, measured). Both are as far
+    from the fp64 result of the same inputs as each other, within a factor of 1.5."""
+    pol, fp64 = Policy.get(policy), Policy.get("fp64")
+    dtype = jnp.float32 if policy == "fp32" else jnp.bfloat16
+    B, T, S = 2, 300, 300
+    q, k, v = inputs(B, T, S, 6, 2, 64, dtype, seed=1)
+    wide = [x.astype(jnp.float64) for x in (q, k, v)]
+    for name, allowed in masks(B, T, S, seed=1).items():
+        want = np.asarray(ops.attention(q, k, v, jnp.asarray(allowed), pol).astype(jnp.float64))
+        got = fused(q, k, v, allowed, pol).astype(np.float64)
+        exact = np.asarray(ops.attention(*wide, jnp.asarray(allowed), fp64))
+        if policy == "fp32":
+            assert rel_l2(got, want) <= 1e-5, name
+        else:
+            assert (got == want).mean() >= 0.99, name
+        assert rel_l2(got, exact) <= 1.5 * rel_l2(want, exact) + 1e-7, name
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_fused_attention_bits_depend_on_neither_batch_nor_instruction_set(policy):
+    """The same bits on every code path this CPU has (AVX-512, AVX2, scalar: the vector code
+    computes the scalar program lane by lane), for a row alone and in a batch, and for the
+    first queries alone and as part of a longer prompt (other queries share their blocks)."""
+    pol = Policy.get(policy)
+    dtype = jnp.float32 if policy == "fp32" else jnp.bfloat16
+    B, T, S = 3, 90, 90
+    q, k, v = inputs(B, T, S, 9, 3, 64, dtype, seed=2)
+    allowed = masks(B, T, S)["padded"]
+    results = {}
+    for name in PATHS:
+        with code_path(name):
+            results[name] = fused(q, k, v, allowed, pol)
+            alone = fused(q[1:2], k[1:2], v[1:2], allowed[1:2], pol)
+            first = fused(q[:, :23], k, v, allowed[:, :23], pol)
+        assert np.array_equal(alone.view(np.uint8), results[name][1:2].view(np.uint8)), name
+        assert np.array_equal(first.view(np.uint8), results[name][:, :23].view(np.uint8)), name
+    for name in PATHS:
+        assert np.array_equal(results[name].view(np.uint8), results[PATHS[0]].view(np.uint8)), name
+
+
+def test_fused_attention_reports_nan_and_inf():
+    """A NaN in one query makes that query's output NaN (its scores are NaN, so their max);
+    an inf in a value reaches every query that sees it; the other rows of the batch and the
+    other KV head's queries keep their bits. (A query that does not see that value but shares
+    a block of keys with one that does may get NaN too, from 0 * inf: as in ops.attention,
+    where every query multiplies every value, its probability 0 included.)"""
+    pol = Policy.get("fp32")
+    B, T, S = 2, 40, 40
+    q, k, v = inputs(B, T, S, 6, 2, 64, jnp.float32, seed=3)
+    allowed = masks(B, T, S)["causal"]
+    clean = fused(q, k, v, allowed, pol)
+    got = fused(q.at[0, 7, 2, 0].set(jnp.nan), k, v.at[1, 30, 0, 5].set(jnp.inf), allowed, pol)
+    assert np.isnan(got[0, 7, 2]).all()
+    assert not np.isfinite(got[1, 30:, :3, 5]).any()
+    untouched = np.ones(got.shape, bool)
+    untouched[0, 7, 2], untouched[1, :, :3, 5] = False, False
+    assert np.array_equal(got[untouched], clean[untouched])
+
+
+def test_fused_attention_choice(monkeypatch):
+    """$LLAMA_PARITY_ATTENTION: auto takes the kernel for fp32 and bf16 on this x86-64 CPU (not
+    fp16, whose scores it does not round, nor fp64, whose exp is scalar code there); fused adds
+    fp64; xla never; anything else is an error naming the variable."""
+    on = {}
+    for choice in ("auto", "fused", "xla"):
+        monkeypatch.setenv(ops.ATTENTION_ENV, choice)
+        on[choice] = {p: ops.fused_attention_applies(Policy.get(p)) for p in ("fp32", "bf16", "fp16", "fp64")}
+    assert on["auto"] == {"fp32": True, "bf16": True, "fp16": False, "fp64": False}
+    assert on["fused"] == {"fp32": True, "bf16": True, "fp16": False, "fp64": True}
+    assert not any(on["xla"].values())
+    monkeypatch.setenv(ops.ATTENTION_ENV, "fast")
+    with pytest.raises(ValueError, match=ops.ATTENTION_ENV):
+        ops.fused_attention_applies(Policy.get("fp32"))
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_jaxmodel_runs_the_fused_attention(tiny_dir, monkeypatch, request, policy):
+    """A prefill's program calls the kernel once per layer (and XLA's attention with
+    LLAMA_PARITY_ATTENTION=xla); logits and the prompt's cache agree with XLA's attention to
+    drift (fp32) / bf16 rounding of a few elements, and greedy decoding after it gives the same
+    tokens. B=2 with a left-padded row."""
+    import jaxmodel.model as jm
+    from llamaspec import load_weights
+    request.addfinalizer(jm.clear_programs)
+    cfg, weights = load_weights(tiny_dir("gqa"))
+    rng = np.random.default_rng(4)
+    ids = rng.integers(3, cfg.vocab_size, (2, 40))
+    mask = np.ones_like(ids)
+    ids[1, :6], mask[1, :6] = 0, 0
+    out = {}
+    for choice in ("xla", "auto"):
+        monkeypatch.setenv(ops.ATTENTION_ENV, choice)
+        jm.clear_programs()
+        m = jaxmodel.from_weights(cfg, weights, policy)
+        text = m.prefill_program_text(ids, mask, 48)
+        logits, _ = m.prefill(ids, mask, 48)
+        new = m.generate(ids, attention_mask=mask, max_new_tokens=6)
+        out[choice] = (text.count(kernels.PREFIX + "attention"), np.asarray(logits, np.float64), np.asarray(new))
+    assert out["xla"][0] == 0 and out["auto"][0] >= cfg.num_hidden_layers
+    tolerance = 1e-5 if policy == "fp32" else 2e-2
+    assert rel_l2(out["auto"][1], out["xla"][1]) <= tolerance
+    assert np.array_equal(out["auto"][2], out["xla"][2])
