@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import contextlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxmodel  # noqa: F401  (x64 on, the persistent cache)
-import jax
-import jax.numpy as jnp
-
 from compare.metrics import rel_l2
 from jaxmodel import kernels, ops
 from llamaspec import Policy
