@@ -82,7 +82,11 @@ def _jax_settings(policy) -> dict:
                 f"{k}={v}" for k, v in compiler_options(True).items() if k not in compiler_options()) or "none",
             "jaxmodel batch-invariant kernels": kernels.state(),
             f"jaxmodel {ops.BF16_DOTS_ENV}": os.environ.get(ops.BF16_DOTS_ENV, "(unset)"),
-            f"jaxmodel products at {policy.name}": bf16}
+            f"jaxmodel products at {policy.name}": bf16,
+            f"jaxmodel {ops.ATTENTION_ENV}": os.environ.get(ops.ATTENTION_ENV, "(unset)"),
+            f"jaxmodel causal attention at {policy.name}": (
+                "fused CPU kernel (jaxmodel/attention.h), XLA's on a mesh" if ops.fused_attention_applies(policy)
+                else "XLA")}
 
 
 def environment(policy, uses_jax: bool = True) -> dict:

@@ -41,7 +41,7 @@ from llamaspec import taps as tapnames
 from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, bucket_length, check_inject, check_next_ids, check_prefill, front_padded, layout
 
-from . import invariant, ops
+from . import invariant, ops, sharding
 from .dtypes import compiler_options, numpy_dtype, of, opmath
 from .sharding import MeshLayout, add_in_order, layout_for, row_parallel, to_host
 
@@ -255,8 +255,10 @@ class Attention(nnx.Module):
         if ctx.causal_from is not None and allowed is ctx.allowed and self.ops.attention is ops.attention:
             # the call's own causal mask (no seam changed it) and the module's own attention (no
             # control replaced it): a long prompt's queries in blocks over the keys they may see
-            # (on a mesh XLA's: the fused kernel is one custom call, which XLA cannot partition)
-            out = ops.causal_attention(q, k, v, allowed, ctx.policy, ctx.causal_from, fused=lay is None)
+            if lay is not None and ops.fused_attention_applies(ctx.policy):
+                out = sharding.fused_attention(lay, q, k, v, allowed, ctx.policy)   # the kernel, per shard
+            else:
+                out = ops.causal_attention(q, k, v, allowed, ctx.policy, ctx.causal_from)
         else:
             out = self.ops.attention(q, k, v, allowed, ctx.policy)
         out = shard(lay, out, "batch", None, "heads", None)

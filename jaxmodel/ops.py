@@ -155,10 +155,10 @@ def attention(q, k, v, allowed, policy: Policy):
 QUERY_BLOCK = 256
 
 
-def causal_attention(q, k, v, allowed, policy: Policy, causal_from: int, fused: bool = True):
+def causal_attention(q, k, v, allowed, policy: Policy, causal_from: int):
     """attention() over a causal mask (Context.causal_from: allowed[b, t, s] only for
-    s <= causal_from + t): in one fused kernel where fused_attention_applies (and `fused`: the
-    caller's layout allows it), else in XLA, QUERY_BLOCK queries at a time, each block over the
+    s <= causal_from + t): in one fused kernel where fused_attention_applies (on a mesh:
+    sharding.fused_attention), else in XLA, QUERY_BLOCK queries at a time, each block over the
     keys up to the last one its queries may see; prompts under 2 * QUERY_BLOCK are one block.
 
     The same function: in attention() a key past that one has the fill's score, so its
@@ -167,7 +167,7 @@ def causal_attention(q, k, v, allowed, policy: Policy, causal_from: int, fused: 
     A query that may see no key at all (front padding) gets from attention() the average of
     all S values; here it gets the same average, from one masked query over every key.
     k, v may be Widened (a widened cache)."""
-    if fused and fused_attention_applies(policy):
+    if fused_attention_applies(policy):
         return fused_attention(q, k, v, allowed, policy)
     T, S = q.shape[1], k.shape[1]
     if T < 2 * QUERY_BLOCK:

@@ -65,6 +65,24 @@ if job.get("where"):          # probe where --circumstance sharding, default and
             fd = c.first_difference
             out[f"where|{mode}|{c.b_run}"] = np.asarray([c.verdict, fd.tap if fd else "",
                                                          str(sum(d.bitwise_equal for d in c.taps)), str(len(c.taps))])
+if job.get("attention"):      # the fused attention kernel per shard (sharding.fused_attention) and on one device
+    import jax.numpy as jnp
+
+    from jaxmodel import ops, sharding
+    from jaxmodel.model import causal_allowed
+    from llamaspec import Policy
+    allowed = causal_allowed(mask, T)
+    for policy, dtype in (("fp32", jnp.float32), ("bf16", jnp.bfloat16)):
+        pol = Policy.get(policy)
+        q = jnp.asarray(rng.normal(size=(B, T, cfg.num_attention_heads, cfg.head_dim)), dtype)
+        k, v = (jnp.asarray(rng.normal(size=(B, T, cfg.num_key_value_heads, cfg.head_dim)), dtype) for _ in "kv")
+        one = jax.jit(lambda q, k, v, a: ops.fused_attention(q, k, v, a, pol))(q, k, v, allowed)
+        out[f"attention|{policy}|none"] = np.asarray(one.astype(jnp.float32))
+        for mesh in job["attention"]:
+            lay = sharding.layout_for(cfg, mesh)
+            got = jax.jit(lambda q, k, v, a: sharding.fused_attention(lay, q, k, v, a, pol))(q, k, v, allowed)
+            out[f"attention|{policy}|" + ",".join(f"{a}={n}" for a, n in sorted(mesh.items()))] = np.asarray(
+                got.astype(jnp.float32))
 if job.get("port"):           # a user's own JAX port with sharded params, through JaxFunction
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding

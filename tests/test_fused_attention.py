@@ -145,7 +145,8 @@ def test_fused_attention_reports_nan_and_inf():
 def test_fused_attention_choice(monkeypatch):
     """$LLAMA_PARITY_ATTENTION: auto takes the kernel for fp32 and bf16 on this x86-64 CPU (not
     fp16, whose scores it does not round, nor fp64, whose exp is scalar code there); fused adds
-    fp64; xla never; anything else is an error naming the variable."""
+    fp64; xla never; anything else is an error naming the variable. A run's environment record
+    says which attention ran."""
     on = {}
     for choice in ("auto", "fused", "xla"):
         monkeypatch.setenv(ops.ATTENTION_ENV, choice)
@@ -153,6 +154,10 @@ def test_fused_attention_choice(monkeypatch):
     assert on["auto"] == {"fp32": True, "bf16": True, "fp16": False, "fp64": False}
     assert on["fused"] == {"fp32": True, "bf16": True, "fp16": False, "fp64": True}
     assert not any(on["xla"].values())
+    from compare.environment import _jax_settings
+    assert _jax_settings(Policy.get("fp32"))["jaxmodel causal attention at fp32"] == "XLA"   # still xla
+    monkeypatch.setenv(ops.ATTENTION_ENV, "auto")
+    assert _jax_settings(Policy.get("fp32"))["jaxmodel causal attention at fp32"].startswith("fused CPU kernel")
     monkeypatch.setenv(ops.ATTENTION_ENV, "fast")
     with pytest.raises(ValueError, match=ops.ATTENTION_ENV):
         ops.fused_attention_applies(Policy.get("fp32"))

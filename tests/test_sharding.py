@@ -124,6 +124,22 @@ def test_two_processes_match_one_process_bitwise(tmp_path):
         np.testing.assert_array_equal(two[key], one[key], err_msg=key)
 
 
+def test_fused_attention_on_a_mesh_is_bitwise_the_one_device_one(tmp_path):
+    """jaxmodel's fused CPU attention on a mesh runs on each device's rows and heads
+    (sharding.fused_attention, a shard_map of the custom call, which XLA cannot partition); its
+    result for a row and a KV head depends on nothing else, so TP 2, DP 2 and DP 2 x TP 2 give
+    the one-device bits, at fp32 and bf16 (GQA: 8 query heads on 2 KV heads)."""
+    ckpt = make_checkpoint(tmp_path / "gqa", num_key_value_heads=2, **SHARDED)
+    meshes = [{"tensor": 2}, {"data": 2}, {"data": 2, "tensor": 2}]
+    (r,) = run_workers([{"checkpoint": str(ckpt), "devices": 8, "attention": meshes}], tmp_path)
+    for policy in ("fp32", "bf16"):
+        one = r[f"attention|{policy}|none"]
+        assert np.isfinite(one).all() and np.abs(one).max() > 0
+        for mesh in meshes:
+            got = r[f"attention|{policy}|" + mesh_name(mesh)]
+            np.testing.assert_array_equal(got, one, err_msg=f"{policy} {mesh}")
+
+
 @pytest.mark.slow     # on demand (make test-all): the default suite keeps the fp64, process and control tests
 def test_invariant_mode_on_a_mesh_is_bitwise_the_unsharded_one(tmp_path):
     """The batch-invariant mode on a mesh: the same logits and greedy tokens, bit for bit, as
