@@ -192,7 +192,8 @@ def fused_attention_applies(policy: Policy) -> bool:
     bf16, softmax and accumulation in f32; f64 throughout only when $LLAMA_PARITY_ATTENTION is
     "fused": its f64 exp is scalar code), unless that variable says "xla". Decided by the
     platform and the policy, never by a timing. A kernel that cannot be built (no C++
-    compiler) leaves XLA's attention, with one warning; asked for by name, it is an error."""
+    compiler) leaves XLA's attention, with one warning; asked for by name, it is an error. Auto
+    also leaves it to XLA when the kernel's code path is scalar (_fused_kernel_vectorised)."""
     choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
     if choice not in ("auto", "fused", "xla"):
         raise ValueError(f"{ATTENTION_ENV}={choice!r}: expected auto, fused or xla")
@@ -207,7 +208,7 @@ def fused_attention_applies(policy: Policy) -> bool:
         from . import kernels
         kernels.library()
         return True
-    return _fused_kernel_builds()
+    return _fused_kernel_builds() and _fused_kernel_vectorised()
 
 
 @functools.cache
@@ -220,6 +221,16 @@ def _fused_kernel_builds() -> bool:
                       f"({ATTENTION_ENV}=xla silences this)", RuntimeWarning, stacklevel=3)
         return False
     return True
+
+
+def _fused_kernel_vectorised() -> bool:
+    """The kernel's code path ($LLAMA_PARITY_KERNEL_ISA, else the CPU's best) has AVX2 + FMA or
+    more: its scalar path (a CPU without them, or the baseline cap) is the program's definition,
+    16x slower than XLA's vector code, so auto leaves attention to XLA there."""
+    from llamaspec import fixed_order as fo
+
+    from . import kernels
+    return kernels.library().fo_isa() >= fo.ISAS["avx2"]
 
 
 def fused_attention(q, k, v, allowed, policy: Policy):
