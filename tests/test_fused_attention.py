@@ -145,21 +145,21 @@ def test_fused_attention_reports_nan_and_inf():
 def test_fused_attention_choice(monkeypatch):
     """$LLAMA_PARITY_ATTENTION: auto takes the kernel for fp32 and bf16 on this x86-64 CPU (not
     fp16, whose scores it does not round, nor fp64, whose exp is scalar code there, nor any
-    policy when the kernel's code path is scalar: the baseline cap); fused adds fp64 (and runs
-    the scalar path); xla never; anything else is an error naming the variable. A run's
-    environment record says which attention ran."""
+    policy when the kernel's code path is below AVX-512: the AVX2 and baseline caps); fused adds
+    fp64 (and runs any code path); xla never; anything else is an error naming the variable. A
+    run's environment record says which attention ran."""
     from compare.environment import _jax_settings
-    vector = kernels.library().fo_isa() >= fo.ISAS["avx2"]
+    fast = kernels.library().fo_isa() >= fo.ISAS["avx512"]
     on, record = {}, {}
     for choice in ("auto", "fused", "xla"):
         monkeypatch.setenv(ops.ATTENTION_ENV, choice)
         on[choice] = {p: ops.fused_attention_applies(Policy.get(p)) for p in ("fp32", "bf16", "fp16", "fp64")}
         record[choice] = _jax_settings(Policy.get("fp32"))["jaxmodel causal attention at fp32"]
-    assert on["auto"] == {"fp32": vector, "bf16": vector, "fp16": False, "fp64": False}
+    assert on["auto"] == {"fp32": fast, "bf16": fast, "fp16": False, "fp64": False}
     assert on["fused"] == {"fp32": True, "bf16": True, "fp16": False, "fp64": True}
     assert not any(on["xla"].values())
     assert record["xla"] == "XLA" and record["fused"].startswith("fused CPU kernel")
-    assert record["auto"] == record["fused" if vector else "xla"]
+    assert record["auto"] == record["fused" if fast else "xla"]
     monkeypatch.setenv(ops.ATTENTION_ENV, "fast")
     with pytest.raises(ValueError, match=ops.ATTENTION_ENV):
         ops.fused_attention_applies(Policy.get("fp32"))
@@ -189,8 +189,8 @@ def test_jaxmodel_runs_the_fused_attention(tiny_dir, monkeypatch, request, polic
         new = m.generate(ids, attention_mask=mask, max_new_tokens=6)
         out[choice] = (text.count(kernels.PREFIX + "attention"), np.asarray(logits, np.float64), np.asarray(new))
     assert out["xla"][0] == 0
-    if not ops.fused_attention_applies(Policy.get(policy)):     # the kernel's scalar path (baseline cap)
-        assert out["auto"][0] == 0 and kernels.library().fo_isa() < fo.ISAS["avx2"]
+    if not ops.fused_attention_applies(Policy.get(policy)):     # the kernel's path below AVX-512 (a cap)
+        assert out["auto"][0] == 0 and kernels.library().fo_isa() < fo.ISAS["avx512"]
         return
     assert out["auto"][0] >= cfg.num_hidden_layers
     tolerance = 1e-5 if policy == "fp32" else 2e-2
