@@ -21,6 +21,7 @@ tensors' data pointers; jaxmodel compiles the same header into an XLA FFI target
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -300,6 +301,24 @@ def select_isa(lib: ctypes.CDLL) -> None:
     best, want = lib.fo_max_isa(), requested_isa()
     if lib.fo_set_isa(best if want == "auto" else ISAS[want]) < 0:
         raise InvarianceError(f"LLAMA_PARITY_KERNEL_ISA={want}: this CPU runs at most {ISA_NAMES[best]}")
+
+
+def code_paths(lib: ctypes.CDLL) -> list[str]:
+    """The code paths a loaded kernel library (this one, or jaxmodel's FFI build) can take on
+    this CPU, scalar first."""
+    return [name for name, level in ISAS.items() if level <= lib.fo_max_isa()]
+
+
+@contextlib.contextmanager
+def code_path(lib: ctypes.CDLL, name: str):
+    """`lib` on code path `name` inside the with-block, then back (tests compare the paths)."""
+    before = lib.fo_isa()
+    if lib.fo_set_isa(ISAS[name]) != ISAS[name]:
+        raise InvarianceError(f"code path {name}: this CPU runs at most {ISA_NAMES[lib.fo_max_isa()]}")
+    try:
+        yield
+    finally:
+        lib.fo_set_isa(before)
 
 
 def use_openmp(runtime: str | None) -> bool:

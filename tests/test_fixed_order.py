@@ -8,7 +8,6 @@ arithmetic); a row's result does not depend on the rows around it or the thread 
 
 from __future__ import annotations
 
-import contextlib
 from fractions import Fraction
 
 import ml_dtypes
@@ -18,18 +17,11 @@ import pytest
 from llamaspec import fixed_order as fo
 from llamaspec.errors import InvarianceError
 
-PATHS = [name for name, level in fo.ISAS.items() if level <= fo.library().fo_max_isa()]
+PATHS = fo.code_paths(fo.library())
 
 
-@contextlib.contextmanager
 def code_path(name: str):
-    lib = fo.library()
-    before = lib.fo_isa()
-    assert lib.fo_set_isa(fo.ISAS[name]) == fo.ISAS[name]
-    try:
-        yield
-    finally:
-        lib.fo_set_isa(before)
+    return fo.code_path(fo.library(), name)
 
 
 def _round_f32(q: Fraction) -> np.float32:

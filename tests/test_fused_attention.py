@@ -4,8 +4,6 @@ batch nor the instruction set; used where fused_attention_applies, never on a me
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,18 +15,7 @@ from jaxmodel import kernels, ops
 from llamaspec import Policy
 from llamaspec import fixed_order as fo
 
-PATHS = [name for name, level in fo.ISAS.items() if level <= kernels.library().fo_max_isa()]
-
-
-@contextlib.contextmanager
-def code_path(name: str):
-    lib = kernels.library()
-    before = lib.fo_isa()
-    assert lib.fo_set_isa(fo.ISAS[name]) == fo.ISAS[name]
-    try:
-        yield
-    finally:
-        lib.fo_set_isa(before)
+PATHS = fo.code_paths(kernels.library())
 
 
 def inputs(B, T, S, Hq, Hkv, D, dtype, seed=0, scale=2.0):
@@ -113,7 +100,7 @@ def test_fused_attention_bits_depend_on_neither_batch_nor_instruction_set(policy
     allowed = masks(B, T, S)["padded"]
     results = {}
     for name in PATHS:
-        with code_path(name):
+        with fo.code_path(kernels.library(), name):
             results[name] = fused(q, k, v, allowed, pol)
             alone = fused(q[1:2], k[1:2], v[1:2], allowed[1:2], pol)
             first = fused(q[:, :23], k, v, allowed[:, :23], pol)
