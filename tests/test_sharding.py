@@ -128,7 +128,9 @@ def test_fused_attention_on_a_mesh_is_bitwise_the_one_device_one(tmp_path):
     """jaxmodel's fused CPU attention on a mesh runs on each device's rows and heads
     (sharding.fused_attention, a shard_map of the custom call, which XLA cannot partition); its
     result for a row and a KV head depends on nothing else, so TP 2, DP 2 and DP 2 x TP 2 give
-    the one-device bits, at fp32 and bf16 (GQA: 8 query heads on 2 KV heads)."""
+    the one-device bits, at fp32 and bf16 (GQA: 8 query heads on 2 KV heads). The model's
+    prefill on a mesh calls it in every layer where ops.fused_attention_applies (an AVX-512
+    kernel path), else not at all."""
     ckpt = make_checkpoint(tmp_path / "gqa", num_key_value_heads=2, **SHARDED)
     meshes = [{"tensor": 2}, {"data": 2}, {"data": 2, "tensor": 2}]
     (r,) = run_workers([{"checkpoint": str(ckpt), "devices": 8, "attention": meshes}], tmp_path)
@@ -138,6 +140,8 @@ def test_fused_attention_on_a_mesh_is_bitwise_the_one_device_one(tmp_path):
         for mesh in meshes:
             got = r[f"attention|{policy}|" + mesh_name(mesh)]
             np.testing.assert_array_equal(got, one, err_msg=f"{policy} {mesh}")
+        calls, layers = int(r[f"attention|{policy}|calls"]), LlamaConfig.from_file(ckpt).num_hidden_layers
+        assert calls >= layers if r[f"attention|{policy}|applies"] else calls == 0
 
 
 @pytest.mark.slow     # on demand (make test-all): the default suite keeps the fp64, process and control tests
