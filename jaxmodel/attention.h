@@ -88,6 +88,12 @@ template <class A> inline A LanesSum(A (&lanes)[kLanes]) {
   return lanes[0];
 }
 
+// x rounded to bf16 when the compute dtype is bf16 (an f32 or f64 one: x as it is)
+template <class A> inline A Round(A x, bool bf16) {
+  if constexpr (std::is_same_v<A, float>) return bf16 ? RoundBf16(x) : x;
+  return x;
+}
+
 // ----- one row's scores -> probabilities, in place (n a multiple of kLanes) -----------
 
 struct RowSpec {
@@ -99,10 +105,7 @@ struct RowSpec {
 template <class A>
 void RowScalar(A* s, const uint8_t* allowed, int64_t n, const RowSpec& spec) {
   const A inf = std::numeric_limits<A>::infinity(), scale = A(spec.scale);
-  auto round = [&](A x) -> A {
-    if constexpr (std::is_same_v<A, float>) return spec.bf16 ? RoundBf16(x) : x;
-    return x;
-  };
+  auto round = [&](A x) { return Round(x, spec.bf16); };
   A m = -inf;
   bool nan = false;
   for (int64_t i = 0; i < n; ++i) {
@@ -271,11 +274,6 @@ void Scores(Isa isa, const A* x, int64_t R, int64_t D, const W* keys, int64_t pa
 template <class A, class V> inline A Load(V v) {
   if constexpr (std::is_same_v<V, Bf16>) return A(fo::Bf16ToF32(v.bits));
   else return A(v);
-}
-
-template <class A> inline A Round(A x, bool bf16) {
-  if constexpr (std::is_same_v<A, float>) return bf16 ? RoundBf16(x) : x;
-  return x;
 }
 
 inline int64_t Up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }

@@ -1,6 +1,7 @@
 // llamaspec/fixed_order.h's kernels as XLA FFI custom calls (jaxmodel/kernels.py builds and
 // registers them): the same programs, so the same bits, as torchref's invariant mode gets
-// through ctypes. Work is shared out on XLA's intra-op thread pool; tasks never split a sum.
+// through ctypes; and attention.h's fused attention. Work is shared out on XLA's intra-op
+// thread pool; tasks never split a sum.
 #include <atomic>
 #include <memory>
 #include <thread>

@@ -1,6 +1,7 @@
 """llamaspec/fixed_order.h's kernels as JAX ops (XLA FFI custom calls on the CPU): the
 batch-invariant mode's products, row sums and exp, one fixed order per result whatever
-the row count, the thread count or the instruction set, the same programs torchref runs.
+the row count, the thread count or the instruction set, the same programs torchref runs;
+and jaxmodel's fused CPU attention (attention.h, ops.fused_attention) on the same tiles.
 
 fixed_order_ffi.cc is compiled on first use (g++ or $CXX, with jaxlib's FFI headers) into
 the llama-parity cache by llamaspec.fixed_order.load, which checks the file before
