@@ -279,7 +279,7 @@ template <class A, class V> inline A Load(V v) {
 inline int64_t Up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // ----- the job -----------------------------------------------------------------------
-// q, out [B, Hkv, T, G, D] in the compute dtype (q already scaled when early); k, v
+// q, out [B, T, Hkv, G, D] in the compute dtype (q already scaled when early); k, v
 // [B, S, Hkv, D] in the compute dtype or (bf16) as f32 copies of bf16 values; allowed
 // [B, T, S] bytes (0 or 1). Two phases, each a set of independent tasks:
 //   Prepare(b, h): pack head h's keys and values (and, for h = 0, find each query's first
@@ -377,12 +377,13 @@ struct AttentionJob {
       if (bounds[2 * t] < 0) { ++blind; continue; }
       lo = std::min(lo, bounds[2 * t]), hi = std::max(hi, bounds[2 * t + 1]), ++seen;
     }
-    const Q* qb = static_cast<const Q*>(q) + bh * T * G * D;
-    Q* ob = static_cast<Q*>(out) + bh * T * G * D;
+    const int64_t ldq = Hkv * G * D;  // between queries, in q and out
+    const Q* qb = static_cast<const Q*>(q) + b * T * ldq + (bh % Hkv) * G * D;
+    Q* ob = static_cast<Q*>(out) + b * T * ldq + (bh % Hkv) * G * D;
     auto store = [&](bool blinds) {
       for (int64_t t = t0, r = 0; t < t1; ++t) {
         if ((bounds[2 * t] < 0) != blinds) continue;
-        for (int64_t i = 0; i < G * D; ++i) ob[t * G * D + i] = Store<Q>(Round(sums[r * D + i], bf16));
+        for (int64_t i = 0; i < G * D; ++i) ob[t * ldq + i] = Store<Q>(Round(sums[r * D + i], bf16));
         r += G;
       }
     };
@@ -394,7 +395,7 @@ struct AttentionJob {
       for (int64_t t = t0, r = 0; t < t1; ++t) {
         if (bounds[2 * t] < 0) continue;
         std::memcpy(masks.data() + (r / G) * width, allowed + (b * T + t) * S + lo, n);
-        for (int64_t i = 0; i < G * D; ++i) qs[r * D + i] = Load<A>(qb[t * G * D + i]);
+        for (int64_t i = 0; i < G * D; ++i) qs[r * D + i] = Load<A>(qb[t * ldq + i]);
         r += G;
       }
       Scores(isa, qs.data(), R, D, Keys<V>(bh), fo::Panels(Slots()), lo / fo::kPanel, width, scores.data(),

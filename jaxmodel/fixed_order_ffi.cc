@@ -90,16 +90,16 @@ ffi::Error ExpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyB
   return ffi::Error::Success();
 }
 
-// attention.h's program: q, out [B, Hkv, T, G, D] (f32, bf16 or f64); k, v [B, S, Hkv, D] in
+// attention.h's program: q, out [B, T, Hkv, G, D] (f32, bf16 or f64); k, v [B, S, Hkv, D] in
 // q's dtype or (bf16 q) f32; allowed [B, T, S] (pred).
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer allowed, ffi::Result<ffi::AnyBuffer> out, double scale, int32_t early) {
   using T = ffi::DataType;
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), ad = allowed.dimensions();
   if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || ad.size() != 3)
-    return ffi::Error::InvalidArgument("fused attention: q must be [B, Hkv, T, G, D], k and v [B, S, Hkv, D], "
+    return ffi::Error::InvalidArgument("fused attention: q must be [B, T, Hkv, G, D], k and v [B, S, Hkv, D], "
                                        "allowed [B, T, S]");
-  const int64_t B = qd[0], Hkv = qd[1], T_ = qd[2], G = qd[3], D = qd[4], S = kd[1];
+  const int64_t B = qd[0], T_ = qd[1], Hkv = qd[2], G = qd[3], D = qd[4], S = kd[1];
   for (int i = 0; i < 4; ++i)
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("fused attention: k and v differ in shape");
   if (kd[0] != B || kd[2] != Hkv || kd[3] != D || ad[0] != B || ad[1] != T_ || ad[2] != S)

@@ -102,9 +102,9 @@ def exp(x):
 
 
 def attention(q, k, v, allowed, scale: float, early: bool):
-    """attention.h's program: q [B, Hkv, T, G, D] in the compute dtype (f32, bf16 or f64; scaled
+    """attention.h's program: q [B, T, Hkv, G, D] in the compute dtype (f32, bf16 or f64; scaled
     already when early), k and v [B, S, Hkv, D] in q's dtype (or f32 copies of bf16 values),
-    allowed [B, T, S] bool -> [B, Hkv, T, G, D] in q's dtype."""
+    allowed [B, T, S] bool -> [B, T, Hkv, G, D] in q's dtype."""
     library()
     return jax.ffi.ffi_call(PREFIX + "attention", jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, k, v, allowed, scale=np.float64(scale), early=np.int32(early))

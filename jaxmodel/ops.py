@@ -250,10 +250,9 @@ def fused_attention(q, k, v, allowed, policy: Policy):
     scale = D ** -0.5
     early = scale_queries(scale, policy.compute_dtype)
     qg = q.astype(compute)
-    qg = (mul_scalar(qg, scale) if early else qg).reshape(B, T, Hkv, Hq // Hkv, D).transpose(0, 2, 1, 3, 4)
+    qg = (mul_scalar(qg, scale) if early else qg).reshape(B, T, Hkv, Hq // Hkv, D)   # GQA's groups: no copy
     k, v = (x.data if isinstance(x, Widened) else x.astype(compute) for x in (k, v))
-    o = kernels.attention(qg, k, v, allowed, scale, early)
-    return o.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    return kernels.attention(qg, k, v, allowed, scale, early).reshape(B, T, Hq, D)
 
 
 def _first_keys(x, n: int):
