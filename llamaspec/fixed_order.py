@@ -31,6 +31,7 @@ import shutil
 import stat
 import struct
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -120,6 +121,9 @@ def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key
             return target
         if problem:
             warnings.warn(f"{target}: {problem}; rebuilding it", RuntimeWarning, stacklevel=2)
+    # once per machine and version, seconds: say so, or a first call looks hung
+    print(f"llama-parity: compiling {', '.join(p.name for p in sources)} into {target.parent} (once)",
+          file=sys.stderr, flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
             built = Path(tmp) / target.name
