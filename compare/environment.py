@@ -85,7 +85,7 @@ def _jax_settings(policy) -> dict:
             f"jaxmodel products at {policy.name}": bf16,
             f"jaxmodel {ops.ATTENTION_ENV}": os.environ.get(ops.ATTENTION_ENV, "(unset)"),
             f"jaxmodel causal attention at {policy.name}": (
-                "fused CPU kernel (jaxmodel/attention.h), XLA's on a mesh" if ops.fused_attention_applies(policy)
+                "fused CPU kernel (jaxmodel/attention.h; per shard on a mesh)" if ops.fused_attention_applies(policy)
                 else "XLA")}
 
 

@@ -326,8 +326,8 @@ def fused_attention(layout: MeshLayout, q, k, v, allowed, policy: Policy):
     """ops.fused_attention on each device's shard: rows of the batch over `data`, query and KV
     heads over `tensor` (a shard's query heads read its own KV heads, as GQA maps them). The
     kernel's result for a row and a KV head depends on nothing else (attention.h), so the
-    sharded result is bitwise the one-device one; XLA could not partition the custom call."""
-    k, v = (x.data if isinstance(x, ops.Widened) else x for x in (k, v))
+    sharded result is bitwise the one-device one; XLA could not partition the custom call.
+    k, v may be Widened (a widened cache): the spec covers the whole pytree."""
     heads, kv = layout.spec("batch", None, "heads", None), layout.spec("batch", None, "kv_heads", None)
     return jax.shard_map(lambda q, k, v, a: ops.fused_attention(q, k, v, a, policy), mesh=layout.mesh,
                          in_specs=(heads, kv, kv, layout.spec("batch", None, None)), out_specs=heads)(

@@ -47,12 +47,11 @@ def fused(q, k, v, allowed, policy):
 
 
 @pytest.mark.parametrize("shape", [(2, 37, 37, 6, 2, 64), (1, 70, 100, 4, 4, 32), (2, 5, 130, 3, 1, 48)])
-def test_fused_attention_is_attention_at_fp64(shape, monkeypatch):
+def test_fused_attention_is_attention_at_fp64(shape):
     """At fp64 every rounding is 1e-16: the kernel and ops.attention agree to 1e-13 on every
     mask, so they compute one function (keys picked, masked, scaled, softmax, the blind
     queries' average, GQA's head mapping). head_dim 48 scales the scores after their product
     (its scale 48^-0.5 is no power of two); 64 and 32 scale the queries first."""
-    monkeypatch.setenv(ops.ATTENTION_ENV, "fused")
     B, T, S, Hq, Hkv, D = shape
     fp64 = Policy.get("fp64")
     q, k, v = inputs(B, T, S, Hq, Hkv, D, jnp.float64)
