@@ -72,7 +72,7 @@ def _jax_settings(policy) -> dict:
 
     from jaxmodel import kernels, ops
     from jaxmodel.dtypes import compiler_options
-    bf16 = ("native bf16 for 2+ rows (AMX), widened f32 for one row" if ops.native_dots(policy)
+    bf16 = ("native bf16 for 2+ rows (AMX or AVX-512-BF16), widened f32 for one row" if ops.native_dots(policy)
             else "widened to f32" if ops.widened_dtype(policy) is not None else "as the policy's dtypes")
     return {"jax backend": jax.default_backend(),
             "jax devices": ", ".join(str(d) for d in jax.devices()),

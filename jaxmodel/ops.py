@@ -294,20 +294,24 @@ BF16_DOTS_ENV = "LLAMA_PARITY_BF16_DOTS"
 # its f32 one, while from two rows on the bf16 product is 1.3-3.7x faster (SmolLM2's shapes on an
 # AMX Xeon, docs/measurements.md).
 NATIVE_MIN_ROWS = 2
+# XLA's --xla_cpu_max_isa values that keep bf16 products in hardware (the others are below AVX512_BF16)
+_BF16_ISAS = ("AVX512_BF16", "AMX", "AMX_FP16")
 
 
 def native_dots(policy: Policy) -> bool:
     """Whether products of a bf16 policy's weights with many rows, and attention's products
     (_attention_product), run in bf16 itself on this CPU (XLA:CPU hands them to its YNNPACK
-    kernels, which use AMX's bf16 tiles: 3-5x the widened f32 product's speed, measured)
-    instead of on f32 widened copies.
+    kernels, which use AMX's bf16 tiles or AVX-512-BF16's pair products) instead of on f32
+    widened copies. Measured: 3-5x the widened product's speed on an AMX Xeon, about 2x on an
+    AMD Zen 4 (AVX-512-BF16, no AMX): docs/measurements.md.
 
-    Both compute the same products (bf16 x bf16 is exact in f32) and sum them in f32, in
-    different orders: the results differ by f32 rounding, not by the policy. Decided by the
-    CPU's features, never by a timing, so a machine always runs the same path: on when the
-    CPU has AMX-BF16 and no XLA instruction-set cap below AMX is set (XLA_FLAGS'
+    Both compute the same products (bf16 x bf16 is exact in f32; subnormals are flushed on
+    both paths, as everywhere in XLA:CPU: checked on Zen 4) and sum them in f32, in different
+    orders: the results differ by f32 rounding, not by the policy. Decided by the CPU's features, never by
+    a timing, so a machine always runs the same path: on when the CPU has AMX-BF16 or
+    AVX-512-BF16 and no XLA instruction-set cap below AVX512_BF16 is set (XLA_FLAGS'
     --xla_cpu_max_isa, which YNNPACK does not itself follow); $LLAMA_PARITY_BF16_DOTS
-    overrides. CPUs with only AVX-512-BF16 keep the widened path (not measured there)."""
+    overrides."""
     if widened_dtype(policy) is None or of(policy.compute_dtype) != jnp.dtype(jnp.bfloat16):
         return False
     choice = os.environ.get(BF16_DOTS_ENV, "auto").strip().lower() or "auto"
@@ -317,7 +321,8 @@ def native_dots(policy: Policy) -> bool:
         return choice == "native"
     caps = [a.split("=", 1)[1] for a in os.environ.get("XLA_FLAGS", "").split()
             if a.startswith("--xla_cpu_max_isa=")]
-    return cpuinfo.has("amx_bf16") and all(cap.strip().upper().startswith("AMX") for cap in caps)
+    return ((cpuinfo.has("amx_bf16") or cpuinfo.has("avx512_bf16"))
+            and all(cap.strip().upper() in _BF16_ISAS for cap in caps))
 
 
 def _rows(a, dims) -> int:

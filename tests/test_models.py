@@ -219,7 +219,8 @@ def test_weights_keep_checkpoint_names_shapes_and_param_dtype(framework, tiny_di
         from jaxmodel.model import NativeCopy
         flat = [(p, np.asarray(v[...])) for p, v in nnx.to_flat_state(nnx.filter_state(m.state, nnx.Param))]
         got = {key(".".join(map(str, p))): tuple(v.shape) for p, v in flat}
-        # beside a widened matrix, on an AMX CPU, its native bf16 copy (ops.native_dots): the same values
+        # beside a widened matrix, on an AMX or AVX-512-BF16 CPU, its native bf16 copy (ops.native_dots):
+        # the same values
         params, copies = dict(flat), nnx.to_flat_state(nnx.filter_state(m.state, NativeCopy))
         for p, v in copies:
             np.testing.assert_array_equal(np.asarray(v[...]), params[p[:-1] + ("weight",)].astype(ml_dtypes.bfloat16))
@@ -590,7 +591,7 @@ def test_jaxmodel_widened_weights_change_no_bit(policy, config, tiny_dir, monkey
     the param dtype, held exactly), so no dot converts a whole weight per call: logits, every tap,
     the prefill, a decode step and the greedy tokens are bitwise those of the model that keeps them
     in the param dtype; weights() still gives the param dtype. (On the widened path: the native bf16
-    dots of an AMX CPU sum in another order, test_jaxmodel_native_bf16_dots_are_drift.)"""
+    dots of an AMX or AVX-512-BF16 CPU sum in another order, test_jaxmodel_native_bf16_dots_are_drift.)"""
     import jax
 
     import jaxmodel
@@ -688,8 +689,8 @@ def test_jaxmodel_prefill_buckets_share_a_program_and_keep_the_function(tiny_dir
 
 @pytest.mark.parametrize("config", ["gqa", "tied"])
 def test_jaxmodel_native_bf16_dots_are_drift(config, tiny_dir, monkeypatch):
-    """Native bf16 dots (ops.native_dots: on by default on AMX CPUs, forced here on any CPU) hold
-    a bf16 copy of each widened matrix beside it and use it for products of NATIVE_MIN_ROWS rows
+    """Native bf16 dots (ops.native_dots: on by default with AMX or AVX-512-BF16, forced here on any
+    CPU) hold a bf16 copy of each widened matrix beside it and use it for products of NATIVE_MIN_ROWS rows
     or more: the same products summed in f32 in another order. The ladder against torchref calls
     that drift, as it does the widened path; weights() are the same bits; the program really
     multiplies bf16 operands, in attention's products too; capture and forward stay bitwise one
@@ -745,20 +746,22 @@ def nnx_variables(m, kind):
 
 def test_native_bf16_dots_rule(monkeypatch):
     """The rule is the CPU's features and the caps, never a timing: auto is on only with AMX-BF16
-    and no XLA instruction-set cap below AMX; bf16 only; a bad value names the variable."""
+    or AVX-512-BF16 and no XLA instruction-set cap below AVX512_BF16; bf16 only; a bad value
+    names the variable."""
     from jaxmodel import ops
     from llamaspec import cpuinfo
     bf16, fp32, fp16 = (Policy.get(p) for p in ("bf16", "fp32", "fp16"))
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv(ops.BF16_DOTS_ENV, "auto")
-    for amx in (True, False):
-        monkeypatch.setattr(cpuinfo, "has", lambda flag, amx=amx: amx and flag == "amx_bf16")
-        assert ops.native_dots(bf16) is amx
+    for flags in ({"amx_bf16", "avx512_bf16"}, {"avx512_bf16"}, {"amx_bf16"}, {"avx512f", "avx2"}, set()):
+        monkeypatch.setattr(cpuinfo, "has", lambda flag, flags=flags: flag in flags)
+        hw = bool(flags & {"amx_bf16", "avx512_bf16"})
+        assert ops.native_dots(bf16) is hw, flags
         assert not ops.native_dots(fp32) and not ops.native_dots(fp16)
-        monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX2")
-        assert not ops.native_dots(bf16)
-        monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AMX")
-        assert ops.native_dots(bf16) is amx
+        for cap, on in (("AVX2", False), ("AVX512", False), ("AVX512_VNNI", False), ("avx512_bf16", True),
+                        ("AMX", True), ("AMX_FP16", True)):
+            monkeypatch.setenv("XLA_FLAGS", f"--xla_cpu_max_isa={cap}")
+            assert ops.native_dots(bf16) is (hw and on), (flags, cap)
         monkeypatch.delenv("XLA_FLAGS")
     monkeypatch.setenv(ops.BF16_DOTS_ENV, "native")
     assert ops.native_dots(bf16) and not ops.native_dots(fp32)

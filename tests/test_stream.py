@@ -48,8 +48,8 @@ def test_streamed_run_bit_for_bit_on_tied_biased_sharded_bf16_checkpoints(name, 
 
 @pytest.mark.parametrize("name", ["gqa", "tied"])
 def test_streamed_jaxmodel_with_native_bf16_dots_is_the_full_run_bit_for_bit(name, tiny_dir, monkeypatch):
-    """With native bf16 products (forced here on any CPU; on by default on AMX) the full run's
-    scan keeps its blocks on the widened path and its lm_head on the native copy: the streamed
+    """With native bf16 products (forced here on any CPU; on by default with AMX or AVX-512-BF16) the
+    full run's scan keeps its blocks on the widened path and its lm_head on the native copy: the streamed
     runner must do both the same way (LayerRunner.block, LayerRunner.logits)."""
     from jaxmodel import ops
     monkeypatch.setenv(ops.BF16_DOTS_ENV, "native")
