@@ -292,7 +292,8 @@ BF16_DOTS_ENV = "LLAMA_PARITY_BF16_DOTS"
 # A product of this many rows or more takes a native bf16 weight. A matrix-vector product (one row:
 # a batch-1 decode step) reads the widened one: XLA:CPU's one-row bf16 product is 2-12x slower than
 # its f32 one, while from two rows on the bf16 product is 1.3-3.7x faster (SmolLM2's shapes on an
-# AMX Xeon, docs/measurements.md).
+# AMX Xeon; on a Zen 4 with AVX-512-BF16: one row 1.3-7.6x slower, 8 rows and more 1.4-3.5x faster;
+# docs/measurements.md).
 NATIVE_MIN_ROWS = 2
 # XLA's --xla_cpu_max_isa values that keep bf16 products in hardware (the others are below AVX512_BF16)
 _BF16_ISAS = ("AVX512_BF16", "AMX", "AMX_FP16")
@@ -307,11 +308,11 @@ def native_dots(policy: Policy) -> bool:
 
     Both compute the same products (bf16 x bf16 is exact in f32; subnormals are flushed on
     both paths, as everywhere in XLA:CPU: checked on Zen 4) and sum them in f32, in different
-    orders: the results differ by f32 rounding, not by the policy. Decided by the CPU's features, never by
-    a timing, so a machine always runs the same path: on when the CPU has AMX-BF16 or
-    AVX-512-BF16 and no XLA instruction-set cap below AVX512_BF16 is set (XLA_FLAGS'
-    --xla_cpu_max_isa, which YNNPACK does not itself follow); $LLAMA_PARITY_BF16_DOTS
-    overrides."""
+    orders: the results differ by f32 rounding, not by the policy. Decided by the CPU's
+    features, never by a timing, so a machine always runs the same path: on when the CPU has
+    AMX-BF16 or AVX-512-BF16 and no XLA instruction-set cap below AVX512_BF16 is set
+    (XLA_FLAGS' --xla_cpu_max_isa, which YNNPACK does not itself follow);
+    $LLAMA_PARITY_BF16_DOTS overrides."""
     if widened_dtype(policy) is None or of(policy.compute_dtype) != jnp.dtype(jnp.bfloat16):
         return False
     choice = os.environ.get(BF16_DOTS_ENV, "auto").strip().lower() or "auto"
