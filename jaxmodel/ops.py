@@ -295,8 +295,9 @@ BF16_DOTS_ENV = "LLAMA_PARITY_BF16_DOTS"
 # AMX Xeon; on a Zen 4 with AVX-512-BF16: one row 1.3-7.6x slower, 8 rows and more 1.4-3.5x faster;
 # docs/measurements.md).
 NATIVE_MIN_ROWS = 2
-# XLA's --xla_cpu_max_isa values that keep bf16 products in hardware (the others are below AVX512_BF16)
-_BF16_ISAS = ("AVX512_BF16", "AMX", "AMX_FP16")
+# XLA's --xla_cpu_max_isa values that keep bf16 products in hardware (AVX512_BF16, AMX, AMX_FP16;
+# SSE4_2 ... AVX512_VNNI are below them)
+_BF16_ISAS = ("AVX512_BF16", "AMX")   # a prefix: AMX_FP16 too
 
 
 def native_dots(policy: Policy) -> bool:
@@ -323,7 +324,7 @@ def native_dots(policy: Policy) -> bool:
     caps = [a.split("=", 1)[1] for a in os.environ.get("XLA_FLAGS", "").split()
             if a.startswith("--xla_cpu_max_isa=")]
     return ((cpuinfo.has("amx_bf16") or cpuinfo.has("avx512_bf16"))
-            and all(cap.strip().upper() in _BF16_ISAS for cap in caps))
+            and all(cap.strip().upper().startswith(_BF16_ISAS) for cap in caps))
 
 
 def _rows(a, dims) -> int:

@@ -759,7 +759,7 @@ def test_native_bf16_dots_rule(monkeypatch):
         assert ops.native_dots(bf16) is hw, flags
         assert not ops.native_dots(fp32) and not ops.native_dots(fp16)
         for cap, on in (("AVX2", False), ("AVX512", False), ("AVX512_VNNI", False), ("avx512_bf16", True),
-                        ("AMX", True), ("AMX_FP16", True)):
+                        ("AMX", True), ("AMX_FP16", True), ("SSE4_2", False)):
             monkeypatch.setenv("XLA_FLAGS", f"--xla_cpu_max_isa={cap}")
             assert ops.native_dots(bf16) is (hw and on), (flags, cap)
         monkeypatch.delenv("XLA_FLAGS")
