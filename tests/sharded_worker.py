@@ -89,6 +89,8 @@ if job.get("attention"):      # the fused attention kernel per shard (sharding.f
         text = sharded.prefill_program_text(ids, mask, T + 4)
         out[f"attention|{policy}|calls"] = np.asarray(text.count(kernels.PREFIX + "attention"))
         out[f"attention|{policy}|prefill"] = sharded.prefill(ids, mask, T + 4)[0].astype(np.float64)
+        alone = jaxmodel.from_weights(cfg, weights, policy)
+        out[f"attention|{policy}|prefill one device"] = alone.prefill(ids, mask, T + 4)[0].astype(np.float64)
         out[f"attention|{policy}|applies"] = np.asarray(ops.fused_attention_applies(pol))
 if job.get("port"):           # a user's own JAX port with sharded params, through JaxFunction
     import jax.numpy as jnp

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from compare.metrics import rel_l2
 from llamaspec import LlamaConfig
 from llamaspec.errors import InputError
 from llamaspec.files import atomic_write
@@ -142,7 +143,11 @@ def test_fused_attention_on_a_mesh_is_bitwise_the_one_device_one(tmp_path):
             np.testing.assert_array_equal(got, one, err_msg=f"{policy} {mesh}")
         calls, layers = int(r[f"attention|{policy}|calls"]), LlamaConfig.from_file(ckpt).num_hidden_layers
         assert calls >= layers if r[f"attention|{policy}|applies"] else calls == 0
-        assert np.isfinite(r[f"attention|{policy}|prefill"]).all()    # bf16: through its widened cache
+        # the prefill on a mesh (bf16: through its widened cache) is the one-device prefill, up to the
+        # order of the tensor-parallel sums
+        # (measured 1.1e-7 fp32, 3e-8 bf16; the bounds are test_fused_attention's for a change of sums)
+        got, alone = r[f"attention|{policy}|prefill"], r[f"attention|{policy}|prefill one device"]
+        assert np.isfinite(got).all() and rel_l2(got, alone) <= (1e-5 if policy == "fp32" else 2e-2)
 
 
 @pytest.mark.slow     # on demand (make test-all): the default suite keeps the fp64, process and control tests
