@@ -286,9 +286,8 @@ def widened_dtype(policy: Policy):
     return accum if accum.itemsize > compute.itemsize and jax.default_backend() == "cpu" else None
 
 
-# $LLAMA_PARITY_BF16_DOTS: auto (native_dots' rule), native or widened (either, on any CPU: the
-# benchmark and the tests run both paths on one machine)
-BF16_DOTS_ENV = "LLAMA_PARITY_BF16_DOTS"
+# $LLAMA_PARITY_BF16_DOTS: auto (native_dots' rule), native or widened (llamaspec.cpuinfo)
+BF16_DOTS_ENV = cpuinfo.BF16_DOTS_ENV
 # A product of this many rows or more takes a native bf16 weight. A matrix-vector product (one row:
 # a batch-1 decode step) reads the widened one: XLA:CPU's one-row bf16 product is 2-12x slower than
 # its f32 one, while from two rows on the bf16 product is 1.3-3.7x faster (SmolLM2's shapes on an
@@ -316,9 +315,7 @@ def native_dots(policy: Policy) -> bool:
     $LLAMA_PARITY_BF16_DOTS overrides."""
     if widened_dtype(policy) is None or of(policy.compute_dtype) != jnp.dtype(jnp.bfloat16):
         return False
-    choice = os.environ.get(BF16_DOTS_ENV, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "native", "widened"):
-        raise ValueError(f"{BF16_DOTS_ENV}={choice!r}: expected auto, native or widened")
+    choice = cpuinfo.dots_choice()
     if choice != "auto":
         return choice == "native"
     caps = [a.split("=", 1)[1] for a in os.environ.get("XLA_FLAGS", "").split()

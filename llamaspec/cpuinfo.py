@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 
 
@@ -27,3 +28,20 @@ def name_and_flags() -> tuple[str, frozenset]:
 def has(flag: str) -> bool:
     """Whether the CPU reports feature `flag` ("amx_bf16", "avx512_bf16", ...)."""
     return flag in name_and_flags()[1]
+
+
+# $LLAMA_PARITY_BF16_DOTS: how both models multiply 16-bit matrices on the CPU. auto: each model's
+# rule by the CPU's features and the libraries' instruction-set caps (jaxmodel.ops.native_dots,
+# torchref.ops.hardware_products); native or widened: that path on any CPU (the benchmark and the
+# tests run both on one machine).
+BF16_DOTS_ENV = "LLAMA_PARITY_BF16_DOTS"
+
+
+def dots_choice(value: str | None = None) -> str:
+    """$LLAMA_PARITY_BF16_DOTS (or `value`, its setting read already) as auto, native or
+    widened (unset or empty: auto)."""
+    value = os.environ.get(BF16_DOTS_ENV) if value is None else value
+    choice = (value or "auto").strip().lower() or "auto"
+    if choice not in ("auto", "native", "widened"):
+        raise ValueError(f"{BF16_DOTS_ENV}={choice!r}: expected auto, native or widened")
+    return choice

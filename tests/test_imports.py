@@ -211,10 +211,10 @@ def test_nothing_outside_the_models_reads_their_private_names():
 
 def test_the_private_name_check_sees_what_it_checks(tmp_path):
     private = _private_names_defined((ROOT / "torchref").rglob("*.py"))
-    assert {"_take_slots", "_head_matrix", "_install", "_head"} <= private
+    assert {"_take_slots", "_param", "_install", "_WIDE"} <= private
     probe = tmp_path / "probe.py"
-    probe.write_text("def f(m, self):\n    m._install(1)\n    self._install(2)\n    return m.model._head\n")
-    assert sorted(read for _, read in _private_reads(probe, private)) == ["m._install", "m.model._head"]
+    probe.write_text("def f(m, self):\n    m._install(1)\n    self._install(2)\n    return m.model._param\n")
+    assert sorted(read for _, read in _private_reads(probe, private)) == ["m._install", "m.model._param"]
 
 
 def test_the_engine_never_imports_the_controls_room():

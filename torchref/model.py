@@ -179,7 +179,6 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, self.ops) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, self.ops)
-        self._head = None   # (the weight head_weight last prepared, its version, the prepared matrix)
         if weights is not None:
             self._load(weights)
 
@@ -195,7 +194,6 @@ class Llama(nn.Module):
                            f"unexpected {sorted(set(weights) - set(shapes))}")
         for key, arr in weights.items():
             self._install(key, arr, shapes[key])
-        self.head_weight()   # prepared once here, outside inference mode
 
     def _param(self, arr: np.ndarray) -> torch.Tensor:
         """A checkpoint tensor as the model keeps it: rounded to param_dtype, then widened to
@@ -215,14 +213,10 @@ class Llama(nn.Module):
         self.get_submodule(owner)._parameters[name] = p
 
     def head_weight(self) -> torch.Tensor:
-        """The lm_head as the ops take it (the embedding table when tied), prepared once per
-        weight: bf16/fp16 policies keep logits in f32, and ops.linear would widen this
-        [vocab, hidden] matrix on every call, so it is widened here (exact)."""
-        w = (self.embed_tokens if self.lm_head is None else self.lm_head).weight
-        if self._head is None or self._head[0] is not w or self._head[1] != w._version:
-            with torch.inference_mode(False):
-                self._head = (w, w._version, _head_matrix(w, self.policy).detach())
-        return self._head[2]
+        """The lm_head's [vocab, hidden] matrix (the embedding table when tied). bf16/fp16
+        policies keep logits in f32: ops.linear widens this matrix for them (once, or a chunk at
+        a time for a decode step's few rows)."""
+        return (self.embed_tokens if self.lm_head is None else self.lm_head).weight
 
     def forward(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None):
         """Embedding -> blocks -> final norm -> lm_head; returns (logits, {tap: activation}, cache).
@@ -262,14 +256,6 @@ def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions: torch.Tensor):
 def head_logits(x: torch.Tensor, head: torch.Tensor, ops, policy: Policy) -> torch.Tensor:
     """The lm_head: final_norm output x times the [vocab, hidden] matrix (or a chunk of its rows)."""
     return ops.linear(x, head, None, policy, policy.logits_dtype)
-
-
-def _head_matrix(w: torch.Tensor, policy: Policy) -> torch.Tensor:
-    """w widened to logits_dtype when the logits are accumulated there and w is narrower."""
-    wide = dt(policy.logits_dtype)
-    if wide == dt(policy.accum_dtype) and torch.finfo(wide).bits > torch.finfo(w.dtype).bits:
-        return w.to(wide)
-    return w
 
 
 class LlamaModel(nn.Module):
@@ -518,8 +504,7 @@ class LayerRunner:
         """The logits of final_norm output x for the lm_head rows given (a vocabulary chunk)."""
         m = self.module
         with matmul_settings(self.policy):
-            head = _head_matrix(m._param(head_rows), self.policy)
-            return to_numpy(head_logits(self._tensor(x), head, m.ops, self.policy))
+            return to_numpy(head_logits(self._tensor(x), m._param(head_rows), m.ops, self.policy))
 
 
 def _take_slots(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,15 @@ mask then softmax.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import os
+import weakref
 
 import torch
 
-from llamaspec import Policy, RopeConfig
+from llamaspec import Policy, RopeConfig, cpuinfo
 from llamaspec.forward import scale_queries
 
 from .dtypes import dt
@@ -89,14 +93,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Policy,
            out_dtype: str | None = None) -> torch.Tensor:
-    """x @ w.T + b, accumulated in accum_dtype and rounded once to out_dtype."""
+    """x @ w.T + b, accumulated in accum_dtype and rounded once to out_dtype.
+
+    Either torch's kernel for compute_dtype operands does that itself (_native), or the
+    operands go to it widened to accum_dtype: products of bf16/fp16 numbers are exact in f32,
+    so that is the same arithmetic, the sums in another order (drift). A 16-bit weight is
+    widened once (_widened) or, for a few rows and f32 results (the lm_head of a decode step),
+    a chunk at a time (_linear_by_chunks: half the bytes read)."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
     out = dt(out_dtype or policy.compute_dtype)
-    if _native(compute, accum, out):
-        y = torch.nn.functional.linear(x.to(compute), w.to(compute),
-                                       None if b is None else b.to(compute))
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not _widens(compute, accum, out, rows, x.device):
+        with _one_row_kernel(rows, compute, x.device):
+            y = torch.nn.functional.linear(x.to(compute), w.to(compute),
+                                           None if b is None else b.to(compute))
+    elif b is None and w.dtype in _HALF and rows < WIDE_MIN_ROWS and x.device.type == "cpu":
+        y = _linear_by_chunks(x.to(accum), w, accum)
     else:
-        y = torch.nn.functional.linear(x.to(accum), w.to(accum), None if b is None else b.to(accum))
+        y = torch.nn.functional.linear(x.to(accum), _widened(w, accum), None if b is None else b.to(accum))
     return y.to(out)
 
 
@@ -118,6 +132,117 @@ def _native(compute: torch.dtype, accum: torch.dtype, out: torch.dtype) -> bool:
     if accum == compute:
         return True
     return compute in (torch.bfloat16, torch.float16) and accum == torch.float32 and out == compute
+
+
+# ----- products of 16-bit operands ---------------------------------------------------------
+
+_HALF = (torch.bfloat16, torch.float16)
+# A product of this many rows or more widens its bf16/fp16 operands to f32 on a CPU without
+# hardware products for them (hardware_products). Fewer rows (a decode step of a small batch) keep
+# torch's own kernel, which reads the weight's 16-bit bytes and widens them in registers: a
+# model's weights come from memory, where the f32 copy reads twice the bytes. SmolLM2's bf16
+# decode under an AVX2 cap on a Zen 4, ms per step, widened against torch's bf16 (median of 4):
+# batch 2: 118 / 58, 4: 118 / 108, 8: 137 / 166, 16: 123 / 227; a 512-token prefill's
+# [512, 576] x [576, 1536]: 5.1 against 25 ms (docs/measurements.md).
+WIDE_MIN_ROWS = 8
+# The bytes of f32 weight rows _linear_by_chunks widens at a time: a chunk stays in a core's
+# cache between its widening and its product.
+CHUNK_BYTES = 1 << 20
+# oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA) that keep bf16 / fp16 products in hardware,
+# as prefixes: AVX512_CORE_BF16 and above for bf16 (AVX512_CORE_FP16, AVX512_CORE_AMX[_FP16], the
+# AVX10 names), AVX512_CORE_FP16 and above for fp16; lower caps (AVX2, AVX512_CORE, ...) do not.
+_HARDWARE_CAPS = {torch.bfloat16: ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "ALL",
+                                   "DEFAULT"),
+                  torch.float16: ("AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT")}
+_HARDWARE_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
+
+
+def hardware_products(dtype: torch.dtype) -> bool:
+    """Whether torch multiplies `dtype` (bf16 / fp16) matrices of many rows in hardware on this
+    CPU: oneDNN's kernels on AMX tiles or AVX-512 pair products (bf16: AMX-BF16 or AVX-512-BF16;
+    fp16: AMX-FP16 or AVX-512-FP16), with oneDNN enabled and not capped below them. Elsewhere
+    torch multiplies them in software, 4-5x slower than its f32 product of the same size (an
+    AVX2-capped Zen 4; torch's bf16 5.7x its fp32 on the Zen 3 of issue 26), so linear and the
+    attention products widen them.
+
+    Decided by the CPU's features and the cap, never by a timing, so a machine always runs the
+    same path; $LLAMA_PARITY_BF16_DOTS (llamaspec.cpuinfo) overrides: native (torch's 16-bit
+    kernels on any CPU) or widened."""
+    env = os.environ
+    return _hardware_products(dtype, env.get(cpuinfo.BF16_DOTS_ENV), env.get("ONEDNN_MAX_CPU_ISA"),
+                              env.get("DNNL_MAX_CPU_ISA"), torch.backends.mkldnn.enabled)
+
+
+@functools.cache
+def _hardware_products(dtype: torch.dtype, choice, onednn_cap, dnnl_cap, mkldnn_enabled: bool) -> bool:
+    """hardware_products for these settings (read at every product, decided once)."""
+    choice = cpuinfo.dots_choice(choice)
+    if choice != "auto":
+        return choice == "native"
+    cap = (onednn_cap or dnnl_cap or "ALL").strip().upper()
+    return (any(cpuinfo.has(flag) for flag in _HARDWARE_FLAGS[dtype]) and cap.startswith(_HARDWARE_CAPS[dtype])
+            and torch.backends.mkldnn.is_available() and bool(mkldnn_enabled))
+
+
+def _widens(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, rows: int, device: torch.device) -> bool:
+    """Whether a product of `rows` rows goes to torch widened to accum (see linear)."""
+    if not _native(compute, accum, out):
+        return True
+    return (compute in _HALF and accum != compute and device.type == "cpu" and rows >= WIDE_MIN_ROWS
+            and not hardware_products(compute))
+
+
+@contextlib.contextmanager
+def _one_row_kernel(rows: int, compute: torch.dtype, device: torch.device):
+    """A one-row product of 16-bit operands on the CPU (a batch-1 decode step) runs on ATen's
+    matrix-vector kernel, not oneDNN's: both sum the exact products in f32 (the same function,
+    drift at most), and oneDNN's took twice as long with the weights out of cache on a Zen 4
+    ([1, 576] x [576, 1536] in bf16: 186 against 87 us; docs/measurements.md). By the shape,
+    never by a timing."""
+    if rows != 1 or compute not in _HALF or device.type != "cpu" or not torch._C._get_mkldnn_enabled():
+        yield
+        return
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(True)
+
+
+def _widened(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w in `dtype`. A 16-bit weight is widened once per tensor (again when it is changed in
+    place: its version counter moves) and the copy kept while the tensor lives: twice the
+    16-bit weight's memory, where converting it at every product would cost a pass over it each
+    time. Other tensors (an f32 weight for f64 sums, inference tensors) are converted per call."""
+    if w.dtype == dtype:
+        return w
+    if w.dtype not in _HALF or w.is_inference():   # inference tensors keep no version counter
+        return w.to(dtype)
+    key = (id(w), dtype)
+    entry = _WIDE.get(key)
+    if entry is None or entry[0]() is not w or entry[1] != w._version:
+        with torch.inference_mode(False):
+            wide = w.detach().to(dtype)
+        # the weak reference drops the entry when w dies, before its id can be reused
+        entry = _WIDE[key] = (weakref.ref(w, lambda _, key=key: _WIDE.pop(key, None)), w._version, wide)
+    return entry[2]
+
+
+_WIDE: dict[tuple, tuple] = {}   # (id of a 16-bit weight, dtype) -> (weak ref, version, widened copy)
+
+
+def _linear_by_chunks(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x @ w.T for x in `dtype` (f32) and a 16-bit w [N, K] widened CHUNK_BYTES of rows at a
+    time: the same exact products as one product over the whole widened w, read from the 16-bit
+    bytes; the sums may group otherwise (f32 rounding: the kernel may block a shorter output row
+    otherwise). The lm_head of a batch-1 bf16 decode step on a Zen 4: 5.7 ms against 10.4
+    widened whole."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.empty(rows.shape[0], w.shape[0], dtype=dtype, device=x.device)
+    step = max(1, CHUNK_BYTES // (w.shape[1] * torch.finfo(dtype).bits // 8))
+    for a in range(0, w.shape[0], step):
+        torch.mm(rows, w[a:a + step].to(dtype).t(), out=y[:, a:a + step])
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 # Queries per attention block: a long prompt's scores are computed QUERY_BLOCK queries at a
@@ -209,8 +334,9 @@ def softmax(s: torch.Tensor) -> torch.Tensor:
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, policy: Policy) -> torch.Tensor:
+    """a @ b (attention's products), as linear computes x @ w.T, rounded to compute_dtype."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
-    if _native(compute, accum, compute):
+    if not _widens(compute, accum, compute, a.shape[-2], a.device):
         return torch.matmul(a.to(compute), b.to(compute))
     return torch.matmul(a.to(accum), b.to(accum)).to(compute)
 
