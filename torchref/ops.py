@@ -169,19 +169,21 @@ def hardware_products(dtype: torch.dtype) -> bool:
     same path; $LLAMA_PARITY_BF16_DOTS (llamaspec.cpuinfo) overrides: native (torch's 16-bit
     kernels on any CPU) or widened."""
     env = os.environ
-    return _hardware_products(dtype, env.get(cpuinfo.BF16_DOTS_ENV), env.get("ONEDNN_MAX_CPU_ISA"),
-                              env.get("DNNL_MAX_CPU_ISA"), torch.backends.mkldnn.enabled)
+    return _hardware_products(dtype, cpuinfo.name_and_flags()[1], env.get(cpuinfo.BF16_DOTS_ENV),
+                              env.get("ONEDNN_MAX_CPU_ISA"), env.get("DNNL_MAX_CPU_ISA"),
+                              torch._C._get_mkldnn_enabled())
 
 
 @functools.cache
-def _hardware_products(dtype: torch.dtype, choice, onednn_cap, dnnl_cap, mkldnn_enabled: bool) -> bool:
-    """hardware_products for these settings (read at every product, decided once)."""
+def _hardware_products(dtype: torch.dtype, flags: frozenset, choice, onednn_cap, dnnl_cap, mkldnn_enabled: bool
+                       ) -> bool:
+    """hardware_products for these settings (read at every product, decided once per setting)."""
     choice = cpuinfo.dots_choice(choice)
     if choice != "auto":
         return choice == "native"
     cap = (onednn_cap or dnnl_cap or "ALL").strip().upper()
-    return (any(cpuinfo.has(flag) for flag in _HARDWARE_FLAGS[dtype]) and cap.startswith(_HARDWARE_CAPS[dtype])
-            and torch.backends.mkldnn.is_available() and bool(mkldnn_enabled))
+    return (any(flag in flags for flag in _HARDWARE_FLAGS[dtype]) and cap.startswith(_HARDWARE_CAPS[dtype])
+            and torch.backends.mkldnn.is_available() and mkldnn_enabled)
 
 
 def _widens(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, rows: int, device: torch.device) -> bool:

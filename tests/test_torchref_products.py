@@ -1,0 +1,197 @@
+"""torchref's 16-bit products on the CPU (torchref.ops: hardware_products, linear).
+
+On a CPU without bf16 / fp16 products in hardware torch multiplies 16-bit matrices in software,
+several times slower than its f32 product; torchref then widens the operands of products with
+many rows to f32 (exact products, f32 sums: the policy's arithmetic, the sums in another
+order). A one-row product keeps torch's 16-bit kernel (ATen's matrix-vector product), and f32
+logits of a few rows read the 16-bit lm_head a chunk at a time. These tests hold each path to
+f32 rounding of the same products and check which path runs, on any CPU: the rule is forced
+with $LLAMA_PARITY_BF16_DOTS or fed a CPU's features.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import compare  # noqa: E402
+import torchref  # noqa: E402
+from llamaspec import Policy, cpuinfo, load_weights  # noqa: E402
+from torchref import ops  # noqa: E402
+
+U32 = 2.0 ** -24   # f32's unit roundoff
+
+
+def within_f32_sums(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """got == x @ w.T up to f32 summation: |error| <= K u sum|x_k w_k| per output (the products
+    of 16-bit values are exact in f32, so only the sums round), against the product in f64."""
+    x64, w64 = x.double(), w.double()
+    exact = x64 @ w64.T
+    bound = x.shape[-1] * U32 * (x64.abs() @ w64.abs().T)
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound).all()), f"worst error / bound {float((err / bound.clamp_min(1e-300)).max()):.3g}"
+
+
+def rounded_within(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> None:
+    """y == x @ w.T + b summed in f32 then rounded once to y's 16-bit dtype: within half a unit
+    of y's dtype of a value within f32 summation of the f64 result."""
+    x64, w64 = x.double(), w.double()
+    exact = x64 @ w64.T + (0 if b is None else b.double())
+    bound = (x.shape[-1] + 1) * U32 * (x64.abs() @ w64.abs().T + (0 if b is None else b.double().abs()))
+    info = torch.finfo(y.dtype)
+    err = (y.double() - exact).abs()
+    assert bool((err <= info.eps * (exact.abs() + bound) + bound + info.tiny * info.eps).all())
+
+
+@pytest.fixture
+def flags(monkeypatch):
+    """Set the CPU's features hardware_products reads (and no cap, the rule on auto)."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, "auto")
+
+    def set_flags(*names):
+        monkeypatch.setattr(cpuinfo, "name_and_flags", lambda: ("a CPU", frozenset(names)))
+    return set_flags
+
+
+def test_hardware_products_rule(flags, monkeypatch):
+    """By the CPU's features and oneDNN's cap, never a timing: bf16 in hardware with AMX-BF16 or
+    AVX-512-BF16, fp16 with AMX-FP16 or AVX-512-FP16; a cap below them, or oneDNN switched off,
+    means software; the variable forces either path; a bad value names it."""
+    bf16, fp16 = torch.bfloat16, torch.float16
+    for features, hw_bf16, hw_fp16 in (({"amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16"}, True, True),
+                                       ({"avx512_bf16", "avx512f"}, True, False),   # Zen 4, Cooper Lake
+                                       ({"amx_bf16"}, True, False),
+                                       ({"avx512_fp16"}, False, True),
+                                       ({"avx2", "fma"}, False, False),              # Zen 3, most laptops
+                                       (set(), False, False)):
+        flags(*features)
+        assert (ops.hardware_products(bf16), ops.hardware_products(fp16)) == (hw_bf16, hw_fp16), features
+        for cap, bf16_on, fp16_on in (("AVX2", False, False), ("AVX512_CORE", False, False),
+                                      ("avx512_core_vnni", False, False), ("AVX512_CORE_BF16", True, False),
+                                      ("AVX512_CORE_FP16", True, True), ("AVX512_CORE_AMX", True, True),
+                                      ("AVX512_CORE_AMX_FP16", True, True), ("AVX10_1_512", True, True),
+                                      ("SSE41", False, False), ("ALL", True, True)):
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+            assert ops.hardware_products(bf16) is (hw_bf16 and bf16_on), (features, cap)
+            assert ops.hardware_products(fp16) is (hw_fp16 and fp16_on), (features, cap)
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")          # oneDNN's older name for the cap
+        assert not ops.hardware_products(bf16)
+        monkeypatch.delenv("DNNL_MAX_CPU_ISA")
+    flags("amx_bf16", "avx512_bf16")
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert not ops.hardware_products(bf16)
+    assert ops.hardware_products(bf16)
+    monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, "widened")
+    assert not ops.hardware_products(bf16)
+    flags()
+    monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, "native")
+    assert ops.hardware_products(bf16) and ops.hardware_products(fp16)
+    monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, "fast")
+    with pytest.raises(ValueError, match=cpuinfo.BF16_DOTS_ENV):
+        ops.hardware_products(bf16)
+
+
+class LinearSpy:
+    """Records the operand dtypes and the oneDNN switch of each torch linear call, then runs it."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __call__(self, x, w, b=None):
+        self.calls.append((x.shape[:-1].numel(), x.dtype, w.dtype, torch._C._get_mkldnn_enabled()))
+        return self.real(x, w, b)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("rows", [1, 3, ops.WIDE_MIN_ROWS, 40])
+def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
+    """Every path of ops.linear is x @ w.T with exact 16-bit products summed in f32 (within f32
+    summation of the f64 product, then rounded once), with and without a bias, rounded to the
+    16-bit compute dtype or kept in f32 (logits). Widened (forced: the rule of a CPU without
+    hardware products), products of WIDE_MIN_ROWS rows or more take f32 operands and fewer rows
+    the 16-bit ones; one row runs with oneDNN off (ATen's matrix-vector kernel), the switch back
+    on after; forced native, every product takes 16-bit operands."""
+    policy = Policy.get("bf16" if dtype == "bfloat16" else "fp16")
+    half = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(half)
+    # more rows than one chunk of _linear_by_chunks holds, and not a multiple of it
+    n = ops.CHUNK_BYTES // (96 * 4) + 37
+    w = (torch.randn(n, 96, generator=gen) * 0.1).to(half)
+    b = (torch.randn(n, generator=gen) * 0.1).to(half)
+    for choice in ("widened", "native"):
+        monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, choice)
+        spy = LinearSpy(torch.nn.functional.linear)
+        monkeypatch.setattr(torch.nn.functional, "linear", spy)
+        y = ops.linear(x, w, None, policy)
+        yb = ops.linear(x, w, b, policy)
+        logits = ops.linear(x, w, None, policy, "float32")
+        monkeypatch.undo()
+        assert torch._C._get_mkldnn_enabled()
+        assert y.dtype == yb.dtype == half and logits.dtype == torch.float32
+        within_f32_sums(logits, x, w)
+        rounded_within(y, x, w)
+        rounded_within(yb, x, w, b)
+        products = spy.calls[:2]    # y and yb (the logits: chunked, or one call on a widened copy)
+        wide = choice == "widened" and rows >= ops.WIDE_MIN_ROWS
+        for r, xd, wd, onednn in products:
+            assert r == rows and (xd, wd) == ((torch.float32,) * 2 if wide else (half, half)), (choice, xd, wd)
+            assert onednn is (rows != 1), "one-row 16-bit products run on ATen's kernel"
+
+
+def test_decode_lm_head_by_chunks_is_the_whole_product(monkeypatch):
+    """The f32 logits of a few rows (a decode step's lm_head) read the 16-bit weight a chunk at a
+    time; many rows use a widened copy kept per weight (made once, remade when the weight changes
+    in place). Both are the same exact products summed in f32."""
+    policy = Policy.get("bf16")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter((torch.randn(3 * ops.CHUNK_BYTES // (64 * 4) + 5, 64, generator=gen)).bfloat16(),
+                           requires_grad=False)
+    for rows in (1, ops.WIDE_MIN_ROWS - 1, ops.WIDE_MIN_ROWS, 33):
+        x = torch.randn(2, rows, 64, generator=gen).bfloat16()[:1]
+        got = ops.linear(x, w, None, policy, "float32")
+        assert got.shape == (1, rows, w.shape[0]) and got.dtype == torch.float32
+        within_f32_sums(got[0], x[0], w)
+    x = torch.randn(ops.WIDE_MIN_ROWS, 64, generator=gen).bfloat16()
+    before = ops.linear(x, w, None, policy, "float32")
+    with torch.no_grad():
+        w.mul_(2)                               # exact in bf16: every product doubles
+    after = ops.linear(x, w, None, policy, "float32")
+    assert torch.equal(after, 2 * before), "a weight changed in place is widened again"
+
+
+@pytest.mark.parametrize("config", ["gqa", "tied"])
+def test_torchref_widened_products_are_drift(config, tiny_dir, monkeypatch):
+    """torchref at bf16 with products widened (a CPU without hardware bf16 products, forced here
+    on any CPU) against torch's bf16 kernels: the ladder against jaxmodel says exact or drift on
+    both paths, the two runs agree to bf16 rounding at every tap, and prefill then decode at
+    batch 1 (one-row products, chunked lm_head) gives the logits the full forward gives."""
+    folder = tiny_dir(config)
+    cfg, weights = load_weights(folder)
+    ids = np.random.default_rng(7).integers(3, 96, (2, 24))
+    mask = np.ones((2, 24), np.int64)
+    mask[1, :3] = 0
+    runs = {}
+    for choice in ("widened", "native"):
+        monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, choice)
+        m = torchref.from_weights(cfg, weights, "bf16")
+        runs[choice] = m.capture(ids, mask, taps=["*"])
+        report = compare.compare_models("jaxmodel", "torchref", folder, inputs=(ids, mask), policy="bf16")
+        assert report.verdict in ("exact", "drift"), (choice, report.summary())
+        one = ids[:1, :12]
+        logits, cache = m.prefill(one, np.ones_like(one), 16)
+        steps = [np.asarray(logits)]
+        full = np.asarray(m(ids[:1, :15], np.ones((1, 15), np.int64)), np.float64)
+        for t in range(12, 15):                   # teacher-forced: the prompt's own next tokens
+            logits, cache = m.decode(cache, ids[:1, t])
+            steps.append(np.asarray(logits))
+        for t, got in zip(range(11, 15), steps):
+            want = full[0, t]
+            assert np.linalg.norm(got[0] - want) <= 2e-2 * np.linalg.norm(want), (choice, t)
+    (wl, wa), (nl, na) = runs["widened"], runs["native"]
+    for tap, a, b in [("logits", wl, nl)] + [(t, wa[t], na[t]) for t in na]:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.isfinite(a).all() and np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b), tap
