@@ -56,8 +56,16 @@ def _torch_settings(policy) -> dict:
     import torch
 
     from torchref.dtypes import matmul_settings
+    from torchref import ops
+    from torchref.dtypes import dt
     out = {"torch threads": torch.get_num_threads(),
            "torch cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
+    compute = dt(policy.compute_dtype)
+    if compute in (torch.bfloat16, torch.float16) and policy.accum_dtype != policy.compute_dtype:
+        out[f"torchref CPU products at {policy.name}"] = (
+            f"torch's {policy.compute_dtype} kernels (in hardware here)" if ops.hardware_products(compute)
+            else f"widened to {policy.accum_dtype} from {ops.WIDE_MIN_ROWS} rows (no {policy.compute_dtype} "
+                 f"products in hardware, or capped), torch's {policy.compute_dtype} kernels below")
     with matmul_settings(policy):  # the settings every torchref call of this run used
         mm, cpu = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
         out["torch cuda matmul fp32_precision"] = mm.fp32_precision
