@@ -106,7 +106,7 @@ class LinearSpy:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("rows", [1, 3, ops.WIDE_MIN_ROWS, ops.CHUNKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, ops.WIDE_MIN_ROWS, 40])
 def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
     """Every path of ops.linear is x @ w.T with exact 16-bit products summed in f32 (within f32
     summation of the f64 product, then rounded once), with and without a bias, rounded to the
@@ -137,7 +137,7 @@ def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
         rounded_within(yb, x, w, b)
         # y and yb, then the logits: a few rows read w a chunk at a time (torch.mm on each
         # widened chunk, no widened copy of w), more rows one product on the widened copy
-        assert len(spy.calls) == (2 if rows <= ops.CHUNKED_MAX_ROWS else 3)
+        assert len(spy.calls) == (2 if rows < ops.WIDE_MIN_ROWS else 3)
         products = spy.calls[:2]
         wide = choice == "widened" and rows >= ops.WIDE_MIN_ROWS
         for r, xd, wd, onednn in products:
@@ -146,19 +146,19 @@ def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
 
 
 def test_decode_lm_head_by_chunks_is_the_whole_product(monkeypatch):
-    """The f32 logits of up to CHUNKED_MAX_ROWS rows (a decode step's lm_head) read the 16-bit
+    """The f32 logits of fewer than WIDE_MIN_ROWS rows (a decode step's lm_head) read the 16-bit
     weight a chunk at a time; more rows use a widened copy kept per weight (made once, remade when
     the weight changes in place). Both are the same exact products summed in f32."""
     policy = Policy.get("bf16")
     gen = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter((torch.randn(3 * ops.CHUNK_BYTES // (64 * 4) + 5, 64, generator=gen)).bfloat16(),
                            requires_grad=False)
-    for rows in (1, ops.WIDE_MIN_ROWS, ops.CHUNKED_MAX_ROWS, ops.CHUNKED_MAX_ROWS + 1):
+    for rows in (1, ops.WIDE_MIN_ROWS - 1, ops.WIDE_MIN_ROWS, 33):
         x = torch.randn(2, rows, 64, generator=gen).bfloat16()[:1]
         got = ops.linear(x, w, None, policy, "float32")
         assert got.shape == (1, rows, w.shape[0]) and got.dtype == torch.float32
         within_f32_sums(got[0], x[0], w)
-    x = torch.randn(ops.CHUNKED_MAX_ROWS + 1, 64, generator=gen).bfloat16()
+    x = torch.randn(ops.WIDE_MIN_ROWS, 64, generator=gen).bfloat16()
     before = ops.linear(x, w, None, policy, "float32")
     with torch.no_grad():
         w.mul_(2)                               # exact in bf16: every product doubles

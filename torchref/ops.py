@@ -98,8 +98,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     Either torch's kernel for compute_dtype operands does that itself (_native), or the
     operands go to it widened to accum_dtype: products of bf16/fp16 numbers are exact in f32,
     so that is the same arithmetic, the sums in another order (drift). A 16-bit weight is
-    widened once (_widened) or, for f32 results of a few rows (the lm_head of a decode step),
-    a chunk at a time (_linear_by_chunks: half the bytes read)."""
+    widened once (_widened) or, for f32 results of fewer than WIDE_MIN_ROWS rows (the lm_head of
+    a decode step), a chunk at a time (_linear_by_chunks: half the bytes read)."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
     out = dt(out_dtype or policy.compute_dtype)
     rows = x.numel() // max(x.shape[-1], 1)
@@ -107,7 +107,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
         with _one_row_kernel(rows, compute, x.device):
             y = torch.nn.functional.linear(x.to(compute), w.to(compute),
                                            None if b is None else b.to(compute))
-    elif b is None and out == accum and w.dtype in _HALF and rows <= CHUNKED_MAX_ROWS and x.device.type == "cpu":
+    elif b is None and out == accum and w.dtype in _HALF and rows < WIDE_MIN_ROWS and x.device.type == "cpu":
         y = _linear_by_chunks(x.to(accum), w, accum)
     else:
         y = torch.nn.functional.linear(x.to(accum), _widened(w, accum), None if b is None else b.to(accum))
@@ -148,10 +148,6 @@ WIDE_MIN_ROWS = 8
 # The bytes of f32 weight rows _linear_by_chunks widens at a time: a chunk stays in a core's
 # cache between its widening and its product.
 CHUNK_BYTES = 1 << 20
-# f32 results of a 16-bit weight (bf16 logits) for up to this many rows are computed by chunks;
-# more rows take the widened copy. SmolLM2's lm_head in bf16 on a Zen 4, ms, chunked against the
-# widened copy: 1 row 7.1 / 11.0, 8 rows 16.6 / 17.4, 64 rows 36.9 / 56.7, 256 rows 178 / 157.
-CHUNKED_MAX_ROWS = 64
 # oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA) that keep bf16 / fp16 products in hardware,
 # as prefixes: AVX512_CORE_BF16 and above for bf16 (AVX512_CORE_FP16, AVX512_CORE_AMX[_FP16], the
 # AVX10 names), AVX512_CORE_FP16 and above for fp16; lower caps (AVX2, AVX512_CORE, ...) do not.
@@ -342,7 +338,9 @@ def softmax(s: torch.Tensor) -> torch.Tensor:
 def _matmul(a: torch.Tensor, b: torch.Tensor, policy: Policy) -> torch.Tensor:
     """a @ b (attention's products), as linear computes x @ w.T, rounded to compute_dtype."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
-    if not _widens(compute, accum, compute, a.shape[-2], a.device):
+    # rows: of every matrix of the batch (a decode step's keys are many small products, which
+    # torch's software bf16 kernel runs one by one)
+    if not _widens(compute, accum, compute, a.numel() // a.shape[-1], a.device):
         return torch.matmul(a.to(compute), b.to(compute))
     return torch.matmul(a.to(accum), b.to(accum)).to(compute)
 
