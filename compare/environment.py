@@ -55,9 +55,8 @@ def cpu() -> dict:
 def _torch_settings(policy) -> dict:
     import torch
 
-    from torchref.dtypes import matmul_settings
     from torchref import ops
-    from torchref.dtypes import dt
+    from torchref.dtypes import dt, matmul_settings
     out = {"torch threads": torch.get_num_threads(),
            "torch cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
     compute = dt(policy.compute_dtype)

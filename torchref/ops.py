@@ -171,7 +171,7 @@ def hardware_products(dtype: torch.dtype) -> bool:
     env = os.environ
     return _hardware_products(dtype, cpuinfo.name_and_flags()[1], env.get(cpuinfo.BF16_DOTS_ENV),
                               env.get("ONEDNN_MAX_CPU_ISA"), env.get("DNNL_MAX_CPU_ISA"),
-                              torch._C._get_mkldnn_enabled())
+                              bool(torch.backends.mkldnn.enabled))
 
 
 @functools.cache
@@ -204,6 +204,8 @@ def _one_row_kernel(rows: int, compute: torch.dtype, device: torch.device):
     if rows != 1 or compute not in _HALF or device.type != "cpu" or not torch._C._get_mkldnn_enabled():
         yield
         return
+    # torch's own switch for oneDNN, process-wide for the call (torch.backends.mkldnn.flags sets
+    # it too, with its other flags and a warning each time)
     torch._C._set_mkldnn_enabled(False)
     try:
         yield
