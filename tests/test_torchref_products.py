@@ -198,3 +198,30 @@ def test_torchref_widened_products_are_drift(config, tiny_dir, monkeypatch):
     for tap, a, b in [("logits", wl, nl)] + [(t, wa[t], na[t]) for t in na]:
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.isfinite(a).all() and np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b), tap
+
+
+def test_attention_products_count_the_rows_of_every_matrix(monkeypatch):
+    """A decode step's attention is one small product per row of the batch and KV head (G query
+    heads: G rows each). Widened (forced), they take f32 operands once all their matrices
+    together have WIDE_MIN_ROWS rows, although each has fewer, and the result stays within bf16
+    rounding of torch's bf16 products."""
+    policy = Policy.get("bf16")
+    gen = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D, S = 2, 8, 2, 16, 40
+    assert Hq // Hkv < ops.WIDE_MIN_ROWS <= B * Hq
+    q = torch.randn(B, 1, Hq, D, generator=gen).bfloat16()
+    k = torch.randn(B, S, Hkv, D, generator=gen).bfloat16()
+    v = torch.randn(B, S, Hkv, D, generator=gen).bfloat16()
+    allowed = torch.ones(B, 1, S, dtype=torch.bool)
+    out = {}
+    for choice in ("widened", "native"):
+        monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, choice)
+        seen = []
+        real = torch.matmul
+        monkeypatch.setattr(torch, "matmul", lambda a, b: seen.append((a.dtype, b.dtype)) or real(a, b))
+        out[choice] = ops.attention(q, k, v, allowed, policy)
+        monkeypatch.undo()
+        want = torch.float32 if choice == "widened" else torch.bfloat16
+        assert len(seen) == 2 and all(d == (want, want) for d in seen), (choice, seen)
+    a, b = out["widened"].double(), out["native"].double()
+    assert torch.linalg.norm(a - b) <= 2 ** -7 * torch.linalg.norm(b)
