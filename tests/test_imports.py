@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from llamaspec.files import atomic_write
+
 ROOT = Path(__file__).resolve().parents[1]
 LEVEL = {"llamaspec": 0, "jaxmodel": 1, "torchref": 1, "compare": 2, "llama_parity": 3}
 # compare's rooms: the shared vocabulary at the bottom, what can be compared and the page
@@ -213,7 +215,8 @@ def test_the_private_name_check_sees_what_it_checks(tmp_path):
     private = _private_names_defined((ROOT / "torchref").rglob("*.py"))
     assert {"_take_slots", "_param", "_install", "_WIDE"} <= private
     probe = tmp_path / "probe.py"
-    probe.write_text("def f(m, self):\n    m._install(1)\n    self._install(2)\n    return m.model._param\n")
+    atomic_write(probe, "def f(m, self):\n    m._install(1)\n    self._install(2)\n    return m.model._param\n",
+                 "probe module")
     assert sorted(read for _, read in _private_reads(probe, private)) == ["m._install", "m.model._param"]
 
 

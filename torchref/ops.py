@@ -22,6 +22,8 @@ from llamaspec.forward import scale_queries
 
 from .dtypes import dt
 
+_HALF = (torch.bfloat16, torch.float16)   # the 16-bit compute dtypes, whose products f32 holds exactly
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, policy: Policy) -> torch.Tensor:
     """mean(x^2) and rsqrt in norm_dtype; result in compute_dtype."""
@@ -131,12 +133,11 @@ def _native(compute: torch.dtype, accum: torch.dtype, out: torch.dtype) -> bool:
     """
     if accum == compute:
         return True
-    return compute in (torch.bfloat16, torch.float16) and accum == torch.float32 and out == compute
+    return compute in _HALF and accum == torch.float32 and out == compute
 
 
 # ----- products of 16-bit operands ---------------------------------------------------------
 
-_HALF = (torch.bfloat16, torch.float16)
 # A product of this many rows or more widens its bf16/fp16 operands to f32 on a CPU without
 # hardware products for them (hardware_products). Fewer rows (a decode step of a small batch) keep
 # torch's own kernel, which reads the weight's 16-bit bytes and widens them in registers: a
