@@ -65,6 +65,10 @@ def _torch_settings(policy) -> dict:
             f"torch's {policy.compute_dtype} kernels (in hardware here)" if ops.hardware_products(compute)
             else f"widened to {policy.accum_dtype} from {ops.WIDE_MIN_ROWS} rows (no {policy.compute_dtype} "
                  f"products in hardware, or capped), torch's {policy.compute_dtype} kernels below")
+    out[f"torchref {ops.ATTENTION_ENV}"] = os.environ.get(ops.ATTENTION_ENV, "(unset)")
+    out[f"torchref CPU attention at {policy.name}"] = (
+        "torch's fused kernel (scaled_dot_product_attention)"
+        if ops.fused_attention_applies(policy, torch.device("cpu")) else "separate products, mask and softmax")
     with matmul_settings(policy):  # the settings every torchref call of this run used
         mm, cpu = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
         out["torch cuda matmul fp32_precision"] = mm.fp32_precision

@@ -17,11 +17,16 @@ def dt(name: str) -> torch.dtype:
 
 
 def from_numpy(a: np.ndarray) -> torch.Tensor:
-    """numpy (bf16 via ml_dtypes) -> torch, without going through float32."""
-    a = np.ascontiguousarray(a)
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy())
+    """numpy (bf16 via ml_dtypes) -> torch, without going through float32: a copy, in memory
+    torch allocated (aligned to 64 bytes, as its own tensors are). A numpy copy is aligned to 16
+    bytes only, and MKL's f32 products ran up to 18% slower with such a weight (a 128-row
+    SmolLM2 gate_proj on a Zen 4: 1.75 against 1.44 ms; docs/measurements.md)."""
+    a = np.asarray(a)
+    bf16 = a.dtype == ml_dtypes.bfloat16
+    src = a.view(np.uint16) if bf16 else a
+    t = torch.empty(src.shape, dtype=torch.from_numpy(np.empty(0, src.dtype)).dtype)
+    t.numpy()[...] = src
+    return t.view(torch.bfloat16) if bf16 else t
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

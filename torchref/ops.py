@@ -258,7 +258,8 @@ QUERY_BLOCK = 128
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
               policy: Policy) -> torch.Tensor:
-    """Causal GQA attention (block_attention's arithmetic), QUERY_BLOCK queries at a time.
+    """Causal GQA attention (block_attention's arithmetic, or fused_block's where
+    fused_attention_applies), QUERY_BLOCK queries at a time.
 
     q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S]. A long prompt's [B, Hq, T, S]
     scores are never held at once, and a block reads only the keys up to the last one its mask
@@ -268,14 +269,65 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     nothing (a padding position) reads every key, so that query averages all S values as one
     block would.
     """
+    block = fused_block if fused_attention_applies(policy, q.device) else block_attention
     T = q.shape[1]
     if T < 2 * QUERY_BLOCK:
-        return block_attention(q, k, v, allowed, policy)
+        return block(q, k, v, allowed, policy)
     out = []
     for a, n in zip(range(0, T, QUERY_BLOCK), keys_read(allowed)):
-        out.append(block_attention(q[:, a:a + QUERY_BLOCK], k[:, :n], v[:, :n], allowed[:, a:a + QUERY_BLOCK, :n],
-                                   policy))
+        out.append(block(q[:, a:a + QUERY_BLOCK], k[:, :n], v[:, :n], allowed[:, a:a + QUERY_BLOCK, :n], policy))
     return torch.cat(out, dim=1)
+
+
+# $LLAMA_PARITY_TORCHREF_ATTENTION: auto (fused_attention_applies' rule), fused (any policy whose
+# attention is in one float dtype: also f64), or ops (never the fused kernel: block_attention)
+ATTENTION_ENV = "LLAMA_PARITY_TORCHREF_ATTENTION"
+
+
+def fused_attention_applies(policy: Policy, device: torch.device) -> bool:
+    """Whether attention runs each block as fused_block (torch's fused kernel) instead of
+    block_attention's separate products, mask and softmax.
+
+    auto: on the CPU, for a policy whose attention is f32 throughout (compute, accumulation and
+    softmax in f32, IEEE products: fp32, bf16w-f32), where the kernel computes what the policy
+    says and only the order of its sums differs. A 16-bit policy keeps block_attention: the
+    kernel rounds the unnormalised exps to bf16 for p . v, the policy the normalised
+    probabilities (another rounding point, not only another order). Decided by the device and
+    the policy, never by a timing; $LLAMA_PARITY_TORCHREF_ATTENTION overrides (fused: also f64
+    policies, on any device; ops: never)."""
+    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "fused", "ops"):
+        raise ValueError(f"{ATTENTION_ENV}={choice!r}: expected auto, fused or ops")
+    kinds = {policy.compute_dtype, policy.accum_dtype, policy.softmax_dtype}
+    if choice == "fused":
+        return kinds in ({"float32"}, {"float64"})
+    return choice == "auto" and kinds == {"float32"} and policy.matmul == "ieee" and device.type == "cpu"
+
+
+def fused_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                policy: Policy) -> torch.Tensor:
+    """block_attention's function through torch's fused kernel (scaled_dot_product_attention:
+    on the CPU its flash kernel, which sums the keys in tiles with a running max and divides
+    by the total at the end): the same scores, exponentials and products, summed in another
+    order (drift, held to rounding by the tests). Shapes as block_attention; q, k, v share the
+    policy's one float dtype.
+
+    The mask goes in as an additive one: 0 where allowed, the dtype's most negative finite value
+    elsewhere. A score plus that value is that value (the score is far below its ulp), as
+    block_attention's fill gives, so a query that may see nothing averages every value here
+    too, where a boolean mask (-inf) would give NaN. No mask at all when everything is allowed.
+    A NaN key, masked or not, makes NaN scores for the queries of the kernel's tile: more NaN than
+    block_attention's fill leaves (it hides a masked one), never less.
+    """
+    dtype = dt(policy.compute_dtype)
+    mask = None
+    if not bool(allowed.all()):
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]      # [B, 1, T, S]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.to(dtype).transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2), attn_mask=mask,
+        scale=q.shape[-1] ** -0.5, enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 def keys_read(allowed: torch.Tensor) -> list[int]:

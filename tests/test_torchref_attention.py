@@ -1,0 +1,145 @@
+"""torchref's attention through torch's fused kernel (torchref.ops: fused_attention_applies,
+fused_block).
+
+For policies whose attention is f32 throughout, torchref runs each block of queries through
+torch's scaled_dot_product_attention (on the CPU a flash kernel: keys in tiles, a running max,
+one division at the end) instead of separate products, mask and softmax: the same function,
+the sums in another order. These tests hold the fused blocks to block_attention at f64 (where
+only the order of f64 sums differs), padding rows and arbitrary masks included, and check the
+rule that picks the path; the path is forced with $LLAMA_PARITY_TORCHREF_ATTENTION, so they run
+the same on any CPU.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torchref  # noqa: E402
+from llamaspec import Policy  # noqa: E402
+from torchref import ops  # noqa: E402
+from torchref.dtypes import from_numpy  # noqa: E402
+
+F64_BOUND = 1e-12   # f64 sums of a few hundred terms of size ~1, in two orders
+
+
+def masks(T: int, S: int, seed: int) -> dict[str, torch.Tensor]:
+    """[2, T, S] masks: causal (the queries are the last T of S slots), causal with row 1
+    left-padded by 5 (its first queries see nothing), and random holes in the causal mask."""
+    causal = torch.ones(T, S, dtype=torch.bool).tril(S - T)[None].repeat(2, 1, 1)
+    padded = causal.clone()
+    padded[1, :, :5] = False
+    holes = causal & (torch.rand(2, T, S, generator=torch.Generator().manual_seed(seed)) > 0.3)
+    return {"causal": causal, "padded": padded, "holes": holes}
+
+
+def qkv(T: int, S: int, dtype=torch.float64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, n, h, 16, generator=g, dtype=dtype) for n, h in ((T, 4), (S, 2), (S, 2)))
+
+
+@pytest.mark.parametrize("T,S", [(1, 30), (3, 30), (42, 42), (40, 50)])
+def test_fused_blocks_compute_block_attention(T, S, monkeypatch):
+    """At fp64 (forced fused) every query's result is block_attention's to f64 rounding, for
+    decode-like (1 and 3 queries over 30 keys) and prompt shapes, blocked (QUERY_BLOCK 8) and
+    not: with padding, a query that may see nothing averages every value (an additive mask of
+    the most negative finite value, as block_attention's fill; -inf would give NaN), and holes
+    in the mask are honoured."""
+    policy = Policy.get("fp64")
+    q, k, v = qkv(T, S)
+    for block in (10 ** 6, 8):
+        monkeypatch.setattr(ops, "QUERY_BLOCK", block)
+        for name, allowed in masks(T, S, seed=T).items():
+            monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
+            want = ops.attention(q, k, v, allowed, policy)
+            monkeypatch.setenv(ops.ATTENTION_ENV, "fused")
+            got = ops.attention(q, k, v, allowed, policy)
+            assert got.shape == want.shape and bool(torch.isfinite(got).all()), (name, block)
+            err = float((got - want).abs().max())
+            assert err <= F64_BOUND, f"{name}, block {block}: fused vs separate ops max |diff| {err:.3g}"
+
+
+def test_fused_blocks_pass_nan_through():
+    """A NaN key reaches the output of every query that sees it, as through the separate ops
+    (never hidden), and no other row of the batch. (The kernel adds the mask to the scores, so
+    a NaN key also reaches the queries of its tile that may not see it, where the separate ops'
+    fill hides it: more NaN, never less, and the key's own tap holds the NaN first.)"""
+    policy = Policy.get("fp64")
+    q, k, v = qkv(6, 6)
+    k[0, 2, 0, 0] = float("nan")
+    allowed = masks(6, 6, 0)["causal"]
+    out = ops.fused_block(q, k, v, allowed, policy)
+    assert bool(out[0, 2:, :2].isnan().all()) and bool(out[1].isfinite().all())
+
+
+def test_fused_attention_rule(monkeypatch):
+    """auto: f32-throughout policies on the CPU (fp32, bf16w-f32), not 16-bit attention (bf16,
+    fp16: another rounding point), not f64, not tf32 products, not off the CPU; fused: any
+    policy in one float dtype (f32 or f64), on any device; ops: never; another value is an
+    error naming the variable."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")   # only the device's type is read
+    monkeypatch.delenv(ops.ATTENTION_ENV, raising=False)
+    auto = {name: ops.fused_attention_applies(Policy.get(name), cpu)
+            for name in ("fp32", "bf16w-f32", "bf16", "fp16", "fp64", "fp64-hf", "tf32")}
+    assert auto == {"fp32": True, "bf16w-f32": True, "bf16": False, "fp16": False, "fp64": False,
+                    "fp64-hf": False, "tf32": False}
+    assert not ops.fused_attention_applies(Policy.get("fp32"), cuda)
+    monkeypatch.setenv(ops.ATTENTION_ENV, " Fused ")
+    assert ops.fused_attention_applies(Policy.get("fp64"), cpu)
+    assert ops.fused_attention_applies(Policy.get("fp32"), cuda)
+    assert not ops.fused_attention_applies(Policy.get("bf16"), cpu)
+    assert not ops.fused_attention_applies(Policy.get("fp64-hf"), cpu)   # f32 softmax inside f64
+    monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
+    assert not ops.fused_attention_applies(Policy.get("fp32"), cpu)
+    monkeypatch.setenv(ops.ATTENTION_ENV, "fast")
+    with pytest.raises(ValueError, match=ops.ATTENTION_ENV):
+        ops.fused_attention_applies(Policy.get("fp32"), cpu)
+
+
+def test_fused_attention_runs_in_the_model(tiny_dir, monkeypatch):
+    """The whole model at fp32 (auto on the CPU: fused) against the separate ops: torch's kernel
+    is called once per layer and call (spy), the logits agree to f32 rounding (rel L2 well under
+    the drift of one f32 rounding per op; the model's logits are O(1)), and prefill + decode
+    through the fused blocks give the forward's logits to f32 rounding."""
+    ids = np.random.default_rng(3).integers(3, 96, (2, 12))
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0
+    runs, calls = {}, []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy="fp32")
+    for choice in ("ops", "auto"):
+        monkeypatch.setenv(ops.ATTENTION_ENV, choice)
+        calls.clear()
+        runs[choice] = np.asarray(m(ids, attention_mask=mask))
+        assert len(calls) == (0 if choice == "ops" else m.cfg.num_hidden_layers), choice
+    assert set(calls) == {torch.float32}
+    scale = np.linalg.norm(runs["ops"])
+    assert np.linalg.norm(runs["auto"] - runs["ops"]) <= 1e-5 * scale
+    logits, cache = m.prefill(ids[:, :9], mask[:, :9], 12)
+    steps = [np.asarray(logits)]
+    for t in range(9, 12):
+        logits, cache = m.decode(cache, ids[:, t])
+        steps.append(np.asarray(logits))
+    got = np.stack(steps, 1)
+    assert np.linalg.norm(got - runs["auto"][:, 8:12]) <= 1e-5 * np.linalg.norm(runs["auto"][:, 8:12])
+
+
+def test_weights_in_torch_aligned_memory():
+    """from_numpy copies into memory torch allocated (64-byte aligned: MKL's products ran slower
+    on numpy's 16-byte-aligned copies), read-only and strided arrays and bf16 included; the
+    values are the array's."""
+    import ml_dtypes
+    a = np.arange(3 * 40, dtype=np.float32).reshape(3, 40)[:, ::2]
+    a.flags.writeable = False
+    b = np.linspace(-2, 2, 33).astype(ml_dtypes.bfloat16)
+    for arr in (a, b, np.arange(7, dtype=np.int64)):
+        t = from_numpy(arr)
+        assert t.data_ptr() % 64 == 0 and t.is_contiguous()
+        back = t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+        assert back.dtype == arr.dtype and np.array_equal(back, arr)
