@@ -1,8 +1,8 @@
 """torchref's attention through torch's fused kernel (torchref.ops: fused_attention_applies,
 fused_block).
 
-For policies whose attention is f32 throughout, torchref runs each block of queries through
-torch's scaled_dot_product_attention (on the CPU a flash kernel: keys in tiles, a running max,
+For policies whose attention is f32 throughout, torchref runs each block of a long prompt's
+queries through torch's scaled_dot_product_attention (on the CPU a flash kernel: keys in tiles, a running max,
 one division at the end) instead of separate products, mask and softmax: the same function,
 the sums in another order. These tests hold the fused blocks to block_attention at f64 (where
 only the order of f64 sums differs), padding rows and arbitrary masks included, and check the
@@ -40,23 +40,26 @@ def qkv(T: int, S: int, dtype=torch.float64, seed: int = 0):
 
 @pytest.mark.parametrize("T,S", [(1, 30), (3, 30), (42, 42), (40, 50)])
 def test_fused_blocks_compute_block_attention(T, S, monkeypatch):
-    """At fp64 (forced fused) every query's result is block_attention's to f64 rounding, for
-    decode-like (1 and 3 queries over 30 keys) and prompt shapes, blocked (QUERY_BLOCK 8) and
-    not: with padding, a query that may see nothing averages every value (an additive mask of
-    the most negative finite value, as block_attention's fill; -inf would give NaN), and holes
-    in the mask are honoured."""
+    """At fp64 every query's result through fused_block is block_attention's to f64 rounding,
+    for decode-like (1 and 3 queries over 30 keys) and prompt shapes; and attention() over a
+    long prompt (QUERY_BLOCK shrunk to 8), forced fused, is its result with the separate ops.
+    With padding, a query that may see nothing averages every value (an additive mask of the
+    most negative finite value, as block_attention's fill; -inf would give NaN), and holes in
+    the mask are honoured."""
     policy = Policy.get("fp64")
     q, k, v = qkv(T, S)
-    for block in (10 ** 6, 8):
-        monkeypatch.setattr(ops, "QUERY_BLOCK", block)
-        for name, allowed in masks(T, S, seed=T).items():
-            monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
-            want = ops.attention(q, k, v, allowed, policy)
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 8)
+    for name, allowed in masks(T, S, seed=T).items():
+        pairs = [(ops.fused_block(q, k, v, allowed, policy), ops.block_attention(q, k, v, allowed, policy))]
+        if T >= 2 * ops.QUERY_BLOCK:
             monkeypatch.setenv(ops.ATTENTION_ENV, "fused")
-            got = ops.attention(q, k, v, allowed, policy)
-            assert got.shape == want.shape and bool(torch.isfinite(got).all()), (name, block)
+            fused = ops.attention(q, k, v, allowed, policy)
+            monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
+            pairs.append((fused, ops.attention(q, k, v, allowed, policy)))
+        for got, want in pairs:
+            assert got.shape == want.shape and bool(torch.isfinite(got).all()), name
             err = float((got - want).abs().max())
-            assert err <= F64_BOUND, f"{name}, block {block}: fused vs separate ops max |diff| {err:.3g}"
+            assert err <= F64_BOUND, f"{name}: fused vs separate ops max |diff| {err:.3g}"
 
 
 def test_fused_blocks_pass_nan_through():
@@ -97,10 +100,11 @@ def test_fused_attention_rule(monkeypatch):
 
 
 def test_fused_attention_runs_in_the_model(tiny_dir, monkeypatch):
-    """The whole model at fp32 (auto on the CPU: fused) against the separate ops: torch's kernel
-    is called once per layer and call (spy), the logits agree to f32 rounding (rel L2 well under
-    the drift of one f32 rounding per op; the model's logits are O(1)), and prefill + decode
-    through the fused blocks give the forward's logits to f32 rounding."""
+    """The whole model at fp32 over a long prompt (QUERY_BLOCK shrunk to 4: 12 tokens are 3
+    blocks) against the separate ops: auto on the CPU calls torch's kernel once per block and
+    layer (spy) and never for a short call (a decode step, a prompt under 2 blocks); the logits
+    agree to f32 rounding (rel L2 1e-5; the model's logits are O(1)), and prefill + decode give
+    the forward's logits to f32 rounding."""
     ids = np.random.default_rng(3).integers(3, 96, (2, 12))
     mask = np.ones_like(ids)
     mask[1, :3] = 0
@@ -112,20 +116,27 @@ def test_fused_attention_runs_in_the_model(tiny_dir, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 4)
     m = torchref.from_pretrained(tiny_dir("gqa"), policy="fp32")
+    layers = m.cfg.num_hidden_layers
     for choice in ("ops", "auto"):
         monkeypatch.setenv(ops.ATTENTION_ENV, choice)
         calls.clear()
         runs[choice] = np.asarray(m(ids, attention_mask=mask))
-        assert len(calls) == (0 if choice == "ops" else m.cfg.num_hidden_layers), choice
+        assert len(calls) == (0 if choice == "ops" else 3 * layers), choice
     assert set(calls) == {torch.float32}
     scale = np.linalg.norm(runs["ops"])
     assert np.linalg.norm(runs["auto"] - runs["ops"]) <= 1e-5 * scale
+    calls.clear()
     logits, cache = m.prefill(ids[:, :9], mask[:, :9], 12)
+    assert len(calls) == 3 * layers                  # blocks of 4, 4 and 1 queries
     steps = [np.asarray(logits)]
     for t in range(9, 12):
         logits, cache = m.decode(cache, ids[:, t])
         steps.append(np.asarray(logits))
+    assert len(calls) == 3 * layers                  # decode steps: the separate ops
+    m(ids[:, :7], attention_mask=mask[:, :7])
+    assert len(calls) == 3 * layers                  # 7 < 2 blocks: the separate ops
     got = np.stack(steps, 1)
     assert np.linalg.norm(got - runs["auto"][:, 8:12]) <= 1e-5 * np.linalg.norm(runs["auto"][:, 8:12])
 

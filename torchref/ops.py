@@ -258,8 +258,7 @@ QUERY_BLOCK = 128
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
               policy: Policy) -> torch.Tensor:
-    """Causal GQA attention (block_attention's arithmetic, or fused_block's where
-    fused_attention_applies), QUERY_BLOCK queries at a time.
+    """Causal GQA attention (block_attention's arithmetic), QUERY_BLOCK queries at a time.
 
     q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S]. A long prompt's [B, Hq, T, S]
     scores are never held at once, and a block reads only the keys up to the last one its mask
@@ -267,12 +266,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     query of the block: their probabilities are exactly 0, so only the grouping of the sums over
     keys changes (drift; the tests hold it to rounding). A block with a query that may see
     nothing (a padding position) reads every key, so that query averages all S values as one
-    block would.
+    block would. Where fused_attention_applies, a long prompt's blocks run as fused_block.
     """
-    block = fused_block if fused_attention_applies(policy, q.device) else block_attention
     T = q.shape[1]
     if T < 2 * QUERY_BLOCK:
-        return block(q, k, v, allowed, policy)
+        return block_attention(q, k, v, allowed, policy)
+    block = fused_block if fused_attention_applies(policy, q.device) else block_attention
     out = []
     for a, n in zip(range(0, T, QUERY_BLOCK), keys_read(allowed)):
         out.append(block(q[:, a:a + QUERY_BLOCK], k[:, :n], v[:, :n], allowed[:, a:a + QUERY_BLOCK, :n], policy))
@@ -285,8 +284,11 @@ ATTENTION_ENV = "LLAMA_PARITY_TORCHREF_ATTENTION"
 
 
 def fused_attention_applies(policy: Policy, device: torch.device) -> bool:
-    """Whether attention runs each block as fused_block (torch's fused kernel) instead of
-    block_attention's separate products, mask and softmax.
+    """Whether attention runs the blocks of a long prompt (2 * QUERY_BLOCK queries or more) as
+    fused_block (torch's fused kernel) instead of block_attention's separate products, mask and
+    softmax. Shorter calls (short prompts, decode steps) always run block_attention: their
+    attention is a small part of their time (SmolLM2, 128 tokens: the same time either way), and
+    there torchref's f32 attention keeps transformers' eager arithmetic.
 
     auto: on the CPU, for a policy whose attention is f32 throughout (compute, accumulation and
     softmax in f32, IEEE products: fp32, bf16w-f32), where the kernel computes what the policy
