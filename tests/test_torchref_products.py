@@ -95,7 +95,8 @@ def test_hardware_products_rule(flags, monkeypatch):
 
 
 class LinearSpy:
-    """Records the operand dtypes and the oneDNN switch of each torch linear call, then runs it."""
+    """Records the operand dtypes and the oneDNN switch of each torch linear call (or of another
+    product function with linear's arguments), then runs it."""
 
     def __init__(self, real):
         self.real, self.calls = real, []
@@ -111,9 +112,11 @@ def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
     """Every path of ops.linear is x @ w.T with exact 16-bit products summed in f32 (within f32
     summation of the f64 product, then rounded once), with and without a bias, rounded to the
     16-bit compute dtype or kept in f32 (logits). Widened (forced: the rule of a CPU without
-    hardware products), products of WIDE_MIN_ROWS rows or more take f32 operands and fewer rows
-    the 16-bit ones; one row runs with oneDNN off (ATen's matrix-vector kernel), the switch back
-    on after; forced native, every product takes 16-bit operands."""
+    hardware products), products of WIDE_MIN_ROWS rows or more take f32 operands (in blocks of
+    the weight's rows up to FEW_ROWS rows, torch's linear above) and fewer rows the 16-bit ones;
+    one row runs with oneDNN off (ATen's matrix-vector kernel), the switch back on after; forced
+    native, every product takes 16-bit operands. f32 logits of fewer than WIDE_MIN_ROWS rows are
+    widened chunks in row blocks, never torch's linear."""
     policy = Policy.get("bf16" if dtype == "bfloat16" else "fp16")
     half = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(rows)
@@ -124,10 +127,12 @@ def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
     b = (torch.randn(n, generator=gen) * 0.1).to(half)
     for choice in ("widened", "native"):
         monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, choice)
-        spy = LinearSpy(torch.nn.functional.linear)
+        spy, blocks = LinearSpy(torch.nn.functional.linear), LinearSpy(ops._linear_by_row_blocks)
         monkeypatch.setattr(torch.nn.functional, "linear", spy)
+        monkeypatch.setattr(ops, "_linear_by_row_blocks", blocks)
         y = ops.linear(x, w, None, policy)
         yb = ops.linear(x, w, b, policy)
+        n_before_logits = len(spy.calls), len(blocks.calls)
         logits = ops.linear(x, w, None, policy, "float32")
         monkeypatch.undo()
         assert torch._C._get_mkldnn_enabled()
@@ -135,14 +140,56 @@ def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
         within_f32_sums(logits, x, w)
         rounded_within(y, x, w)
         rounded_within(yb, x, w, b)
-        # y and yb, then the logits: a few rows read w a chunk at a time (torch.mm on each
-        # widened chunk, no widened copy of w), more rows one product on the widened copy
-        assert len(spy.calls) == (2 if rows < ops.WIDE_MIN_ROWS else 3)
-        products = spy.calls[:2]
         wide = choice == "widened" and rows >= ops.WIDE_MIN_ROWS
-        for r, xd, wd, onednn in products:
+        in_blocks = wide and rows <= ops.FEW_ROWS
+        # y and yb
+        assert n_before_logits == ((0, 2) if in_blocks else (2, 0)), (choice, n_before_logits)
+        for r, xd, wd, onednn in (blocks if in_blocks else spy).calls[:2]:
             assert r == rows and (xd, wd) == ((torch.float32,) * 2 if wide else (half, half)), (choice, xd, wd)
-            assert onednn is (rows != 1), "one-row 16-bit products run on ATen's kernel"
+            if not wide:
+                assert onednn is (rows != 1), "one-row 16-bit products run on ATen's kernel"
+        # the logits: a few rows read w a chunk at a time (each widened chunk in row blocks, no
+        # widened copy of w), more rows one product on the widened copy
+        logit_calls = spy.calls[n_before_logits[0]:] + blocks.calls[n_before_logits[1]:]
+        if rows < ops.WIDE_MIN_ROWS:
+            assert len(blocks.calls) - n_before_logits[1] >= 2 and len(spy.calls) == n_before_logits[0]
+        else:
+            assert len(logit_calls) == 1
+        assert all(xd == wd == torch.float32 for _, xd, wd, _ in logit_calls)
+
+
+@pytest.mark.parametrize("rows", [1, 3, ops.FEW_ROWS, ops.FEW_ROWS + 1])
+def test_f32_products_of_few_rows_in_row_blocks(rows, monkeypatch):
+    """An f32 product of at most FEW_ROWS rows runs in blocks of ROW_BLOCK of the weight's rows
+    (one batched product, the rows past the last whole block apart), with and without a bias,
+    for weights of fewer rows than a block, of whole blocks and of blocks and a rest: within f32
+    rounding of the f64 product (each product and sum rounded once), the result's shape and dtype
+    linear's; its bits do not depend on torch's thread count; more rows go to torch's linear."""
+    policy = Policy.get("fp32")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(2, rows, 80, generator=gen)[1:]            # [1, rows, 80], a view
+    for n in (ops.ROW_BLOCK // 2, 3 * ops.ROW_BLOCK, 3 * ops.ROW_BLOCK + 5):
+        w = torch.randn(n, 80, generator=gen)
+        b = torch.randn(n, generator=gen)
+        spy, blocks = LinearSpy(torch.nn.functional.linear), LinearSpy(ops._linear_by_row_blocks)
+        monkeypatch.setattr(torch.nn.functional, "linear", spy)
+        monkeypatch.setattr(ops, "_linear_by_row_blocks", blocks)
+        y, yb = ops.linear(x, w, None, policy), ops.linear(x, w, b, policy)
+        monkeypatch.undo()
+        assert (len(blocks.calls), len(spy.calls)) == ((2, 0) if rows <= ops.FEW_ROWS else (0, 2)), (rows, n)
+        assert y.shape == yb.shape == (1, rows, n) and y.dtype == yb.dtype == torch.float32
+        x64, w64, b64 = x[0].double(), w.double(), b.double()
+        for got, bias in ((y, 0), (yb, b64)):
+            err = (got[0].double() - (x64 @ w64.T + bias)).abs()
+            bound = (80 + 2) * U32 * (x64.abs() @ w64.abs().T + abs(bias))
+            assert bool((err <= bound).all()), (rows, n)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one_thread = ops.linear(x, w, b, policy)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one_thread, yb), (rows, n)
 
 
 def test_decode_lm_head_by_chunks_is_the_whole_product(monkeypatch):

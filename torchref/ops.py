@@ -101,18 +101,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     operands go to it widened to accum_dtype: products of bf16/fp16 numbers are exact in f32,
     so that is the same arithmetic, the sums in another order (drift). A 16-bit weight is
     widened once (_widened) or, for f32 results of fewer than WIDE_MIN_ROWS rows (the lm_head of
-    a decode step), a chunk at a time (_linear_by_chunks: half the bytes read)."""
+    a decode step), a chunk at a time (_linear_by_chunks: half the bytes read). An f32 product of
+    at most FEW_ROWS rows on the CPU runs in blocks of the weight's rows (_linear_by_row_blocks)."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
     out = dt(out_dtype or policy.compute_dtype)
     rows = x.numel() // max(x.shape[-1], 1)
     if not _widens(compute, accum, out, rows, x.device):
-        with _one_row_kernel(rows, compute, x.device):
-            y = torch.nn.functional.linear(x.to(compute), w.to(compute),
-                                           None if b is None else b.to(compute))
+        if _few_f32_rows(compute, rows, x.device):
+            y = _linear_by_row_blocks(x, w.to(compute), None if b is None else b.to(compute))
+        else:
+            with _one_row_kernel(rows, compute, x.device):
+                y = torch.nn.functional.linear(x.to(compute), w.to(compute),
+                                               None if b is None else b.to(compute))
     elif b is None and out == accum and w.dtype in _HALF and rows < WIDE_MIN_ROWS and x.device.type == "cpu":
         y = _linear_by_chunks(x.to(accum), w, accum)
     else:
-        y = torch.nn.functional.linear(x.to(accum), _widened(w, accum), None if b is None else b.to(accum))
+        product = _linear_by_row_blocks if _few_f32_rows(accum, rows, x.device) else torch.nn.functional.linear
+        y = product(x.to(accum), _widened(w, accum), None if b is None else b.to(accum))
     return y.to(out)
 
 
@@ -244,10 +249,50 @@ def _linear_by_chunks(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> t
     widened whole."""
     rows = x.reshape(-1, x.shape[-1])
     y = torch.empty(rows.shape[0], w.shape[0], dtype=dtype, device=x.device)
-    step = max(1, CHUNK_BYTES // (w.shape[1] * torch.finfo(dtype).bits // 8))
+    # a chunk is whole blocks of _linear_by_row_blocks (linear's path for these few f32 rows)
+    step = max(ROW_BLOCK, CHUNK_BYTES // (w.shape[1] * torch.finfo(dtype).bits // 8) // ROW_BLOCK * ROW_BLOCK)
     for a in range(0, w.shape[0], step):
-        torch.mm(rows, w[a:a + step].to(dtype).t(), out=y[:, a:a + step])
+        y[:, a:a + step] = _linear_by_row_blocks(rows, w[a:a + step].to(dtype), None)
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+# An f32 product of at most this many rows on the CPU (a decode step of a small batch) runs as
+# one batched product over blocks of ROW_BLOCK of the weight's rows (_linear_by_row_blocks).
+# SmolLM2's f32 decode on a 2-core Zen 4, ms per step, torch's product against the blocks, in
+# one process: batch 1 72 / 41, 2 117 / 69, 4 87 / 59, 8 100 / 87, 16 119 / 101; products of
+# 24 to 64 rows alone took the same time either way (docs/measurements.md).
+FEW_ROWS = 16
+ROW_BLOCK = 64
+
+
+def _few_f32_rows(dtype: torch.dtype, rows: int, device: torch.device) -> bool:
+    """Whether a product of `rows` rows of `dtype` operands runs as _linear_by_row_blocks."""
+    return dtype == torch.float32 and rows <= FEW_ROWS and device.type == "cpu"
+
+
+def _linear_by_row_blocks(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + b for f32 x of a few rows and an f32 w [N, K]: w's rows in blocks of ROW_BLOCK,
+    the blocks one batched product (torch.bmm; the last N mod ROW_BLOCK rows a product of their
+    own). The same f32 products and sums, grouped otherwise (drift). Why: MKL multiplies a
+    matrix by one or a few rows on one core, and there the weights' bytes come from memory at
+    one core's rate; a batched product goes to torch's threads a block at a time. SmolLM2's
+    per-layer f32 weights, one row, on a 2-core Zen 4: 38 against 18 ms for 425 MB; two rows
+    58 against 20 (docs/measurements.md). By the shape, never by a timing: the result depends
+    on the rows and the weight's shape only, not on the thread count."""
+    K, N = x.shape[-1], w.shape[0]
+    rows = x.reshape(-1, K).to(torch.float32)
+    n_blocks = N // ROW_BLOCK
+    parts = []
+    if n_blocks:
+        blocks = w[:n_blocks * ROW_BLOCK].reshape(n_blocks, ROW_BLOCK, K)
+        by_block = torch.bmm(blocks, rows.t().expand(n_blocks, K, rows.shape[0]))     # [blocks, ROW_BLOCK, M]
+        parts.append(by_block.permute(2, 0, 1).reshape(rows.shape[0], n_blocks * ROW_BLOCK))
+    if N % ROW_BLOCK:
+        parts.append(rows @ w[n_blocks * ROW_BLOCK:].t())
+    y = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    if b is not None:
+        y = y + b
+    return y.reshape(*x.shape[:-1], N)
 
 
 # Queries per attention block: a long prompt's scores are computed QUERY_BLOCK queries at a
