@@ -4,7 +4,7 @@ On a CPU without bf16 / fp16 products in hardware torch multiplies 16-bit matric
 several times slower than its f32 product; torchref then widens the operands of products with
 many rows to f32 (exact products, f32 sums: the policy's arithmetic, the sums in another
 order). A one-row product keeps torch's 16-bit kernel (ATen's matrix-vector product), and f32
-logits of a few rows read the 16-bit lm_head a chunk at a time. These tests hold each path to
+products of a few rows (f32 logits of a decode step) run in blocks of the weight's rows. These tests hold each path to
 f32 rounding of the same products and check which path runs, on any CPU: the rule is forced
 with $LLAMA_PARITY_BF16_DOTS or fed a CPU's features.
 """
@@ -115,14 +115,14 @@ def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
     hardware products), products of WIDE_MIN_ROWS rows or more take f32 operands (in blocks of
     the weight's rows up to FEW_ROWS rows, torch's linear above) and fewer rows the 16-bit ones;
     one row runs with oneDNN off (ATen's matrix-vector kernel), the switch back on after; forced
-    native, every product takes 16-bit operands. f32 logits of fewer than WIDE_MIN_ROWS rows are
-    widened chunks in row blocks, never torch's linear."""
+    native, every product takes 16-bit operands. f32 logits take the widened copy, in row blocks
+    up to FEW_ROWS rows."""
     policy = Policy.get("bf16" if dtype == "bfloat16" else "fp16")
     half = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=gen).to(half)
-    # more rows than one chunk of _linear_by_chunks holds, and not a multiple of it
-    n = ops.CHUNK_BYTES // (96 * 4) + 37
+    # weight rows: blocks of _linear_by_row_blocks and a rest
+    n = 20 * ops.ROW_BLOCK + 37
     w = (torch.randn(n, 96, generator=gen) * 0.1).to(half)
     b = (torch.randn(n, generator=gen) * 0.1).to(half)
     for choice in ("widened", "native"):
@@ -148,14 +148,10 @@ def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
             assert r == rows and (xd, wd) == ((torch.float32,) * 2 if wide else (half, half)), (choice, xd, wd)
             if not wide:
                 assert onednn is (rows != 1), "one-row 16-bit products run on ATen's kernel"
-        # the logits: a few rows read w a chunk at a time (each widened chunk in row blocks, no
-        # widened copy of w), more rows one product on the widened copy
-        logit_calls = spy.calls[n_before_logits[0]:] + blocks.calls[n_before_logits[1]:]
-        if rows < ops.WIDE_MIN_ROWS:
-            assert len(blocks.calls) - n_before_logits[1] >= 2 and len(spy.calls) == n_before_logits[0]
-        else:
-            assert len(logit_calls) == 1
-        assert all(xd == wd == torch.float32 for _, xd, wd, _ in logit_calls)
+        # the logits: one product on the widened copy, in row blocks up to FEW_ROWS rows
+        logit_calls = (blocks if rows <= ops.FEW_ROWS else spy).calls[n_before_logits[rows <= ops.FEW_ROWS]:]
+        assert len(spy.calls) + len(blocks.calls) == sum(n_before_logits) + 1
+        assert [(r, xd, wd) for r, xd, wd, _ in logit_calls] == [(rows, torch.float32, torch.float32)]
 
 
 @pytest.mark.parametrize("rows", [1, 3, ops.FEW_ROWS, ops.FEW_ROWS + 1])
@@ -192,25 +188,25 @@ def test_f32_products_of_few_rows_in_row_blocks(rows, monkeypatch):
         assert torch.equal(one_thread, yb), (rows, n)
 
 
-def test_decode_lm_head_by_chunks_is_the_whole_product(monkeypatch):
-    """The f32 logits of fewer than WIDE_MIN_ROWS rows (a decode step's lm_head) read the 16-bit
-    weight a chunk at a time; more rows use a widened copy kept per weight (made once, remade when
-    the weight changes in place). Both are the same exact products summed in f32."""
+def test_decode_lm_head_is_the_whole_product(monkeypatch):
+    """The f32 logits of a 16-bit lm_head (a decode step's few rows, or many) are one product on
+    a widened copy kept per weight (made once, remade when the weight changes in place): the same
+    exact products summed in f32."""
     policy = Policy.get("bf16")
     gen = torch.Generator().manual_seed(0)
-    w = torch.nn.Parameter((torch.randn(3 * ops.CHUNK_BYTES // (64 * 4) + 5, 64, generator=gen)).bfloat16(),
-                           requires_grad=False)
+    w = torch.nn.Parameter((torch.randn(7 * ops.ROW_BLOCK + 5, 64, generator=gen)).bfloat16(), requires_grad=False)
     for rows in (1, ops.WIDE_MIN_ROWS - 1, ops.WIDE_MIN_ROWS, 33):
         x = torch.randn(2, rows, 64, generator=gen).bfloat16()[:1]
         got = ops.linear(x, w, None, policy, "float32")
         assert got.shape == (1, rows, w.shape[0]) and got.dtype == torch.float32
         within_f32_sums(got[0], x[0], w)
-    x = torch.randn(ops.WIDE_MIN_ROWS, 64, generator=gen).bfloat16()
-    before = ops.linear(x, w, None, policy, "float32")
-    with torch.no_grad():
-        w.mul_(2)                               # exact in bf16: every product doubles
-    after = ops.linear(x, w, None, policy, "float32")
-    assert torch.equal(after, 2 * before), "a weight changed in place is widened again"
+    for rows in (1, ops.WIDE_MIN_ROWS):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        before = ops.linear(x, w, None, policy, "float32")
+        with torch.no_grad():
+            w.mul_(2)                           # exact in bf16: every product doubles
+        after = ops.linear(x, w, None, policy, "float32")
+        assert torch.equal(after, 2 * before), f"{rows} rows: a weight changed in place is widened again"
 
 
 @pytest.mark.parametrize("config", ["gqa", "tied"])
@@ -218,7 +214,7 @@ def test_torchref_widened_products_are_drift(config, tiny_dir, monkeypatch):
     """torchref at bf16 with products widened (a CPU without hardware bf16 products, forced here
     on any CPU) against torch's bf16 kernels: the ladder against jaxmodel says exact or drift on
     both paths, the two runs agree to bf16 rounding at every tap, and prefill then decode at
-    batch 1 (one-row products, chunked lm_head) gives the logits the full forward gives."""
+    batch 1 (one-row products, the lm_head in row blocks) gives the logits the full forward gives."""
     folder = tiny_dir(config)
     cfg, weights = load_weights(folder)
     ids = np.random.default_rng(7).integers(3, 96, (2, 24))

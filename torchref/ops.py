@@ -100,9 +100,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     Either torch's kernel for compute_dtype operands does that itself (_native), or the
     operands go to it widened to accum_dtype: products of bf16/fp16 numbers are exact in f32,
     so that is the same arithmetic, the sums in another order (drift). A 16-bit weight is
-    widened once (_widened) or, for f32 results of fewer than WIDE_MIN_ROWS rows (the lm_head of
-    a decode step), a chunk at a time (_linear_by_chunks: half the bytes read). An f32 product of
-    at most FEW_ROWS rows on the CPU runs in blocks of the weight's rows (_linear_by_row_blocks)."""
+    widened once (_widened). An f32 product of at most FEW_ROWS rows on the CPU runs in blocks of
+    the weight's rows (_linear_by_row_blocks): so does the f32 lm_head of a bf16 decode step, on
+    the widened copy (4.0 ms for SmolLM2's at one row on a Zen 4, against 8.9 when it was
+    widened a chunk at a time per step and 2.3 for torch's bf16 product, whose bf16 result the
+    policy's f32 logits cannot use)."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
     out = dt(out_dtype or policy.compute_dtype)
     rows = x.numel() // max(x.shape[-1], 1)
@@ -113,8 +115,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
             with _one_row_kernel(rows, compute, x.device):
                 y = torch.nn.functional.linear(x.to(compute), w.to(compute),
                                                None if b is None else b.to(compute))
-    elif b is None and out == accum and w.dtype in _HALF and rows < WIDE_MIN_ROWS and x.device.type == "cpu":
-        y = _linear_by_chunks(x.to(accum), w, accum)
     else:
         product = _linear_by_row_blocks if _few_f32_rows(accum, rows, x.device) else torch.nn.functional.linear
         y = product(x.to(accum), _widened(w, accum), None if b is None else b.to(accum))
@@ -151,9 +151,6 @@ def _native(compute: torch.dtype, accum: torch.dtype, out: torch.dtype) -> bool:
 # batch 2: 118 / 58, 4: 118 / 108, 8: 137 / 166, 16: 123 / 227; a 512-token prefill's
 # [512, 576] x [576, 1536]: 5.1 against 25 ms (docs/measurements.md).
 WIDE_MIN_ROWS = 8
-# The bytes of f32 weight rows _linear_by_chunks widens at a time: a chunk stays in a core's
-# cache between its widening and its product.
-CHUNK_BYTES = 1 << 20
 # oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA) that keep bf16 / fp16 products in hardware,
 # as prefixes: AVX512_CORE_BF16 and above for bf16 (AVX512_CORE_FP16, AVX512_CORE_AMX[_FP16], the
 # AVX10 names), AVX512_CORE_FP16 and above for fp16; lower caps (AVX2, AVX512_CORE, ...) do not.
@@ -239,21 +236,6 @@ def _widened(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 _WIDE: dict[tuple, tuple] = {}   # (id of a 16-bit weight, dtype) -> (weak ref, version, widened copy)
-
-
-def _linear_by_chunks(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x @ w.T for x in `dtype` (f32) and a 16-bit w [N, K] widened CHUNK_BYTES of rows at a
-    time: the same exact products as one product over the whole widened w, read from the 16-bit
-    bytes; the sums may group otherwise (f32 rounding: the kernel may block a shorter output row
-    otherwise). The lm_head of a batch-1 bf16 decode step on a Zen 4: 5.7 ms against 10.4
-    widened whole."""
-    rows = x.reshape(-1, x.shape[-1])
-    y = torch.empty(rows.shape[0], w.shape[0], dtype=dtype, device=x.device)
-    # a chunk is whole blocks of _linear_by_row_blocks (linear's path for these few f32 rows)
-    step = max(ROW_BLOCK, CHUNK_BYTES // (w.shape[1] * torch.finfo(dtype).bits // 8) // ROW_BLOCK * ROW_BLOCK)
-    for a in range(0, w.shape[0], step):
-        y[:, a:a + step] = _linear_by_row_blocks(rows, w[a:a + step].to(dtype), None)
-    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 # An f32 product of at most this many rows on the CPU (a decode step of a small batch) runs as
