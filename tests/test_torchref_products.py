@@ -106,6 +106,15 @@ class LinearSpy:
         return self.real(x, w, b)
 
 
+class BmmSpy(LinearSpy):
+    """LinearSpy for torch.bmm, as ops' row blocks call it (blocks of w, the rows' transpose):
+    records the rows, their dtype, the blocks' dtype and the oneDNN switch."""
+
+    def __call__(self, blocks, rows_t):
+        self.calls.append((rows_t.shape[-1], rows_t.dtype, blocks.dtype, torch._C._get_mkldnn_enabled()))
+        return self.real(blocks, rows_t)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("rows", [1, 3, ops.WIDE_MIN_ROWS, 40])
 def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
@@ -127,9 +136,9 @@ def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
     b = (torch.randn(n, generator=gen) * 0.1).to(half)
     for choice in ("widened", "native"):
         monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, choice)
-        spy, blocks = LinearSpy(torch.nn.functional.linear), LinearSpy(ops._linear_by_row_blocks)
+        spy, blocks = LinearSpy(torch.nn.functional.linear), BmmSpy(torch.bmm)
         monkeypatch.setattr(torch.nn.functional, "linear", spy)
-        monkeypatch.setattr(ops, "_linear_by_row_blocks", blocks)
+        monkeypatch.setattr(torch, "bmm", blocks)
         y = ops.linear(x, w, None, policy)
         yb = ops.linear(x, w, b, policy)
         n_before_logits = len(spy.calls), len(blocks.calls)
@@ -167,12 +176,14 @@ def test_f32_products_of_few_rows_in_row_blocks(rows, monkeypatch):
     for n in (ops.ROW_BLOCK // 2, 3 * ops.ROW_BLOCK, 3 * ops.ROW_BLOCK + 5):
         w = torch.randn(n, 80, generator=gen)
         b = torch.randn(n, generator=gen)
-        spy, blocks = LinearSpy(torch.nn.functional.linear), LinearSpy(ops._linear_by_row_blocks)
+        spy, blocks = LinearSpy(torch.nn.functional.linear), BmmSpy(torch.bmm)
         monkeypatch.setattr(torch.nn.functional, "linear", spy)
-        monkeypatch.setattr(ops, "_linear_by_row_blocks", blocks)
+        monkeypatch.setattr(torch, "bmm", blocks)
         y, yb = ops.linear(x, w, None, policy), ops.linear(x, w, b, policy)
         monkeypatch.undo()
-        assert (len(blocks.calls), len(spy.calls)) == ((2, 0) if rows <= ops.FEW_ROWS else (0, 2)), (rows, n)
+        few = rows <= ops.FEW_ROWS   # row blocks: a batched product when w has a whole block
+        assert (len(blocks.calls), len(spy.calls)) == ((2 * (n >= ops.ROW_BLOCK), 0) if few else (0, 2)), (rows, n)
+        assert all(call[:3] == (rows, torch.float32, torch.float32) for call in blocks.calls)
         assert y.shape == yb.shape == (1, rows, n) and y.dtype == yb.dtype == torch.float32
         x64, w64, b64 = x[0].double(), w.double(), b.double()
         for got, bias in ((y, 0), (yb, b64)):
