@@ -154,3 +154,32 @@ def test_weights_in_torch_aligned_memory():
         assert t.data_ptr() % 64 == 0 and t.is_contiguous()
         back = t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
         assert back.dtype == arr.dtype and np.array_equal(back, arr)
+
+
+def test_fill_starts_at_the_first_hidden_key(monkeypatch):
+    """first_hidden against its definition block by block (the first key some query of the block,
+    in any row, may not see; S when none), and block_attention filling from there is bitwise
+    block_attention filling every score, at fp32 and bf16, for causal, padded and holed masks;
+    attention() over a long prompt (separate ops) likewise, its blocks cut by first_hidden."""
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 8)
+    monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
+    real = ops.first_hidden
+    for T, S in ((42, 42), (40, 50), (16, 16)):
+        for name, allowed in {**masks(T, S, seed=S), "none hidden": torch.ones(2, T, S, dtype=torch.bool)}.items():
+            want = []
+            for a in range(0, T, 8):
+                cols = (~allowed[:, a:a + 8]).any(1).any(0)
+                want.append(int(cols.nonzero()[0, 0]) if bool(cols.any()) else S)
+            got = ops.first_hidden(allowed)
+            assert got == want, (name, got, want)
+            for policy in ("fp32", "bf16"):
+                p = Policy.get(policy)
+                q, k, v = (t.to(getattr(torch, p.compute_dtype)) for t in qkv(T, S, torch.float32, seed=T))
+                for a, hidden in zip(range(0, T, 8), got):
+                    block = q[:, a:a + 8], k, v, allowed[:, a:a + 8], p
+                    assert torch.equal(ops.block_attention(*block, fill_from=hidden), ops.block_attention(*block)), \
+                        (name, policy, a)
+                cut = ops.attention(q, k, v, allowed, p)
+                monkeypatch.setattr(ops, "first_hidden", lambda m: [0] * -(-m.shape[1] // 8))   # fill all
+                assert torch.equal(cut, ops.attention(q, k, v, allowed, p)), (name, policy)
+                monkeypatch.setattr(ops, "first_hidden", real)

@@ -298,10 +298,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     T = q.shape[1]
     if T < 2 * QUERY_BLOCK:
         return block_attention(q, k, v, allowed, policy)
-    block = fused_block if fused_attention_applies(policy, q.device) else block_attention
+    fused = fused_attention_applies(policy, q.device)
     out = []
-    for a, n in zip(range(0, T, QUERY_BLOCK), keys_read(allowed)):
-        out.append(block(q[:, a:a + QUERY_BLOCK], k[:, :n], v[:, :n], allowed[:, a:a + QUERY_BLOCK, :n], policy))
+    for a, n, hidden in zip(range(0, T, QUERY_BLOCK), keys_read(allowed), first_hidden(allowed)):
+        block = q[:, a:a + QUERY_BLOCK], k[:, :n], v[:, :n], allowed[:, a:a + QUERY_BLOCK, :n], policy
+        out.append(fused_block(*block) if fused else block_attention(*block, fill_from=min(hidden, n)))
     return torch.cat(out, dim=1)
 
 
@@ -376,10 +377,25 @@ def keys_read(allowed: torch.Tensor) -> list[int]:
     return torch.where(everything, S, last).tolist()
 
 
+def first_hidden(allowed: torch.Tensor) -> list[int]:
+    """For each block of QUERY_BLOCK queries (attention), the first key that some query of the
+    block, in any row, may not see (S when they all see every key): block_attention fills the
+    block's masked scores from there on, the scores before it being all kept (a causal block of
+    an unpadded prompt: only its last QUERY_BLOCK keys hold masked scores). allowed [B, T, S];
+    one pass, one host sync (read as bytes, as keys_read)."""
+    T, S = allowed.shape[1:]
+    pad = -T % QUERY_BLOCK
+    hides = (~allowed.bool()).view(torch.uint8).amax(0)                             # [T, S]
+    by_block = torch.nn.functional.pad(hides, (0, 0, 0, pad)).view(-1, QUERY_BLOCK, S).amax(1)
+    return torch.where(by_block.amax(-1) == 1, by_block.argmax(-1), S).tolist()   # argmax: the first 1
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                    policy: Policy) -> torch.Tensor:
+                    policy: Policy, fill_from: int = 0) -> torch.Tensor:
     """Causal GQA attention over every key given. q [B, T, Hq, D]; k, v [B, S, Hkv, D];
-    allowed [B, T, S].
+    allowed [B, T, S]; fill_from: a key before which every query may see every key (first_hidden),
+    so that the fill of masked scores starts there (the same bits as filling from 0, one pass
+    over fewer scores).
 
     Query head h reads kv head h // G (HF's repeat_kv order). Instead of repeating K
     and V, the G query heads of a group are folded into the row dimension:
@@ -399,7 +415,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     if not early:
         scores = scores * scale
     scores = scores.view(B, Hkv, G, T, -1).to(soft)
-    scores.masked_fill_(~allowed[:, None, None], torch.finfo(soft).min)         # scores is this call's own
+    # in place: scores is this call's own
+    scores[..., fill_from:].masked_fill_(~allowed[:, None, None, :, fill_from:], torch.finfo(soft).min)
     probs = softmax(scores).to(compute).view(B, Hkv, G * T, -1)
     ctx = _matmul(probs, v.permute(0, 2, 1, 3), policy)                   # [B, Hkv, G*T, D]
     return ctx.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
