@@ -2,9 +2,9 @@
 
 jaxmodel/ops.py has the same functions with the same names; the two files differ only
 in the framework, and in that torchref's attention runs a long prompt in blocks of queries
-(its block_attention is jaxmodel's attention). Numerics follow transformers'
-LlamaForCausalLM (eager attention): RoPE half-split layout, scores = (q @ k^T) * scale,
-mask then softmax.
+(its block_attention is jaxmodel's attention; at f32 policies each block goes through torch's
+fused kernel, fused_block). Numerics follow transformers' LlamaForCausalLM (eager attention):
+RoPE half-split layout, scores = (q @ k^T) * scale, mask then softmax.
 """
 
 from __future__ import annotations
