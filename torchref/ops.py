@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import weakref
@@ -299,8 +300,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     if T < 2 * QUERY_BLOCK:
         return block_attention(q, k, v, allowed, policy)
     fused = fused_attention_applies(policy, q.device)
+    hiddens = itertools.repeat(0) if fused else first_hidden(allowed)   # the kernel reads the whole mask
     out = []
-    for a, n, hidden in zip(range(0, T, QUERY_BLOCK), keys_read(allowed), first_hidden(allowed)):
+    for a, n, hidden in zip(range(0, T, QUERY_BLOCK), keys_read(allowed), hiddens):
         block = q[:, a:a + QUERY_BLOCK], k[:, :n], v[:, :n], allowed[:, a:a + QUERY_BLOCK, :n], policy
         out.append(fused_block(*block) if fused else block_attention(*block, fill_from=min(hidden, n)))
     return torch.cat(out, dim=1)
