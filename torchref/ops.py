@@ -109,16 +109,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
     out = dt(out_dtype or policy.compute_dtype)
     rows = x.numel() // max(x.shape[-1], 1)
-    if not _widens(compute, accum, out, rows, x.device):
-        if _few_f32_rows(compute, rows, x.device):
-            y = _linear_by_row_blocks(x, w.to(compute), None if b is None else b.to(compute))
-        else:
-            with _one_row_kernel(rows, compute, x.device):
-                y = torch.nn.functional.linear(x.to(compute), w.to(compute),
-                                               None if b is None else b.to(compute))
+    if _widens(compute, accum, out, rows, x.device):
+        dtype, w = accum, _widened(w, accum)
     else:
-        product = _linear_by_row_blocks if _few_f32_rows(accum, rows, x.device) else torch.nn.functional.linear
-        y = product(x.to(accum), _widened(w, accum), None if b is None else b.to(accum))
+        dtype, w = compute, w.to(compute)
+    x, b = x.to(dtype), None if b is None else b.to(dtype)
+    if _few_f32_rows(dtype, rows, x.device):
+        y = _linear_by_row_blocks(x, w, b)
+    else:
+        with _one_row_kernel(rows, dtype, x.device):
+            y = torch.nn.functional.linear(x, w, b)
     return y.to(out)
 
 
@@ -263,7 +263,7 @@ def _linear_by_row_blocks(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
     58 against 20 (docs/measurements.md). By the shape, never by a timing: the result depends
     on the rows and the weight's shape only, not on the thread count."""
     K, N = x.shape[-1], w.shape[0]
-    rows = x.reshape(-1, K).to(torch.float32)
+    rows = x.reshape(-1, K)
     n_blocks = N // ROW_BLOCK
     parts = []
     if n_blocks:
