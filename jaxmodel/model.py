@@ -83,10 +83,17 @@ def _param(weights, key, dtype, store=None):
 
 
 def _store(ops, policy: Policy):
-    """The dtype matrices are kept in: ops.widened_dtype on the default path (a bf16/f16 policy on
-    the CPU: their values rounded to param_dtype, held in f32, so no dot converts them), else
-    None (param_dtype). The memory is then the fp32 model's; the numbers are the same."""
+    """The dtype the KV cache's values are kept in: ops.widened_dtype on the default path (a
+    bf16/f16 policy on the CPU: compute_dtype values held in f32), else None (compute_dtype)."""
     return None if ops is invariant else ops.widened_dtype(policy)
+
+
+def _matrix_store(ops, policy: Policy):
+    """The dtype weight matrices are kept in: _store's when the policy's param_dtype is its
+    compute_dtype (their values rounded to param_dtype, held in f32, so no dot converts them; the
+    memory is then the fp32 model's, the numbers the same), else None (param_dtype: a dot rounds
+    them to compute_dtype, which the stored values would skip)."""
+    return _store(ops, policy) if of(policy.param_dtype) == of(policy.compute_dtype) else None
 
 
 def _layout_of(weights) -> MeshLayout | None:
@@ -152,7 +159,7 @@ class Linear(nnx.Module):
     mesh ("heads" for o_proj, "mlp" for down_proj; None: its output rows, or nothing, are)."""
 
     def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy, split_in: str | None = None):
-        store = _store(ops, policy)
+        store = _matrix_store(ops, policy)
         self.widened = store is not None      # weight kept as ops.Widened takes it
         self.weight = _param(weights, key + ".weight", dtype, store)
         self.bias = _param(weights, key + ".bias", dtype) if bias else None
@@ -362,7 +369,7 @@ class Llama(nnx.Module):
         dt = numpy_dtype(policy.param_dtype)
         # a tied table is also the lm_head's matrix: kept as the Linears keep theirs
         self.embed_tokens = Embedding(weights, "model.embed_tokens", dt,
-                                      _store(self.ops, policy) if cfg.tie_word_embeddings else None, policy)
+                                      _matrix_store(self.ops, policy) if cfg.tie_word_embeddings else None, policy)
         self.layers = nnx.List([Block(cfg, weights, i, dt, self.ops, policy) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, self.ops, policy)
@@ -559,7 +566,7 @@ class LayerRunner:
         """The logits of final_norm output x for the lm_head rows given (a vocabulary chunk), the
         rows held as Llama holds its head (widened, with a native copy where ops.native_dots)."""
         w = _as_param(head_rows, self.dtype)
-        wide = ops.widened_dtype(self.policy)
+        wide = _matrix_store(ops, self.policy)
         if wide is not None:
             w = ops.Widened(w.astype(wide), native_values(self.policy, w))
         return np.asarray(_piece_programs(self.cfg, self.policy)[2](jnp.asarray(x), w))

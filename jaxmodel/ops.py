@@ -104,7 +104,7 @@ def linear(x, w, b, policy: Policy, out_dtype=None):
     compute, accum = of(policy.compute_dtype), of(policy.accum_dtype)
     y = linear_sums(x, w, policy)
     if b is not None:
-        y = y + b.astype(accum)
+        y = y + b.astype(compute).astype(accum)   # an operand: rounded to compute_dtype as x and w are
     return y.astype(out_dtype or compute)
 
 

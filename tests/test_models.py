@@ -768,3 +768,43 @@ def test_native_bf16_dots_rule(monkeypatch):
     monkeypatch.setenv(ops.BF16_DOTS_ENV, "fast")
     with pytest.raises(ValueError, match=ops.BF16_DOTS_ENV):
         ops.native_dots(bf16)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("config", ["tied", "bias"])
+@pytest.mark.parametrize("dots", ["auto", "widened"])
+def test_a_wider_param_dtype_reaches_products_rounded_to_compute_dtype(framework, config, dots, tiny_dir,
+                                                                      monkeypatch):
+    """A policy that keeps f32 weights but multiplies in bf16 (param_dtype wider than compute_dtype):
+    every product's operands are rounded to bf16, weights and biases included, whichever path
+    multiplies them (torch's bf16 kernel, the widened f32 one, jaxmodel's widened storage), so the
+    checkpoint whose matrices and biases were rounded to bf16 beforehand gives the same bits: the
+    logits (f32: the lm_head's widened product), every tap, a prefill and decode steps at batch 3
+    and batch 1. Norm weights stay f32 (the norm's own dtype) in both."""
+    import ml_dtypes
+
+    from llamaspec import load_weights
+    monkeypatch.setenv("LLAMA_PARITY_BF16_DOTS", dots)
+    mod = importlib.import_module(framework)
+    policy = Policy.get("bf16", param_dtype="float32")
+    cfg, w = load_weights(tiny_dir(config))
+    rounded = {k: (v.astype(ml_dtypes.bfloat16).astype(v.dtype) if v.ndim == 2 or k.endswith(".bias") else v)
+               for k, v in w.items()}
+    assert any(not np.array_equal(rounded[k], w[k]) for k in w if k.endswith(".bias")) or config != "bias"
+    ids, mask = tokens(3, 13), np.ones((3, 13), np.int64)
+    mask[2, :4] = 0
+
+    def run(m):
+        logits, acts = m.capture(ids, mask, taps=["*"])
+        first, cache = m.prefill(ids, mask, 16)
+        step, _ = m.decode(cache, first.argmax(-1))
+        one, cache1 = m.prefill(ids[:1], mask[:1], 16)
+        out = {"logits": logits, **acts, "prefill": first, "decode": step, "prefill 1": one}
+        for i in range(2):
+            one, cache1 = m.decode(cache1, one.argmax(-1))
+            out[f"decode 1 step {i}"] = one
+        return out
+
+    a, b = run(mod.from_weights(cfg, w, policy)), run(mod.from_weights(cfg, rounded, policy))
+    for key in b:
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)

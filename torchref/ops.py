@@ -110,7 +110,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     out = dt(out_dtype or policy.compute_dtype)
     rows = x.numel() // max(x.shape[-1], 1)
     if _widens(compute, accum, out, rows, x.device):
-        dtype, w = accum, _widened(w, accum)
+        # the operands rounded to compute_dtype first (no-ops where they are held in it; a policy
+        # whose param_dtype is wider needs them), then widened exactly
+        x, b = x.to(compute), None if b is None else b.to(compute)
+        dtype, w = accum, _widened(w.to(compute), accum)
     else:
         dtype, w = compute, w.to(compute)
     x, b = x.to(dtype), None if b is None else b.to(dtype)
