@@ -95,6 +95,9 @@ def _jax_settings(policy) -> dict:
             f"jaxmodel {ops.BF16_DOTS_ENV}": os.environ.get(ops.BF16_DOTS_ENV, "(unset)"),
             f"jaxmodel products at {policy.name}": bf16,
             f"jaxmodel {ops.ATTENTION_ENV}": os.environ.get(ops.ATTENTION_ENV, "(unset)"),
+            f"jaxmodel {ops.MATVEC_ENV}": os.environ.get(ops.MATVEC_ENV, "(unset)"),
+            f"jaxmodel one-row products at {policy.name}": (
+                "fixed-order kernel on 16-bit packed weights" if ops.kernel_matvecs(policy) else "XLA"),
             f"jaxmodel causal attention at {policy.name}": (
                 "fused CPU kernel (jaxmodel/attention.h; per shard on a mesh)" if ops.fused_attention_applies(policy)
                 else "XLA")}

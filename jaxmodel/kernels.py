@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from llamaspec import fixed_order as fo
@@ -63,6 +64,16 @@ class PackedWeight:
     wtype: int
     x_dtype: str
     acc: str
+
+    @staticmethod
+    def widening(w: np.ndarray) -> "PackedWeight":
+        """A bf16 or f16 w [n, k] packed in its own dtype, for gemm with an f32 x: the kernel
+        widens each weight exactly and sums the f32 products in f32 (ops.kernel_matvecs)."""
+        name = {np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}.get(np.dtype(w.dtype))
+        if name is None:
+            raise ValueError(f"PackedWeight.widening takes bf16 or f16 weights, not {w.dtype}")
+        return PackedWeight(jnp.asarray(fo.pack(np.asarray(w)).reshape(-1)), int(w.shape[0]), int(w.shape[1]),
+                            fo.WTYPES[name], "float32", "float32")
 
     @staticmethod
     def of(w: np.ndarray, compute: str, accum: str) -> "PackedWeight":

@@ -140,9 +140,27 @@ def _native_copy(policy: Policy, weight, layout: MeshLayout | None) -> NativeCop
     return None if native is None else NativeCopy(native)
 
 
+class MatvecCopy(nnx.Variable):
+    """A widened weight's values packed in compute_dtype for the fixed-order kernel's one-row
+    products (ops.kernel_matvecs; not a Param: weights() and the checkpoint keys do not see it)."""
+
+
+def _matvec_copy(policy: Policy, weight, layout: MeshLayout | None) -> tuple[MatvecCopy | None, tuple | None]:
+    """(a MatvecCopy, the static rest of its kernels.PackedWeight) for a widened Linear's or
+    Embedding's weight where ops.kernel_matvecs says so and the model runs on one device (a mesh
+    keeps XLA's dots), else (None, None). Packed on the host from the widened values (exact)."""
+    if layout is not None or not ops.kernel_matvecs(policy):
+        return None, None
+    from . import kernels
+    p = kernels.PackedWeight.widening(np.asarray(weight[...]).astype(numpy_dtype(policy.compute_dtype)))
+    return MatvecCopy(p.data), (p.n, p.k, p.wtype, p.x_dtype, p.acc)
+
+
 def _as_widened(module) -> ops.Widened:
-    """A widened module's matrix as ops.Widened takes it, with its native copy if it keeps one."""
-    return ops.Widened(module.weight[...], None if module.native is None else module.native[...])
+    """A widened module's matrix as ops.Widened takes it, with the native and matvec copies it keeps."""
+    from . import kernels
+    matvec = None if module.matvec is None else kernels.PackedWeight(module.matvec[...], *module.matvec_meta)
+    return ops.Widened(module.weight[...], None if module.native is None else module.native[...], matvec)
 
 
 def _pack(w, policy: Policy, layout: MeshLayout | None = None) -> tuple[Packed, tuple]:
@@ -170,6 +188,7 @@ class Linear(nnx.Module):
                              else None)
         self.layout = layout
         self.native = _native_copy(policy, self.weight, layout) if self.widened else None
+        self.matvec, self.matvec_meta = _matvec_copy(policy, self.weight, layout) if self.widened else (None, None)
         if ops is invariant:  # packed once here, from the weight as rounded to param_dtype
             host = weights.host(key + ".weight", dtype) if isinstance(weights, OnMesh) else self.weight[...]
             self.packed, self.packed_meta = _pack(host, policy, _layout_of(weights))
@@ -197,6 +216,8 @@ class Embedding(nnx.Module):
         self.weight = _param(weights, key + ".weight", dtype, store)
         self.widened = store is not None
         self.native = _native_copy(policy, self.weight, _layout_of(weights)) if self.widened else None
+        self.matvec, self.matvec_meta = (_matvec_copy(policy, self.weight, _layout_of(weights)) if self.widened
+                                         else (None, None))
 
     def __call__(self, ids):
         return self.weight[...][ids]
@@ -480,11 +501,13 @@ def scan_block(block: Block) -> Block:
     """The block as the layers' lax.scan runs it: a copy without its native bf16 weights
     (NativeCopy), since inside XLA:CPU's loop a bf16 product runs slower than the widened one
     (SmolLM2's [100, 576] x [576, 1536] over 30 layers: 42 ms native, 31 ms widened, against
-    20 ms native unrolled; docs/measurements.md). Only the scan's products take the widened path."""
+    20 ms native unrolled; docs/measurements.md). Only the scan's products take the widened path.
+    Nor its matvec copies (MatvecCopy): the scan runs whole prompts, and the stacked layers would
+    hold them twice for a one-token prompt's sake."""
     copy = nnx.merge(*nnx.split(block))
     for _, module in nnx.iter_modules(copy):
-        if isinstance(module, Linear) and module.native is not None:
-            module.native = None
+        if isinstance(module, Linear):
+            module.native = module.matvec = None
     return copy
 
 

@@ -217,8 +217,9 @@ def _fused_kernel_builds() -> bool:
     try:
         kernels.library()
     except InvarianceError as e:
-        warnings.warn(f"jaxmodel's fused attention kernel is not available ({e}); attention runs in XLA "
-                      f"({ATTENTION_ENV}=xla silences this)", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"jaxmodel's fixed-order kernels are not available ({e}); attention and one-row 16-bit "
+                      f"products run in XLA ({ATTENTION_ENV}=xla and {MATVEC_ENV}=xla silence this)",
+                      RuntimeWarning, stacklevel=3)
         return False
     return True
 
@@ -262,17 +263,20 @@ def _first_keys(x, n: int):
     return x[:, :n]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "native"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "native", "matvec"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Widened:
     """A weight already as _matmul's CPU path feeds it to the dot: rounded to compute_dtype,
     stored in accum_dtype (exact: every bf16 / f16 value is an f32). model.py keeps the
     matrices of a bf16/f16 policy so on the CPU (widened_dtype), so that a dot does not convert
-    the whole weight on every call (a decode step's matrix-vector products read it once).
+    the whole weight on every call.
     native: the same values in compute_dtype, kept where native_dots says the CPU multiplies
-    them faster so (products of NATIVE_MIN_ROWS rows or more take it), else None."""
+    them faster so (products of NATIVE_MIN_ROWS rows or more take it), else None.
+    matvec: the same values packed in compute_dtype for the fixed-order kernel's one-row
+    products (a kernels.PackedWeight), kept where kernel_matvecs says so, else None."""
     data: jax.Array
     native: jax.Array | None = None
+    matvec: object = None
 
     @property
     def shape(self):
@@ -324,6 +328,52 @@ def native_dots(policy: Policy) -> bool:
             and all(cap.strip().upper().startswith(_BF16_ISAS) for cap in caps))
 
 
+# $LLAMA_PARITY_MATVEC: auto (kernel_matvecs' rule), kernel (wherever the kernels build) or xla (never)
+MATVEC_ENV = "LLAMA_PARITY_MATVEC"
+
+
+def kernel_matvecs(policy: Policy) -> bool:
+    """Whether a 16-bit policy's one-row products (a batch-1 decode step's: each matrix times
+    one vector) run on the fixed-order kernels' gemm (kernels.gemm over
+    kernels.PackedWeight.widening: the weight packed in compute_dtype, read at 2 bytes a value)
+    instead of XLA's f32 dot over the widened copy (4 bytes a value). A matrix-vector product
+    is bound by the bytes it reads: SmolLM2's 210 layer products at one row, Zen 4, 15.5 ms
+    widened against 7.7 with the kernel, on its AVX-512 and its AVX2 path alike; the lm_head
+    4.3 against 2.0 (docs/measurements.md).
+
+    The same products (16-bit values widened exactly, multiplied in f32) summed in f32, in the
+    kernel's fixed order rather than XLA's: drift, and the same bits on every x86-64 CPU and
+    code path. On the CPU with JAX, for a policy whose compute dtype is bf16 or f16 and whose
+    accumulator is f32, when the kernel's code path ($LLAMA_PARITY_KERNEL_ISA, else the CPU's
+    best) is AVX2 or better (its scalar path is the program's definition, 10-20x slower than
+    XLA's dot); never by a timing. $LLAMA_PARITY_MATVEC overrides: kernel takes any code path
+    (an error if the kernels cannot be built), xla never the kernel. A kernel that cannot be
+    built leaves XLA's dot, with one warning."""
+    choice = os.environ.get(MATVEC_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "kernel", "xla"):
+        raise ValueError(f"{MATVEC_ENV}={choice!r}: expected auto, kernel or xla")
+    if (choice == "xla" or widened_dtype(policy) is None or of(policy.accum_dtype) != jnp.dtype(jnp.float32)
+            or platform.machine().lower() not in ("x86_64", "amd64")):
+        return False
+    from . import kernels
+    if choice == "kernel":
+        kernels.library()
+        return True
+    from llamaspec import fixed_order as fo
+    return _fused_kernel_builds() and kernels.library().fo_isa() >= fo.ISAS["avx2"]
+
+
+def _kernel_matvec(a, w, dims):
+    """a [..., k] (one row in all) @ w^T on the fixed-order kernel, w a kernels.PackedWeight
+    [n, k] (Widened.matvec); a's compute-dtype values go in widened to f32 (exact)."""
+    from . import kernels
+    (contract_a, contract_b), batch = dims
+    if contract_a != (a.ndim - 1,) or contract_b != (1,) or batch != ((), ()):
+        raise ValueError(f"a matvec copy multiplies x @ w.T only, not dimension numbers {dims}")
+    y = kernels.gemm(a.reshape(1, a.shape[-1]).astype(jnp.float32), w)
+    return y.reshape(*a.shape[:-1], w.n)
+
+
 def _rows(a, dims) -> int:
     """How many rows a product of `a` has: its elements over its contracted and batch sizes."""
     (contract, _), (batch, _) = dims
@@ -339,11 +389,15 @@ def _matmul(a, b, dims, policy: Policy):
     GPUs keep the native low-precision dot, which is what their tensor cores are for.
     b may be Widened (a weight stored so): then it goes to the dot as it is, the same values
     in the same dtype as the conversions would make; or, when it holds a native copy and
-    the product has NATIVE_MIN_ROWS rows or more, that copy goes to a bf16 dot with f32 sums.
+    the product has NATIVE_MIN_ROWS rows or more, that copy goes to a bf16 dot with f32 sums;
+    when it holds a matvec copy and the product has one row, that copy goes to the fixed-order
+    kernel (kernel_matvecs).
     """
     compute, accum = of(policy.compute_dtype), of(policy.accum_dtype)
     wide = widened_dtype(policy) is not None
     a = a.astype(compute)
+    if isinstance(b, Widened) and b.matvec is not None and _rows(a, dims) == 1:
+        return _kernel_matvec(a, b.matvec, dims)
     if isinstance(b, Widened) and b.native is not None and _rows(a, dims) >= NATIVE_MIN_ROWS:
         return lax.dot_general(a, b.native, dims, precision=matmul_precision(policy), preferred_element_type=accum)
     if isinstance(b, Widened):

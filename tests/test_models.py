@@ -216,7 +216,8 @@ def test_weights_keep_checkpoint_names_shapes_and_param_dtype(framework, tiny_di
         from flax import nnx
 
         from jaxmodel import ops
-        from jaxmodel.model import NativeCopy
+        from jaxmodel.model import MatvecCopy, NativeCopy
+        from llamaspec import fixed_order as fo
         flat = [(p, np.asarray(v[...])) for p, v in nnx.to_flat_state(nnx.filter_state(m.state, nnx.Param))]
         got = {key(".".join(map(str, p))): tuple(v.shape) for p, v in flat}
         # beside a widened matrix, on an AMX or AVX-512-BF16 CPU, its native bf16 copy (ops.native_dots):
@@ -224,7 +225,13 @@ def test_weights_keep_checkpoint_names_shapes_and_param_dtype(framework, tiny_di
         params, copies = dict(flat), nnx.to_flat_state(nnx.filter_state(m.state, NativeCopy))
         for p, v in copies:
             np.testing.assert_array_equal(np.asarray(v[...]), params[p[:-1] + ("weight",)].astype(ml_dtypes.bfloat16))
-        assert len(flat) + len(copies) == len(nnx.to_flat_state(m.state))
+        # and, where ops.kernel_matvecs, the same values packed for the one-row kernel
+        matvecs = nnx.to_flat_state(nnx.filter_state(m.state, MatvecCopy))
+        assert (len(matvecs) > 0) == ops.kernel_matvecs(m.policy)
+        for p, v in matvecs:
+            packed = fo.pack(params[p[:-1] + ("weight",)].astype(ml_dtypes.bfloat16)).reshape(-1)
+            np.testing.assert_array_equal(np.asarray(v[...]), packed)
+        assert len(flat) + len(copies) + len(matvecs) == len(nnx.to_flat_state(m.state))
         # on the CPU a bf16 model keeps its matrices widened to f32 (ops.Widened): bf16 values, held exactly
         wide = ops.widened_dtype(m.policy)
         for p, v in flat:
