@@ -118,8 +118,8 @@ def test_one_row_product_is_the_policys_within_the_f32_bound(policy, n, k, monke
 def test_batch_one_decode_steps_take_the_kernel_and_nothing_else_does(config, tiny_dir, monkeypatch):
     """A bf16 model keeps a matvec copy of each matrix (lm_head included) beside the widened one;
     a batch-1 decode step's program multiplies every one of them on the kernel, a batch-1 prefill
-    only its last position's logits, and nothing else does: not a batch-3 step or prefill. With $LLAMA_PARITY_MATVEC=xla no copy is kept and
-    the kernel is never called."""
+    only its last position's logits, and nothing else does: not a batch-3 step or prefill. With
+    $LLAMA_PARITY_MATVEC=xla no copy is kept and the kernel is never called."""
     from flax import nnx
 
     import jaxmodel
