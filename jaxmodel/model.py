@@ -156,6 +156,13 @@ def _matvec_copy(policy: Policy, weight, layout: MeshLayout | None) -> tuple[Mat
     return MatvecCopy(p.data), (p.n, p.k, p.wtype, p.x_dtype, p.acc)
 
 
+def _keep_copies(module, policy: Policy, layout: MeshLayout | None) -> None:
+    """A widened Linear's or Embedding's native and matvec copies (or None) set on it."""
+    widened = module.widened
+    module.native = _native_copy(policy, module.weight, layout) if widened else None
+    module.matvec, module.matvec_meta = _matvec_copy(policy, module.weight, layout) if widened else (None, None)
+
+
 def _as_widened(module) -> ops.Widened:
     """A widened module's matrix as ops.Widened takes it, with the native and matvec copies it keeps."""
     from . import kernels
@@ -187,8 +194,7 @@ class Linear(nnx.Module):
         self.row_parallel = (split_in if layout is not None and layout.tensor > 1 and ops is not invariant
                              else None)
         self.layout = layout
-        self.native = _native_copy(policy, self.weight, layout) if self.widened else None
-        self.matvec, self.matvec_meta = _matvec_copy(policy, self.weight, layout) if self.widened else (None, None)
+        _keep_copies(self, policy, layout)
         if ops is invariant:  # packed once here, from the weight as rounded to param_dtype
             host = weights.host(key + ".weight", dtype) if isinstance(weights, OnMesh) else self.weight[...]
             self.packed, self.packed_meta = _pack(host, policy, _layout_of(weights))
@@ -215,9 +221,7 @@ class Embedding(nnx.Module):
     def __init__(self, weights, key, dtype, store=None, policy: Policy | None = None):
         self.weight = _param(weights, key + ".weight", dtype, store)
         self.widened = store is not None
-        self.native = _native_copy(policy, self.weight, _layout_of(weights)) if self.widened else None
-        self.matvec, self.matvec_meta = (_matvec_copy(policy, self.weight, _layout_of(weights)) if self.widened
-                                         else (None, None))
+        _keep_copies(self, policy, _layout_of(weights))
 
     def __call__(self, ids):
         return self.weight[...][ids]

@@ -188,7 +188,7 @@ ATTENTION_ENV = "LLAMA_PARITY_ATTENTION"
 
 def fused_attention_applies(policy: Policy) -> bool:
     """Whether causal_attention runs as fused_attention: with JAX on an x86-64 CPU whose kernel
-    code path is AVX-512 (_fused_kernel_fast), for a policy whose scores, softmax and sums the
+    code path is AVX-512 (FUSED_ATTENTION_ISA), for a policy whose scores, softmax and sums the
     kernel computes as the policy says (compute f32 or bf16, softmax and accumulation in f32;
     f64 throughout only when $LLAMA_PARITY_ATTENTION is "fused": its f64 exp is scalar code),
     unless that variable says "xla"; "fused" takes any code path. Decided by the platform and
@@ -208,11 +208,18 @@ def fused_attention_applies(policy: Policy) -> bool:
         from . import kernels
         kernels.library()
         return True
-    return _fused_kernel_builds() and _fused_kernel_fast()
+    return _kernels_reach(FUSED_ATTENTION_ISA)
+
+
+# The least code path of the fixed-order kernels on which auto takes the fused attention: AVX-512,
+# where it is measured faster than XLA's attention. On its AVX2 path (half the vector width) a
+# SmolLM2 prefill of 2048 tokens took 3.33 s against XLA's 2.73 s under the AVX2 cap, and its scalar
+# path is the program's definition, not a fast one (docs/measurements.md).
+FUSED_ATTENTION_ISA = "avx512"
 
 
 @functools.cache
-def _fused_kernel_builds() -> bool:
+def _kernels_build() -> bool:
     from . import kernels
     try:
         kernels.library()
@@ -224,16 +231,13 @@ def _fused_kernel_builds() -> bool:
     return True
 
 
-def _fused_kernel_fast() -> bool:
-    """The kernel's code path ($LLAMA_PARITY_KERNEL_ISA, else the CPU's best) has AVX-512, where
-    it is measured faster than XLA's attention. On its AVX2 path (half the vector width) a
-    SmolLM2 prefill of 2048 tokens took 3.33 s against XLA's 2.73 s under the AVX2 cap, and its
-    scalar path is the program's definition, not a fast one: auto leaves attention to XLA there
-    (docs/measurements.md)."""
+def _kernels_reach(isa: str) -> bool:
+    """Whether the fixed-order kernels build (else one warning) and their code path
+    ($LLAMA_PARITY_KERNEL_ISA, else the CPU's best) is `isa` or better."""
     from llamaspec import fixed_order as fo
 
     from . import kernels
-    return kernels.library().fo_isa() >= fo.ISAS["avx512"]
+    return _kernels_build() and kernels.library().fo_isa() >= fo.ISAS[isa]
 
 
 def fused_attention(q, k, v, allowed, policy: Policy):
@@ -355,12 +359,11 @@ def kernel_matvecs(policy: Policy) -> bool:
     if (choice == "xla" or widened_dtype(policy) is None or of(policy.accum_dtype) != jnp.dtype(jnp.float32)
             or platform.machine().lower() not in ("x86_64", "amd64")):
         return False
-    from . import kernels
     if choice == "kernel":
+        from . import kernels
         kernels.library()
         return True
-    from llamaspec import fixed_order as fo
-    return _fused_kernel_builds() and kernels.library().fo_isa() >= fo.ISAS["avx2"]
+    return _kernels_reach("avx2")
 
 
 def _kernel_matvec(a, w, dims):

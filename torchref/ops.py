@@ -109,14 +109,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
     out = dt(out_dtype or policy.compute_dtype)
     rows = x.numel() // max(x.shape[-1], 1)
-    if _widens(compute, accum, out, rows, x.device):
-        # the operands rounded to compute_dtype first (no-ops where they are held in it; a policy
-        # whose param_dtype is wider needs them), then widened exactly
-        x, b = x.to(compute), None if b is None else b.to(compute)
-        dtype, w = accum, _widened(w.to(compute), accum)
-    else:
-        dtype, w = compute, w.to(compute)
-    x, b = x.to(dtype), None if b is None else b.to(dtype)
+    # the operands rounded to compute_dtype (no-ops where they are held in it; a policy whose
+    # param_dtype is wider needs them), then, where the product widens, widened exactly
+    x, w, b = x.to(compute), w.to(compute), None if b is None else b.to(compute)
+    dtype = accum if _widens(compute, accum, out, rows, x.device) else compute
+    x, w, b = x.to(dtype), _widened(w, dtype), None if b is None else b.to(dtype)
     if _few_f32_rows(dtype, rows, x.device):
         y = _linear_by_row_blocks(x, w, b)
     else:
