@@ -10,6 +10,8 @@ rule that picks the path; the path is forced with $LLAMA_PARITY_TORCHREF_ATTENTI
 the same on any CPU.
 """
 
+import types
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ import torchref  # noqa: E402
 from llamaspec import Policy  # noqa: E402
 from torchref import ops  # noqa: E402
 from torchref.dtypes import from_numpy  # noqa: E402
+from torchref.model import LayerRunner  # noqa: E402
 
 F64_BOUND = 1e-12   # f64 sums of a few hundred terms of size ~1, in two orders
 
@@ -183,3 +186,77 @@ def test_fill_starts_at_the_first_hidden_key(monkeypatch):
                 monkeypatch.setattr(ops, "first_hidden", lambda m: [0] * -(-m.shape[1] // 8))   # fill all
                 assert torch.equal(cut, ops.attention(q, k, v, allowed, p)), (name, policy)
                 monkeypatch.setattr(ops, "first_hidden", real)
+
+
+def test_unpadded_long_prompt_is_one_causal_kernel_call(tiny_dir, monkeypatch):
+    """causal_attention: a long prompt from slot 0 without padding (forward, prefill, the layer
+    stream) runs torch's kernel once per layer with is_causal over the prompt's own keys (spy),
+    a padded batch runs attention()'s blocks, and a control's attention (ops replaced on one
+    layer) keeps its own path. At fp64 (forced fused) the causal call is the separate ops' result
+    to f64 rounding, the kernel's NaN of a key reaches only the queries that see it; at fp32 the
+    model's logits agree with the separate ops to f32 rounding, prefill's last logits with the
+    forward's."""
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((args[1].shape[2], kwargs.get("is_causal", False)))     # keys read, causal flag
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 4)
+    # the op alone, at f64: causal mask over the first T of S slots (the rest empty, as a prefill's cache)
+    T, S = 12, 15
+    q, k, v = qkv(T, S)
+    allowed = torch.ones(T, S, dtype=torch.bool).tril()[None].repeat(2, 1, 1)
+    monkeypatch.setenv(ops.ATTENTION_ENV, "fused")
+    got = ops.causal_attention(q, k, v, allowed, Policy.get("fp64"), 0)
+    assert calls == [(T, True)]
+    want = ops.block_attention(q, k, v, allowed, Policy.get("fp64"))
+    assert float((got - want).abs().max()) <= F64_BOUND
+    calls.clear()
+    from_2 = torch.ones(T, S, dtype=torch.bool).tril(2)[None].repeat(2, 1, 1)   # queries at slots 2..13
+    for name, mask in (("padded", allowed.clone()), ("from slot 2", from_2)):
+        if name == "padded":
+            mask[1, :, :3] = False
+        ops.causal_attention(q, k, v, mask, Policy.get("fp64"), 0 if name == "padded" else 2)
+        assert calls and not any(c for _, c in calls), name          # the blocks, with their masks
+        calls.clear()
+    k[0, 5, 1, 3] = float("nan")
+    out = ops.causal_attention(q, k, v, allowed, Policy.get("fp64"), 0)
+    assert bool(out[0, 5:, 2:].isnan().all()) and bool(out[1].isfinite().all())
+    assert bool(out[0, :5].isfinite().all())
+    calls.clear()
+
+    # the model at fp32, auto
+    monkeypatch.setenv(ops.ATTENTION_ENV, "auto")
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy="fp32")
+    layers = m.cfg.num_hidden_layers
+    ids = np.random.default_rng(5).integers(3, 96, (2, 12))
+    fused = np.asarray(m(ids))
+    assert calls == [(12, True)] * layers
+    calls.clear()
+    logits, _ = m.prefill(ids, np.ones_like(ids), 14)
+    assert calls == [(12, True)] * layers
+    np.testing.assert_allclose(np.asarray(logits), fused[:, -1], rtol=0, atol=1e-5 * np.abs(fused).max())
+    calls.clear()
+    runner = LayerRunner(m.cfg, "fp32")
+    runner.start(ids, np.ones_like(ids))
+    weights = m.weights()
+    h = runner.block(0, weights, runner.embed(weights["model.embed_tokens.weight"][ids]))["layers.0.out"]
+    assert calls == [(12, True)]
+    calls.clear()
+    padded = np.ones_like(ids)
+    padded[1, :2] = 0
+    m(ids, attention_mask=padded)
+    assert len(calls) == 3 * layers and not any(c for _, c in calls)
+    calls.clear()
+    monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
+    separate = np.asarray(m(ids))
+    assert not calls
+    assert np.linalg.norm(fused - separate) <= 1e-5 * np.linalg.norm(separate)
+    monkeypatch.setenv(ops.ATTENTION_ENV, "auto")
+    attn = m.model.layers[1].self_attn
+    monkeypatch.setattr(attn, "ops", types.SimpleNamespace(**{**vars(ops), "attention": lambda *a: ops.attention(*a)}))
+    m(ids)
+    assert calls.count((12, True)) == layers - 1 and len(calls) == layers - 1 + 3

@@ -308,6 +308,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     return torch.cat(out, dim=1)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     policy: Policy, causal_from: int) -> torch.Tensor:
+    """attention() over the mask model.causal_allowed builds (Context.causal_from: query t at
+    slot causal_from + t sees the real tokens up to its own slot). A long prompt (2 * QUERY_BLOCK
+    queries or more) from slot 0 whose rows hold no padding, where fused_attention_applies, is
+    one call of torch's fused kernel over its first T keys with is_causal (fused_causal: the call
+    transformers' sdpa attention makes); everything else is attention().
+
+    No padding: the mask is causal_allowed's, so the last query's row holds each row's slot mask
+    up to slot T - 1; all set, query t sees exactly keys 0..t, is_causal's mask. (attention()'s
+    blocks of queries with their masks spent half again the kernel's time on such a prompt: the
+    masks built per block, the kernel's tiles cut at each block; docs/measurements.md.)"""
+    T = q.shape[1]
+    if (causal_from == 0 and T >= 2 * QUERY_BLOCK and k.shape[1] >= T and fused_attention_applies(policy, q.device)
+            and bool(allowed[:, -1, :T].all())):
+        return fused_causal(q, k[:, :T], v[:, :T], policy)
+    return attention(q, k, v, allowed, policy)
+
+
+def fused_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy) -> torch.Tensor:
+    """fused_block over the causal mask of T queries and their T keys (query t sees keys 0..t):
+    the kernel's own is_causal, no mask tensor; its tiles above the diagonal are skipped. q
+    [B, T, Hq, D]; k, v [B, T, Hkv, D]. A NaN key or value reaches the queries that see it (a
+    NaN value, as in fused_block, also others of its tile): never less NaN than block_attention."""
+    dtype = dt(policy.compute_dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.to(dtype).transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2), is_causal=True,
+        scale=q.shape[-1] ** -0.5, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
 # $LLAMA_PARITY_TORCHREF_ATTENTION: auto (fused_attention_applies' rule), fused (any policy whose
 # attention is in one float dtype: also f64), or ops (never the fused kernel: block_attention)
 ATTENTION_ENV = "LLAMA_PARITY_TORCHREF_ATTENTION"
