@@ -572,6 +572,57 @@ def test_jaxmodel_prefill_writes_the_prompt_to_its_cache_as_one_block(tiny_dir, 
             assert scattered[2][n].dtype == cache[n].dtype and np.array_equal(scattered[2][n], cache[n]), n
 
 
+@pytest.mark.parametrize("policy,dots", [("fp32", "auto"), ("bf16", "widened"), ("fp16", "widened"),
+                                         ("bf16", "native")])
+def test_torchref_cache_widened_and_written_as_one_block(tiny_dir, monkeypatch, policy, dots):
+    """torchref's KV cache: kept in f32 where attention widens a 16-bit policy's products
+    (ops.cache_dtype: $LLAMA_PARITY_BF16_DOTS=widened here), else in compute_dtype; a call whose
+    rows all write from one slot (prefill, decode) writes a slice, not a scatter. The prefill,
+    decode steps (B=2 with a left-padded row, and B=1) and the cache's values are bitwise those of
+    a compute_dtype cache written by the scatter (both replaced back: ops.cache_dtype, and
+    write_slots wrapped on the class), and the widened cache holds compute_dtype values."""
+    import torch
+
+    import torchref.model as tm
+    from torchref import ops
+    from torchref.dtypes import dt
+    monkeypatch.setenv("LLAMA_PARITY_BF16_DOTS", dots)
+    compute = dt(Policy.get(policy).compute_dtype)
+    want = torch.float32 if dots == "widened" else compute
+    assert ops.cache_dtype(Policy.get(policy), torch.device("cpu")) == want
+    assert ops.cache_dtype(Policy.get(policy), torch.device("cuda")) == compute   # only the device's type is read
+    ids = tokens(B=2, T=20, seed=4)
+    mask = np.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    writes = []
+
+    def run():
+        m = load("torchref", tiny_dir("gqa"), policy)
+        out = []
+        for rows in (slice(0, 2), slice(0, 1)):
+            logits, cache = m.prefill(ids[rows], mask[rows], 24)
+            out.append(np.asarray(logits, np.float32))
+            for t in range(3):
+                logits, cache = m.decode(cache, np.asarray(logits).argmax(-1))
+                out.append(np.asarray(logits, np.float32))
+        return out, cache
+
+    got, cache = run()
+    assert {c.dtype for c in cache["k"] + cache["v"]} == {want}
+    for c in cache["k"] + cache["v"]:
+        assert torch.equal(c, c.to(compute).to(c.dtype))
+    own = tm.Attention.write_slots
+    monkeypatch.setattr(tm.Attention, "write_slots",
+                        lambda self, index, T, S: writes.append(T) or own(self, index, T, S))
+    monkeypatch.setattr(ops, "cache_dtype", lambda policy, device: dt(policy.compute_dtype))
+    ref, ref_cache = run()
+    assert writes and {c.dtype for c in ref_cache["k"]} == {compute}
+    for a, b in zip(got, ref):
+        assert np.array_equal(a, b)
+    for a, b in zip(cache["k"] + cache["v"], ref_cache["k"] + ref_cache["v"]):
+        assert torch.equal(a.to(compute), b)
+
+
 def test_the_two_models_mirror_each_other(tiny_dir):
     """One name, one role in both files: the same classes, public functions and Attention
     seams, `model` the network (a Llama) with head_weight() a method, the same cache keys."""

@@ -102,10 +102,17 @@ class Attention(nn.Module):
             # a [B, Hkv, S, D] tensor per layer, written in place: attention reads each kv head's
             # keys as a strided view, no copy (jaxmodel: one [L, B, S, Hkv, D] array)
             k_all, v_all = cache.k[layer], cache.v[layer]
-            rows = torch.arange(B, device=x.device)[:, None]
-            slots = self.write_slots(cache.index, T, k_all.shape[2])
-            k_all[rows, :, slots], v_all[rows, :, slots] = self.stored(k), self.stored(v)
-            allowed = self.cache_allowed(ctx.allowed, cache.index)
+            start = _shared_start(cache.index, T, k_all.shape[2])
+            if start is not None and getattr(self.write_slots, "__func__", None) is _OWN_WRITE_SLOTS:
+                # the module's own slots (no control replaced the seam), every row's from one slot
+                # the host knows: one block of the cache, as the scatter writes it (_shared_start)
+                k_all[:, :, start:start + T] = self.stored(k).transpose(1, 2)
+                v_all[:, :, start:start + T] = self.stored(v).transpose(1, 2)
+            else:
+                rows = torch.arange(B, device=x.device)[:, None]
+                slots = self.write_slots(_index_tensor(cache.index, x.device), T, k_all.shape[2])
+                k_all[rows, :, slots], v_all[rows, :, slots] = self.stored(k), self.stored(v)
+            allowed = self.cache_allowed(ctx.allowed, _index_tensor(cache.index, x.device))
             S = allowed.shape[-1]  # the slots this call may see (all of them by default)
             k, v = k_all[:, :, :S].transpose(1, 2), v_all[:, :, :S].transpose(1, 2)
         if ctx.causal_from is not None and allowed is ctx.allowed and self.ops.attention is ops.attention:
@@ -134,6 +141,28 @@ class Attention(nn.Module):
     def cache_allowed(self, allowed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The mask [B, T, S] over the cache this call attends with: the call's own."""
         return allowed
+
+
+# write_slots as defined here: a seam replaced on the instance or on the class (a control, a test)
+# is not this function, and its slots go through the scatter
+_OWN_WRITE_SLOTS = Attention.write_slots
+
+
+def _shared_start(index, T: int, S: int) -> int | None:
+    """The slot every row's T new keys start at when the cache's index is a numpy array (the
+    host's: prefill's zeros, a decode step's slot), the same for every row with room for the T
+    keys; else None. Then Attention.write_slots' slots (index[b] + t) are one block of the
+    cache, written as a slice: the same values as the scatter, without its index tensors (a
+    batch-1 decode step's 60 scatters cost about 1 ms on a Zen 4; docs/measurements.md)."""
+    if not isinstance(index, np.ndarray) or index.size == 0 or (index != index.flat[0]).any():
+        return None
+    start = int(index.flat[0])
+    return start if 0 <= start and start + T <= S else None
+
+
+def _index_tensor(index, device) -> torch.Tensor:
+    """KV.index as the seams take it: a tensor [B]."""
+    return torch.as_tensor(index, device=device) if isinstance(index, np.ndarray) else index
 
 
 class MLP(nn.Module):
@@ -254,11 +283,14 @@ def checkpoint_key(name: str) -> str:
 
 
 def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions: torch.Tensor):
-    """cos, sin [B, T, head_dim] for positions [B, T] (dynamic NTK reads the longest)."""
+    """cos, sin [B, T, head_dim] for positions [B, T] (dynamic NTK reads the longest), computed in
+    rope_dtype and rounded to compute_dtype, the dtype of the queries and keys apply_rope rounds
+    them to: once per call here, not twice a layer there (the same values; HF's rotary embedding
+    also rounds its tables once)."""
     rope = dt(policy.rope_dtype)
     inv_freq = ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, int(positions.max()) + 1,
                                  rope).to(positions.device)
-    return ops.rope_cos_sin(inv_freq, positions, rope)
+    return tuple(t.to(dt(policy.compute_dtype)) for t in ops.rope_cos_sin(inv_freq, positions, rope))
 
 
 def head_logits(x: torch.Tensor, head: torch.Tensor, ops, policy: Policy) -> torch.Tensor:
@@ -337,11 +369,15 @@ class LlamaModel(nn.Module):
     # jaxmodel; batch-invariant mode keeps lens [B] in place of the last three.
 
     def _empty_cache(self, B: int, S: int) -> KV:
-        cfg, compute = self.cfg, dt(self.policy.compute_dtype)
+        """Keys and values in compute_dtype, or widened where attention widens them
+        (ops.cache_dtype: the same values in f32; not in batch-invariant mode); the write index
+        on the host (numpy zeros: _shared_start)."""
+        cfg, policy = self.cfg, self.policy
+        dtype = dt(policy.compute_dtype) if self.batch_invariant else ops.cache_dtype(policy, self.device)
         shape = (B, cfg.num_key_value_heads, S, cfg.head_dim)
-        zeros = [[torch.zeros(shape, dtype=compute, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        zeros = [[torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
                  for _ in "kv"]
-        return KV(*zeros, torch.zeros(B, dtype=torch.long, device=self.device))
+        return KV(*zeros, np.zeros(B, np.int64))
 
     @torch.inference_mode()
     def prefill(self, ids: np.ndarray, mask: np.ndarray, total_len: int, inject=None):
@@ -402,7 +438,7 @@ class LlamaModel(nn.Module):
         next_ids = check_next_ids(self.cfg, next_ids, B, i, S)
         forced = {k: self._tensor(x) for k, x in check_inject(self.cfg, inject, (B, 1)).items()}
         cache["mask"][:, i] = True
-        kv = KV(cache["k"], cache["v"], torch.full((B,), i, device=self.device))
+        kv = KV(cache["k"], cache["v"], np.full(B, i, np.int64))
         with matmul_settings(self.policy):
             logits, acts, _ = self.model(self._tensor(next_ids)[:, None], cache["next_pos"][:, None],
                                          causal_allowed(cache["mask"], 1, i), names, cache=kv, inject=forced)

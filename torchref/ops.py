@@ -111,15 +111,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     rows = x.numel() // max(x.shape[-1], 1)
     # the operands rounded to compute_dtype (no-ops where they are held in it; a policy whose
     # param_dtype is wider needs them), then, where the product widens, widened exactly
-    x, w, b = x.to(compute), w.to(compute), None if b is None else b.to(compute)
+    x, w, b = _as(x, compute), _as(w, compute), None if b is None else _as(b, compute)
     dtype = accum if _widens(compute, accum, out, rows, x.device) else compute
-    x, w, b = x.to(dtype), _widened(w, dtype), None if b is None else b.to(dtype)
+    x, w, b = _as(x, dtype), _widened(w, dtype), None if b is None else _as(b, dtype)
     if _few_f32_rows(dtype, rows, x.device):
         y = _linear_by_row_blocks(x, w, b)
     else:
         with _one_row_kernel(rows, dtype, x.device):
             y = torch.nn.functional.linear(x, w, b)
-    return y.to(out)
+    return _as(y, out)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t.to(dtype), without torch's dispatch when t already is (about 1 us a call, and linear
+    makes four such calls a product: a decode step's 210 products, 0.7 ms on a Zen 4)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = None) -> list[torch.Tensor]:
@@ -196,6 +202,21 @@ def _widens(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, rows: in
         return True
     return (compute in _HALF and accum != compute and device.type == "cpu" and rows >= WIDE_MIN_ROWS
             and not hardware_products(compute))
+
+
+def cache_dtype(policy: Policy, device: torch.device) -> torch.dtype:
+    """The dtype the KV cache keeps keys and values in: compute_dtype, except where attention's
+    products widen 16-bit operands (a bf16/fp16 policy with f32 sums on a CPU without hardware
+    products for it: _widens, for products of WIDE_MIN_ROWS rows or more, as a decode step's
+    G query heads of each kv head mostly are): there f32, holding the same compute_dtype values,
+    so that no step widens the whole cache again. The same bits (widening is exact, and a product
+    that does not widen rounds them back exactly); twice the cache's memory. A batch-1 decode step
+    of SmolLM2 widened 60 caches of 168 slots, about 2.5 ms of its 35 on a Zen 4 under an AVX2
+    cap (docs/measurements.md). Decided by the policy and the CPU, as hardware_products."""
+    compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
+    if compute in _HALF and accum == torch.float32 and device.type == "cpu" and not hardware_products(compute):
+        return accum
+    return compute
 
 
 @contextlib.contextmanager
