@@ -40,8 +40,8 @@ class Context(NamedTuple):
     # A static int c where `allowed` promises causality: allowed[b, t, s] only for s <= c + t (the
     # masks model.causal_allowed builds with a fixed first query slot); None: no promise. jaxmodel
     # then reads each block of queries' keys only up to the last one the promise leaves
-    # (ops.causal_attention); torchref reads the cut from the mask itself, and runs a long unpadded
-    # prompt from slot 0 as one causal kernel call (its ops.causal_attention).
+    # (ops.causal_attention); torchref reads the cut (and whether the mask is a plain prompt's,
+    # ops.plain_causal) from the mask itself and ignores it.
     causal_from: int | None = None
 
 

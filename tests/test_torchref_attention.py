@@ -10,7 +10,6 @@ rule that picks the path; the path is forced with $LLAMA_PARITY_TORCHREF_ATTENTI
 the same on any CPU.
 """
 
-import types
 
 import numpy as np
 import pytest
@@ -188,14 +187,16 @@ def test_fill_starts_at_the_first_hidden_key(monkeypatch):
                 monkeypatch.setattr(ops, "first_hidden", real)
 
 
-def test_unpadded_long_prompt_is_one_causal_kernel_call(tiny_dir, monkeypatch):
-    """causal_attention: a long prompt from slot 0 without padding (forward, prefill, the layer
-    stream) runs torch's kernel once per layer with is_causal over the prompt's own keys (spy),
-    a padded batch runs attention()'s blocks, and a control's attention (ops replaced on one
-    layer) keeps its own path. At fp64 (forced fused) the causal call is the separate ops' result
-    to f64 rounding, the kernel's NaN of a key reaches only the queries that see it; at fp32 the
-    model's logits agree with the separate ops to f32 rounding, prefill's last logits with the
-    forward's."""
+def test_plain_long_prompt_is_one_causal_kernel_call(tiny_dir, monkeypatch):
+    """A long prompt from slot 0 without padding (plain_causal, read from the mask) runs torch's
+    kernel once per layer with is_causal over the prompt's own keys (spy): forward, prefill (its
+    cache's empty slots hidden), the layer stream. A padded batch, a prompt after earlier slots,
+    a mask with one more key or one less, and a non-causal mask that a bug in causal_allowed would
+    build run attention()'s blocks with their masks. At fp64 (forced fused) the causal call is the
+    separate ops' result to f64 rounding, and a key's NaN reaches only the queries that see it; at
+    fp32 the model's logits agree with the separate ops to f32 rounding, prefill's last logits
+    with the forward's."""
+    import torchref.model as tm
     calls = []
     real = torch.nn.functional.scaled_dot_product_attention
 
@@ -208,24 +209,28 @@ def test_unpadded_long_prompt_is_one_causal_kernel_call(tiny_dir, monkeypatch):
     # the op alone, at f64: causal mask over the first T of S slots (the rest empty, as a prefill's cache)
     T, S = 12, 15
     q, k, v = qkv(T, S)
-    allowed = torch.ones(T, S, dtype=torch.bool).tril()[None].repeat(2, 1, 1)
+    plain = torch.ones(T, S, dtype=torch.bool).tril()[None].repeat(2, 1, 1)
+    fp64 = Policy.get("fp64")
     monkeypatch.setenv(ops.ATTENTION_ENV, "fused")
-    got = ops.causal_attention(q, k, v, allowed, Policy.get("fp64"), 0)
+    assert ops.plain_causal(plain) and ops.plain_causal(plain[:, :, :T]) and not ops.plain_causal(plain[:, 1:])
+    got = ops.attention(q, k, v, plain, fp64)
     assert calls == [(T, True)]
-    want = ops.block_attention(q, k, v, allowed, Policy.get("fp64"))
-    assert float((got - want).abs().max()) <= F64_BOUND
-    calls.clear()
-    from_2 = torch.ones(T, S, dtype=torch.bool).tril(2)[None].repeat(2, 1, 1)   # queries at slots 2..13
-    for name, mask in (("padded", allowed.clone()), ("from slot 2", from_2)):
-        if name == "padded":
-            mask[1, :, :3] = False
-        ops.causal_attention(q, k, v, mask, Policy.get("fp64"), 0 if name == "padded" else 2)
-        assert calls and not any(c for _, c in calls), name          # the blocks, with their masks
+    assert float((got - ops.block_attention(q, k, v, plain, fp64)).abs().max()) <= F64_BOUND
+    padded, more, less = plain.clone(), plain.clone(), plain.clone()
+    padded[1, :, :3] = False
+    more[0, 4, 5] = True
+    less[1, 7, 2] = False
+    others = {"padded": padded, "one more key": more, "one less key": less,
+              "after slot 2": torch.ones(T, S, dtype=torch.bool).tril(2)[None].repeat(2, 1, 1)}
+    for name, mask in others.items():
         calls.clear()
+        assert not ops.plain_causal(mask), name
+        got = ops.attention(q, k, v, mask, fp64)
+        assert calls and not any(c for _, c in calls), name          # the blocks, with their masks
+        assert float((got - ops.block_attention(q, k, v, mask, fp64)).abs().max()) <= F64_BOUND, name
     k[0, 5, 1, 3] = float("nan")
-    out = ops.causal_attention(q, k, v, allowed, Policy.get("fp64"), 0)
-    assert bool(out[0, 5:, 2:].isnan().all()) and bool(out[1].isfinite().all())
-    assert bool(out[0, :5].isfinite().all())
+    out = ops.attention(q, k, v, plain, fp64)
+    assert bool(out[0, 5:, 2:].isnan().all()) and bool(out[0, :5].isfinite().all()) and bool(out[1].isfinite().all())
     calls.clear()
 
     # the model at fp32, auto
@@ -243,12 +248,12 @@ def test_unpadded_long_prompt_is_one_causal_kernel_call(tiny_dir, monkeypatch):
     runner = LayerRunner(m.cfg, "fp32")
     runner.start(ids, np.ones_like(ids))
     weights = m.weights()
-    h = runner.block(0, weights, runner.embed(weights["model.embed_tokens.weight"][ids]))["layers.0.out"]
+    runner.block(0, weights, runner.embed(weights["model.embed_tokens.weight"][ids]))
     assert calls == [(12, True)]
     calls.clear()
-    padded = np.ones_like(ids)
-    padded[1, :2] = 0
-    m(ids, attention_mask=padded)
+    mask = np.ones_like(ids)
+    mask[1, :2] = 0
+    m(ids, attention_mask=mask)
     assert len(calls) == 3 * layers and not any(c for _, c in calls)
     calls.clear()
     monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
@@ -256,7 +261,7 @@ def test_unpadded_long_prompt_is_one_causal_kernel_call(tiny_dir, monkeypatch):
     assert not calls
     assert np.linalg.norm(fused - separate) <= 1e-5 * np.linalg.norm(separate)
     monkeypatch.setenv(ops.ATTENTION_ENV, "auto")
-    attn = m.model.layers[1].self_attn
-    monkeypatch.setattr(attn, "ops", types.SimpleNamespace(**{**vars(ops), "attention": lambda *a: ops.attention(*a)}))
-    m(ids)
-    assert calls.count((12, True)) == layers - 1 and len(calls) == layers - 1 + 3
+    real_allowed = tm.causal_allowed
+    monkeypatch.setattr(tm, "causal_allowed", lambda mask, n, first=0: real_allowed(mask, n, first) | True)
+    m(ids)                                                       # a bug: every query sees every key
+    assert len(calls) == 3 * layers and not any(c for _, c in calls)

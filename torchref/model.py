@@ -115,13 +115,7 @@ class Attention(nn.Module):
             allowed = self.cache_allowed(ctx.allowed, _index_tensor(cache.index, x.device))
             S = allowed.shape[-1]  # the slots this call may see (all of them by default)
             k, v = k_all[:, :, :S].transpose(1, 2), v_all[:, :, :S].transpose(1, 2)
-        if ctx.causal_from is not None and allowed is ctx.allowed and self.ops.attention is ops.attention:
-            # the call's own causal mask (no seam changed it) and the module's own attention (no
-            # control replaced it), as jaxmodel's Attention
-            out = ops.causal_attention(q, k, v, allowed, ctx.policy, ctx.causal_from)
-        else:
-            out = self.ops.attention(q, k, v, allowed, ctx.policy)
-        out = rec("attn_ctx", out.reshape(B, T, -1))
+        out = rec("attn_ctx", self.ops.attention(q, k, v, allowed, ctx.policy).reshape(B, T, -1))
         return self.o_proj(out, ctx.policy), cache
 
     # Seams: one step each of the cache path, which a planted-bug control may replace on one
@@ -253,19 +247,17 @@ class Llama(nn.Module):
         a time for a decode step's few rows)."""
         return (self.embed_tokens if self.lm_head is None else self.lm_head).weight
 
-    def forward(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None,
-                causal_from=None):
+    def forward(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None):
         """Embedding -> blocks -> final norm -> lm_head; returns (logits, {tap: activation}, cache).
 
         ids, positions [B, T]; allowed [B, T, S]. last [B]: logits for slot last[b] of each
-        row only. inject {i: h}: teacher forcing, layer i's input is replaced by h. causal_from:
-        Context.causal_from, where `allowed` is causal_allowed's (None: no promise).
+        row only. inject {i: h}: teacher forcing, layer i's input is replaced by h.
         """
         policy = self.policy
         residual = dt(policy.residual_dtype)
         rec = Recorder(taps)
         h = rec("embed", self.embed_tokens(ids).to(residual))
-        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions, causal_from)
+        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions)
         for i, block in enumerate(self.layers):
             if inject and i in inject:
                 h = inject[i].to(residual)
@@ -343,7 +335,7 @@ class LlamaModel(nn.Module):
         run = self._layout(ids, mask)
         with matmul_settings(self.policy):
             logits, _, _ = self.model(self._tensor(run.ids), self._tensor(run.positions).long(),
-                                      causal_allowed(self._tensor(run.mask), run.ids.shape[1]), causal_from=0)
+                                      causal_allowed(self._tensor(run.mask), run.ids.shape[1]))
         return self._tensor(run.restore(to_numpy(logits))) if self.batch_invariant else logits
 
     @torch.inference_mode()
@@ -360,7 +352,7 @@ class LlamaModel(nn.Module):
         with matmul_settings(self.policy):
             logits, acts, _ = self.model(self._tensor(run.ids), self._tensor(run.positions).long(),
                                          causal_allowed(self._tensor(run.mask), run.ids.shape[1]), names,
-                                         inject=forced, causal_from=0)
+                                         inject=forced)
         return run.restore(to_numpy(logits)), {n: run.restore(to_numpy(acts[n])) for n in names}
 
     # ----- generation ----------------------------------------------------------------
@@ -408,8 +400,7 @@ class LlamaModel(nn.Module):
         last = torch.full((B,), T - 1, device=self.device)
         with matmul_settings(self.policy):
             logits, acts, _ = self.model(self._tensor(ids), self._tensor(positions_from_mask(mask)).long(),
-                                         causal_allowed(cache["mask"], T), names, cache=kv, last=last, inject=forced,
-                                         causal_from=0)
+                                         causal_allowed(cache["mask"], T), names, cache=kv, last=last, inject=forced)
         return to_numpy(logits[:, -1]), cache, {n: to_numpy(acts[n]).copy() for n in names}
 
     @torch.inference_mode()
@@ -511,7 +502,7 @@ class LayerRunner:
         positions = self._tensor(positions_from_mask(mask)).long()
         allowed = causal_allowed(self._tensor(mask), ids.shape[1])
         self.ctx = Context(*rope_tables(self.cfg, self.policy, self.module.ops, positions), allowed, self.policy,
-                           positions, causal_from=0)
+                           positions)
 
     @torch.inference_mode()
     def embed(self, rows: np.ndarray) -> np.ndarray:

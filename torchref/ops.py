@@ -315,12 +315,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     query of the block: their probabilities are exactly 0, so only the grouping of the sums over
     keys changes (drift; the tests hold it to rounding). A block with a query that may see
     nothing (a padding position) reads every key, so that query averages all S values as one
-    block would. Where fused_attention_applies, a long prompt's blocks run as fused_block.
+    block would. Where fused_attention_applies, a long prompt's blocks run as fused_block, and a
+    prompt from slot 0 without padding (plain_causal) as one fused_causal call.
     """
     T = q.shape[1]
     if T < 2 * QUERY_BLOCK:
         return block_attention(q, k, v, allowed, policy)
     fused = fused_attention_applies(policy, q.device)
+    if fused and k.shape[1] >= T and plain_causal(allowed):
+        return fused_causal(q, k[:, :T], v[:, :T], policy)
     hiddens = itertools.repeat(0) if fused else first_hidden(allowed)   # the kernel reads the whole mask
     out = []
     for a, n, hidden in zip(range(0, T, QUERY_BLOCK), keys_read(allowed), hiddens):
@@ -329,23 +332,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     return torch.cat(out, dim=1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                     policy: Policy, causal_from: int) -> torch.Tensor:
-    """attention() over the mask model.causal_allowed builds (Context.causal_from: query t at
-    slot causal_from + t sees the real tokens up to its own slot). A long prompt (2 * QUERY_BLOCK
-    queries or more) from slot 0 whose rows hold no padding, where fused_attention_applies, is
-    one call of torch's fused kernel over its first T keys with is_causal (fused_causal: the call
-    transformers' sdpa attention makes); everything else is attention().
+def plain_causal(allowed: torch.Tensor) -> bool:
+    """Whether allowed [B, T, S] is a prompt's causal mask from slot 0 without padding: in every
+    row, query t may see keys 0..t and nothing else (slots T.. hidden). Read from the mask (its
+    bytes against the lower triangle; 2 ms at 2048 x 2049 on a Zen 4), not taken on trust, so a
+    mask that a seam, a control or a bug changed never runs as is_causal. The answer for the last
+    mask asked about is kept while it lives (the layers of one call share their mask; masks are
+    never changed in place)."""
+    last = _PLAIN[0]
+    if last is not None and last[0]() is allowed:
+        return last[1]
+    B, T, S = allowed.shape
+    answer = S >= T and torch.equal(allowed.bool().view(torch.uint8),
+                                    torch.ones(T, S, dtype=torch.uint8, device=allowed.device).tril().expand(B, T, S))
+    _PLAIN[0] = (weakref.ref(allowed), answer)
+    return answer
 
-    No padding: the mask is causal_allowed's, so the last query's row holds each row's slot mask
-    up to slot T - 1; all set, query t sees exactly keys 0..t, is_causal's mask. (attention()'s
-    blocks of queries with their masks spent half again the kernel's time on such a prompt: the
-    masks built per block, the kernel's tiles cut at each block; docs/measurements.md.)"""
-    T = q.shape[1]
-    if (causal_from == 0 and T >= 2 * QUERY_BLOCK and k.shape[1] >= T and fused_attention_applies(policy, q.device)
-            and bool(allowed[:, -1, :T].all())):
-        return fused_causal(q, k[:, :T], v[:, :T], policy)
-    return attention(q, k, v, allowed, policy)
+
+_PLAIN: list = [None]   # (weak ref to the last mask plain_causal read, its answer)
 
 
 def fused_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy) -> torch.Tensor:
