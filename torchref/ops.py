@@ -3,8 +3,9 @@
 jaxmodel/ops.py has the same functions with the same names; the two files differ only
 in the framework, and in that torchref's attention runs a long prompt in blocks of queries
 (its block_attention is jaxmodel's attention; at f32 policies each block goes through torch's
-fused kernel, fused_block). Numerics follow transformers' LlamaForCausalLM (eager attention):
-RoPE half-split layout, scores = (q @ k^T) * scale, mask then softmax.
+fused kernel, fused_block, and a plain prompt is one fused_causal call). Numerics follow
+transformers' LlamaForCausalLM (eager attention): RoPE half-split layout, scores =
+(q @ k^T) * scale, mask then softmax.
 """
 
 from __future__ import annotations
@@ -371,10 +372,11 @@ ATTENTION_ENV = "LLAMA_PARITY_TORCHREF_ATTENTION"
 
 def fused_attention_applies(policy: Policy, device: torch.device) -> bool:
     """Whether attention runs the blocks of a long prompt (2 * QUERY_BLOCK queries or more) as
-    fused_block (torch's fused kernel) instead of block_attention's separate products, mask and
-    softmax. Shorter calls (short prompts, decode steps) always run block_attention: their
-    attention is a small part of their time (SmolLM2, 128 tokens: the same time either way), and
-    there torchref's f32 attention keeps transformers' eager arithmetic.
+    fused_block (torch's fused kernel; a plain prompt as one fused_causal call) instead of
+    block_attention's separate products, mask and softmax. Shorter calls (short prompts, decode
+    steps) always run block_attention: their attention is a small part of their time (SmolLM2,
+    128 tokens: the same time either way), and there torchref's f32 attention keeps
+    transformers' eager arithmetic.
 
     auto: on the CPU, for a policy whose attention is f32 throughout (compute, accumulation and
     softmax in f32, IEEE products: fp32, bf16w-f32), where the kernel computes what the policy
