@@ -38,7 +38,7 @@ from jax import lax
 
 from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, generate, load_weights, positions_from_mask
 from llamaspec import taps as tapnames
-from llamaspec.forward import KV, Context, Recorder
+from llamaspec.forward import KV, Context, Recorder, shared_start
 from llamaspec.inputs import Layout, bucket_length, check_inject, check_next_ids, check_prefill, front_padded, layout
 
 from . import invariant, ops, sharding
@@ -330,15 +330,9 @@ _OWN_WRITE_SLOTS = Attention.write_slots
 
 
 def _shared_start(index, T: int, S: int) -> int | None:
-    """The slot every row's T new keys start at when the cache's index is known while tracing
-    (a numpy array: _empty_cache's zeros), is the same for every row and leaves room for them;
-    else None. Then Attention.write_slots' slots (index[b] + t) are one block of the cache, and
-    writing it as such is the same as the scatter. XLA:CPU runs a scatter as a loop over its
-    B * T rows, several ops a step: a 2048-token prefill ran 2 x 30 loops of 2048 steps."""
-    if T == 1 or not isinstance(index, np.ndarray) or index.size == 0 or (index != index.flat[0]).any():
-        return None
-    start = int(index.flat[0])
-    return start if 0 <= start and start + T <= S else None
+    """llamaspec.forward.shared_start for a call of 2 or more new tokens (a prefill; a 2048-token
+    prefill's scatter ran 2 x 30 loops of 2048 steps); a one-token call keeps the scatter."""
+    return None if T == 1 else shared_start(index, T, S)
 
 
 class MLP(nnx.Module):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .policy import Policy
 
 
@@ -53,6 +55,19 @@ class KV(NamedTuple):
     k: Any
     v: Any
     index: Any
+
+
+def shared_start(index, T: int, S: int) -> int | None:
+    """The slot every row's T new keys start at when KV.index is known on the host (a numpy
+    array: a fresh cache's zeros, torchref's decode slot), the same for every row, with room for
+    the T keys in a cache of S slots; else None. Then Attention.write_slots' slots (index[b] + t)
+    are one block of the cache, and both models write it as such (the same values as the
+    scatter): XLA:CPU runs a scatter as a loop over its B * T rows, torch's costs index tensors
+    per layer (docs/measurements.md)."""
+    if not isinstance(index, np.ndarray) or index.size == 0 or (index != index.flat[0]).any():
+        return None
+    start = int(index.flat[0])
+    return start if 0 <= start and start + T <= S else None
 
 
 def scale_queries(scale: float, compute_dtype: str) -> bool:

@@ -607,7 +607,11 @@ def test_torchref_cache_widened_and_written_as_one_block(tiny_dir, monkeypatch, 
                 out.append(np.asarray(logits, np.float32))
         return out, cache
 
+    starts = []
+    real_start = tm.shared_start
+    monkeypatch.setattr(tm, "shared_start", lambda *a: starts.append(real_start(*a)) or starts[-1])
     got, cache = run()
+    assert starts and None not in starts                     # every write of the default run is a slice
     assert {c.dtype for c in cache["k"] + cache["v"]} == {want}
     for c in cache["k"] + cache["v"]:
         assert torch.equal(c, c.to(compute).to(c.dtype))

@@ -25,7 +25,7 @@ from torch import nn
 from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, load_weights, positions_from_mask
 from llamaspec import generate as run_generation
 from llamaspec import taps as tapnames
-from llamaspec.forward import KV, Context, Recorder
+from llamaspec.forward import KV, Context, Recorder, shared_start
 from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill, layout
 
 from . import invariant, ops
@@ -102,17 +102,19 @@ class Attention(nn.Module):
             # a [B, Hkv, S, D] tensor per layer, written in place: attention reads each kv head's
             # keys as a strided view, no copy (jaxmodel: one [L, B, S, Hkv, D] array)
             k_all, v_all = cache.k[layer], cache.v[layer]
-            start = _shared_start(cache.index, T, k_all.shape[2])
+            start = shared_start(cache.index, T, k_all.shape[2])
+            index = _index_tensor(cache.index, x.device)
             if start is not None and getattr(self.write_slots, "__func__", None) is _OWN_WRITE_SLOTS:
                 # the module's own slots (no control replaced the seam), every row's from one slot
-                # the host knows: one block of the cache, as the scatter writes it (_shared_start)
+                # the host knows: one block of the cache, as the scatter writes it (shared_start;
+                # a batch-1 decode step's 60 scatters cost about 1 ms on a Zen 4)
                 k_all[:, :, start:start + T] = self.stored(k).transpose(1, 2)
                 v_all[:, :, start:start + T] = self.stored(v).transpose(1, 2)
             else:
                 rows = torch.arange(B, device=x.device)[:, None]
-                slots = self.write_slots(_index_tensor(cache.index, x.device), T, k_all.shape[2])
+                slots = self.write_slots(index, T, k_all.shape[2])
                 k_all[rows, :, slots], v_all[rows, :, slots] = self.stored(k), self.stored(v)
-            allowed = self.cache_allowed(ctx.allowed, _index_tensor(cache.index, x.device))
+            allowed = self.cache_allowed(ctx.allowed, index)
             S = allowed.shape[-1]  # the slots this call may see (all of them by default)
             k, v = k_all[:, :, :S].transpose(1, 2), v_all[:, :, :S].transpose(1, 2)
         out = rec("attn_ctx", self.ops.attention(q, k, v, allowed, ctx.policy).reshape(B, T, -1))
@@ -140,18 +142,6 @@ class Attention(nn.Module):
 # write_slots as defined here: a seam replaced on the instance or on the class (a control, a test)
 # is not this function, and its slots go through the scatter
 _OWN_WRITE_SLOTS = Attention.write_slots
-
-
-def _shared_start(index, T: int, S: int) -> int | None:
-    """The slot every row's T new keys start at when the cache's index is a numpy array (the
-    host's: prefill's zeros, a decode step's slot), the same for every row with room for the T
-    keys; else None. Then Attention.write_slots' slots (index[b] + t) are one block of the
-    cache, written as a slice: the same values as the scatter, without its index tensors (a
-    batch-1 decode step's 60 scatters cost about 1 ms on a Zen 4; docs/measurements.md)."""
-    if not isinstance(index, np.ndarray) or index.size == 0 or (index != index.flat[0]).any():
-        return None
-    start = int(index.flat[0])
-    return start if 0 <= start and start + T <= S else None
 
 
 def _index_tensor(index, device) -> torch.Tensor:
@@ -363,7 +353,7 @@ class LlamaModel(nn.Module):
     def _empty_cache(self, B: int, S: int) -> KV:
         """Keys and values in compute_dtype, or widened where attention widens them
         (ops.cache_dtype: the same values in f32; not in batch-invariant mode); the write index
-        on the host (numpy zeros: _shared_start)."""
+        on the host (numpy zeros: llamaspec.forward.shared_start)."""
         cfg, policy = self.cfg, self.policy
         dtype = dt(policy.compute_dtype) if self.batch_invariant else ops.cache_dtype(policy, self.device)
         shape = (B, cfg.num_key_value_heads, S, cfg.head_dim)

@@ -207,17 +207,15 @@ def _widens(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, rows: in
 
 def cache_dtype(policy: Policy, device: torch.device) -> torch.dtype:
     """The dtype the KV cache keeps keys and values in: compute_dtype, except where attention's
-    products widen 16-bit operands (a bf16/fp16 policy with f32 sums on a CPU without hardware
-    products for it: _widens, for products of WIDE_MIN_ROWS rows or more, as a decode step's
-    G query heads of each kv head mostly are): there f32, holding the same compute_dtype values,
+    products widen them (_widens, for products of WIDE_MIN_ROWS rows or more, as a decode step's
+    G query heads of each kv head mostly are: a bf16/fp16 policy with f32 sums on a CPU without
+    hardware products for it): there accum_dtype, holding the same compute_dtype values,
     so that no step widens the whole cache again. The same bits (widening is exact, and a product
     that does not widen rounds them back exactly); twice the cache's memory. A batch-1 decode step
     of SmolLM2 widened 60 caches of 168 slots, about 2.5 ms of its 35 on a Zen 4 under an AVX2
     cap (docs/measurements.md). Decided by the policy and the CPU, as hardware_products."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
-    if compute in _HALF and accum == torch.float32 and device.type == "cpu" and not hardware_products(compute):
-        return accum
-    return compute
+    return accum if _widens(compute, accum, compute, WIDE_MIN_ROWS, device) else compute
 
 
 @contextlib.contextmanager
@@ -358,10 +356,16 @@ def fused_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Poli
     the kernel's own is_causal, no mask tensor; its tiles above the diagonal are skipped. q
     [B, T, Hq, D]; k, v [B, T, Hkv, D]. A NaN key or value reaches the queries that see it (a
     NaN value, as in fused_block, also others of its tile): never less NaN than block_attention."""
+    return _fused(q, k, v, policy, is_causal=True)
+
+
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, **mask) -> torch.Tensor:
+    """torch's scaled_dot_product_attention on [B, T, H, D] operands in compute_dtype, GQA's
+    groups as they are, the mask given as the kernel takes it (attn_mask= or is_causal=)."""
     dtype = dt(policy.compute_dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.to(dtype).transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2), is_causal=True,
-        scale=q.shape[-1] ** -0.5, enable_gqa=True)
+        q.to(dtype).transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2),
+        scale=q.shape[-1] ** -0.5, enable_gqa=True, **mask)
     return out.transpose(1, 2)
 
 
@@ -414,10 +418,7 @@ def fused_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torc
     if not bool(allowed.all()):
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]      # [B, 1, T, S]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.to(dtype).transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2), attn_mask=mask,
-        scale=q.shape[-1] ** -0.5, enable_gqa=True)
-    return out.transpose(1, 2)
+    return _fused(q, k, v, policy, attn_mask=mask)
 
 
 def keys_read(allowed: torch.Tensor) -> list[int]:
