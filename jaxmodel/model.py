@@ -563,6 +563,7 @@ class LayerRunner:
         ids, mask = check_tokens(self.cfg, ids, mask)
         cos, sin = _piece_programs(self.cfg, self.policy)[0](positions_from_mask(mask))
         self.tables = (cos, sin, causal_allowed(jnp.asarray(mask), ids.shape[1]))
+        self.causal_from = causal_promise(mask, ids.shape[1], self.policy)
 
     def embed(self, rows) -> np.ndarray:
         """The embedding tap from the table's rows of the batch's ids ([B, T, hidden]):
@@ -575,8 +576,8 @@ class LayerRunner:
         block = scan_block(Block(self.cfg, weights, i, self.dtype, ops, self.policy))   # as the forward's scan
         graphdef, state = nnx.split(block)
         names = tuple(sorted({tapnames.parse(t)[1] for t in taps} | {"out"}))
-        acts = _block_program(graphdef, self.policy, names)(state, jnp.asarray(to_residual(h, self.policy)),
-                                                             *self.tables)
+        acts = _block_program(graphdef, self.policy, names, self.causal_from)(
+            state, jnp.asarray(to_residual(h, self.policy)), *self.tables)
         return {f"layers.{i}.{n}": np.asarray(a) for n, a in acts.items()}
 
     def final_norm(self, weight, h) -> np.ndarray:
@@ -594,14 +595,16 @@ class LayerRunner:
 
 
 @functools.lru_cache(maxsize=16)
-def _block_program(graphdef, policy: Policy, names: tuple):
-    """One jitted Block for a structure and a set of tap names; jit compiles once per shape."""
+def _block_program(graphdef, policy: Policy, names: tuple, causal_from: int | None):
+    """One jitted Block for a structure, a set of tap names and the causal promise of its mask
+    (causal_promise); jit compiles once per shape."""
     resid = of(policy.residual_dtype)
 
     def run(state, h, cos, sin, allowed):
         rec = Recorder(names)
-        # allowed is causal_allowed's (LayerRunner.start): the forward's causal promise, so the same blocks
-        nnx.merge(graphdef, state)(h.astype(resid), Context(cos, sin, allowed, policy, causal_from=0), rec, None, 0)
+        # allowed is causal_allowed's (LayerRunner.start), with the forward's promise: the same blocks
+        ctx = Context(cos, sin, allowed, policy, causal_from=causal_from)
+        nnx.merge(graphdef, state)(h.astype(resid), ctx, rec, None, 0)
         return rec.acts
     return jax.jit(run, compiler_options=compiler_options(False))
 
@@ -625,6 +628,27 @@ def causal_allowed(mask, n_queries: int, first_query_slot=0):
     return mask.astype(bool)[:, None, :] & (jnp.arange(S)[None, :] <= q_slot[:, None])[None]
 
 
+def causal_promise(slots, n_queries: int, policy: Policy) -> int | None:
+    """Context.causal_from for a call whose mask is causal_allowed(slots, n_queries) (slots [B, S]
+    on the host): 0, the promise that no query sees a key after its own slot, by which
+    ops.causal_attention's blocks leave out the keys after their last query; None where that
+    mask breaks it (a bug planted in causal_allowed, say: a query that also sees a later key), so
+    that attention reads every key and computes what the mask says instead of hiding the leak.
+    Read from the mask causal_allowed builds (one small program per shape), and only where the
+    promise cuts keys: XLA's attention over 2 * ops.QUERY_BLOCK queries or more
+    (ops.fused_attention reads the whole mask itself)."""
+    if n_queries < 2 * ops.QUERY_BLOCK or ops.fused_attention_applies(policy):
+        return 0
+    return None if bool(_breaks_promise(jnp.asarray(np.asarray(slots, bool)), n_queries)) else 0
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _breaks_promise(slots, n_queries: int):
+    """Whether causal_allowed(slots, n_queries) lets some query t see a key after slot t."""
+    after = jnp.arange(slots.shape[1])[None, :] > jnp.arange(n_queries)[:, None]
+    return (causal_allowed(slots, n_queries) & after[None]).any()
+
+
 def _whole(model, tree):
     """What a program hands back to its caller, whole on every device of the mesh (each
     process then reads it as numpy); as it is on one device."""
@@ -638,12 +662,12 @@ def _cache_out(model, cache: dict) -> dict:
     return {**_whole(model, {n: x for n, x in cache.items() if n not in kv}), **kv}
 
 
-def _forward(graphdef, state, stacked, ids, mask, positions, inject, *, taps):
+def _forward(graphdef, state, stacked, ids, mask, positions, inject, *, taps, causal_from=0):
     """The whole prompt through the blocks' lax.scan, over `stacked` (stack_layers; None: stacked
-    in the program)."""
+    in the program). causal_from: causal_promise's, for causal_allowed's mask."""
     model = nnx.merge(graphdef, state)
     logits, acts, _ = model(ids, positions, causal_allowed(mask, ids.shape[1]), taps=taps, inject=inject,
-                            scan=True, stacked=stacked, causal_from=0)
+                            scan=True, stacked=stacked, causal_from=causal_from)
     return _whole(model, (logits, acts))
 
 
@@ -657,21 +681,22 @@ def _empty_cache(model, B: int, S: int) -> KV:
     return KV(zeros, zeros, np.zeros(B, np.int32))     # numpy: known while tracing (_shared_start)
 
 
-def _prefill(graphdef, state, ids, mask, positions, inject=None, *, cache_len):
+def _prefill(graphdef, state, ids, mask, positions, inject=None, *, cache_len, causal_from=0):
     """inject {layer: [B, T, hidden]} or None: teacher forcing (jit compiles it apart)."""
-    logits, cache, _ = _prefill_taps(graphdef, state, ids, mask, positions, inject, cache_len=cache_len, taps=())
+    logits, cache, _ = _prefill_taps(graphdef, state, ids, mask, positions, inject, cache_len=cache_len, taps=(),
+                                     causal_from=causal_from)
     return logits, cache
 
 
-def _prefill_taps(graphdef, state, ids, mask, positions, inject, *, cache_len, taps):
+def _prefill_taps(graphdef, state, ids, mask, positions, inject, *, cache_len, taps, causal_from=0):
     """_prefill, also returning the prompt's activations {tap: [B, T, ...]} (unrolled layers:
-    per-layer names as asked)."""
+    per-layer names as asked). causal_from: causal_promise's, for causal_allowed's mask."""
     model = nnx.merge(graphdef, state)
     B, T = ids.shape
     slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
     logits, acts, kv = model(ids, positions, causal_allowed(slots, T), taps=taps,
                              cache=_empty_cache(model, B, cache_len), last=jnp.full(B, T - 1), inject=inject,
-                             causal_from=0)
+                             causal_from=causal_from)
     cache = {"k": kv.k, "v": kv.v, "mask": slots, "next_pos": mask.sum(1).astype(jnp.int32), "index": jnp.int32(T)}
     return _whole(model, logits[:, 0]), _cache_out(model, cache), _whole(model, acts)
 
@@ -728,8 +753,8 @@ def _programs(graphdef, batch_invariant: bool):
     jit = functools.partial(jax.jit, compiler_options=compiler_options(batch_invariant))
     prefill, decode = ((_prefill_invariant, _decode_invariant) if batch_invariant
                        else (_prefill, _decode))
-    return (jit(functools.partial(_forward, graphdef), static_argnames="taps"),
-            jit(functools.partial(prefill, graphdef), static_argnames="cache_len"),
+    return (jit(functools.partial(_forward, graphdef), static_argnames=("taps", "causal_from")),
+            jit(functools.partial(prefill, graphdef), static_argnames=("cache_len", "causal_from")),
             # the cache is donated: each step updates it in place instead of copying it
             jit(functools.partial(decode, graphdef), donate_argnums=1))
 
@@ -738,7 +763,7 @@ def _programs(graphdef, batch_invariant: bool):
 def _prefill_capture_program(graphdef):
     """The jitted _prefill_taps for one model structure (LlamaModel.prefill_capture)."""
     jit = functools.partial(jax.jit, compiler_options=compiler_options(False))
-    return jit(functools.partial(_prefill_taps, graphdef), static_argnames=("cache_len", "taps"))
+    return jit(functools.partial(_prefill_taps, graphdef), static_argnames=("cache_len", "taps", "causal_from"))
 
 
 @functools.lru_cache(maxsize=16)
@@ -815,6 +840,17 @@ class LlamaModel:
         """The run's ids, mask and positions, placed (_put)."""
         return tuple(map(self._put, (run.ids, run.mask, run.positions)))
 
+    def _promise(self, mask, n_queries: int, slots: int | None = None) -> dict:
+        """The causal_from keyword of a forward or prefill program whose mask is causal_allowed's of
+        the run's mask [B, T] (a prefill's: of that mask in the first T of `slots` cache slots), as
+        causal_promise reads it; none in batch-invariant mode (its attention makes no use of it)."""
+        if self.batch_invariant:
+            return {}
+        mask = np.asarray(mask, bool)
+        if slots is not None:
+            mask = np.pad(mask, ((0, 0), (0, slots - mask.shape[1])))
+        return {"causal_from": causal_promise(mask, n_queries, self.policy)}
+
     def _forced(self, forced: dict, run: Layout | None = None) -> dict:
         """inject's states in the residual dtype (rounded on the host), placed."""
         states = {i: to_residual(x if run is None else run.place(x), self.policy) for i, x in forced.items()}
@@ -860,7 +896,8 @@ class LlamaModel:
         """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
-        logits, _ = self._forward(self.state, self._stacked(), *self._inputs(run), {}, taps=())
+        logits, _ = self._forward(self.state, self._stacked(), *self._inputs(run), {}, taps=(),
+                                  **self._promise(run.mask, run.ids.shape[1]))
         return jnp.asarray(run.restore(logits)) if self.batch_invariant else logits
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
@@ -877,7 +914,8 @@ class LlamaModel:
         # is what every program returns, so asking for it alone runs the plain forward's program
         program_taps = tuple(sorted({n if tapnames.layer_of(n) is None
                                      else "layers.*." + tapnames.parse(n)[1] for n in names} - {"logits"}))
-        logits, acts = self._forward(self.state, self._stacked(), *self._inputs(run), forced, taps=program_taps)
+        logits, acts = self._forward(self.state, self._stacked(), *self._inputs(run), forced, taps=program_taps,
+                                     **self._promise(run.mask, run.ids.shape[1]))
         acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
         acts["logits"] = logits = np.asarray(logits)
         return run.restore(logits), {n: run.restore(_pick(acts, n)) for n in names}
@@ -889,20 +927,22 @@ class LlamaModel:
         program per set of injected layers; the cache holds the forced keys and values)."""
         shape, run, inputs, cache_len = self._prefill_inputs(ids, mask, total_len)
         forced = check_inject(self.cfg, inject, shape)
+        promise = self._promise(run.mask, run.ids.shape[1], cache_len)
         if not forced:
-            logits, cache = self._prefill(self.state, *inputs, cache_len=cache_len)
+            logits, cache = self._prefill(self.state, *inputs, cache_len=cache_len, **promise)
             return np.asarray(logits), cache
         if self.batch_invariant:
             raise NotImplementedError("prefill: inject is not taken in batch-invariant mode")
-        logits, cache = self._prefill(self.state, *inputs, self._forced(forced, run), cache_len=cache_len)
+        logits, cache = self._prefill(self.state, *inputs, self._forced(forced, run), cache_len=cache_len, **promise)
         return np.asarray(logits), cache
 
     def prefill_program_text(self, ids, mask, total_len: int) -> str:
         """The compiled HLO text of the program prefill runs for inputs of these shapes (with
         the call stack of every op in its metadata: bench/profile_ops.py reads it). Compiles,
         or loads from the compilation cache, as prefill would."""
-        _, _, inputs, cache_len = self._prefill_inputs(ids, mask, total_len)
-        return self._prefill.lower(self.state, *inputs, cache_len=cache_len).compile().as_text()
+        _, run, inputs, cache_len = self._prefill_inputs(ids, mask, total_len)
+        promise = self._promise(run.mask, run.ids.shape[1], cache_len)
+        return self._prefill.lower(self.state, *inputs, cache_len=cache_len, **promise).compile().as_text()
 
     def _prefill_inputs(self, ids, mask, total_len: int):
         """A prefill's prompt checked and laid out in its shape bucket: (the prompt's [B, T] shape,
@@ -922,7 +962,8 @@ class LlamaModel:
         shape, run, inputs, cache_len = self._prefill_inputs(ids, mask, total_len)
         forced = self._forced(check_inject(self.cfg, inject, shape), run)
         logits, cache, acts = _prefill_capture_program(self.graphdef)(
-            self.state, *inputs, forced, cache_len=cache_len, taps=tuple(names))
+            self.state, *inputs, forced, cache_len=cache_len, taps=tuple(names),
+            **self._promise(run.mask, run.ids.shape[1], cache_len))
         # per-slot taps back to the caller's slots; logits holds the last slot only
         return np.asarray(logits), cache, {n: np.asarray(acts[n]) if n in LAST_SLOT_TAPS else run.restore(acts[n])
                                            for n in names}

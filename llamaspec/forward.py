@@ -40,10 +40,11 @@ class Context(NamedTuple):
     policy: Policy
     positions: Any = None   # [B, T] ints, the tables' positions (for a seam that rebuilds them)
     # A static int c where `allowed` promises causality: allowed[b, t, s] only for s <= c + t (the
-    # masks model.causal_allowed builds with a fixed first query slot); None: no promise. jaxmodel
-    # then reads each block of queries' keys only up to the last one the promise leaves
-    # (ops.causal_attention); torchref reads the cut (and whether the mask is a plain prompt's,
-    # ops.plain_causal) from the mask itself and ignores it.
+    # masks model.causal_allowed builds with a fixed first query slot, once the host has read that
+    # the mask keeps it: jaxmodel.model.causal_promise); None: no promise. jaxmodel then reads each
+    # block of queries' keys only up to the last one the promise leaves (ops.causal_attention);
+    # torchref reads the cut (and whether the mask is a plain prompt's, ops.plain_causal) from the
+    # mask itself and ignores it.
     causal_from: int | None = None
 
 

@@ -536,6 +536,58 @@ def test_jaxmodel_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch,
     assert rel_l2(leaked[8], leaked[10 ** 6]) <= 1e-14 and rel_l2(leaked[8], steps1[:, 0]) > 1e-3
 
 
+@pytest.mark.parametrize("reach", [1, 9])
+def test_jaxmodel_query_blocks_honour_a_mask_that_breaks_the_causal_promise(tiny_dir, monkeypatch, request, reach):
+    """A bug planted in jaxmodel's own causal_allowed (each query also sees the key `reach`
+    slots after it) breaks the causal promise by which ops.causal_attention's blocks leave out
+    later keys. model.causal_promise reads the mask on the host and gives such a call no
+    promise, so its attention reads every key: with the blocks shrunk to 8 (42 tokens, fp64,
+    XLA's attention), the forward's, the prefill's and the streamed layers' outputs are the
+    one-block ones to rounding, the leak included (reach 9 crosses a block's bound, so the
+    blocks alone would have cut it for every query), and far from the honest model's. (The
+    prefill's leak also reaches its empty cache slots, so it is held to its own one-block run.)"""
+    import jaxmodel
+    import jaxmodel.model as jm
+    from jaxmodel import ops
+    from llamaspec import load_weights
+    request.addfinalizer(jm.clear_programs)
+    monkeypatch.setenv(ops.ATTENTION_ENV, "xla")
+    cfg, weights = load_weights(tiny_dir("gqa"))
+    ids = tokens(B=2, T=42, seed=3)
+    mask = np.ones_like(ids)
+
+    def run(block):
+        monkeypatch.setattr(ops, "QUERY_BLOCK", block)
+        jm.clear_programs()
+        m = jaxmodel.from_weights(cfg, weights, "fp64")
+        return np.asarray(m(ids, mask)), np.asarray(m.prefill(ids, mask, 44)[0])
+
+    def streamed(block):
+        monkeypatch.setattr(ops, "QUERY_BLOCK", block)
+        jm.clear_programs()
+        runner = jm.LayerRunner(cfg, "fp64")
+        runner.start(ids, mask)
+        h = runner.embed(weights["model.embed_tokens.weight"][ids])
+        for i in range(cfg.num_hidden_layers):
+            h = runner.block(i, {k: v for k, v in weights.items() if k.startswith(f"model.layers.{i}.")}, h)[
+                f"layers.{i}.out"]
+        return h
+
+    honest, _ = run(8)
+    honest_stream = streamed(8)
+    honest_causal = jm.causal_allowed
+
+    def leaky(slots, n_queries, first_query_slot=0):
+        allowed = honest_causal(slots, n_queries, first_query_slot)
+        return allowed.at[:, :, reach:].set(allowed[:, :, reach:] | allowed[:, :, :-reach])
+    monkeypatch.setattr(jm, "causal_allowed", leaky)
+    (fwd8, pre8), (fwd1, pre1) = run(8), run(10 ** 6)
+    assert rel_l2(fwd8, fwd1) <= 1e-13 and rel_l2(pre8, pre1) <= 1e-13
+    assert rel_l2(fwd8, honest) > 1e-3
+    stream8 = streamed(8)
+    assert rel_l2(stream8, streamed(10 ** 6)) <= 1e-13 and rel_l2(stream8, honest_stream) > 1e-3
+
+
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
 def test_jaxmodel_prefill_writes_the_prompt_to_its_cache_as_one_block(tiny_dir, monkeypatch, request, policy):
     """A prefill's keys and values go to the fresh cache one block per layer
