@@ -751,10 +751,11 @@ def _programs(graphdef, batch_invariant: bool):
     milliseconds, too much to pay on every decode step as a static argument.
     """
     jit = functools.partial(jax.jit, compiler_options=compiler_options(batch_invariant))
-    prefill, decode = ((_prefill_invariant, _decode_invariant) if batch_invariant
-                       else (_prefill, _decode))
+    # the invariant prefill makes no causal promise (LlamaModel._promise gives it none)
+    prefill, decode, prefill_static = (((_prefill_invariant, _decode_invariant, ("cache_len",)) if batch_invariant
+                                        else (_prefill, _decode, ("cache_len", "causal_from"))))
     return (jit(functools.partial(_forward, graphdef), static_argnames=("taps", "causal_from")),
-            jit(functools.partial(prefill, graphdef), static_argnames=("cache_len", "causal_from")),
+            jit(functools.partial(prefill, graphdef), static_argnames=prefill_static),
             # the cache is donated: each step updates it in place instead of copying it
             jit(functools.partial(decode, graphdef), donate_argnums=1))
 
