@@ -628,10 +628,11 @@ def causal_allowed(mask, n_queries: int, first_query_slot=0):
     return mask.astype(bool)[:, None, :] & (jnp.arange(S)[None, :] <= q_slot[:, None])[None]
 
 
-def causal_promise(slots, n_queries: int, policy: Policy) -> int | None:
-    """Context.causal_from for a call whose mask is causal_allowed(slots, n_queries) (slots [B, S]
-    on the host): 0, the promise that no query sees a key after its own slot, by which
-    ops.causal_attention's blocks leave out the keys after their last query; None where that
+def causal_promise(mask, n_queries: int, policy: Policy, slots: int | None = None) -> int | None:
+    """Context.causal_from for a call whose mask is causal_allowed of the host's mask [B, T] (a
+    prefill's: of that mask in the first T of `slots` cache slots) for n_queries queries: 0, the
+    promise that no query sees a key after its own slot, by which ops.causal_attention's blocks
+    leave out the keys after their last query; None where that
     mask breaks it (a bug planted in causal_allowed, say: a query that also sees a later key), so
     that attention reads every key and computes what the mask says instead of hiding the leak.
     Read from the mask causal_allowed builds (one small program per shape), and only where the
@@ -639,7 +640,10 @@ def causal_promise(slots, n_queries: int, policy: Policy) -> int | None:
     (ops.fused_attention reads the whole mask itself)."""
     if n_queries < 2 * ops.QUERY_BLOCK or ops.fused_attention_applies(policy):
         return 0
-    return None if bool(_breaks_promise(jnp.asarray(np.asarray(slots, bool)), n_queries)) else 0
+    mask = np.asarray(mask, bool)
+    if slots is not None:
+        mask = np.pad(mask, ((0, 0), (0, slots - mask.shape[1])))
+    return None if bool(_breaks_promise(jnp.asarray(mask), n_queries)) else 0
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -842,15 +846,9 @@ class LlamaModel:
         return tuple(map(self._put, (run.ids, run.mask, run.positions)))
 
     def _promise(self, mask, n_queries: int, slots: int | None = None) -> dict:
-        """The causal_from keyword of a forward or prefill program whose mask is causal_allowed's of
-        the run's mask [B, T] (a prefill's: of that mask in the first T of `slots` cache slots), as
-        causal_promise reads it; none in batch-invariant mode (its attention makes no use of it)."""
-        if self.batch_invariant:
-            return {}
-        mask = np.asarray(mask, bool)
-        if slots is not None:
-            mask = np.pad(mask, ((0, 0), (0, slots - mask.shape[1])))
-        return {"causal_from": causal_promise(mask, n_queries, self.policy)}
+        """The causal_from keyword of a forward or prefill program (causal_promise's reading of the
+        run's mask); none in batch-invariant mode (its attention makes no use of it)."""
+        return {} if self.batch_invariant else {"causal_from": causal_promise(mask, n_queries, self.policy, slots)}
 
     def _forced(self, forced: dict, run: Layout | None = None) -> dict:
         """inject's states in the residual dtype (rounded on the host), placed."""
