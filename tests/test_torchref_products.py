@@ -272,10 +272,61 @@ def test_attention_products_count_the_rows_of_every_matrix(monkeypatch):
         monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, choice)
         seen = []
         real = torch.matmul
-        monkeypatch.setattr(torch, "matmul", lambda a, b: seen.append((a.dtype, b.dtype)) or real(a, b))
+        monkeypatch.setattr(torch, "matmul", lambda a, b, **out: seen.append((a.dtype, b.dtype)) or real(a, b, **out))
         out[choice] = ops.attention(q, k, v, allowed, policy)
         monkeypatch.undo()
         want = torch.float32 if choice == "widened" else torch.bfloat16
         assert len(seen) == 2 and all(d == (want, want) for d in seen), (choice, seen)
     a, b = out["widened"].double(), out["native"].double()
     assert torch.linalg.norm(a - b) <= 2 ** -7 * torch.linalg.norm(b)
+
+
+def spelled_out_attention(q, k, v, allowed, policy):
+    """block_attention's arithmetic for a 16-bit policy whose products widen, step by step as the
+    policy names them: scores of widened operands rounded to compute_dtype, scaled (HF's order),
+    masked and softmaxed in softmax_dtype, the probabilities rounded to compute_dtype, their
+    widened product with the values rounded to compute_dtype. The same products, in the same
+    layout, as block_attention's (each query head's rows of its kv group together)."""
+    compute, soft = getattr(torch, policy.compute_dtype), getattr(torch, policy.softmax_dtype)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    scores = (qg.float() @ k.permute(0, 2, 3, 1).float()).to(compute) * D ** -0.5
+    scores = scores.view(B, Hkv, G, T, -1).to(soft)
+    scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(soft).min)
+    if soft == torch.float32:
+        probs = torch.softmax(scores, -1)
+    else:
+        e = torch.exp(scores - scores.amax(-1, keepdim=True))
+        probs = e / e.sum(-1, keepdim=True)
+    ctx = probs.to(compute).view(B, Hkv, G * T, -1).float() @ v.permute(0, 2, 1, 3).float()
+    return ctx.to(compute).view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16", "bf16+softmax_dtype=bfloat16"])
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_widened_attention_blocks_are_the_policys_steps(policy, head_dim, monkeypatch):
+    """The blocks of a long prompt share one Scratch (their scores and probabilities in its
+    buffers, rounded to compute_dtype in place there): each block's result is, bit for bit, the
+    policy's steps spelled out on that block's queries and keys. head_dim 32 scales the scores
+    after the product (HF's order: 2^-2.5 is no power of two); softmax in f32 or in bf16.
+    Row 1 is left-padded (its first queries see nothing) and has holes."""
+    name, _, knob = policy.partition("+")
+    policy = Policy.get(name, **dict([knob.split("=")]) if knob else {})
+    compute = getattr(torch, policy.compute_dtype)
+    monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, "widened")
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 8)
+    g = torch.Generator().manual_seed(head_dim)
+    B, T, Hq, Hkv = 2, 42, 4, 2
+    q = torch.randn(B, T, Hq, head_dim, generator=g).to(compute)
+    k, v = (torch.randn(B, T, Hkv, head_dim, generator=g).to(compute) for _ in range(2))
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None].repeat(B, 1, 1)
+    allowed[1, :, :5] = False
+    allowed[1] &= torch.rand(T, T, generator=g) > 0.2
+    got = ops.attention(q, k, v, allowed, policy)
+    assert got.dtype == compute
+    for a, n in zip(range(0, T, ops.QUERY_BLOCK), ops.keys_read(allowed)):   # the keys each block reads
+        rows = slice(a, a + ops.QUERY_BLOCK)
+        want = spelled_out_attention(q[:, rows], k[:, :n], v[:, :n], allowed[:, rows, :n], policy)
+        assert torch.equal(got[:, rows], want), a

@@ -107,31 +107,35 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     the widened copy (4.0 ms for SmolLM2's at one row on a Zen 4, against 8.9 when it was
     widened a chunk at a time per step and 2.3 for torch's bf16 product, whose bf16 result the
     policy's f32 logits cannot use)."""
+    return linears(x, (w,), (b,), policy, out_dtype)[0]
+
+
+def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = None) -> list[torch.Tensor]:
+    """linear(x, w, b) for each weight and bias: the projections that read one input, which is
+    rounded and widened once for all of them (the same operand each time: the same bits)."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
     out = dt(out_dtype or policy.compute_dtype)
     rows = x.numel() // max(x.shape[-1], 1)
     # the operands rounded to compute_dtype (no-ops where they are held in it; a policy whose
     # param_dtype is wider needs them), then, where the product widens, widened exactly
-    x, w, b = _as(x, compute), _as(w, compute), None if b is None else _as(b, compute)
     dtype = accum if _widens(compute, accum, out, rows, x.device) else compute
-    x, w, b = _as(x, dtype), _widened(w, dtype), None if b is None else _as(b, dtype)
-    if _few_f32_rows(dtype, rows, x.device):
-        y = _linear_by_row_blocks(x, w, b)
-    else:
-        with _one_row_kernel(rows, dtype, x.device):
-            y = torch.nn.functional.linear(x, w, b)
-    return _as(y, out)
+    x = _as(_as(x, compute), dtype)
+    ys = []
+    for w, b in zip(ws, bs):
+        w, b = _widened(_as(w, compute), dtype), None if b is None else _as(_as(b, compute), dtype)
+        if _few_f32_rows(dtype, rows, x.device):
+            y = _linear_by_row_blocks(x, w, b)
+        else:
+            with _one_row_kernel(rows, dtype, x.device):
+                y = torch.nn.functional.linear(x, w, b)
+        ys.append(_as(y, out))
+    return ys
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t.to(dtype), without torch's dispatch when t already is (about 1 us a call, and linear
     makes four such calls a product: a decode step's 210 products, 0.7 ms on a Zen 4)."""
     return t if t.dtype == dtype else t.to(dtype)
-
-
-def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = None) -> list[torch.Tensor]:
-    """linear(x, w, b) for each weight and bias: the projections that read one input."""
-    return [linear(x, w, b, policy, out_dtype) for w, b in zip(ws, bs)]
 
 
 def _native(compute: torch.dtype, accum: torch.dtype, out: torch.dtype) -> bool:
@@ -324,11 +328,40 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     if fused and k.shape[1] >= T and plain_causal(allowed):
         return fused_causal(q, k[:, :T], v[:, :T], policy)
     hiddens = itertools.repeat(0) if fused else first_hidden(allowed)   # the kernel reads the whole mask
+    if not fused:
+        # the blocks' products widen their keys and values (at QUERY_BLOCK queries they do where
+        # any do): widened once here, not a prefix per block (exact: the same operands)
+        B, _, Hq, _ = q.shape
+        k, v = (_widened_operand(t, policy, B * Hq * QUERY_BLOCK) for t in (k, v))
+        scratch = Scratch(q.shape[0] * q.shape[2] * QUERY_BLOCK * k.shape[1])
     out = []
     for a, n, hidden in zip(range(0, T, QUERY_BLOCK), keys_read(allowed), hiddens):
         block = q[:, a:a + QUERY_BLOCK], k[:, :n], v[:, :n], allowed[:, a:a + QUERY_BLOCK, :n], policy
-        out.append(fused_block(*block) if fused else block_attention(*block, fill_from=min(hidden, n)))
+        out.append(fused_block(*block) if fused else
+                   block_attention(*block, fill_from=min(hidden, n), scratch=scratch))
     return torch.cat(out, dim=1)
+
+
+class Scratch:
+    """Memory that the blocks of one attention call take their scores and probabilities from,
+    instead of fresh tensors per block: the allocator returns a block's megabytes to the system
+    and the next block faults them in again (SmolLM2's bf16 2048-token prefill under an AVX2 cap
+    on a Zen 4: attention 100 -> 84 ms a layer, docs/measurements.md). A buffer per (name,
+    dtype) of `numel` elements, allocated at first use; a request for more gets a tensor of its
+    own. Nothing in it outlives the call that made it."""
+
+    def __init__(self, numel: int):
+        self.numel = numel
+        self._flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def empty(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = math.prod(shape)
+        if n > self.numel:
+            return torch.empty(shape, dtype=dtype, device=device)
+        flat = self._flat.get((name, dtype))
+        if flat is None:
+            flat = self._flat[(name, dtype)] = torch.empty(self.numel, dtype=dtype, device=device)
+        return flat[:n].view(shape)
 
 
 def plain_causal(allowed: torch.Tensor) -> bool:
@@ -452,11 +485,12 @@ def first_hidden(allowed: torch.Tensor) -> list[int]:
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                    policy: Policy, fill_from: int = 0) -> torch.Tensor:
+                    policy: Policy, fill_from: int = 0, scratch: Scratch | None = None) -> torch.Tensor:
     """Causal GQA attention over every key given. q [B, T, Hq, D]; k, v [B, S, Hkv, D];
     allowed [B, T, S]; fill_from: a key before which every query may see every key (first_hidden),
     so that the fill of masked scores starts there (the same bits as filling from 0, one pass
-    over fewer scores).
+    over fewer scores); scratch: memory for the scores and probabilities (attention's blocks
+    share one; a call of its own without).
 
     Query head h reads kv head h // G (HF's repeat_kv order). Instead of repeating K
     and V, the G query heads of a group are folded into the row dimension:
@@ -464,27 +498,48 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     may be strided views of a [B, Hkv, S, D] cache; no copy is made of them then.)
     Masked scores get the dtype's most negative finite value, so a row with nothing
     allowed (padding) gives a uniform average instead of NaN.
+
+    Where the products widen (_widens, by their rows: a decode step's keys are many small
+    products, which torch's software bf16 kernel would run one by one), their operands go in
+    accum_dtype, and the scores and probabilities, rounded to compute_dtype in place
+    (_round_in_place), stay in it: the same values as compute_dtype's, read by the softmax (where
+    softmax_dtype is accum_dtype) and the next product without another conversion.
     """
     B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
+    S, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    compute, soft = dt(policy.compute_dtype), dt(policy.softmax_dtype)
+    compute, accum, soft = dt(policy.compute_dtype), dt(policy.accum_dtype), dt(policy.softmax_dtype)
+    wide = accum if _widens(compute, accum, compute, B * Hq * T, q.device) else compute   # the products' dtype
+    work = scratch if scratch is not None else Scratch(B * Hq * T * S)
     scale = D ** -0.5
     early = scale_queries(scale, policy.compute_dtype)   # HF's order, (q @ k^T) * scale, in fewer passes
-    qg = (q.to(compute) * scale if early else q).reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
-    scores = _matmul(qg.reshape(B, Hkv, G * T, D), k.permute(0, 2, 3, 1), policy)  # [B, Hkv, G*T, S]
+    qg = (q.to(compute) * scale if early else q.to(compute)).reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
+    scores = torch.matmul(qg.reshape(B, Hkv, G * T, D).to(wide), k.permute(0, 2, 3, 1).to(wide),
+                          out=work.empty("scores", (B, Hkv, G * T, S), wide, q.device))
+    scores = _round_in_place(scores, compute, work)
     if not early:
-        scores = scores * scale
-    scores = scores.view(B, Hkv, G, T, -1).to(soft)
+        scores = scores.to(compute) * scale
+    scores = scores.view(B, Hkv, G, T, S).to(soft)   # a no-op where the product left them in soft
     # in place: scores is this call's own
     scores[..., fill_from:].masked_fill_(~allowed[:, None, None, :, fill_from:], torch.finfo(soft).min)
-    probs = softmax(scores).to(compute).view(B, Hkv, G * T, -1)
-    ctx = _matmul(probs, v.permute(0, 2, 1, 3), policy)                   # [B, Hkv, G*T, D]
-    return ctx.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+    probs = softmax(scores, work.empty("probs", scores.shape, soft, q.device)).view(B, Hkv, G * T, S)
+    probs = _round_in_place(probs, compute, work) if probs.dtype == wide else probs.to(compute)
+    ctx = torch.matmul(probs.to(wide), v.permute(0, 2, 1, 3).to(wide))           # [B, Hkv, G*T, D]
+    return ctx.to(compute).view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
 
 
-def softmax(s: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last axis, computed in s.dtype.
+def _round_in_place(x: torch.Tensor, dtype: torch.dtype, work: Scratch) -> torch.Tensor:
+    """x's values rounded to `dtype` (narrower than x's, or x's own: then x as it is), written
+    back into x: x.to(dtype).to(x.dtype) without a new tensor of x's dtype (the narrow copy in
+    work's buffer)."""
+    if x.dtype == dtype:
+        return x
+    return x.copy_(work.empty("rounded", x.shape, dtype, x.device).copy_(x))
+
+
+def softmax(s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the last axis, computed in s.dtype (into `out`, of s's shape and dtype, when
+    given).
 
     torch.softmax on a bf16/fp16 tensor computes in f32 internally and rounds once, so
     a "softmax in bf16" policy would silently be an f32 softmax. For 16-bit dtypes the
@@ -493,18 +548,14 @@ def softmax(s: torch.Tensor) -> torch.Tensor:
     """
     if s.dtype in (torch.bfloat16, torch.float16):
         e = torch.exp(s - s.amax(-1, keepdim=True))
-        return e / e.sum(-1, keepdim=True)
-    return torch.softmax(s, dim=-1)
+        return torch.div(e, e.sum(-1, keepdim=True), out=out)
+    return torch.softmax(s, dim=-1, out=out)
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor, policy: Policy) -> torch.Tensor:
-    """a @ b (attention's products), as linear computes x @ w.T, rounded to compute_dtype."""
+def _widened_operand(t: torch.Tensor, policy: Policy, rows: int) -> torch.Tensor:
+    """t in accum_dtype where attention's products of `rows` rows widen (their keys, values)."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
-    # rows: of every matrix of the batch (a decode step's keys are many small products, which
-    # torch's software bf16 kernel runs one by one)
-    if not _widens(compute, accum, compute, a.numel() // a.shape[-1], a.device):
-        return torch.matmul(a.to(compute), b.to(compute))
-    return torch.matmul(a.to(accum), b.to(accum)).to(compute)
+    return t.to(accum) if _widens(compute, accum, compute, rows, t.device) else t
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
