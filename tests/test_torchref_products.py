@@ -18,6 +18,7 @@ import compare  # noqa: E402
 import torchref  # noqa: E402
 from llamaspec import Policy, cpuinfo, load_weights  # noqa: E402
 from torchref import ops  # noqa: E402
+from torchref.model import head_logits  # noqa: E402
 
 U32 = 2.0 ** -24   # f32's unit roundoff
 
@@ -136,6 +137,7 @@ def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
     b = (torch.randn(n, generator=gen) * 0.1).to(half)
     for choice in ("widened", "native"):
         monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, choice)
+        monkeypatch.setenv(ops.LOGITS_ENV, "torch")   # the kernel's logits: test_bf16_logits_of_few_rows_on_the_kernel
         spy, blocks = LinearSpy(torch.nn.functional.linear), BmmSpy(torch.bmm)
         monkeypatch.setattr(torch.nn.functional, "linear", spy)
         monkeypatch.setattr(torch, "bmm", blocks)
@@ -199,24 +201,27 @@ def test_f32_products_of_few_rows_in_row_blocks(rows, monkeypatch):
         assert torch.equal(one_thread, yb), (rows, n)
 
 
-def test_decode_lm_head_is_the_whole_product(monkeypatch):
+@pytest.mark.parametrize("choice", ["torch", "kernel"])
+def test_decode_lm_head_is_the_whole_product(choice, monkeypatch):
     """The f32 logits of a 16-bit lm_head (a decode step's few rows, or many) are one product on
-    a widened copy kept per weight (made once, remade when the weight changes in place): the same
-    exact products summed in f32."""
+    a widened copy kept per weight, or (the few rows, on the fixed-order kernel) on a packed copy
+    kept per weight, each made once and remade when the weight changes in place: the same exact
+    products summed in f32."""
     policy = Policy.get("bf16")
+    monkeypatch.setenv(ops.LOGITS_ENV, choice)
     gen = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter((torch.randn(7 * ops.ROW_BLOCK + 5, 64, generator=gen)).bfloat16(), requires_grad=False)
     for rows in (1, ops.WIDE_MIN_ROWS - 1, ops.WIDE_MIN_ROWS, 33):
         x = torch.randn(2, rows, 64, generator=gen).bfloat16()[:1]
-        got = ops.linear(x, w, None, policy, "float32")
+        got = head_logits(x, w, ops, policy)
         assert got.shape == (1, rows, w.shape[0]) and got.dtype == torch.float32
         within_f32_sums(got[0], x[0], w)
     for rows in (1, ops.WIDE_MIN_ROWS):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
-        before = ops.linear(x, w, None, policy, "float32")
+        before = head_logits(x, w, ops, policy)
         with torch.no_grad():
             w.mul_(2)                           # exact in bf16: every product doubles
-        after = ops.linear(x, w, None, policy, "float32")
+        after = head_logits(x, w, ops, policy)
         assert torch.equal(after, 2 * before), f"{rows} rows: a weight changed in place is widened again"
 
 
@@ -330,3 +335,65 @@ def test_widened_attention_blocks_are_the_policys_steps(policy, head_dim, monkey
         rows = slice(a, a + ops.QUERY_BLOCK)
         want = spelled_out_attention(q[:, rows], k[:, :n], v[:, :n], allowed[:, rows, :n], policy)
         assert torch.equal(got[:, rows], want), a
+
+
+def kernels_or_skip():
+    from llamaspec import fixed_order as fo
+    from llamaspec.errors import InvarianceError
+    try:
+        return fo, fo.library()
+    except InvarianceError as e:
+        pytest.skip(f"fixed-order kernels not available: {e}")
+
+
+@pytest.mark.parametrize("rows", [1, 3, ops.FEW_ROWS, ops.FEW_ROWS + 1])
+def test_bf16_logits_of_few_rows_on_the_kernel(rows, monkeypatch):
+    """With the kernel forced, a bf16 policy's f32 logits (model.head_logits) of up to FEW_ROWS
+    rows are the fixed-order kernel's product (invariant.linear's bits, within f32 summation of
+    the f64 product), torch's products untouched; more rows and fp16 policies keep torch's
+    product."""
+    kernels_or_skip()
+    from torchref import invariant
+    monkeypatch.setenv(ops.LOGITS_ENV, "kernel")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(2, rows, 96, generator=gen).bfloat16()[1:]
+    w = (torch.randn(5 * ops.ROW_BLOCK + 3, 96, generator=gen) * 0.1).bfloat16()
+    bf16 = Policy.get("bf16")
+    spy, blocks = LinearSpy(torch.nn.functional.linear), BmmSpy(torch.bmm)
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    monkeypatch.setattr(torch, "bmm", blocks)
+    logits = head_logits(x, w, ops, bf16)
+    torch_calls = len(spy.calls) + len(blocks.calls)
+    head_logits(x.half(), w.half(), ops, Policy.get("fp16"))   # fp16: torch's
+    monkeypatch.undo()
+    few = rows <= ops.FEW_ROWS
+    assert torch_calls == (0 if few else 1) and len(spy.calls) + len(blocks.calls) == torch_calls + 1
+    assert logits.shape == (1, rows, w.shape[0]) and logits.dtype == torch.float32
+    within_f32_sums(logits[0], x[0], w)
+    if few:
+        assert torch.equal(logits, invariant.linear(x, w, None, bf16, "float32"))
+
+
+def test_kernel_logits_rule(monkeypatch):
+    """auto: the kernel for one row where its code path is AVX2 or better, for up to FEW_ROWS
+    rows where it is AVX-512-BF16; never on its scalar path, for more rows, other dtypes or
+    outputs, or with torch asked for; an unknown choice is an error."""
+    fo, lib = kernels_or_skip()
+    bf16, f32, f16, cpu = torch.bfloat16, torch.float32, torch.float16, torch.device("cpu")
+    monkeypatch.setenv(ops.LOGITS_ENV, "auto")
+    paths = fo.code_paths(lib)
+    for path in paths:
+        with fo.code_path(lib, path):
+            for rows in (1, 2, ops.FEW_ROWS, ops.FEW_ROWS + 1):
+                want = (rows == 1 and path != "scalar") or (rows <= ops.FEW_ROWS and path == "avx512_bf16")
+                assert ops.kernel_logits(bf16, f32, f32, rows, cpu) is want, (path, rows)
+            assert not ops.kernel_logits(bf16, f32, bf16, 1, cpu)
+            assert not ops.kernel_logits(f16, f32, f32, 1, cpu)
+            assert not ops.kernel_logits(f32, f32, f32, 1, cpu)
+    monkeypatch.setenv(ops.LOGITS_ENV, "torch")
+    assert not ops.kernel_logits(bf16, f32, f32, 1, cpu)
+    monkeypatch.setenv(ops.LOGITS_ENV, "kernel")
+    assert ops.kernel_logits(bf16, f32, f32, ops.FEW_ROWS, cpu)
+    monkeypatch.setenv(ops.LOGITS_ENV, "fast")
+    with pytest.raises(ValueError, match=ops.LOGITS_ENV):
+        ops.kernel_logits(bf16, f32, f32, 1, cpu)

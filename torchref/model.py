@@ -276,7 +276,13 @@ def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions: torch.Tensor):
 
 
 def head_logits(x: torch.Tensor, head: torch.Tensor, ops, policy: Policy) -> torch.Tensor:
-    """The lm_head: final_norm output x times the [vocab, hidden] matrix (or a chunk of its rows)."""
+    """The lm_head: final_norm output x times the [vocab, hidden] matrix (or a chunk of its rows).
+    A bf16 policy's f32 logits of a decode step's few rows run on the fixed-order kernel where
+    ops.kernel_logits says so (invariant.linear: the same products, summed in its order)."""
+    rows = x.numel() // x.shape[-1]
+    if ops is not invariant and ops.kernel_logits(dt(policy.compute_dtype), dt(policy.accum_dtype),
+                                                  dt(policy.logits_dtype), rows, x.device):
+        return invariant.linear(x, head, None, policy, policy.logits_dtype)
     return ops.linear(x, head, None, policy, policy.logits_dtype)
 
 

@@ -15,11 +15,14 @@ import functools
 import itertools
 import math
 import os
+import platform
+import warnings
 import weakref
 
 import torch
 
 from llamaspec import Policy, RopeConfig, cpuinfo
+from llamaspec.errors import InvarianceError
 from llamaspec.forward import scale_queries
 
 from .dtypes import dt
@@ -130,6 +133,60 @@ def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = Non
                 y = torch.nn.functional.linear(x, w, b)
         ys.append(_as(y, out))
     return ys
+
+
+# $LLAMA_PARITY_TORCHREF_LOGITS: auto (kernel_logits' rule), kernel (wherever the fixed-order
+# kernels build) or torch (never the kernel)
+LOGITS_ENV = "LLAMA_PARITY_TORCHREF_LOGITS"
+
+
+def kernel_logits(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, rows: int,
+                  device: torch.device) -> bool:
+    """Whether a product of bf16 operands with an f32 result (a bf16 policy's f32 logits) of
+    `rows` rows runs on the fixed-order kernels' gemm (model.head_logits then calls
+    invariant.linear: the weight packed once in bf16 and read at 2 bytes a value, vdpbf16ps's
+    pairs in the kernel's fixed order) instead of
+    torch's f32 product over the widened copy (4 bytes a value). SmolLM2's lm_head [49152, 576]
+    on a 2-core Zen 4, ms, torch / kernel: its own AVX-512-BF16 path, 1 row 3.8 / 1.6, 8 rows
+    8.4 / 2.5, 16 rows 12.6 / 4.9; under the AVX2 cap (the kernel's AVX2 path widens each pair
+    in software) 1 row 5.8 / 3.1, 4 rows 5.7 / 8.2, 16 rows 14.1 / 30.1 (docs/measurements.md).
+
+    The same products (bf16 values, exact in f32) summed in f32 in the kernel's order instead of
+    torch's: drift, and the same bits on every x86-64 CPU and code path. On the CPU, x86-64, a
+    bf16 compute_dtype with an f32 accumulator and an f32 result: one row where the kernel's code
+    path ($LLAMA_PARITY_KERNEL_ISA, else the CPU's best) is AVX2 or better, up to FEW_ROWS rows
+    where it is AVX-512-BF16; never by a timing. $LLAMA_PARITY_TORCHREF_LOGITS overrides:
+    kernel (any code path, any few rows; an error if the kernels cannot be built), torch (never).
+    A kernel that cannot be built leaves torch's product, with one warning."""
+    if not (compute == torch.bfloat16 and accum == torch.float32 and out == torch.float32
+            and rows <= FEW_ROWS and device.type == "cpu"):
+        return False
+    choice = os.environ.get(LOGITS_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "kernel", "torch"):
+        raise ValueError(f"{LOGITS_ENV}={choice!r}: expected auto, kernel or torch")
+    if choice == "torch" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    lib = _logit_kernels(strict=choice == "kernel")
+    if lib is None:
+        return False
+    from llamaspec import fixed_order as fo
+    return choice == "kernel" or lib.fo_isa() >= fo.ISAS["avx2" if rows == 1 else "avx512_bf16"]
+
+
+@functools.cache
+def _logit_kernels(strict: bool):
+    """The fixed-order kernels (llamaspec.fixed_order.library), or None where they cannot be
+    built (one warning; strict: the error)."""
+    from llamaspec import fixed_order as fo
+    if strict:
+        return fo.library()
+    try:
+        return fo.library()
+    except InvarianceError as e:
+        warnings.warn(f"torchref's fixed-order kernels are not available ({e}); a bf16 policy's f32 logits "
+                      f"run on torch's f32 product ({LOGITS_ENV}=torch silences this)", RuntimeWarning,
+                      stacklevel=4)
+        return None
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
