@@ -7,11 +7,13 @@ side in one run, each as a ratio to transformers sdpa.
 
 Every model is loaded once, then each case (prefill of T tokens at batch 1: the last
 position's logits and a filled KV cache; decode at batch B: ms per greedy step after a
-128-token prefill) runs once per implementation in turn, `repeats` rounds, so that a
-slow phase of the machine hits every implementation alike (interleaved); the table shows
-the median. Each case's first call is timed apart ("first s": JAX's compile, or its load
-from the persistent compilation cache, plus the first run; torch's allocator warm-up) and
-left out of the median. ratio = transformers sdpa's median / this one's (above 1: faster).
+128-token prefill) runs once per policy and implementation in turn, `repeats` rounds, so that
+a slow phase of the machine hits every implementation and policy alike (interleaved); the
+table shows the median. Each case's first call is timed apart ("first s": JAX's compile, or
+its load from the persistent compilation cache, plus the first run; torch's allocator
+warm-up) and left out of the median. x sdpa = transformers sdpa's median at the same policy /
+this one's (above 1: faster); / fp32 = this one's median / the same implementation's fp32
+median (on a CPU without bf16 instructions bf16 should stay within 1.2: issue 26).
 
 Under an instruction-set cap (the libraries' own switches, as `make test-cap-avx2` sets
 them): `make bench-cap-avx2`. The CPU and the caps in force are printed with the table and
@@ -125,32 +127,47 @@ def decode_seconds_per_token(m, ids, n_decode) -> float:
     return decode_case(Ours(m), np.asarray(ids), n_decode)
 
 
-def run_policy(folder, policy, impls, cases, repeats, say) -> list[dict]:
-    """Every case for every implementation at one policy: first call apart, then `repeats`
-    interleaved rounds. Returns one row per (case, impl)."""
+def run_policies(folder, policies, impls, cases, repeats, say) -> list[dict]:
+    """Every case for every implementation at every policy: each model loaded once, its first
+    call apart, then `repeats` rounds in which each case runs every (policy, implementation) in
+    turn, so that a slow phase of the machine hits them all alike, the policies too (a bf16 time
+    and the fp32 one it is compared with come from the same rounds). Returns one row per
+    (policy, case, impl): x_sdpa (transformers sdpa's median at the same policy over this one's)
+    and, for a policy other than fp32 when fp32 runs too, x_fp32 (this one's median over the same
+    implementation's fp32 median: above 1 is slower than fp32)."""
+    keys = [(policy, impl) for policy in policies for impl in impls]
     models = {}
-    for impl in impls:
+    for policy, impl in keys:
         t0 = time.perf_counter()
-        models[impl] = load(impl, folder, policy)
+        models[(policy, impl)] = load(impl, folder, policy)
         say(f"  {policy} {impl}: loaded in {time.perf_counter() - t0:.1f} s")
-    first = {(c["name"], impl): c["run"](models[impl]) for c in cases for impl in impls}
+    first = {(c["name"], *key): c["run"](models[key]) for c in cases for key in keys}
     times = {key: [] for key in first}
     for r in range(repeats):
         for c in cases:
-            for impl in impls:
-                times[(c["name"], impl)].append(c["run"](models[impl]))
-        say(f"  {policy}: round {r + 1}/{repeats} done")
-    rows = []
-    for c in cases:
-        base = statistics.median(times[(c["name"], "sdpa")]) if "sdpa" in impls else None
-        for impl in impls:
-            med = statistics.median(times[(c["name"], impl)])
-            rows.append({"policy": policy, "case": c["name"], "unit": c["unit"], "impl": impl,
-                         "median_s": med, "first_s": first[(c["name"], impl)],
-                         "all_s": times[(c["name"], impl)],
-                         "x_sdpa": None if base is None else base / med})
+            for key in keys:
+                times[(c["name"], *key)].append(c["run"](models[key]))
+        say(f"  round {r + 1}/{repeats} done")
     del models
+    med = {key: statistics.median(t) for key, t in times.items()}
+    rows = []
+    for policy in policies:
+        for c in cases:
+            base = med.get((c["name"], policy, "sdpa"))
+            for impl in impls:
+                m = med[(c["name"], policy, impl)]
+                fp32 = med.get((c["name"], "fp32", impl)) if policy != "fp32" else None
+                rows.append({"policy": policy, "case": c["name"], "unit": c["unit"], "impl": impl,
+                             "median_s": m, "first_s": first[(c["name"], policy, impl)],
+                             "all_s": times[(c["name"], policy, impl)],
+                             "x_sdpa": None if base is None else base / m,
+                             "x_fp32": None if fp32 is None else m / fp32})
     return rows
+
+
+def run_policy(folder, policy, impls, cases, repeats, say) -> list[dict]:
+    """run_policies at one policy."""
+    return run_policies(folder, [policy], impls, cases, repeats, say)
 
 
 FIRST_FORWARD = r"""
@@ -190,12 +207,14 @@ def first_forward(folder, policy: str, say) -> dict:
 def table(rows, env) -> str:
     lines = [f"CPU: {env.get('cpu')} ({env.get('cpu isa')}; caps: {env.get('isa caps')}); "
              f"GPU: {env.get('gpu', 'none')}",
-             f"{'policy':<7}{'case':<18}{'impl':<10}{'median':>10}{'first s':>9}{'x sdpa':>8}"]
+             f"{'policy':<7}{'case':<18}{'impl':<10}{'median':>10}{'first s':>9}{'x sdpa':>8}{'/ fp32':>8}"]
     for r in rows:
         unit = r["unit"]
         med = f"{r['median_s'] * 1e3:.1f} ms" if unit == "s" else f"{r['median_s'] * 1e3:.1f} ms/t"
         ratio = "" if r["x_sdpa"] is None else f"{r['x_sdpa']:.2f}"
-        lines.append(f"{r['policy']:<7}{r['case']:<18}{r['impl']:<10}{med:>10}{r['first_s']:>9.2f}{ratio:>8}")
+        fp32 = "" if r.get("x_fp32") is None else f"{r['x_fp32']:.2f}"
+        lines.append(f"{r['policy']:<7}{r['case']:<18}{r['impl']:<10}{med:>10}{r['first_s']:>9.2f}{ratio:>8}"
+                     f"{fp32:>8}")
     return "\n".join(lines)
 
 
@@ -229,13 +248,12 @@ def main(argv=None) -> int:
 
     say = lambda msg: print(msg, flush=True)  # noqa: E731
     env = environment(args.policy[0], True)
-    rows = []
-    for policy in args.policy:
-        rows += run_policy(folder, policy, args.impl, cases, args.repeats, say)
+    rows = run_policies(folder, args.policy, args.impl, cases, args.repeats, say)
     extra = {p: first_forward(folder, p, say) for p in args.policy} if args.first_forward else {}
     print(f"\nprefill: batch 1, last position's logits and the KV cache; decode: ms per greedy step "
           f"after a {DECODE_PROMPT}-token prefill, {args.decode_steps} steps; median of {args.repeats} "
-          "interleaved rounds; first s: the first call (compile or cache load + first run), apart")
+          "interleaved rounds (every policy and implementation in turn); first s: the first call (compile "
+          "or cache load + first run), apart; / fp32: this time over the same implementation's fp32 time")
     print(table(rows, env))
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / \
         f"models-{time.strftime('%Y%m%d-%H%M%S')}.json"

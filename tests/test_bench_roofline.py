@@ -59,3 +59,31 @@ def test_a_run_on_cpu_reports_each_case_against_its_roofline(tmp_path, capsys):
         assert r["roofline_s"] == pytest.approx(want, rel=1e-12)
         assert r["median_s"] > 0 and r["x_roofline"] == pytest.approx(r["roofline_s"] / r["median_s"])
     assert "x roofline" in capsys.readouterr().out
+
+
+def test_bench_models_interleaves_policies_and_compares_with_fp32(tiny_dir):
+    """bench_models.run_policies: one row per (policy, case, impl), every policy's models run
+    in the same rounds (each case once per round and model), x_sdpa against sdpa at the same
+    policy, x_fp32 the median over the same implementation's fp32 median (none at fp32)."""
+    from bench import bench_models as bm
+    folder = tiny_dir("gqa")
+    ids = np.arange(3, 13)[None]
+    calls = []
+
+    def run(m):
+        calls.append(type(m).__name__)
+        return bm.prefill_case(m, ids)
+    cases = [{"name": "prefill 10", "unit": "s", "run": run}]
+    rows = bm.run_policies(folder, ["fp32", "bf16"], ["torchref", "sdpa"], cases, 2, lambda msg: None)
+    assert [(r["policy"], r["impl"]) for r in rows] == [("fp32", "torchref"), ("fp32", "sdpa"),
+                                                       ("bf16", "torchref"), ("bf16", "sdpa")]
+    assert len(calls) == 4 * 3    # the first call apart, then 2 rounds, per model
+    by = {(r["policy"], r["impl"]): r for r in rows}
+    for (policy, impl), r in by.items():
+        assert len(r["all_s"]) == 2 and r["median_s"] == float(np.median(r["all_s"]))
+        assert r["x_sdpa"] == pytest.approx(by[(policy, "sdpa")]["median_s"] / r["median_s"])
+        if policy == "fp32":
+            assert r["x_fp32"] is None
+        else:
+            assert r["x_fp32"] == pytest.approx(r["median_s"] / by[("fp32", impl)]["median_s"])
+    assert "/ fp32" in bm.table(rows, {})
