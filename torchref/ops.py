@@ -403,7 +403,7 @@ class Scratch:
     """Memory that the blocks of one attention call take their scores and probabilities from,
     instead of fresh tensors per block: the allocator returns a block's megabytes to the system
     and the next block faults them in again (SmolLM2's bf16 2048-token prefill under an AVX2 cap
-    on a Zen 4: attention 100 -> 84 ms a layer, docs/measurements.md). A buffer per (name,
+    on a Zen 4: attention 123 -> 99 ms a layer, docs/measurements.md). A buffer per (name,
     dtype) of `numel` elements, allocated at first use; a request for more gets a tensor of its
     own. Nothing in it outlives the call that made it."""
 
