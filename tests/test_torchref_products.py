@@ -331,9 +331,12 @@ def test_widened_attention_blocks_are_the_policys_steps(policy, head_dim, monkey
     allowed[1] &= torch.rand(T, T, generator=g) > 0.2
     got = ops.attention(q, k, v, allowed, policy)
     assert got.dtype == compute
+    # the keys and values widened whole, then each block's prefix: the operands attention hands
+    # its products, in the same memory layout (a kernel may sum another layout in another order)
+    kw, vw = k.float(), v.float()
     for a, n in zip(range(0, T, ops.QUERY_BLOCK), ops.keys_read(allowed)):   # the keys each block reads
         rows = slice(a, a + ops.QUERY_BLOCK)
-        want = spelled_out_attention(q[:, rows], k[:, :n], v[:, :n], allowed[:, rows, :n], policy)
+        want = spelled_out_attention(q[:, rows], kw[:, :n], vw[:, :n], allowed[:, rows, :n], policy)
         assert torch.equal(got[:, rows], want), a
 
 
