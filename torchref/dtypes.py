@@ -16,6 +16,13 @@ def dt(name: str) -> torch.dtype:
     return TORCH[name]
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t.to(dtype), without torch's dispatch when t already is (t itself, as .to gives): about
+    1 us a call, and a batch-1 decode step of SmolLM2 makes some 400 calls that change
+    nothing (docs/measurements.md)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def from_numpy(a: np.ndarray) -> torch.Tensor:
     """numpy (bf16 via ml_dtypes) -> torch, without going through float32: a copy, in memory
     torch allocated (aligned to 64 bytes, as its own tensors are). A numpy copy is aligned to 16

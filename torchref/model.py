@@ -29,7 +29,7 @@ from llamaspec.forward import KV, Context, Recorder, shared_start
 from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill, layout
 
 from . import invariant, ops
-from .dtypes import dt, from_numpy, matmul_settings, to_numpy
+from .dtypes import cast, dt, from_numpy, matmul_settings, to_numpy
 
 
 def ops_for(batch_invariant: bool):
@@ -177,9 +177,9 @@ class Block(nn.Module):
         residual = dt(ctx.policy.residual_dtype)
         x = rec("attn_norm", self.input_layernorm(h, ctx.policy))
         a, cache = self.self_attn(x, ctx, rec, cache, layer)
-        h = rec("resid_mid", h + rec("attn_out", a).to(residual))
+        h = rec("resid_mid", h + cast(rec("attn_out", a), residual))
         x = rec("mlp_norm", self.post_attention_layernorm(h, ctx.policy))
-        h = rec("out", h + rec("mlp_out", self.mlp(x, ctx.policy, rec)).to(residual))
+        h = rec("out", h + cast(rec("mlp_out", self.mlp(x, ctx.policy, rec)), residual))
         return h, cache
 
 

@@ -10,7 +10,6 @@ transformers' LlamaForCausalLM (eager attention): RoPE half-split layout, scores
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import math
@@ -25,14 +24,14 @@ from llamaspec import Policy, RopeConfig, cpuinfo
 from llamaspec.errors import InvarianceError
 from llamaspec.forward import scale_queries
 
-from .dtypes import dt
+from .dtypes import cast, dt
 
 _HALF = (torch.bfloat16, torch.float16)   # the 16-bit compute dtypes, whose products f32 holds exactly
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, policy: Policy) -> torch.Tensor:
     """mean(x^2) and rsqrt in norm_dtype; result in compute_dtype."""
-    h = x.to(dt(policy.norm_dtype))
+    h = cast(x, dt(policy.norm_dtype))
     return norm_weight(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), x, weight, policy)
 
 
@@ -41,8 +40,8 @@ def norm_weight(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, policy: 
     (norm_cast_before_weight): h is rounded back to x's dtype first."""
     compute = dt(policy.compute_dtype)
     if policy.norm_cast_before_weight:
-        return weight.to(compute) * h.to(x.dtype).to(compute)
-    return (weight.to(h.dtype) * h).to(compute)
+        return cast(weight, compute) * cast(cast(h, x.dtype), compute)
+    return cast(cast(weight, h.dtype) * h, compute)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
@@ -93,8 +92,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, D]; the tables are rounded to x's dtype first, as HF does."""
-    cos = cos.to(x.dtype)[:, :, None, :]
-    sin = sin.to(x.dtype)[:, :, None, :]
+    cos = cast(cos, x.dtype)[:, :, None, :]
+    sin = cast(sin, x.dtype)[:, :, None, :]
     return x * cos + rotate_half(x) * sin
 
 
@@ -118,21 +117,23 @@ def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = Non
     rounded and widened once for all of them (the same operand each time: the same bits)."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
     out = dt(out_dtype or policy.compute_dtype)
-    rows = x.numel() // max(x.shape[-1], 1)
+    rows, device = x.numel() // max(x.shape[-1], 1), x.device
     # the operands rounded to compute_dtype (no-ops where they are held in it; a policy whose
     # param_dtype is wider needs them), then, where the product widens, widened exactly
-    dtype = accum if _widens(compute, accum, out, rows, x.device) else compute
-    x = _as(_as(x, compute), dtype)
-    ys = []
-    for w, b in zip(ws, bs):
-        w, b = _widened(_as(w, compute), dtype), None if b is None else _as(_as(b, compute), dtype)
-        if _few_f32_rows(dtype, rows, x.device):
-            y = _linear_by_row_blocks(x, w, b)
-        else:
-            with _one_row_kernel(rows, dtype, x.device):
-                y = torch.nn.functional.linear(x, w, b)
-        ys.append(_as(y, out))
-    return ys
+    dtype = accum if _widens(compute, accum, out, rows, device) else compute
+    x = cast(cast(x, compute), dtype)
+    product = _linear_by_row_blocks if _few_f32_rows(dtype, rows, device) else torch.nn.functional.linear
+    one_row = _one_row_kernel(rows, dtype, device)
+    if one_row:
+        # torch's own switch for oneDNN, process-wide for the call (torch.backends.mkldnn.flags
+        # sets it too, with its other flags and a warning each time)
+        torch._C._set_mkldnn_enabled(False)
+    try:
+        return [cast(product(x, _widened(cast(w, compute), dtype), _bias(b, compute, dtype)), out)
+                for w, b in zip(ws, bs)]
+    finally:
+        if one_row:
+            torch._C._set_mkldnn_enabled(True)
 
 
 # $LLAMA_PARITY_TORCHREF_LOGITS: auto (kernel_logits' rule), kernel (wherever the fixed-order
@@ -187,12 +188,6 @@ def _logit_kernels(strict: bool):
                       f"run on torch's f32 product ({LOGITS_ENV}=torch silences this)", RuntimeWarning,
                       stacklevel=4)
         return None
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t.to(dtype), without torch's dispatch when t already is (about 1 us a call, and linear
-    makes four such calls a product: a decode step's 210 products, 0.7 ms on a Zen 4)."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _native(compute: torch.dtype, accum: torch.dtype, out: torch.dtype) -> bool:
@@ -279,23 +274,19 @@ def cache_dtype(policy: Policy, device: torch.device) -> torch.dtype:
     return accum if _widens(compute, accum, compute, WIDE_MIN_ROWS, device) else compute
 
 
-@contextlib.contextmanager
-def _one_row_kernel(rows: int, compute: torch.dtype, device: torch.device):
-    """A one-row product of 16-bit operands on the CPU (a batch-1 decode step) runs on ATen's
-    matrix-vector kernel, not oneDNN's: both sum the exact products in f32 (the same function,
-    drift at most), and oneDNN's took twice as long with the weights out of cache on a Zen 4
-    ([1, 576] x [576, 1536] in bf16: 186 against 87 us; docs/measurements.md). By the shape,
-    never by a timing."""
-    if rows != 1 or compute not in _HALF or device.type != "cpu" or not torch._C._get_mkldnn_enabled():
-        yield
-        return
-    # torch's own switch for oneDNN, process-wide for the call (torch.backends.mkldnn.flags sets
-    # it too, with its other flags and a warning each time)
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(True)
+def _bias(b: torch.Tensor | None, compute: torch.dtype, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bias as linears adds it: rounded to compute_dtype, then in the product's dtype."""
+    return None if b is None else cast(cast(b, compute), dtype)
+
+
+def _one_row_kernel(rows: int, compute: torch.dtype, device: torch.device) -> bool:
+    """Whether a product of `rows` rows of `compute` operands runs with oneDNN off (linears turns
+    it off for the call): a one-row product of 16-bit operands on the CPU (a batch-1 decode step)
+    then runs on ATen's matrix-vector kernel, not oneDNN's: both sum the exact products in f32
+    (the same function, drift at most), and oneDNN's took twice as long with the weights out of
+    cache on a Zen 4 ([1, 576] x [576, 1536] in bf16: 186 against 87 us; docs/measurements.md).
+    By the shape, never by a timing."""
+    return rows == 1 and compute in _HALF and device.type == "cpu" and torch._C._get_mkldnn_enabled()
 
 
 def _widened(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -546,8 +537,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     """Causal GQA attention over every key given. q [B, T, Hq, D]; k, v [B, S, Hkv, D];
     allowed [B, T, S]; fill_from: a key before which every query may see every key (first_hidden),
     so that the fill of masked scores starts there (the same bits as filling from 0, one pass
-    over fewer scores); scratch: memory for the scores and probabilities (attention's blocks
-    share one; a call of its own without).
+    over fewer scores); scratch: memory for the scores and probabilities (a long prompt's blocks
+    share one; without, fresh tensors: a short call's, as a decode step's, are small, and
+    taking them from a Scratch cost a decode step's attention half its time).
 
     Query head h reads kv head h // G (HF's repeat_kv order). Instead of repeating K
     and V, the G query heads of a group are folded into the row dimension:
@@ -559,7 +551,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     Where the products widen (_widens, by their rows: a decode step's keys are many small
     products, which torch's software bf16 kernel would run one by one), their operands go in
     accum_dtype, and the scores and probabilities, rounded to compute_dtype in place
-    (_round_in_place), stay in it: the same values as compute_dtype's, read by the softmax (where
+    (_rounded), stay in it: the same values as compute_dtype's, read by the softmax (where
     softmax_dtype is accum_dtype) and the next product without another conversion.
     """
     B, T, Hq, D = q.shape
@@ -567,31 +559,53 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     G = Hq // Hkv
     compute, accum, soft = dt(policy.compute_dtype), dt(policy.accum_dtype), dt(policy.softmax_dtype)
     wide = accum if _widens(compute, accum, compute, B * Hq * T, q.device) else compute   # the products' dtype
-    work = scratch if scratch is not None else Scratch(B * Hq * T * S)
     scale = D ** -0.5
     early = scale_queries(scale, policy.compute_dtype)   # HF's order, (q @ k^T) * scale, in fewer passes
-    qg = (q.to(compute) * scale if early else q.to(compute)).reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
-    scores = torch.matmul(qg.reshape(B, Hkv, G * T, D).to(wide), k.permute(0, 2, 3, 1).to(wide),
-                          out=work.empty("scores", (B, Hkv, G * T, S), wide, q.device))
-    scores = _round_in_place(scores, compute, work)
+    qg = (cast(q, compute) * scale if early else cast(q, compute)).reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
+    scores = torch.matmul(cast(qg.reshape(B, Hkv, G * T, D), wide), cast(k.permute(0, 2, 3, 1), wide),
+                          **_into(scratch, "scores", (B, Hkv, G * T, S), wide, q.device))
+    scores = _rounded(scores, compute, scratch)
     if not early:
-        scores = scores.to(compute) * scale
-    scores = scores.view(B, Hkv, G, T, S).to(soft)   # a no-op where the product left them in soft
+        scores = cast(scores, compute) * scale
+    scores = cast(scores.view(B, Hkv, G, T, S), soft)   # a no-op where the product left them in soft
     # in place: scores is this call's own
-    scores[..., fill_from:].masked_fill_(~allowed[:, None, None, :, fill_from:], torch.finfo(soft).min)
-    probs = softmax(scores, work.empty("probs", scores.shape, soft, q.device)).view(B, Hkv, G * T, S)
-    probs = _round_in_place(probs, compute, work) if probs.dtype == wide else probs.to(compute)
-    ctx = torch.matmul(probs.to(wide), v.permute(0, 2, 1, 3).to(wide))           # [B, Hkv, G*T, D]
-    return ctx.to(compute).view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+    scores[..., fill_from:].masked_fill_(_hidden(allowed)[:, None, None, :, fill_from:], torch.finfo(soft).min)
+    probs = softmax(scores, **_into(scratch, "probs", scores.shape, soft, q.device)).view(B, Hkv, G * T, S)
+    probs = _rounded(probs, compute, scratch) if probs.dtype == wide else cast(probs, compute)
+    ctx = torch.matmul(cast(probs, wide), cast(v.permute(0, 2, 1, 3), wide))           # [B, Hkv, G*T, D]
+    return cast(ctx, compute).view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
 
 
-def _round_in_place(x: torch.Tensor, dtype: torch.dtype, work: Scratch) -> torch.Tensor:
-    """x's values rounded to `dtype` (narrower than x's, or x's own: then x as it is), written
-    back into x: x.to(dtype).to(x.dtype) without a new tensor of x's dtype (the narrow copy in
-    work's buffer)."""
+def _into(scratch: Scratch | None, name: str, shape, dtype: torch.dtype, device: torch.device) -> dict:
+    """{"out": a tensor from scratch's buffer `name`} for an op's out= argument, or {} (a fresh
+    result) without scratch."""
+    return {} if scratch is None else {"out": scratch.empty(name, shape, dtype, device)}
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype, scratch: Scratch | None) -> torch.Tensor:
+    """x's values rounded to `dtype` (narrower than x's, or x's own: then x as it is), in x's
+    dtype: x.to(dtype).to(x.dtype), or, with scratch, written back into x through scratch's
+    buffer (no new tensor of x's size)."""
     if x.dtype == dtype:
         return x
-    return x.copy_(work.empty("rounded", x.shape, dtype, x.device).copy_(x))
+    if scratch is None:
+        return x.to(dtype).to(x.dtype)
+    return x.copy_(scratch.empty("rounded", x.shape, dtype, x.device).copy_(x))
+
+
+def _hidden(allowed: torch.Tensor) -> torch.Tensor:
+    """~allowed: the keys each query may not see. The answer for the last mask asked about is
+    kept while it lives (a call's layers share their mask, as plain_causal's), so that a decode
+    step inverts its mask once, not once a layer."""
+    last = _HIDDEN[0]
+    if last is not None and last[0]() is allowed:
+        return last[1]
+    hidden = ~allowed
+    _HIDDEN[0] = (weakref.ref(allowed), hidden)
+    return hidden
+
+
+_HIDDEN: list = [None]   # (weak ref to the last mask _hidden inverted, its inverse)
 
 
 def softmax(s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
