@@ -241,14 +241,20 @@ FO_AVX2 void Tile256(const double* x, int64_t ldx, const double* panel, int64_t 
 
 inline int64_t Pairs(int64_t K) { return (K + 1) / 2; }
 
-// packed[p][i][j][h] = w(p * 16 + j, 2 i + h), zero past N and K.
+// A bf16 as the pair program reads it: a denormal (exponent bits 0) is a zero of its sign.
+inline Bf16 FlushBf16(Bf16 v) { return (v.bits & 0x7f80) ? v : Bf16{uint16_t(v.bits & 0x8000)}; }
+
+// packed[p][i][j][h] = w(p * 16 + j, 2 i + h), zero past N and K. Denormal weights are flushed
+// here, once (the program reads them as zeros of their sign: vdpbf16ps does, and the tiles
+// without it need not flush the weights at every product).
 inline void PackPairs(const Bf16* w, int64_t N, int64_t K, int64_t sn, int64_t sk, Bf16* packed) {
   for (int64_t p = 0; p < Panels(N); ++p)
     for (int64_t i = 0; i < Pairs(K); ++i)
       for (int64_t j = 0; j < kPanel; ++j)
         for (int64_t h = 0; h < 2; ++h) {
           const int64_t n = p * kPanel + j, k = 2 * i + h;
-          packed[((p * Pairs(K) + i) * kPanel + j) * 2 + h] = (n < N && k < K) ? w[n * sn + k * sk] : Bf16{0};
+          packed[((p * Pairs(K) + i) * kPanel + j) * 2 + h] = (n < N && k < K) ? FlushBf16(w[n * sn + k * sk])
+                                                                               : Bf16{0};
         }
 }
 
@@ -323,8 +329,8 @@ FO_AVX512 void TilePairs512(const Bf16* x, int64_t ldx, const Bf16* panels, int6
     __m512 wlo[NP], whi[NP];
     for (int p = 0; p < NP; ++p) {
       const __m512i v = _mm512_loadu_si512(panels + (p * P + i) * kPanel * 2);
-      wlo[p] = Ftz512(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-      whi[p] = Ftz512(_mm512_castsi512_ps(_mm512_and_si512(v, high)));
+      wlo[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));   // flushed when packed (PackPairs)
+      whi[p] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
     }
     for (int r = 0; r < MR; ++r) {
       const uint32_t xp = XPair(x + r * ldx, i, K);
@@ -344,35 +350,42 @@ FO_AVX2 inline __m256 Ftz256(__m256 a) {
   return _mm256_blendv_ps(a, _mm256_and_ps(a, _mm256_set1_ps(-0.0f)), tiny);
 }
 
-template <int MR>
-FO_AVX2 void TilePairs256(const Bf16* x, int64_t ldx, const Bf16* panel, int64_t K, float* y, int64_t ldy,
+// NP panels side by side: each column is still one chain over the pairs in order (the same
+// bits); more chains at once hide the fma -> flush latency that bounds a one-row product.
+template <int MR, int NP>
+FO_AVX2 void TilePairs256(const Bf16* x, int64_t ldx, const Bf16* panels, int64_t K, float* y, int64_t ldy,
                           int64_t cols) {
   const int64_t P = Pairs(K);
   const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
-  __m256 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[MR][2 * NP];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < 2 * NP; ++q) acc[r][q] = _mm256_setzero_ps();
   for (int64_t i = 0; i < P; ++i) {
-    __m256 wlo[2], whi[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (i * kPanel + 8 * h) * 2));
-      wlo[h] = Ftz256(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-      whi[h] = Ftz256(_mm256_castsi256_ps(_mm256_and_si256(v, high)));
-    }
+    __m256 xlo[MR], xhi[MR];
     for (int r = 0; r < MR; ++r) {
       const uint32_t xp = XPair(x + r * ldx, i, K);
-      const __m256 xlo = _mm256_set1_ps(PairLo(xp)), xhi = _mm256_set1_ps(PairHi(xp));
-      for (int h = 0; h < 2; ++h) {
-        acc[r][h] = Ftz256(_mm256_fmadd_ps(xhi, whi[h], acc[r][h]));
-        acc[r][h] = Ftz256(_mm256_fmadd_ps(xlo, wlo[h], acc[r][h]));
+      xlo[r] = _mm256_set1_ps(PairLo(xp));
+      xhi[r] = _mm256_set1_ps(PairHi(xp));
+    }
+    for (int q = 0; q < 2 * NP; ++q) {   // panel q / 2, its columns 8 (q % 2) .. 8 (q % 2) + 7
+      const __m256i v = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(panels + (((q / 2) * P + i) * kPanel + 8 * (q % 2)) * 2));
+      const __m256 wlo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));   // flushed when packed (PackPairs)
+      const __m256 whi = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      for (int r = 0; r < MR; ++r) {
+        acc[r][q] = Ftz256(_mm256_fmadd_ps(xhi[r], whi, acc[r][q]));
+        acc[r][q] = Ftz256(_mm256_fmadd_ps(xlo[r], wlo, acc[r][q]));
       }
     }
   }
-  alignas(32) float tmp[16];
-  for (int r = 0; r < MR; ++r) {
-    _mm256_store_ps(tmp, acc[r][0]);
-    _mm256_store_ps(tmp + 8, acc[r][1]);
-    std::memcpy(y + r * ldy, tmp, (cols < kPanel ? cols : kPanel) * sizeof(float));
-  }
+  alignas(32) float tmp[8];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < 2 * NP; ++q) {
+      const int64_t c = cols - 8 * q;   // columns left from this half panel on
+      if (c <= 0) break;
+      _mm256_store_ps(tmp, acc[r][q]);
+      std::memcpy(y + r * ldy + 8 * q, tmp, (c < 8 ? c : 8) * sizeof(float));
+    }
 }
 
 // Rows [0, M) x panels [p0, p1) of the pair program.
@@ -383,7 +396,11 @@ inline void ColumnsPairs(Isa isa, const Bf16* x, int64_t ldx, int64_t M, const B
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = m0 + kRowBlock < M ? m0 + kRowBlock : M;
     for (int64_t p = p0; p < p1;) {
-      const int64_t np = (isa >= kAvx512 && p + 2 <= p1) ? 2 : 1;
+      // panels per tile (speed only): up to 2, and 4 for one row (a decode step's product) where
+      // the program is emulated (AVX2, AVX-512 without BF16): there an fma and its flush make a
+      // chain too slow for 2 panels' columns to hide
+      const int64_t most = isa == kScalar ? 1 : (M == 1 && (isa == kAvx2 || isa == kAvx512) ? 4 : 2);
+      const int64_t np = p + most <= p1 ? most : (most > 1 && p + 2 <= p1 ? 2 : 1);
       const Bf16* panels = packed + p * stride;
       const int64_t cols = N - p * kPanel;
       for (int64_t m = m0; m < m1;) {
@@ -397,10 +414,10 @@ inline void ColumnsPairs(Isa isa, const Bf16* x, int64_t ldx, int64_t M, const B
           else { np == 2 ? TilePairsBf16<1, 2>(xr, ldx, panels, K, yr, ldy, cols) : TilePairsBf16<1, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
         } else if (isa == kAvx512) {
           if (left >= 4) { np == 2 ? TilePairs512<4, 2>(xr, ldx, panels, K, yr, ldy, cols) : TilePairs512<4, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 4; }
-          else { np == 2 ? TilePairs512<1, 2>(xr, ldx, panels, K, yr, ldy, cols) : TilePairs512<1, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
+          else { np == 4 ? TilePairs512<1, 4>(xr, ldx, panels, K, yr, ldy, cols) : np == 2 ? TilePairs512<1, 2>(xr, ldx, panels, K, yr, ldy, cols) : TilePairs512<1, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
         } else if (isa == kAvx2) {
-          if (left >= 2) { TilePairs256<2>(xr, ldx, panels, K, yr, ldy, cols); done = 2; }
-          else { TilePairs256<1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
+          if (left >= 2) { np == 2 ? TilePairs256<2, 2>(xr, ldx, panels, K, yr, ldy, cols) : TilePairs256<2, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 2; }
+          else { np == 4 ? TilePairs256<1, 4>(xr, ldx, panels, K, yr, ldy, cols) : np == 2 ? TilePairs256<1, 2>(xr, ldx, panels, K, yr, ldy, cols) : TilePairs256<1, 1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
         } else {
           PanelPairsScalar(xr, ldx, 1, panels, K, yr, ldy, cols < kPanel ? cols : kPanel);
           done = 1;

@@ -122,7 +122,9 @@ def test_every_code_path_gives_the_bf16_pair_programs_bits(path):
     """Where the CPU has AVX-512-BF16, this checks vdpbf16ps against the program too."""
     rng = np.random.default_rng(7)
     spread = lambda shape: rng.standard_normal(shape) * 2.0 ** rng.integers(-14, 15, shape)  # noqa: E731
-    for M, N, K in [(1, 1, 1), (1, 37, 19), (9, 16, 64), (70, 33, 7), (5, 100, 301), (17, 48, 576)]:
+    # one row of 100 and 200 columns: the emulated paths' tiles of 4 panels, then 2, then 1 (a partial one)
+    for M, N, K in [(1, 1, 1), (1, 37, 19), (1, 100, 301), (1, 200, 64), (9, 16, 64), (70, 33, 7), (5, 100, 301),
+                    (17, 48, 576)]:
         x = spread((M, K)).astype(ml_dtypes.bfloat16)   # a wide spread: the order shows in the sums
         w = spread((N, K)).astype(ml_dtypes.bfloat16)
         x[0, 0], w[0, -1] = np.float32(1e-39), np.float32(-2e-39)     # denormals
