@@ -276,8 +276,8 @@ def test_attention_products_count_the_rows_of_every_matrix(monkeypatch):
     for choice in ("widened", "native"):
         monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, choice)
         seen = []
-        real = torch.matmul
-        monkeypatch.setattr(torch, "matmul", lambda a, b, **out: seen.append((a.dtype, b.dtype)) or real(a, b, **out))
+        real = torch.bmm
+        monkeypatch.setattr(torch, "bmm", lambda a, b, **out: seen.append((a.dtype, b.dtype)) or real(a, b, **out))
         out[choice] = ops.attention(q, k, v, allowed, policy)
         monkeypatch.undo()
         want = torch.float32 if choice == "widened" else torch.bfloat16
