@@ -265,3 +265,22 @@ def test_plain_long_prompt_is_one_causal_kernel_call(tiny_dir, monkeypatch):
     monkeypatch.setattr(tm, "causal_allowed", lambda mask, n, first=0: real_allowed(mask, n, first) | True)
     m(ids)                                                       # a bug: every query sees every key
     assert len(calls) == 3 * layers and not any(c for _, c in calls)
+
+
+def test_answers_kept_per_mask_follow_the_mask_asked_about():
+    """plain_causal's answer and block_attention's mask inverse are kept for the last mask asked
+    about (a call's layers share it): another mask, even one that differs in one key or equals
+    an earlier one, gets its own."""
+    policy = Policy.get("fp32")
+    gen = torch.Generator().manual_seed(5)
+    T, S, H, D = 3, 4, 2, 8
+    q, k, v = (torch.randn(1, n, H, D, generator=gen) for n in (T, S, S))
+    a = torch.ones(1, T, S, dtype=torch.bool).tril()
+    b = a.clone()
+    b[0, -1, 0] = False          # one key hidden from the last query
+    first_b = ops.block_attention(q, k, v, b, policy)
+    first_a = ops.block_attention(q, k, v, a, policy)
+    assert ops.plain_causal(a) and not ops.plain_causal(b) and ops.plain_causal(a.clone())
+    assert not torch.equal(first_a, first_b)
+    assert torch.equal(ops.block_attention(q, k, v, b.clone(), policy), first_b)
+    assert torch.equal(ops.block_attention(q, k, v, a, policy), first_a)

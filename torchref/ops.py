@@ -416,20 +416,31 @@ def plain_causal(allowed: torch.Tensor) -> bool:
     """Whether allowed [B, T, S] is a prompt's causal mask from slot 0 without padding: in every
     row, query t may see keys 0..t and nothing else (slots T.. hidden). Read from the mask (its
     bytes against the lower triangle; 2 ms at 2048 x 2049 on a Zen 4), not taken on trust, so a
-    mask that a seam, a control or a bug changed never runs as is_causal. The answer for the last
-    mask asked about is kept while it lives (the layers of one call share their mask; masks are
-    never changed in place)."""
-    last = _PLAIN[0]
+    mask that a seam, a control or a bug changed never runs as is_causal. Kept per mask
+    (_per_mask)."""
+    return _per_mask(_PLAIN, allowed, _is_plain_causal)
+
+
+def _is_plain_causal(allowed: torch.Tensor) -> bool:
+    B, T, S = allowed.shape
+    return S >= T and torch.equal(allowed.bool().view(torch.uint8),
+                                  torch.ones(T, S, dtype=torch.uint8, device=allowed.device).tril().expand(B, T, S))
+
+
+def _per_mask(memo: list, allowed: torch.Tensor, of):
+    """of(allowed), kept in memo (a one-element list) for the last mask asked about while that
+    mask lives: the layers of one call share their mask, so it is computed once per call, not
+    once a layer. Masks are never changed in place (a changed mask is a new tensor)."""
+    last = memo[0]
     if last is not None and last[0]() is allowed:
         return last[1]
-    B, T, S = allowed.shape
-    answer = S >= T and torch.equal(allowed.bool().view(torch.uint8),
-                                    torch.ones(T, S, dtype=torch.uint8, device=allowed.device).tril().expand(B, T, S))
-    _PLAIN[0] = (weakref.ref(allowed), answer)
+    answer = of(allowed)
+    memo[0] = (weakref.ref(allowed), answer)
     return answer
 
 
-_PLAIN: list = [None]   # (weak ref to the last mask plain_causal read, its answer)
+_PLAIN: list = [None]     # (weak ref to the last mask plain_causal read, its answer)
+_HIDDEN: list = [None]    # (weak ref to the last mask _hidden inverted, its inverse)
 
 
 def fused_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy) -> torch.Tensor:
@@ -601,18 +612,8 @@ def _rounded(x: torch.Tensor, dtype: torch.dtype, scratch: Scratch | None) -> to
 
 
 def _hidden(allowed: torch.Tensor) -> torch.Tensor:
-    """~allowed: the keys each query may not see. The answer for the last mask asked about is
-    kept while it lives (a call's layers share their mask, as plain_causal's), so that a decode
-    step inverts its mask once, not once a layer."""
-    last = _HIDDEN[0]
-    if last is not None and last[0]() is allowed:
-        return last[1]
-    hidden = ~allowed
-    _HIDDEN[0] = (weakref.ref(allowed), hidden)
-    return hidden
-
-
-_HIDDEN: list = [None]   # (weak ref to the last mask _hidden inverted, its inverse)
+    """~allowed: the keys each query may not see, inverted once per call's mask (_per_mask)."""
+    return _per_mask(_HIDDEN, allowed, torch.bitwise_not)
 
 
 def softmax(s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
