@@ -147,7 +147,9 @@ def run_policies(folder, policies, impls, cases, repeats, say) -> list[dict]:
         for c in cases:
             for key in keys:
                 times[(c["name"], *key)].append(c["run"](models[key]))
-        say(f"  round {r + 1}/{repeats} done")
+            # each round's times as they come, so that a run stopped early still says something
+            say(f"  round {r + 1}/{repeats} {c['name']}: " + ", ".join(
+                f"{policy} {impl} {times[(c['name'], policy, impl)][-1] * 1e3:.1f} ms" for policy, impl in keys))
     del models
     med = {key: statistics.median(t) for key, t in times.items()}
     rows = []

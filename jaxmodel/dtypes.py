@@ -25,8 +25,8 @@ _DTYPES = {
 #   does (by default XLA may keep bf16/f16 intermediates in f32 between fused ops);
 # - xla_cpu_use_fusion_emitters=False: the classic emitters compile an op the same way
 #   whatever its consumers, so capturing an activation never changes the logits (with the
-#   newer ones FMA contraction follows the fusion, docs/measurements.md). Other backends
-#   ignore it.
+#   newer ones FMA contraction follows the fusion, docs/measurements.md). XLA:CPU's only:
+#   not asked for on other backends (XLA:GPU rejects it as unknown).
 _WANTED_OPTIONS = {"xla_allow_excess_precision": False, "xla_cpu_use_fusion_emitters": False}
 
 # Batch-invariant programs only: XLA:CPU may hand a fusion to the YNNPACK library depending
@@ -43,6 +43,8 @@ def compiler_options(batch_invariant: bool = False) -> dict:
     options = {}
     wanted = {**_WANTED_OPTIONS, **(_INVARIANT_OPTIONS if batch_invariant else {})}
     for key, value in wanted.items():
+        if key.startswith("xla_cpu_") and jax.default_backend() != "cpu":
+            continue
         try:
             jax.jit(lambda x: x + 1, compiler_options={key: value}).lower(1.0).compile()
             options[key] = value

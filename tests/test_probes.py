@@ -265,6 +265,29 @@ def test_cli_end_to_end_writes_reports_and_exits_zero(ck, tmp_path, capsys):
     assert "probe" in captured.out and "[" in captured.err     # table on stdout, progress on stderr
 
 
+def test_probes_take_torchref_outputs_that_numpy_refuses(ck, tmp_path, monkeypatch, capsys):
+    """On a GPU, torchref's logits are a CUDA tensor and np.asarray(tensor) raises (the lent
+    H200, session 30: `probe batch --impl torchref` stopped with an internal error). Here every
+    np.asarray of a torch tensor raises the same way, so each probe must bring torchref's
+    outputs to the host as torch tensors (to_numpy), never through numpy's array protocol."""
+    import torch
+
+    def refuse(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy (as on a GPU)")
+
+    monkeypatch.setattr(torch.Tensor, "__array__", refuse)
+    with pytest.raises(TypeError):      # the simulation holds
+        np.asarray(torch.zeros(2))
+    rc = main(["probe", "all", "--checkpoint", str(ck), "--impl", "torchref", "--policy", "fp32,bf16",
+               "--batch-sizes", "2", "--completions", "2", "--new-tokens", "2", "--divergence-batch-sizes", "2",
+               "--repeats", "1", "--processes", "0", "--length", "8", "--json", str(tmp_path / "p.json"),
+               "--no-colour"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out + captured.err
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert len(doc["results"]) == 8 and doc["verdict"] in ("exact", "drift")
+
+
 def test_cli_exit_code_is_one_on_a_semantic_finding(ck, tmp_path, monkeypatch, capsys):
     import compare.probes as pmod
     real = pmod.load_model

@@ -17,6 +17,16 @@ from llamaspec import taps as tapnames
 PACKAGES = ("torchref", "jaxmodel")
 
 
+def host_array(x) -> np.ndarray:
+    """A model's output as a numpy array on the host: a torch tensor through torchref's to_numpy
+    (np.asarray refuses a tensor on a GPU, and numpy has no bf16 of torch's), anything else (a
+    jax array, numpy) through np.asarray."""
+    if type(x).__module__.startswith("torch"):
+        from torchref.dtypes import to_numpy
+        return to_numpy(x)
+    return np.asarray(x)
+
+
 def package_of(model) -> str | None:
     """"torchref" or "jaxmodel" for one of their LlamaModel instances, else None (checked
     without importing either: an instance of one means its package is imported already)."""
@@ -85,7 +95,7 @@ class OurModel:
         return self.model.capture(tokens, attention_mask, taps, inject=inject)
 
     def __call__(self, tokens, attention_mask=None) -> np.ndarray:
-        return np.asarray(self.model(tokens, attention_mask=attention_mask))
+        return host_array(self.model(tokens, attention_mask=attention_mask))
 
     def prefill(self, ids, mask, total_len: int, inject=None):
         return self.model.prefill(ids, mask, total_len, inject=inject)

@@ -23,6 +23,7 @@ import numpy as np
 from llamaspec import Policy
 
 from ..adapters import OurModel, as_implementation, is_transformers_llama, package_of
+from ..adapters.ours import host_array
 
 IMPLS = ("torchref", "jaxmodel", "transformers")
 
@@ -170,5 +171,5 @@ def as_probe_model(model, oracle=None, name: str | None = None, policy=None) -> 
 def logits_of(model, ids, mask) -> np.ndarray:
     """A model's logits whether it is called (ours, transformers) or captures (a port)."""
     if callable(model):
-        return np.asarray(model(ids, attention_mask=mask))
+        return host_array(model(ids, attention_mask=mask))
     return np.asarray(model.capture(ids, mask, ["logits"])[0])
