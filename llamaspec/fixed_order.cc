@@ -180,4 +180,17 @@ void fo_exp(int64_t n, const void* x, int is_f64, void* y, int threads) {
   RunChunked(fo::ExpJob{n, x, is_f64 != 0, y}, threads);
 }
 
+// Causal attention of a bf16 policy (fixed_order.h's CausalAttention): q [B, T, Hq, D] and
+// out contiguous f32; k, v f32 with element (b, s, h, d) at b * sb + s * ss + h * sh + d;
+// allowed [B, T, S] bytes at b * ab + t * at + j; late_scale 0 when q came scaled.
+void fo_attention(int64_t B, int64_t T, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, const float* q,
+                  const float* k, int64_t ksb, int64_t kss, int64_t ksh, const float* v, int64_t vsb,
+                  int64_t vss, int64_t vsh, const uint8_t* allowed, int64_t ab, int64_t at, float late_scale,
+                  float* out, int threads) {
+  std::vector<float> kp(B * Hkv * fo::Panels(S) * D * fo::kPanel), vp(B * Hkv * fo::Panels(D) * S * fo::kPanel);
+  RunJob(fo::AttentionPack{B, S, Hkv, D, k, v, ksb, kss, ksh, vsb, vss, vsh, kp.data(), vp.data()}, threads);
+  RunJob(fo::CausalAttention{B, T, S, Hq, Hkv, D, q, kp.data(), vp.data(), allowed, ab, at, late_scale, out},
+         threads);
+}
+
 }  // extern "C"

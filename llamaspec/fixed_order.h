@@ -24,6 +24,7 @@
 
 #include <immintrin.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -132,6 +133,7 @@ FO_AVX512 inline __m512 Load512(const F16* p) {
 // acc[r][p] to row r, columns [16 p, 16 p + 16) of y, the first `cols` columns only.
 template <int MR, int NP>
 FO_AVX512 inline void Store512(const __m512 (&acc)[MR][NP], float* y, int64_t ldy, int64_t cols) {
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) {
       const int64_t c = cols - p * kPanel;
@@ -144,11 +146,13 @@ template <int MR, int NP, class W>
 FO_AVX512 void Tile512(const float* x, int64_t ldx, const W* panels, int64_t K, float* y,
                        int64_t ldy, int64_t cols) {
   __m512 acc[MR][NP];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[NP];
     for (int p = 0; p < NP; ++p) w[p] = Load512(panels + (p * K + k) * kPanel);
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
@@ -161,16 +165,19 @@ template <int MR, int NP>
 FO_AVX512 void Tile512(const double* x, int64_t ldx, const double* panels, int64_t K, double* y,
                        int64_t ldy, int64_t cols) {
   __m512d acc[MR][2 * NP];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int h = 0; h < 2 * NP; ++h) acc[r][h] = _mm512_setzero_pd();
   for (int64_t k = 0; k < K; ++k) {
     __m512d w[2 * NP];
     for (int h = 0; h < 2 * NP; ++h) w[h] = _mm512_loadu_pd(panels + ((h / 2) * K + k) * kPanel + (h % 2) * 8);
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const __m512d xv = _mm512_set1_pd(x[r * ldx + k]);
       for (int h = 0; h < 2 * NP; ++h) acc[r][h] = _mm512_fmadd_pd(xv, w[h], acc[r][h]);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int h = 0; h < 2 * NP; ++h) {
       const int64_t c = cols - h * 8;
@@ -194,9 +201,11 @@ template <int MR, class W>
 FO_AVX2 void Tile256(const float* x, int64_t ldx, const W* panel, int64_t K, float* y, int64_t ldy,
                      int64_t cols) {
   __m256 acc[MR][2];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m256 w0 = Load256(panel + k * kPanel), w1 = Load256(panel + k * kPanel + 8);
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
       acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
@@ -204,6 +213,7 @@ FO_AVX2 void Tile256(const float* x, int64_t ldx, const W* panel, int64_t K, flo
     }
   }
   alignas(32) float tmp[16];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     if (cols >= kPanel) {
       _mm256_storeu_ps(y + r * ldy, acc[r][0]);
@@ -220,17 +230,20 @@ template <int MR>
 FO_AVX2 void Tile256(const double* x, int64_t ldx, const double* panel, int64_t K, double* y,
                      int64_t ldy, int64_t cols) {
   __m256d acc[MR][4];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_setzero_pd();
   for (int64_t k = 0; k < K; ++k) {
     __m256d w[4];
     for (int h = 0; h < 4; ++h) w[h] = _mm256_loadu_pd(panel + k * kPanel + 4 * h);
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const __m256d xv = _mm256_broadcast_sd(x + r * ldx + k);
       for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_fmadd_pd(xv, w[h], acc[r][h]);
     }
   }
   alignas(32) double tmp[16];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     for (int h = 0; h < 4; ++h) _mm256_store_pd(tmp + 4 * h, acc[r][h]);
     std::memcpy(y + r * ldy, tmp, (cols < kPanel ? cols : kPanel) * sizeof(double));
@@ -294,11 +307,13 @@ FO_AVX512BF16 void TilePairsBf16(const Bf16* x, int64_t ldx, const Bf16* panels,
                                 int64_t ldy, int64_t cols) {
   const int64_t P = Pairs(K);
   __m512 acc[MR][NP];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t i = 0; i < P; ++i) {
     __m512i w[NP];
     for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_si512(panels + (p * P + i) * kPanel * 2);
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       int32_t pair;  // a whole pair straight from x, but the odd K's last half pair
       if (2 * i + 1 < K) std::memcpy(&pair, x + r * ldx + 2 * i, 4);
@@ -323,6 +338,7 @@ FO_AVX512 void TilePairs512(const Bf16* x, int64_t ldx, const Bf16* panels, int6
   const int64_t P = Pairs(K);
   const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
   __m512 acc[MR][NP];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t i = 0; i < P; ++i) {
@@ -332,6 +348,7 @@ FO_AVX512 void TilePairs512(const Bf16* x, int64_t ldx, const Bf16* panels, int6
       wlo[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));   // flushed when packed (PackPairs)
       whi[p] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
     }
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const uint32_t xp = XPair(x + r * ldx, i, K);
       const __m512 xlo = _mm512_set1_ps(PairLo(xp)), xhi = _mm512_set1_ps(PairHi(xp));
@@ -358,10 +375,12 @@ FO_AVX2 void TilePairs256(const Bf16* x, int64_t ldx, const Bf16* panels, int64_
   const int64_t P = Pairs(K);
   const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
   __m256 acc[MR][2 * NP];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < 2 * NP; ++q) acc[r][q] = _mm256_setzero_ps();
   for (int64_t i = 0; i < P; ++i) {
     __m256 xlo[MR], xhi[MR];
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const uint32_t xp = XPair(x + r * ldx, i, K);
       xlo[r] = _mm256_set1_ps(PairLo(xp));
@@ -372,6 +391,7 @@ FO_AVX2 void TilePairs256(const Bf16* x, int64_t ldx, const Bf16* panels, int64_
           reinterpret_cast<const __m256i*>(panels + (((q / 2) * P + i) * kPanel + 8 * (q % 2)) * 2));
       const __m256 wlo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));   // flushed when packed (PackPairs)
       const __m256 whi = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         acc[r][q] = Ftz256(_mm256_fmadd_ps(xhi[r], whi, acc[r][q]));
         acc[r][q] = Ftz256(_mm256_fmadd_ps(xlo[r], wlo, acc[r][q]));
@@ -379,6 +399,7 @@ FO_AVX2 void TilePairs256(const Bf16* x, int64_t ldx, const Bf16* panels, int64_
     }
   }
   alignas(32) float tmp[8];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < 2 * NP; ++q) {
       const int64_t c = cols - 8 * q;   // columns left from this half panel on
@@ -461,7 +482,8 @@ void Columns(Isa isa, const A* x, int64_t ldx, int64_t M, const W* packed, int64
             if (left >= 2) { Tile256<2>(xr, ldx, panels, K, yr, ldy, cols); done = 2; }
             else { Tile256<1>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
           } else {
-            if (left >= 4) { Tile256<4, W>(xr, ldx, panels, K, yr, ldy, cols); done = 4; }
+            if (left >= 6) { Tile256<6, W>(xr, ldx, panels, K, yr, ldy, cols); done = 6; }
+            else if (left >= 4) { Tile256<4, W>(xr, ldx, panels, K, yr, ldy, cols); done = 4; }
             else { Tile256<1, W>(xr, ldx, panels, K, yr, ldy, cols); done = 1; }
           }
         } else {
@@ -740,6 +762,193 @@ struct ExpJob {
     if (isa >= kAvx512) ExpF32Avx512(a, b, i1 - i0);
     else if (isa == kAvx2) ExpF32Avx2(a, b, i1 - i0);
     else for (int64_t i = 0; i < i1 - i0; ++i) b[i] = ExpF32(a[i]);
+  }
+};
+
+
+// ----- causal attention of a bf16 policy (torchref's long prompts, default mode) ---------
+//
+// For batch row b, query t and query head hq (kv head hq / G), over keys j < n (n: the keys
+// the query's tile reads, past its last visible key; every key S when it sees none):
+//   s_j = bf16(gemm chain over d of q[d] * k_j[d]); with a late scale, s_j = bf16(s_j * scale)
+//   s_j = -FLT_MAX where the query may not see key j (allowed 0, or j past its last visible key)
+//   m = max_j s_j (NaN when any s_j is NaN);  e_j = ExpF32(s_j - m)
+//   z = row_sum chain over j of e_j;  p_j = bf16(e_j / z)
+//   out[d] = bf16(gemm chain over j of p_j * v_j[d])
+// bf16() rounds to nearest even, as torch's casts do. A key past the query's last visible one
+// has e_j = p_j = 0 and adds exact zeros to both chains (finite values), so which tile a query
+// shares changes nothing: the same bits for every tile, batch, thread count and code path.
+// q, k and v are f32 holding bf16 values (their products exact in f32); out f32 holding bf16.
+
+inline float RoundBf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) u |= 0x00400000u;  // NaN stays a (quiet) NaN
+  else u += 0x7fffu + ((u >> 16) & 1u);
+  u &= 0xffff0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+FO_AVX2 inline __m256 RoundBf16x8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+  const __m256 r = _mm256_blendv_ps(_mm256_castsi256_ps(up), _mm256_castsi256_ps(quiet),
+                                    _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_and_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0xffff0000u))));
+}
+
+// One row's scores [0, n) in place: rounded (and late-scaled), masked from `seen` (bytes, 0 =
+// hidden) below lim and entirely from lim on, then minus their max (NaN if any is NaN).
+inline void ScoresRowScalar(float* s, const uint8_t* seen, int64_t lim, int64_t n, float scale) {
+  float m = -FLT_MAX;
+  bool nan = false;
+  for (int64_t j = 0; j < n; ++j) {
+    float v = RoundBf16(s[j]);
+    if (scale != 0.0f) v = RoundBf16(v * scale);
+    if (j >= lim || !seen[j]) v = -FLT_MAX;
+    nan |= v != v;
+    m = v > m ? v : m;
+    s[j] = v;
+  }
+  if (nan) m = NAN;
+  for (int64_t j = 0; j < n; ++j) s[j] = s[j] - m;
+}
+
+FO_AVX2 inline void ScoresRowAvx2(float* s, const uint8_t* seen, int64_t lim, int64_t n, float scale) {
+  const __m256 lowest = _mm256_set1_ps(-FLT_MAX), sc = _mm256_set1_ps(scale);
+  __m256 m = lowest, nan = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = RoundBf16x8(_mm256_loadu_ps(s + j));
+    if (scale != 0.0f) v = RoundBf16x8(_mm256_mul_ps(v, sc));
+    __m256 hidden;
+    if (j + 8 <= lim) {
+      int64_t bytes;
+      std::memcpy(&bytes, seen + j, 8);
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+      hidden = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, _mm256_setzero_si256()));
+    } else {
+      alignas(32) int32_t h[8];
+      for (int i = 0; i < 8; ++i) h[i] = (j + i >= lim || !seen[j + i]) ? -1 : 0;
+      hidden = _mm256_load_ps(reinterpret_cast<const float*>(h));
+    }
+    v = _mm256_blendv_ps(v, lowest, hidden);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, v);
+    _mm256_storeu_ps(s + j, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float mx = -FLT_MAX;
+  for (float l : lanes) mx = l > mx ? l : mx;
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (; j < n; ++j) {
+    float v = RoundBf16(s[j]);
+    if (scale != 0.0f) v = RoundBf16(v * scale);
+    if (j >= lim || !seen[j]) v = -FLT_MAX;
+    any_nan |= v != v;
+    mx = v > mx ? v : mx;
+    s[j] = v;
+  }
+  const __m256 mv = _mm256_set1_ps(any_nan ? NAN : mx);
+  for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+  for (; j < n; ++j) s[j] = s[j] - (any_nan ? NAN : mx);
+}
+
+// e [0, n) / z, rounded to bf16, in place.
+inline void ProbsRowScalar(float* e, int64_t n, float z) {
+  for (int64_t j = 0; j < n; ++j) e[j] = RoundBf16(e[j] / z);
+}
+
+FO_AVX2 inline void ProbsRowAvx2(float* e, int64_t n, float z) {
+  const __m256 zv = _mm256_set1_ps(z);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(e + j, RoundBf16x8(_mm256_div_ps(_mm256_loadu_ps(e + j), zv)));
+  for (; j < n; ++j) e[j] = RoundBf16(e[j] / z);
+}
+
+struct CausalAttention {
+  int64_t B, T, S, Hq, Hkv, D;
+  const float* q;          // [B, T, Hq, D], contiguous
+  const float* kp;         // keys packed: [B * Hkv][Panels(S)][D][16]
+  const float* vp;         // values transposed and packed: [B * Hkv][Panels(D)][S][16]
+  const uint8_t* allowed;  // [B, T, S]: element (b, t, j) at b * ab + t * at + j
+  int64_t ab, at;
+  float late_scale;        // 0: the queries came scaled
+  float* out;              // [B, T, Hq, D], contiguous
+  static constexpr int64_t kQueries = 16;  // queries per task (times G heads: its rows)
+
+  int64_t Tiles() const { return (T + kQueries - 1) / kQueries; }
+  int64_t Tasks(int) const { return B * Hkv * Tiles(); }
+
+  void Run(Isa isa, int64_t task) const {
+    const int64_t G = Hq / Hkv, bh = task % (B * Hkv), b = bh / Hkv, h = bh % Hkv;
+    const int64_t tile = Tiles() - 1 - task / (B * Hkv);  // the longest rows first
+    const int64_t t0 = tile * kQueries, tq = T - t0 < kQueries ? T - t0 : kQueries;
+    int64_t lim[kQueries], n = 0;
+    for (int64_t i = 0; i < tq; ++i) {
+      const uint8_t* seen = allowed + b * ab + (t0 + i) * at;
+      int64_t j = S;
+      while (j > 0 && !seen[j - 1]) --j;
+      lim[i] = j == 0 ? S : j;  // a query that sees nothing averages every value
+      n = lim[i] > n ? lim[i] : n;
+    }
+    const int64_t ld = Panels(n) * kPanel, rows = G * tq;
+    thread_local std::vector<float> buf, sums;
+    buf.resize(rows * ld);
+    sums.resize(rows);
+    const float* keys = kp + bh * Panels(S) * D * kPanel;
+    for (int64_t g = 0; g < G; ++g)
+      Columns(isa, q + ((b * T + t0) * Hq + h * G + g) * D, Hq * D, tq, keys, n, D,
+              buf.data() + g * tq * ld, ld, 0, Panels(n));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r % tq;
+      const uint8_t* seen = allowed + b * ab + (t0 + i) * at;
+      if (isa >= kAvx2) ScoresRowAvx2(buf.data() + r * ld, seen, lim[i], n, late_scale);
+      else ScoresRowScalar(buf.data() + r * ld, seen, lim[i], n, late_scale);
+      float* row = buf.data() + r * ld;
+      if (isa >= kAvx512) ExpF32Avx512(row, row, n);
+      else if (isa == kAvx2) ExpF32Avx2(row, row, n);
+      else for (int64_t j = 0; j < n; ++j) row[j] = ExpF32(row[j]);
+    }
+    RowSums(isa, buf.data(), ld, rows, n, false, sums.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      if (isa >= kAvx2) ProbsRowAvx2(buf.data() + r * ld, n, sums[r]);
+      else ProbsRowScalar(buf.data() + r * ld, n, sums[r]);
+    }
+    const float* values = vp + bh * Panels(D) * S * kPanel;
+    for (int64_t g = 0; g < G; ++g) {
+      float* y = out + ((b * T + t0) * Hq + h * G + g) * D;
+      for (int64_t p = 0; p < Panels(D); ++p) {
+        const int64_t cols = D - p * kPanel < kPanel ? D - p * kPanel : kPanel;
+        Columns(isa, buf.data() + g * tq * ld, ld, tq, values + p * S * kPanel, cols, n, y + p * kPanel,
+                Hq * D, 0, 1);
+      }
+      for (int64_t i = 0; i < tq; ++i)
+        for (int64_t d = 0; d < D; ++d) y[i * Hq * D + d] = RoundBf16(y[i * Hq * D + d]);
+    }
+  }
+};
+
+// Packs the keys and the transposed values of each (b, kv head) for CausalAttention: task
+// 2 * bh (keys) and 2 * bh + 1 (values). k, v element (b, s, h, d) at b * sb + s * ss + h * sh + d.
+struct AttentionPack {
+  int64_t B, S, Hkv, D;
+  const float *k, *v;
+  int64_t ksb, kss, ksh, vsb, vss, vsh;
+  float *kp, *vp;
+
+  int64_t Tasks(int) const { return 2 * B * Hkv; }
+
+  void Run(Isa, int64_t task) const {
+    const int64_t bh = task / 2, b = bh / Hkv, h = bh % Hkv;
+    if (task % 2 == 0)
+      Pack(k + b * ksb + h * ksh, S, D, kss, int64_t{1}, kp + bh * Panels(S) * D * kPanel);
+    else
+      Pack(v + b * vsb + h * vsh, D, S, int64_t{1}, vss, vp + bh * Panels(D) * S * kPanel);
   }
 };
 

@@ -295,6 +295,8 @@ def library() -> ctypes.CDLL:
     lib.fo_packed_elements.argtypes = [i64, i64, c_int]
     lib.fo_packed_elements.restype = i64
     lib.fo_use_openmp.argtypes = [ptr]
+    lib.fo_attention.argtypes = [i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                                 ptr, i64, i64, ctypes.c_float, ptr, c_int]
     select_isa(lib)
     return lib
 

@@ -367,11 +367,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     keys changes (drift; the tests hold it to rounding). A block with a query that may see
     nothing (a padding position) reads every key, so that query averages all S values as one
     block would. Where fused_attention_applies, a long prompt's blocks run as fused_block, and a
-    prompt from slot 0 without padding (plain_causal) as one fused_causal call.
+    prompt from slot 0 without padding (plain_causal) as one fused_causal call; where
+    kernel_attention_applies (a bf16 policy), the whole call as kernel_attention.
     """
     T = q.shape[1]
     if T < 2 * QUERY_BLOCK:
         return block_attention(q, k, v, allowed, policy)
+    if kernel_attention_applies(policy, q):
+        return kernel_attention(q, k, v, allowed, policy)
     fused = fused_attention_applies(policy, q.device)
     if fused and k.shape[1] >= T and plain_causal(allowed):
         return fused_causal(q, k[:, :T], v[:, :T], policy)
@@ -461,9 +464,86 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, **
     return out.transpose(1, 2)
 
 
-# $LLAMA_PARITY_TORCHREF_ATTENTION: auto (fused_attention_applies' rule), fused (any policy whose
-# attention is in one float dtype: also f64), or ops (never the fused kernel: block_attention)
+# $LLAMA_PARITY_TORCHREF_ATTENTION: auto (fused_attention_applies' and kernel_attention_applies'
+# rules), fused (torch's fused kernel for any policy whose attention is in one float dtype: also
+# f64), kernel (as auto, an error where the fixed-order kernels cannot be built), or ops (neither:
+# block_attention)
 ATTENTION_ENV = "LLAMA_PARITY_TORCHREF_ATTENTION"
+_ATTENTION_CHOICES = ("auto", "fused", "kernel", "ops")
+
+
+def _attention_choice() -> str:
+    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if choice not in _ATTENTION_CHOICES:
+        raise ValueError(f"{ATTENTION_ENV}={choice!r}: expected {', '.join(_ATTENTION_CHOICES)}")
+    return choice
+
+
+def kernel_attention_applies(policy: Policy, q: torch.Tensor) -> bool:
+    """Whether a long prompt's attention (2 * QUERY_BLOCK queries or more) runs as
+    kernel_attention instead of block_attention: a bf16 policy (bf16 operands, f32 accumulation
+    and softmax) on an x86-64 CPU. block_attention's separate products, roundings, mask and
+    softmax write and read every score several times, and torch's fused kernel cannot stand in
+    (it rounds the unnormalised exponentials, the policy the probabilities). SmolLM2's attention
+    at 2048 tokens on a 2-core Zen 4, one layer: 37 ms against block_attention's 53 with its
+    AVX-512-BF16 products, 42 against 87 under an AVX2 cap, where the fp32 policy's fused
+    kernel takes 48 (docs/measurements.md). Its bits are the same on every x86-64 CPU, code
+    path, batch and thread count. Decided by the policy and the CPU, never by a timing;
+    $LLAMA_PARITY_TORCHREF_ATTENTION overrides (kernel: an error if the kernels cannot be built;
+    fused, ops: never). Kernels that cannot be built leave block_attention, with one warning."""
+    if not (policy.compute_dtype == "bfloat16" and policy.accum_dtype == "float32"
+            and policy.softmax_dtype == "float32" and q.device.type == "cpu"
+            and platform.machine().lower() in ("x86_64", "amd64")):
+        return False
+    choice = _attention_choice()
+    if choice in ("fused", "ops"):
+        return False
+    return _attention_kernels(strict=choice == "kernel") is not None
+
+
+@functools.cache
+def _attention_kernels(strict: bool):
+    """The fixed-order kernels on torch's OpenMP threads (invariant.kernels), or None where they
+    cannot be built (one warning; strict: the error)."""
+    from . import invariant
+    try:
+        return invariant.kernels()
+    except InvarianceError as e:
+        if strict:
+            raise
+        warnings.warn(f"torchref's fixed-order kernels are not available ({e}); a bf16 policy's long-prompt "
+                      f"attention runs as separate torch ops ({ATTENTION_ENV}=ops silences this)",
+                      RuntimeWarning, stacklevel=4)
+        return None
+
+
+def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     policy: Policy) -> torch.Tensor:
+    """block_attention's function for a bf16 policy in one pass per tile of queries, on the
+    fixed-order kernels (llamaspec/fixed_order.h, CausalAttention; docs/measurements.md): the scores
+    of a tile's rows rounded to bf16 (and scaled, as block_attention, before or after), masked,
+    softmax in f32 with the kernels' exp, the probabilities rounded to bf16, their product with the
+    values rounded to bf16, every score kept in cache instead of written out and read back per
+    step. The same products and roundings as block_attention, summed in another order (drift,
+    held to rounding by the tests), and the same bits on every x86-64 CPU, code path, batch and
+    thread count. Each query reads the keys up to its last visible one (all S when it sees none,
+    averaging every value as block_attention does). Shapes as block_attention."""
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    scale = D ** -0.5
+    early = scale_queries(scale, policy.compute_dtype)
+    qs = cast(q, torch.bfloat16)
+    qs = (qs * scale if early else qs).to(torch.float32).contiguous()
+    k32, v32 = (cast(t, torch.bfloat16).to(torch.float32) for t in (k, v))
+    k32, v32 = (t if t.stride(-1) == 1 else t.contiguous() for t in (k32, v32))
+    seen = allowed.bool()
+    seen = seen if seen.stride(-1) == 1 else seen.contiguous()
+    out = torch.empty((B, T, Hq, D), dtype=torch.float32, device=q.device)
+    _attention_kernels(False).fo_attention(
+        B, T, S, Hq, Hkv, D, qs.data_ptr(), k32.data_ptr(), *k32.stride()[:3], v32.data_ptr(), *v32.stride()[:3],
+        seen.data_ptr(), seen.stride(0), seen.stride(1), 0.0 if early else scale, out.data_ptr(),
+        torch.get_num_threads())
+    return out.to(torch.bfloat16)
 
 
 def fused_attention_applies(policy: Policy, device: torch.device) -> bool:
@@ -481,9 +561,7 @@ def fused_attention_applies(policy: Policy, device: torch.device) -> bool:
     probabilities (another rounding point, not only another order). Decided by the device and
     the policy, never by a timing; $LLAMA_PARITY_TORCHREF_ATTENTION overrides (fused: also f64
     policies, on any device; ops: never)."""
-    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "fused", "ops"):
-        raise ValueError(f"{ATTENTION_ENV}={choice!r}: expected auto, fused or ops")
+    choice = _attention_choice()
     kinds = {policy.compute_dtype, policy.accum_dtype, policy.softmax_dtype}
     if choice == "fused":
         return kinds in ({"float32"}, {"float64"})

@@ -1,0 +1,190 @@
+"""torchref's attention of a bf16 policy on the fixed-order kernels (torchref.ops:
+kernel_attention_applies, kernel_attention; llamaspec/fixed_order.h, CausalAttention).
+
+The kernel computes block_attention's function (scores rounded to bf16, masked, f32 softmax,
+probabilities rounded to bf16, their product with the values rounded to bf16) one tile of
+queries at a time, the sums in the kernels' fixed order. These tests hold it to
+block_attention element by element (the same roundings, another order: most outputs equal,
+the rest one bf16 step apart), check that its bits do not depend on the code path, the batch,
+the thread count or which tile a query lands in, and that masks (padding, holes), the late
+scale and NaN behave as in block_attention. Where the kernels cannot be built the module is
+skipped (they need g++ on x86-64)."""
+
+import os
+import platform
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torchref  # noqa: E402
+from llamaspec import Policy  # noqa: E402
+from llamaspec import fixed_order as fo  # noqa: E402
+from torchref import invariant, ops  # noqa: E402
+
+pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                                reason="the fixed-order kernels are x86-64 code")
+
+BF16 = Policy.get("bf16")
+
+
+def qkv(B, T, S, Hq=6, Hkv=2, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, n, h, D, generator=g).to(torch.bfloat16) for n, h in ((T, Hq), (S, Hkv), (S, Hkv)))
+    return q, k, v
+
+
+def causal(B, T, S):
+    """The queries are the last T of S slots (S - T cached keys before them)."""
+    return torch.ones(T, S, dtype=torch.bool).tril(S - T)[None].repeat(B, 1, 1)
+
+
+def masks(B, T, S, seed=0):
+    c = causal(B, T, S)
+    padded = c.clone()
+    padded[B - 1, :, :7] = False           # the last row left-padded by 7: its first queries see nothing
+    holes = c & (torch.rand(B, T, S, generator=torch.Generator().manual_seed(seed)) > 0.3)
+    return {"causal": c, "padded": padded, "holes": holes}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return invariant.kernels()
+
+
+@pytest.mark.parametrize("B,T,S,D", [(1, 40, 40, 16), (2, 37, 53, 16), (3, 70, 70, 24), (1, 33, 33, 64)])
+def test_kernel_computes_block_attention(kernels, B, T, S, D):
+    """Every mask, head_dim 16 and 64 (the queries scaled first: a power-of-two scale) and 24
+    (the scores scaled after, rounded again): the kernel's result is block_attention's, the
+    sums in another order. Where the two f32 sums straddle a bf16 rounding boundary, a
+    probability (or an output) lands one bf16 step away: a few outputs differ, each by at most
+    2^-8 of the values' size (one step of every probability). Measured: 0-0.17% of the outputs
+    differ, by at most 9.2e-4 of max |v|. A kernel that skips the probabilities' bf16 rounding
+    differs in 33-43% of them (measured, mutated kernel); one that reads a wrong key, scales at
+    the wrong point or drops a rounding of the scores, by far more than 2^-8."""
+    q, k, v = qkv(B, T, S, D=D, seed=T)
+    for name, allowed in masks(B, T, S, seed=S).items():
+        got = ops.kernel_attention(q, k, v, allowed, BF16)
+        want = ops.block_attention(q, k, v, allowed, BF16)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape, name
+        assert bool(torch.isfinite(got).all()), name
+        diff = (got.double() - want.double()).abs()
+        assert float(diff.max()) <= 2 ** -8 * float(v.double().abs().max()), f"{name}: max |diff| {float(diff.max())}"
+        assert float((diff > 0).double().mean()) <= 0.01, f"{name}: {float((diff > 0).double().mean()):.2%} differ"
+
+
+def test_kernel_bits_do_not_depend_on_path_batch_threads_or_tile(kernels):
+    """The same bits on every code path this CPU runs (scalar, AVX2, AVX-512, AVX-512-BF16),
+    for a row alone and in a batch of three (the others with other lengths of padding), with 1
+    and 2 threads, and for a query whether its tile holds 16 queries or it comes alone."""
+    q, k, v = qkv(3, 50, 50, seed=5)
+    allowed = causal(3, 50, 50)
+    allowed[1, :, :9] = False
+    allowed[2, :, :3] = False
+    ref = {}
+    for path in fo.code_paths(kernels):
+        with fo.code_path(kernels, path):
+            ref[path] = ops.kernel_attention(q, k, v, allowed, BF16)
+    first = ref[fo.code_paths(kernels)[0]]
+    for path, out in ref.items():
+        assert torch.equal(out, first), path
+    alone = ops.kernel_attention(q[:1], k[:1], v[:1], allowed[:1], BF16)
+    assert torch.equal(alone, first[:1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ops.kernel_attention(q, k, v, allowed, BF16), first)
+    finally:
+        torch.set_num_threads(threads)
+    # query 20 of row 0 alone (one query over its 21 keys) is the same as in its tile of 16
+    one = ops.kernel_attention(q[:1, 20:21], k[:1, :21], v[:1, :21], allowed[:1, 20:21, :21], BF16)
+    assert torch.equal(one[0, 0], first[0, 20])
+
+
+def test_kernel_nan_reaches_the_queries_that_see_it(kernels):
+    """A NaN key makes NaN the outputs of the queries that see it, and of no other batch row;
+    a NaN key that the mask hides from every query leaves everything finite (as
+    block_attention's fill)."""
+    q, k, v = qkv(2, 40, 40, seed=2)
+    allowed = causal(2, 40, 40)
+    k[0, 25, 0, 3] = float("nan")
+    out = ops.kernel_attention(q, k, v, allowed, BF16)
+    assert bool(out[0, 25:, :3].isnan().all())          # kv head 0: query heads 0-2 of queries 25..
+    assert bool(out[0, :16].isfinite().all()) and bool(out[1].isfinite().all())
+    hidden = allowed.clone()
+    hidden[0, :, 25] = False
+    assert bool(ops.kernel_attention(q, k, v, hidden, BF16).isfinite().all())
+
+
+def test_kernel_attention_rule(monkeypatch):
+    """auto: a bf16 policy (bf16 operands, f32 accumulation and softmax) on an x86-64 CPU, never
+    another policy or device; kernel: the same; fused and ops: never; another value is an error
+    naming the variable."""
+    monkeypatch.delenv(ops.ATTENTION_ENV, raising=False)
+    cpu = torch.zeros(1, 1, 1, 1)
+    meta = torch.zeros(1, 1, 1, 1, device="meta")      # only the device's type is read
+    auto = {name: ops.kernel_attention_applies(Policy.get(name), cpu)
+            for name in ("bf16", "fp16", "fp32", "bf16w-f32", "fp64", "tf32")}
+    assert auto == {"bf16": True, "fp16": False, "fp32": False, "bf16w-f32": False, "fp64": False,
+                    "tf32": False}
+    assert not ops.kernel_attention_applies(BF16, meta)
+    monkeypatch.setenv(ops.ATTENTION_ENV, "kernel")
+    assert ops.kernel_attention_applies(BF16, cpu) and not ops.kernel_attention_applies(Policy.get("fp32"), cpu)
+    for choice in ("fused", "ops"):
+        monkeypatch.setenv(ops.ATTENTION_ENV, choice)
+        assert not ops.kernel_attention_applies(BF16, cpu)
+    monkeypatch.setenv(ops.ATTENTION_ENV, "fast")
+    with pytest.raises(ValueError, match=ops.ATTENTION_ENV):
+        ops.kernel_attention_applies(BF16, cpu)
+
+
+def test_kernel_attention_runs_in_the_model(tiny_dir, monkeypatch):
+    """The whole model at bf16 over a long prompt (QUERY_BLOCK shrunk to 4: 12 tokens are 3
+    blocks), one row padded: auto calls the kernel once per layer (spy) and never for a short
+    call (a decode step, a prompt under 2 blocks); the logits are the separate ops' to bf16
+    drift (rel L2 2e-2: bf16 keeps 8 bits, and a flipped rounding of one attention output moves
+    the later layers), and prefill + decode give the forward's logits to the same bound."""
+    ids = np.random.default_rng(3).integers(3, 96, (2, 12))
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0
+    calls, real = [], ops.kernel_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "kernel_attention", spy)
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 4)
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy="bf16")
+    layers = m.cfg.num_hidden_layers
+    runs = {}
+    for choice in ("ops", "auto"):
+        monkeypatch.setenv(ops.ATTENTION_ENV, choice)
+        calls.clear()
+        runs[choice] = np.asarray(m(ids, attention_mask=mask), np.float64)
+        assert len(calls) == (0 if choice == "ops" else layers), choice
+    scale = np.linalg.norm(runs["ops"])
+    assert np.linalg.norm(runs["auto"] - runs["ops"]) <= 2e-2 * scale
+    calls.clear()
+    logits, cache = m.prefill(ids[:, :9], mask[:, :9], 12)
+    assert calls == [9] * layers
+    steps = [np.asarray(logits, np.float64)]
+    for t in range(9, 12):
+        logits, cache = m.decode(cache, ids[:, t])
+        steps.append(np.asarray(logits, np.float64))
+    m(ids[:, :7], attention_mask=mask[:, :7])
+    assert len(calls) == layers                       # decode steps and 7 < 2 blocks: the separate ops
+    got = np.stack(steps, 1)
+    assert np.linalg.norm(got - runs["auto"][:, 8:12]) <= 2e-2 * np.linalg.norm(runs["auto"][:, 8:12])
+
+
+def test_kernel_attention_off_leaves_block_attention(tiny_dir, monkeypatch):
+    """$LLAMA_PARITY_TORCHREF_ATTENTION=ops: a bf16 long prompt runs the separate ops, as before
+    the kernel (the kernel is never called)."""
+    monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(ops, "kernel_attention", lambda *a, **k: pytest.fail("kernel called"))
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy="bf16")
+    assert np.isfinite(np.asarray(m(np.arange(3, 15)[None]), np.float64)).all()
+    assert os.environ[ops.ATTENTION_ENV] == "ops"
