@@ -187,7 +187,11 @@ void fo_attention(int64_t B, int64_t T, int64_t S, int64_t Hq, int64_t Hkv, int6
                   const float* k, int64_t ksb, int64_t kss, int64_t ksh, const float* v, int64_t vsb,
                   int64_t vss, int64_t vsh, const uint8_t* allowed, int64_t ab, int64_t at, float late_scale,
                   float* out, int threads) {
-  std::vector<float> kp(B * Hkv * fo::Panels(S) * D * fo::kPanel), vp(B * Hkv * fo::Panels(D) * S * fo::kPanel);
+  // the packed keys and values, kept per calling thread and grown only: a decode step's call
+  // would otherwise fault fresh pages in every time
+  thread_local std::vector<float> kp, vp;
+  kp.resize(std::max<size_t>(kp.size(), B * Hkv * fo::Panels(S) * D * fo::kPanel));
+  vp.resize(std::max<size_t>(vp.size(), B * Hkv * fo::Panels(D) * S * fo::kPanel));
   RunJob(fo::AttentionPack{B, S, Hkv, D, k, v, ksb, kss, ksh, vsb, vss, vsh, kp.data(), vp.data()}, threads);
   RunJob(fo::CausalAttention{B, T, S, Hq, Hkv, D, q, kp.data(), vp.data(), allowed, ab, at, late_scale, out},
          threads);
