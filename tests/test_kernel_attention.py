@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 import torchref  # noqa: E402
 from llamaspec import Policy  # noqa: E402
 from llamaspec import fixed_order as fo  # noqa: E402
-from torchref import invariant, ops  # noqa: E402
+from torchref import ops  # noqa: E402
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                                 reason="the fixed-order kernels are x86-64 code")
@@ -50,7 +50,7 @@ def masks(B, T, S, seed=0):
 
 @pytest.fixture(scope="module")
 def kernels():
-    return invariant.kernels()
+    return ops.fixed_order_kernels()
 
 
 @pytest.mark.parametrize("B,T,S,D", [(1, 40, 40, 16), (2, 37, 53, 16), (3, 70, 70, 24), (1, 33, 33, 64)])
@@ -137,6 +137,27 @@ def test_kernel_attention_rule(monkeypatch):
     monkeypatch.setenv(ops.ATTENTION_ENV, "fast")
     with pytest.raises(ValueError, match=ops.ATTENTION_ENV):
         ops.kernel_attention_applies(BF16, cpu)
+
+
+def test_kernel_attention_rule_leaves_amx_cpus_to_the_separate_ops(monkeypatch):
+    """auto on a CPU whose bf16 products run on AMX tiles (the CPU's flags as such a Xeon reports
+    them) keeps block_attention: the two were never timed there. oneDNN capped below AMX, or
+    $LLAMA_PARITY_TORCHREF_ATTENTION=kernel, takes the kernel again."""
+    from llamaspec import cpuinfo
+    flags = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16",
+                       "amx_tile"})
+    monkeypatch.setattr(cpuinfo, "name_and_flags", lambda: ("Intel(R) Xeon(R) (flags as an AMX CPU's)", flags))
+    for var in (ops.ATTENTION_ENV, "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", cpuinfo.BF16_DOTS_ENV):
+        monkeypatch.delenv(var, raising=False)
+    cpu = torch.zeros(1, 1, 1, 1)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: its bf16 products never run on AMX")
+    assert ops.amx_products() and not ops.kernel_attention_applies(BF16, cpu)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert not ops.amx_products() and ops.kernel_attention_applies(BF16, cpu)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv(ops.ATTENTION_ENV, "kernel")
+    assert ops.kernel_attention_applies(BF16, cpu)
 
 
 def test_kernel_attention_runs_in_the_model(tiny_dir, monkeypatch):

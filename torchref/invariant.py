@@ -12,7 +12,6 @@ verifies the promise on this machine at load.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import NamedTuple
 
@@ -33,29 +32,6 @@ ROPE_CHUNK = 4096    # RoPE tables are computed for this many positions at a tim
 _WTYPE = {torch.float32: fo.WTYPES["float32"], torch.float64: fo.WTYPES["float64"]}  # batched products
 
 
-@functools.cache
-def kernels():
-    """fixed_order's library, its parallel work on torch's OpenMP threads where torch has
-    GNU OpenMP: a pool of its own would compete with torch's spinning threads for the
-    cores (docs/measurements.md)."""
-    lib = fo.library()
-    fo.use_openmp(_torch_openmp())
-    return lib
-
-
-def _torch_openmp() -> str | None:
-    """The GNU OpenMP runtime this torch loaded (a path), if any."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1]
-                if "libgomp" in path.rsplit("/", 1)[-1]:
-                    return path
-    except OSError:
-        pass
-    return None
-
-
 def _acc(policy: Policy) -> torch.dtype:
     """The accumulator of every product and sum: f64 for an f64 accumulation, else f32."""
     return torch.float64 if dt(policy.accum_dtype) == torch.float64 else torch.float32
@@ -74,7 +50,7 @@ def _gemm(x: torch.Tensor, packed: "_Packed") -> torch.Tensor:
     -> [M, N] in the accumulator dtype."""
     M, K = x.shape
     y = torch.empty((M, packed.n), dtype=torch.float32 if x.dtype == torch.bfloat16 else x.dtype)
-    kernels().fo_gemm(M, packed.n, K, x.data_ptr(), K, packed.data.data_ptr(), packed.wtype,
+    ops.fixed_order_kernels().fo_gemm(M, packed.n, K, x.data_ptr(), K, packed.data.data_ptr(), packed.wtype,
                          y.data_ptr(), packed.n, torch.get_num_threads())
     return y
 
@@ -87,7 +63,7 @@ def _gemm_batched(x: torch.Tensor, w: torch.Tensor, w_kn: bool) -> torch.Tensor:
     assert x.stride(-1) == 1 and x.stride(-2) == K and w.is_contiguous()
     y = torch.empty((P, Q, M, N), dtype=x.dtype)
     sn, sk = (1, N) if w_kn else (K, 1)
-    kernels().fo_gemm_batched(P, Q, M, N, K, x.data_ptr(), K, x.stride(0), x.stride(1),
+    ops.fixed_order_kernels().fo_gemm_batched(P, Q, M, N, K, x.data_ptr(), K, x.stride(0), x.stride(1),
                                  w.data_ptr(), _WTYPE[x.dtype], sn, sk, w.stride(0), w.stride(1),
                                  y.data_ptr(), N, y.stride(0), y.stride(1), torch.get_num_threads())
     return y
@@ -97,7 +73,7 @@ def _row_sums(x: torch.Tensor, squares: bool = False) -> torch.Tensor:
     """Sum over the last axis (of x or x^2), one fma chain per row; x f32 or f64."""
     x = x.contiguous()
     s = torch.empty(x.shape[:-1], dtype=x.dtype)
-    kernels().fo_row_sums(s.numel(), x.shape[-1], x.data_ptr(), x.shape[-1], int(squares),
+    ops.fixed_order_kernels().fo_row_sums(s.numel(), x.shape[-1], x.data_ptr(), x.shape[-1], int(squares),
                              int(x.dtype == torch.float64), s.data_ptr(), torch.get_num_threads())
     return s
 
@@ -108,7 +84,7 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     a = x.to(wide).contiguous()
     y = torch.empty_like(a)
-    kernels().fo_exp(a.numel(), a.data_ptr(), int(wide == torch.float64), y.data_ptr(),
+    ops.fixed_order_kernels().fo_exp(a.numel(), a.data_ptr(), int(wide == torch.float64), y.data_ptr(),
                         torch.get_num_threads())
     return y.to(x.dtype)
 

@@ -488,7 +488,8 @@ def kernel_attention_applies(policy: Policy, q: torch.Tensor) -> bool:
     at 2048 tokens on a 2-core Zen 4, one layer: 37 ms against block_attention's 53 with its
     AVX-512-BF16 products, 42 against 87 under an AVX2 cap, where the fp32 policy's fused
     kernel takes 48 (docs/measurements.md). Its bits are the same on every x86-64 CPU, code
-    path, batch and thread count. Decided by the policy and the CPU, never by a timing;
+    path, batch and thread count. Not where torch's bf16 products run on AMX tiles
+    (amx_products: unmeasured there). Decided by the policy and the CPU, never by a timing;
     $LLAMA_PARITY_TORCHREF_ATTENTION overrides (kernel: an error if the kernels cannot be built;
     fused, ops: never). Kernels that cannot be built leave block_attention, with one warning."""
     if not (policy.compute_dtype == "bfloat16" and policy.accum_dtype == "float32"
@@ -496,18 +497,51 @@ def kernel_attention_applies(policy: Policy, q: torch.Tensor) -> bool:
             and platform.machine().lower() in ("x86_64", "amd64")):
         return False
     choice = _attention_choice()
-    if choice in ("fused", "ops"):
+    if choice in ("fused", "ops") or (choice == "auto" and amx_products()):
         return False
     return _attention_kernels(strict=choice == "kernel") is not None
 
 
+def amx_products() -> bool:
+    """Whether torch multiplies bf16 matrices on AMX tiles here (hardware_products, an amx_bf16
+    CPU, oneDNN not capped below AMX). There block_attention's products run on oneDNN's AMX
+    kernels, several times the AVX-512 multiply-adds kernel_attention runs on, and no one has
+    timed the two against each other on such a CPU: auto leaves block_attention there."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
+    return (hardware_products(torch.bfloat16) and "amx_bf16" in cpuinfo.name_and_flags()[1]
+            and cap.startswith(("AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT")))
+
+
+@functools.cache
+def fixed_order_kernels():
+    """fixed_order's library, its parallel work on torch's OpenMP threads where torch has
+    GNU OpenMP: a pool of its own would compete with torch's spinning threads for the
+    cores (docs/measurements.md)."""
+    from llamaspec import fixed_order as fo
+    lib = fo.library()
+    fo.use_openmp(_torch_openmp())
+    return lib
+
+
+def _torch_openmp() -> str | None:
+    """The GNU OpenMP runtime this torch loaded (a path), if any."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "libgomp" in path.rsplit("/", 1)[-1]:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
 @functools.cache
 def _attention_kernels(strict: bool):
-    """The fixed-order kernels on torch's OpenMP threads (invariant.kernels), or None where they
+    """The fixed-order kernels on torch's OpenMP threads (fixed_order_kernels), or None where they
     cannot be built (one warning; strict: the error)."""
-    from . import invariant
     try:
-        return invariant.kernels()
+        return fixed_order_kernels()
     except InvarianceError as e:
         if strict:
             raise
