@@ -802,16 +802,20 @@ FO_AVX2 inline __m256 RoundBf16x8(__m256 x) {
 
 // One row's scores [0, n) in place: rounded (and late-scaled), masked from `seen` (bytes, 0 =
 // hidden) below lim and entirely from lim on, then minus their max (NaN if any is NaN).
+// Score j of a row as the softmax reads it: rounded (and late-scaled), or -FLT_MAX if hidden.
+inline float Score(float x, const uint8_t* seen, int64_t j, int64_t lim, float scale) {
+  float v = RoundBf16(x);
+  if (scale != 0.0f) v = RoundBf16(v * scale);
+  return (j >= lim || !seen[j]) ? -FLT_MAX : v;
+}
+
 inline void ScoresRowScalar(float* s, const uint8_t* seen, int64_t lim, int64_t n, float scale) {
   float m = -FLT_MAX;
   bool nan = false;
   for (int64_t j = 0; j < n; ++j) {
-    float v = RoundBf16(s[j]);
-    if (scale != 0.0f) v = RoundBf16(v * scale);
-    if (j >= lim || !seen[j]) v = -FLT_MAX;
-    nan |= v != v;
-    m = v > m ? v : m;
-    s[j] = v;
+    s[j] = Score(s[j], seen, j, lim, scale);
+    nan |= s[j] != s[j];
+    m = s[j] > m ? s[j] : m;
   }
   if (nan) m = NAN;
   for (int64_t j = 0; j < n; ++j) s[j] = s[j] - m;
@@ -846,12 +850,9 @@ FO_AVX2 inline void ScoresRowAvx2(float* s, const uint8_t* seen, int64_t lim, in
   for (float l : lanes) mx = l > mx ? l : mx;
   bool any_nan = _mm256_movemask_ps(nan) != 0;
   for (; j < n; ++j) {
-    float v = RoundBf16(s[j]);
-    if (scale != 0.0f) v = RoundBf16(v * scale);
-    if (j >= lim || !seen[j]) v = -FLT_MAX;
-    any_nan |= v != v;
-    mx = v > mx ? v : mx;
-    s[j] = v;
+    s[j] = Score(s[j], seen, j, lim, scale);
+    any_nan |= s[j] != s[j];
+    mx = s[j] > mx ? s[j] : mx;
   }
   const __m256 mv = _mm256_set1_ps(any_nan ? NAN : mx);
   for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
