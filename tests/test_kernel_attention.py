@@ -10,7 +10,6 @@ the thread count or which tile a query lands in, and that masks (padding, holes)
 scale and NaN behave as in block_attention. Where the kernels cannot be built the module is
 skipped (they need g++ on x86-64)."""
 
-import os
 import platform
 
 import numpy as np
@@ -208,4 +207,3 @@ def test_kernel_attention_off_leaves_block_attention(tiny_dir, monkeypatch):
     monkeypatch.setattr(ops, "kernel_attention", lambda *a, **k: pytest.fail("kernel called"))
     m = torchref.from_pretrained(tiny_dir("gqa"), policy="bf16")
     assert np.isfinite(np.asarray(m(np.arange(3, 15)[None]), np.float64)).all()
-    assert os.environ[ops.ATTENTION_ENV] == "ops"

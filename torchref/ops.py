@@ -167,27 +167,11 @@ def kernel_logits(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, ro
         raise ValueError(f"{LOGITS_ENV}={choice!r}: expected auto, kernel or torch")
     if choice == "torch" or platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    lib = _logit_kernels(strict=choice == "kernel")
+    lib = _available_kernels(choice == "kernel", "logits")
     if lib is None:
         return False
     from llamaspec import fixed_order as fo
     return choice == "kernel" or lib.fo_isa() >= fo.ISAS["avx2" if rows == 1 else "avx512_bf16"]
-
-
-@functools.cache
-def _logit_kernels(strict: bool):
-    """The fixed-order kernels (llamaspec.fixed_order.library), or None where they cannot be
-    built (one warning; strict: the error)."""
-    from llamaspec import fixed_order as fo
-    if strict:
-        return fo.library()
-    try:
-        return fo.library()
-    except InvarianceError as e:
-        warnings.warn(f"torchref's fixed-order kernels are not available ({e}); a bf16 policy's f32 logits "
-                      f"run on torch's f32 product ({LOGITS_ENV}=torch silences this)", RuntimeWarning,
-                      stacklevel=4)
-        return None
 
 
 def _native(compute: torch.dtype, accum: torch.dtype, out: torch.dtype) -> bool:
@@ -499,7 +483,7 @@ def kernel_attention_applies(policy: Policy, q: torch.Tensor) -> bool:
     choice = _attention_choice()
     if choice in ("fused", "ops") or (choice == "auto" and amx_products()):
         return False
-    return _attention_kernels(strict=choice == "kernel") is not None
+    return _available_kernels(choice == "kernel", "attention") is not None
 
 
 def amx_products() -> bool:
@@ -536,18 +520,25 @@ def _torch_openmp() -> str | None:
     return None
 
 
+# what runs on torch's ops instead where the fixed-order kernels cannot be built, and the
+# setting that chooses torch's ops outright (the warning names both)
+_WITHOUT_KERNELS = {"logits": ("a bf16 policy's f32 logits run on torch's f32 product", f"{LOGITS_ENV}=torch"),
+                    "attention": ("a bf16 policy's long-prompt attention runs as separate torch ops",
+                                  f"{ATTENTION_ENV}=ops")}
+
+
 @functools.cache
-def _attention_kernels(strict: bool):
-    """The fixed-order kernels on torch's OpenMP threads (fixed_order_kernels), or None where they
-    cannot be built (one warning; strict: the error)."""
+def _available_kernels(strict: bool, user: str):
+    """fixed_order_kernels for `user` (a key of _WITHOUT_KERNELS), or None where they cannot be
+    built (one warning per user; strict: the error)."""
     try:
         return fixed_order_kernels()
     except InvarianceError as e:
         if strict:
             raise
-        warnings.warn(f"torchref's fixed-order kernels are not available ({e}); a bf16 policy's long-prompt "
-                      f"attention runs as separate torch ops ({ATTENTION_ENV}=ops silences this)",
-                      RuntimeWarning, stacklevel=4)
+        fallback, setting = _WITHOUT_KERNELS[user]
+        warnings.warn(f"torchref's fixed-order kernels are not available ({e}); {fallback} ({setting} silences "
+                      "this)", RuntimeWarning, stacklevel=4)
         return None
 
 
@@ -573,7 +564,7 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     seen = allowed.bool()
     seen = seen if seen.stride(-1) == 1 else seen.contiguous()
     out = torch.empty((B, T, Hq, D), dtype=torch.float32, device=q.device)
-    _attention_kernels(False).fo_attention(
+    fixed_order_kernels().fo_attention(
         B, T, S, Hq, Hkv, D, qs.data_ptr(), k32.data_ptr(), *k32.stride()[:3], v32.data_ptr(), *v32.stride()[:3],
         seen.data_ptr(), seen.stride(0), seen.stride(1), 0.0 if early else scale, out.data_ptr(),
         torch.get_num_threads())
