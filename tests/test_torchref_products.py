@@ -4,9 +4,12 @@ On a CPU without bf16 / fp16 products in hardware torch multiplies 16-bit matric
 several times slower than its f32 product; torchref then widens the operands of products with
 many rows to f32 (exact products, f32 sums: the policy's arithmetic, the sums in another
 order). A one-row product keeps torch's 16-bit kernel (ATen's matrix-vector product), and f32
-products of a few rows (f32 logits of a decode step) run in blocks of the weight's rows. These tests hold each path to
-f32 rounding of the same products and check which path runs, on any CPU: the rule is forced
-with $LLAMA_PARITY_BF16_DOTS or fed a CPU's features.
+products of a few rows (f32 logits of a decode step) run in blocks of the weight's rows. On an
+x86-64 CPU products of a few rows whose arithmetic is f32 run on the fixed-order kernels' gemm
+instead (kernel_products); the tests of torch's paths ask for torch's
+($LLAMA_PARITY_TORCHREF_PRODUCTS=torch). These tests hold each path to f32 rounding of the same
+products and check which path runs, on any CPU: the rule is forced with $LLAMA_PARITY_BF16_DOTS
+or fed a CPU's features.
 """
 
 import numpy as np
@@ -42,6 +45,16 @@ def rounded_within(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.T
     info = torch.finfo(y.dtype)
     err = (y.double() - exact).abs()
     assert bool((err <= info.eps * (exact.abs() + bound) + bound + info.tiny * info.eps).all())
+
+
+def on_one_thread(fn, *args):
+    """fn(*args) with torch on one thread."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -138,6 +151,7 @@ def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
     for choice in ("widened", "native"):
         monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, choice)
         monkeypatch.setenv(ops.LOGITS_ENV, "torch")   # the kernel's logits: test_bf16_logits_of_few_rows_on_the_kernel
+        monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")  # the kernel's products: test_few_row_products_on_the_kernel
         spy, blocks = LinearSpy(torch.nn.functional.linear), BmmSpy(torch.bmm)
         monkeypatch.setattr(torch.nn.functional, "linear", spy)
         monkeypatch.setattr(torch, "bmm", blocks)
@@ -171,11 +185,13 @@ def test_f32_products_of_few_rows_in_row_blocks(rows, monkeypatch):
     (one batched product, the rows past the last whole block apart), with and without a bias,
     for weights of fewer rows than a block, of whole blocks and of blocks and a rest: within f32
     rounding of the f64 product (each product and sum rounded once), the result's shape and dtype
-    linear's; its bits do not depend on torch's thread count; more rows go to torch's linear."""
+    linear's; its bits do not depend on torch's thread count; more rows go to torch's linear.
+    (torch's path: on x86-64 such products run on the kernel, test_few_row_products_on_the_kernel.)"""
     policy = Policy.get("fp32")
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(2, rows, 80, generator=gen)[1:]            # [1, rows, 80], a view
     for n in (ops.ROW_BLOCK // 2, 3 * ops.ROW_BLOCK, 3 * ops.ROW_BLOCK + 5):
+        monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")          # again after each undo
         w = torch.randn(n, 80, generator=gen)
         b = torch.randn(n, generator=gen)
         spy, blocks = LinearSpy(torch.nn.functional.linear), BmmSpy(torch.bmm)
@@ -183,6 +199,7 @@ def test_f32_products_of_few_rows_in_row_blocks(rows, monkeypatch):
         monkeypatch.setattr(torch, "bmm", blocks)
         y, yb = ops.linear(x, w, None, policy), ops.linear(x, w, b, policy)
         monkeypatch.undo()
+        monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")
         few = rows <= ops.FEW_ROWS   # row blocks: a batched product when w has a whole block
         assert (len(blocks.calls), len(spy.calls)) == ((2 * (n >= ops.ROW_BLOCK), 0) if few else (0, 2)), (rows, n)
         assert all(call[:3] == (rows, torch.float32, torch.float32) for call in blocks.calls)
@@ -192,13 +209,7 @@ def test_f32_products_of_few_rows_in_row_blocks(rows, monkeypatch):
             err = (got[0].double() - (x64 @ w64.T + bias)).abs()
             bound = (80 + 2) * U32 * (x64.abs() @ w64.abs().T + abs(bias))
             assert bool((err <= bound).all()), (rows, n)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            one_thread = ops.linear(x, w, b, policy)
-        finally:
-            torch.set_num_threads(threads)
-        assert torch.equal(one_thread, yb), (rows, n)
+        assert torch.equal(on_one_thread(ops.linear, x, w, b, policy), yb), (rows, n)
 
 
 @pytest.mark.parametrize("choice", ["torch", "kernel"])
@@ -358,6 +369,7 @@ def test_bf16_logits_of_few_rows_on_the_kernel(rows, monkeypatch):
     kernels_or_skip()
     from torchref import invariant
     monkeypatch.setenv(ops.LOGITS_ENV, "kernel")
+    monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")   # fp16's few rows: torch's product, not kernel_products
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(2, rows, 96, generator=gen).bfloat16()[1:]
     w = (torch.randn(5 * ops.ROW_BLOCK + 3, 96, generator=gen) * 0.1).bfloat16()
@@ -400,3 +412,94 @@ def test_kernel_logits_rule(monkeypatch):
     monkeypatch.setenv(ops.LOGITS_ENV, "fast")
     with pytest.raises(ValueError, match=ops.LOGITS_ENV):
         ops.kernel_logits(bf16, f32, f32, 1, cpu)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("rows", [1, 3, ops.FEW_ROWS])
+def test_few_row_products_on_the_kernel(policy, rows, monkeypatch):
+    """kernel_products (forced): q/k/v-like weights read by one x, with and without biases, are one
+    product on the fixed-order kernel, torch's products untouched: each result within f32 summation
+    of the f64 product (16-bit ones then rounded once), shaped and typed as torch's path gives it,
+    and the same bits whatever the thread count and whichever rows share the call (the kernel's
+    order per output is fixed), and as each weight's own call; a weight changed in place is packed
+    again, and the packed copy does not keep the weights alive."""
+    kernels_or_skip()
+    monkeypatch.setenv(ops.PRODUCTS_ENV, "kernel")
+    pol = Policy.get(policy)
+    c = getattr(torch, pol.compute_dtype)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(2, rows, 96, generator=gen).to(c)[1:]                     # [1, rows, 96], a view
+    ws = [torch.nn.Parameter((torch.randn(n, 96, generator=gen) * 0.1).to(c), requires_grad=False)
+          for n in (40, 17, 17)]
+    bs = [(torch.randn(40, generator=gen) * 0.1).to(c), None, (torch.randn(17, generator=gen) * 0.1).to(c)]
+    spy, blocks = LinearSpy(torch.nn.functional.linear), BmmSpy(torch.bmm)
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    monkeypatch.setattr(torch, "bmm", blocks)
+    ys = ops.linears(x, ws, bs, pol)
+    logits = ops.linear(x, ws[0], None, pol, "float32")
+    monkeypatch.undo()
+    assert spy.calls == blocks.calls == []
+    monkeypatch.setenv(ops.PRODUCTS_ENV, "kernel")
+    for y, w, b in zip(ys, ws, bs):
+        assert y.shape == (1, rows, w.shape[0]) and y.dtype == c
+        if c == torch.float32:
+            x64, w64 = x[0].double(), w.double()
+            err = (y[0].double() - (x64 @ w64.T + (0 if b is None else b.double()))).abs()
+            assert bool((err <= 98 * U32 * (x64.abs() @ w64.abs().T + (0 if b is None else b.double().abs()))).all())
+        else:
+            rounded_within(y[0], x[0], w, b)
+    assert logits.dtype == torch.float32
+    within_f32_sums(logits[0], x[0], ws[0])
+    one_thread = on_one_thread(ops.linears, x, ws, bs, pol)
+    for y, alone, one in zip(ys, [ops.linear(x, w, b, pol) for w, b in zip(ws, bs)], one_thread):
+        assert torch.equal(y, alone) and torch.equal(y, one)
+    for r in range(rows):
+        assert all(torch.equal(y[:, r:r + 1], part) for y, part in zip(ys, ops.linears(x[:, r:r + 1], ws, bs, pol)))
+    with torch.no_grad():
+        ws[0].mul_(2)                        # exact: every product doubles
+    assert torch.equal(ops.linear(x, ws[0], None, pol, "float32"), 2 * logits), "a changed weight is packed again"
+    import gc
+    import weakref
+    ref = weakref.ref(ws[0])
+    del ws
+    gc.collect()
+    assert ref() is None, "the packed copy keeps its weights alive"
+
+
+def test_kernel_products_rule(flags, monkeypatch):
+    """auto: products of at most FEW_ROWS rows with an f32 accumulator on an x86-64 CPU whose
+    kernel code path is AVX2 or better, of f32 operands, or of 16-bit ones where torch multiplies
+    them in software (hardware_products); not 16-bit ones torch multiplies in hardware, more rows,
+    f64, off the CPU, or on the scalar path; kernel takes those 16-bit operands and the scalar
+    path too; torch never; an unknown choice is an error."""
+    fo, lib = kernels_or_skip()
+    import platform
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the rule takes x86-64 CPUs only")
+    f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(ops.PRODUCTS_ENV, "auto")
+    for path in fo.code_paths(lib):
+        with fo.code_path(lib, path):
+            vector = path != "scalar"
+            for features, hw in (({"avx2", "fma"}, set()), ({"avx512_bf16"}, {bf16}),
+                                 ({"amx_bf16", "avx512_fp16"}, {bf16, f16})):
+                flags(*features)
+                for rows in (1, ops.FEW_ROWS, ops.FEW_ROWS + 1):
+                    few = rows <= ops.FEW_ROWS and vector
+                    assert ops.kernel_products(f32, f32, rows, cpu) is few, (path, features, rows)
+                    for c in (bf16, f16):
+                        want = few and c not in hw
+                        assert ops.kernel_products(c, f32, rows, cpu) is want, (path, features, rows, c)
+                assert not ops.kernel_products(f32, f64, 1, cpu) and not ops.kernel_products(f64, f64, 1, cpu)
+                assert not ops.kernel_products(f32, f32, 1, torch.device("meta"))
+    with fo.code_path(lib, "scalar"):
+        monkeypatch.setenv(ops.PRODUCTS_ENV, "kernel")
+        assert ops.kernel_products(f32, f32, 1, cpu)
+    assert ops.kernel_products(bf16, f32, 1, cpu) and ops.kernel_products(f16, f32, ops.FEW_ROWS, cpu)
+    assert not ops.kernel_products(f32, f32, ops.FEW_ROWS + 1, cpu)
+    monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")
+    assert not ops.kernel_products(f32, f32, 1, cpu)
+    monkeypatch.setenv(ops.PRODUCTS_ENV, "fast")
+    with pytest.raises(ValueError, match=ops.PRODUCTS_ENV):
+        ops.kernel_products(f32, f32, 1, cpu)

@@ -104,11 +104,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     Either torch's kernel for compute_dtype operands does that itself (_native), or the
     operands go to it widened to accum_dtype: products of bf16/fp16 numbers are exact in f32,
     so that is the same arithmetic, the sums in another order (drift). A 16-bit weight is
-    widened once (_widened). An f32 product of at most FEW_ROWS rows on the CPU runs in blocks of
-    the weight's rows (_linear_by_row_blocks): so does the f32 lm_head of a bf16 decode step, on
-    the widened copy (4.0 ms for SmolLM2's at one row on a Zen 4, against 8.9 when it was
-    widened a chunk at a time per step and 2.3 for torch's bf16 product, whose bf16 result the
-    policy's f32 logits cannot use)."""
+    widened once (_widened). A product of at most FEW_ROWS rows whose arithmetic is f32 runs on
+    the fixed-order kernels' gemm where kernel_products says so (an x86-64 CPU); elsewhere an f32
+    product of that few rows on the CPU runs in blocks of the weight's rows
+    (_linear_by_row_blocks): so does the f32 lm_head of a bf16 decode step, on the widened copy
+    (4.0 ms for SmolLM2's at one row on a Zen 4, against 8.9 when it was widened a chunk at a
+    time per step and 2.3 for torch's bf16 product, whose bf16 result the policy's f32 logits
+    cannot use)."""
     return linears(x, (w,), (b,), policy, out_dtype)[0]
 
 
@@ -118,6 +120,8 @@ def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = Non
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
     out = dt(out_dtype or policy.compute_dtype)
     rows, device = x.numel() // max(x.shape[-1], 1), x.device
+    if kernel_products(compute, accum, rows, device):
+        return _kernel_linears(x, ws, bs, compute, out)
     # the operands rounded to compute_dtype (no-ops where they are held in it; a policy whose
     # param_dtype is wider needs them), then, where the product widens, widened exactly
     dtype = accum if _widens(compute, accum, out, rows, device) else compute
@@ -134,6 +138,92 @@ def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = Non
     finally:
         if one_row:
             torch._C._set_mkldnn_enabled(True)
+
+
+# $LLAMA_PARITY_TORCHREF_PRODUCTS: auto (kernel_products' rule), kernel (wherever the fixed-order
+# kernels build, for any compute dtype with an f32 accumulator) or torch (never the kernel)
+PRODUCTS_ENV = "LLAMA_PARITY_TORCHREF_PRODUCTS"
+
+
+def kernel_products(compute: torch.dtype, accum: torch.dtype, rows: int, device: torch.device) -> bool:
+    """Whether linears runs a product of `rows` rows on the fixed-order kernels' gemm
+    (_kernel_linears) instead of torch's: a product of at most FEW_ROWS rows (a decode step of a
+    small batch) whose arithmetic is f32, f32 operands or bf16 / fp16 ones on a CPU that multiplies
+    them in software (no hardware_products), summed in f32, on an x86-64 CPU where the kernel's
+    code path ($LLAMA_PARITY_KERNEL_ISA, else the CPU's best) is AVX2 or better.
+
+    Why: so few rows make the product memory-bound (about M/2 multiply-adds per weight byte
+    at f32), and the kernel reads each packed weight byte once, spread over all threads, while
+    torch's BLAS reads it at a fraction of the memory's rate there. SmolLM2's seven products of a
+    layer on a 2-core Zen 4, us, torch (row blocks; its own linear from 17 rows) / kernel: f32
+    1 row 644 / 594, 8 rows 1821 / 715, 16 rows 1913 / 928; bf16 weights under an AVX2 cap
+    (torch's 16-bit kernel, or row blocks on the widened copy) 1 row 395 / 290, 8 rows ~1800 / 905
+    (docs/measurements.md). A 16-bit weight is packed in its own dtype and widened in registers,
+    so the kernel reads half the bytes the widened copy has. More rows stay on torch's BLAS
+    (compute-bound; the peer's kernel).
+
+    The same exact products, summed in f32 in the kernel's fixed order instead of torch's:
+    drift; the same bits on every x86-64 CPU, code path, thread count and row count. Decided by
+    the dtypes, the rows and the CPU, never by a timing; $LLAMA_PARITY_TORCHREF_PRODUCTS
+    overrides: kernel (also on the scalar path and where torch multiplies 16-bit operands in
+    hardware; an error if the kernels cannot be built), torch (never). Kernels that cannot be
+    built leave torch's products, with one warning."""
+    if not (rows <= FEW_ROWS and device.type == "cpu" and accum == torch.float32
+            and compute in (torch.float32, *_HALF)):
+        return False
+    choice = _kernel_choice(PRODUCTS_ENV)
+    if choice is None or (choice == "auto" and compute in _HALF and hardware_products(compute)):
+        return False
+    lib = _available_kernels(choice == "kernel", "products")
+    if lib is None:
+        return False
+    from llamaspec import fixed_order as fo
+    return choice == "kernel" or lib.fo_isa() >= fo.ISAS["avx2"]
+
+
+def _kernel_choice(env: str) -> str | None:
+    """$env's choice between the fixed-order kernel and torch (auto, kernel or torch; another
+    value is an error), or None where the kernel cannot run: torch asked for, or not x86-64."""
+    choice = os.environ.get(env, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "kernel", "torch"):
+        raise ValueError(f"{env}={choice!r}: expected auto, kernel or torch")
+    return None if choice == "torch" or platform.machine().lower() not in ("x86_64", "amd64") else choice
+
+
+def _kernel_linears(x: torch.Tensor, ws, bs, compute: torch.dtype, out: torch.dtype) -> list[torch.Tensor]:
+    """linears on the fixed-order kernels' gemm: the weights rounded to compute_dtype, stacked
+    and packed once in it (_panels), x's rows rounded to compute_dtype and taken in f32, one f32
+    multiply-add chain per output; each bias (rounded to compute_dtype) added in f32, the result
+    rounded once to `out`. One product for the weights that read x (q, k, v; gate, up)."""
+    K = x.shape[-1]
+    rows = cast(cast(x, compute), torch.float32).reshape(-1, K).contiguous()
+    packed, wtype = _panels(tuple(ws), compute)
+    sizes = [w.shape[0] for w in ws]
+    n = sum(sizes)
+    y = torch.empty((rows.shape[0], n), dtype=torch.float32)
+    fixed_order_kernels().fo_gemm(rows.shape[0], n, K, rows.data_ptr(), K, packed.data_ptr(), wtype,
+                                  y.data_ptr(), n, torch.get_num_threads())
+    for part, b in zip(y.split(sizes, dim=-1), bs):
+        if b is not None:
+            part += _bias(b, compute, torch.float32)
+    y = cast(y, out).reshape(*x.shape[:-1], n)
+    return list(y.split(sizes, dim=-1)) if len(ws) > 1 else [y]
+
+
+def _panels(ws: tuple, compute: torch.dtype) -> tuple[torch.Tensor, int]:
+    """The weights ws (rows [N_i, K]) rounded to compute_dtype, stacked and packed in the kernels'
+    panel layout, with the kernel's weight type: made once per set of tensors and kept while they
+    live (_kept), remade when one changes in place."""
+    from llamaspec import fixed_order as fo
+    wtype = fo.WTYPES[str(compute).removeprefix("torch.")]
+
+    def make():
+        w = torch.cat([cast(w.detach(), compute) for w in ws]).contiguous()
+        N, K = w.shape
+        packed = torch.empty(fo.PANEL * -(-N // fo.PANEL) * K, dtype=compute)
+        fixed_order_kernels().fo_pack(w.data_ptr(), wtype, N, K, K, 1, packed.data_ptr())
+        return packed
+    return _kept(ws, ("panels", compute), make), wtype
 
 
 # $LLAMA_PARITY_TORCHREF_LOGITS: auto (kernel_logits' rule), kernel (wherever the fixed-order
@@ -162,10 +252,8 @@ def kernel_logits(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, ro
     if not (compute == torch.bfloat16 and accum == torch.float32 and out == torch.float32
             and rows <= FEW_ROWS and device.type == "cpu"):
         return False
-    choice = os.environ.get(LOGITS_ENV, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "kernel", "torch"):
-        raise ValueError(f"{LOGITS_ENV}={choice!r}: expected auto, kernel or torch")
-    if choice == "torch" or platform.machine().lower() not in ("x86_64", "amd64"):
+    choice = _kernel_choice(LOGITS_ENV)
+    if choice is None:
         return False
     lib = _available_kernels(choice == "kernel", "logits")
     if lib is None:
@@ -280,23 +368,37 @@ def _widened(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     time. Other tensors (an f32 weight for f64 sums, inference tensors) are converted per call."""
     if w.dtype == dtype:
         return w
-    if w.dtype not in _HALF or w.is_inference():   # inference tensors keep no version counter
+    if w.dtype not in _HALF:
         return w.to(dtype)
-    key = (id(w), dtype)
+    return _kept((w,), dtype, lambda: w.detach().to(dtype))
+
+
+def _kept(tensors: tuple, what, make):
+    """make()'s result for these tensors, made once and kept while every one of them lives,
+    made again when one changes in place (its version counter moves): a widened or packed copy of
+    weights (twice a 16-bit weight's memory, once an f32 one's). Inference tensors keep no version
+    counter: for them make() runs every call."""
+    if any(t.is_inference() for t in tensors):
+        return make()
+    key = (tuple(map(id, tensors)), what)
+    versions = tuple(t._version for t in tensors)
     entry = _WIDE.get(key)
-    if entry is None or entry[0]() is not w or entry[1] != w._version:
+    if entry is None or any(ref() is not t for ref, t in zip(entry[0], tensors)) or entry[1] != versions:
         with torch.inference_mode(False):
-            wide = w.detach().to(dtype)
-        # the weak reference drops the entry when w dies, before its id can be reused
-        entry = _WIDE[key] = (weakref.ref(w, lambda _, key=key: _WIDE.pop(key, None)), w._version, wide)
+            made = make()
+        # the weak references drop the entry when a tensor dies, before its id can be reused
+        drop = lambda _, key=key: _WIDE.pop(key, None)  # noqa: E731
+        entry = _WIDE[key] = (tuple(weakref.ref(t, drop) for t in tensors), versions, made)
     return entry[2]
 
 
-_WIDE: dict[tuple, tuple] = {}   # (id of a 16-bit weight, dtype) -> (weak ref, version, widened copy)
+# (ids of weights, what) -> (weak refs, versions, their widened or packed copy)
+_WIDE: dict[tuple, tuple] = {}
 
 
-# An f32 product of at most this many rows on the CPU (a decode step of a small batch) runs as
-# one batched product over blocks of ROW_BLOCK of the weight's rows (_linear_by_row_blocks).
+# A product of at most this many rows (a decode step of a small batch) runs on the fixed-order
+# kernels where kernel_products says so, else, in f32 on the CPU, as one batched product over
+# blocks of ROW_BLOCK of the weight's rows (_linear_by_row_blocks).
 # SmolLM2's f32 decode on a 2-core Zen 4, ms per step, torch's product against the blocks, in
 # one process: batch 1 72 / 41, 2 117 / 69, 4 87 / 59, 8 100 / 87, 16 119 / 101; products of
 # 24 to 64 rows alone took the same time either way (docs/measurements.md).
@@ -522,7 +624,8 @@ def _torch_openmp() -> str | None:
 
 # what runs on torch's ops instead where the fixed-order kernels cannot be built, and the
 # setting that chooses torch's ops outright (the warning names both)
-_WITHOUT_KERNELS = {"logits": ("a bf16 policy's f32 logits run on torch's f32 product", f"{LOGITS_ENV}=torch"),
+_WITHOUT_KERNELS = {"products": ("products of a few rows run on torch's", f"{PRODUCTS_ENV}=torch"),
+                    "logits": ("a bf16 policy's f32 logits run on torch's f32 product", f"{LOGITS_ENV}=torch"),
                     "attention": ("a bf16 policy's long-prompt attention runs as separate torch ops",
                                   f"{ATTENTION_ENV}=ops")}
 
