@@ -468,10 +468,10 @@ def test_few_row_products_on_the_kernel(policy, rows, monkeypatch):
 
 def test_kernel_products_rule(flags, monkeypatch):
     """auto: products of at most FEW_ROWS rows with an f32 accumulator on an x86-64 CPU whose
-    kernel code path is AVX2 or better, of f32 operands, or of 16-bit ones where torch multiplies
-    them in software (hardware_products); not 16-bit ones torch multiplies in hardware, more rows,
-    f64, off the CPU, or on the scalar path; kernel takes those 16-bit operands and the scalar
-    path too; torch never; an unknown choice is an error."""
+    kernel code path is AVX2 or better, of f32 operands, or of 16-bit ones linears widens (an f32
+    result; WIDE_MIN_ROWS rows or more where torch multiplies them in software); not other 16-bit
+    ones, more rows, f64, off the CPU, or on the scalar path; kernel takes any 16-bit operands
+    and the scalar path too; torch never; an unknown choice is an error."""
     fo, lib = kernels_or_skip()
     import platform
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -485,21 +485,22 @@ def test_kernel_products_rule(flags, monkeypatch):
             for features, hw in (({"avx2", "fma"}, set()), ({"avx512_bf16"}, {bf16}),
                                  ({"amx_bf16", "avx512_fp16"}, {bf16, f16})):
                 flags(*features)
-                for rows in (1, ops.FEW_ROWS, ops.FEW_ROWS + 1):
+                for rows in (1, ops.WIDE_MIN_ROWS - 1, ops.WIDE_MIN_ROWS, ops.FEW_ROWS, ops.FEW_ROWS + 1):
                     few = rows <= ops.FEW_ROWS and vector
-                    assert ops.kernel_products(f32, f32, rows, cpu) is few, (path, features, rows)
+                    assert ops.kernel_products(f32, f32, f32, rows, cpu) is few, (path, features, rows)
                     for c in (bf16, f16):
-                        want = few and c not in hw
-                        assert ops.kernel_products(c, f32, rows, cpu) is want, (path, features, rows, c)
-                assert not ops.kernel_products(f32, f64, 1, cpu) and not ops.kernel_products(f64, f64, 1, cpu)
-                assert not ops.kernel_products(f32, f32, 1, torch.device("meta"))
+                        want = few and c not in hw and rows >= ops.WIDE_MIN_ROWS
+                        assert ops.kernel_products(c, f32, c, rows, cpu) is want, (path, features, rows, c)
+                        assert ops.kernel_products(c, f32, f32, rows, cpu) is few, (path, features, rows, c)
+                assert not ops.kernel_products(f32, f64, f32, 1, cpu) and not ops.kernel_products(f64, f64, f64, 1, cpu)
+                assert not ops.kernel_products(f32, f32, f32, 1, torch.device("meta"))
     with fo.code_path(lib, "scalar"):
         monkeypatch.setenv(ops.PRODUCTS_ENV, "kernel")
-        assert ops.kernel_products(f32, f32, 1, cpu)
-    assert ops.kernel_products(bf16, f32, 1, cpu) and ops.kernel_products(f16, f32, ops.FEW_ROWS, cpu)
-    assert not ops.kernel_products(f32, f32, ops.FEW_ROWS + 1, cpu)
+        assert ops.kernel_products(f32, f32, f32, 1, cpu)
+    assert ops.kernel_products(bf16, f32, bf16, 1, cpu) and ops.kernel_products(f16, f32, f16, ops.FEW_ROWS, cpu)
+    assert not ops.kernel_products(f32, f32, f32, ops.FEW_ROWS + 1, cpu)
     monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")
-    assert not ops.kernel_products(f32, f32, 1, cpu)
+    assert not ops.kernel_products(f32, f32, f32, 1, cpu)
     monkeypatch.setenv(ops.PRODUCTS_ENV, "fast")
     with pytest.raises(ValueError, match=ops.PRODUCTS_ENV):
-        ops.kernel_products(f32, f32, 1, cpu)
+        ops.kernel_products(f32, f32, f32, 1, cpu)

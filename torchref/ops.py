@@ -120,7 +120,7 @@ def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = Non
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
     out = dt(out_dtype or policy.compute_dtype)
     rows, device = x.numel() // max(x.shape[-1], 1), x.device
-    if kernel_products(compute, accum, rows, device):
+    if kernel_products(compute, accum, out, rows, device):
         return _kernel_linears(x, ws, bs, compute, out)
     # the operands rounded to compute_dtype (no-ops where they are held in it; a policy whose
     # param_dtype is wider needs them), then, where the product widens, widened exactly
@@ -145,34 +145,37 @@ def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = Non
 PRODUCTS_ENV = "LLAMA_PARITY_TORCHREF_PRODUCTS"
 
 
-def kernel_products(compute: torch.dtype, accum: torch.dtype, rows: int, device: torch.device) -> bool:
-    """Whether linears runs a product of `rows` rows on the fixed-order kernels' gemm
-    (_kernel_linears) instead of torch's: a product of at most FEW_ROWS rows (a decode step of a
-    small batch) whose arithmetic is f32, f32 operands or bf16 / fp16 ones on a CPU that multiplies
-    them in software (no hardware_products), summed in f32, on an x86-64 CPU where the kernel's
-    code path ($LLAMA_PARITY_KERNEL_ISA, else the CPU's best) is AVX2 or better.
+def kernel_products(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, rows: int,
+                    device: torch.device) -> bool:
+    """Whether linears runs a product of `rows` rows (result in `out`) on the fixed-order kernels'
+    gemm (_kernel_linears) instead of torch's: a product of at most FEW_ROWS rows (a decode step
+    of a small batch) that torch would run in f32, summed in f32: f32 operands, or bf16 / fp16
+    ones that linears widens (_widens: 8 rows or more on a CPU without hardware_products, or an
+    f32 result), on an x86-64 CPU where the kernel's code path ($LLAMA_PARITY_KERNEL_ISA, else
+    the CPU's best) is AVX2 or better. Fewer 16-bit rows keep torch's 16-bit kernel: at one row
+    the kernel made SmolLM2's capped bf16 decode step slower (33.5 against 28.0 ms).
 
     Why: so few rows make the product memory-bound (about M/2 multiply-adds per weight byte
     at f32), and the kernel reads each packed weight byte once, spread over all threads, while
     torch's BLAS reads it at a fraction of the memory's rate there. SmolLM2's seven products of a
     layer on a 2-core Zen 4, us, torch (row blocks; its own linear from 17 rows) / kernel: f32
     1 row 644 / 594, 8 rows 1821 / 715, 16 rows 1913 / 928; bf16 weights under an AVX2 cap
-    (torch's 16-bit kernel, or row blocks on the widened copy) 1 row 395 / 290, 8 rows ~1800 / 905
-    (docs/measurements.md). A 16-bit weight is packed in its own dtype and widened in registers,
-    so the kernel reads half the bytes the widened copy has. More rows stay on torch's BLAS
-    (compute-bound; the peer's kernel).
+    (row blocks on the widened copy) 8 rows ~1800 / 905 (docs/measurements.md). A 16-bit
+    weight is packed in its own dtype and widened in registers, so the kernel reads half the
+    bytes the widened copy has. More rows stay on torch's BLAS (compute-bound; the peer's
+    kernel).
 
     The same exact products, summed in f32 in the kernel's fixed order instead of torch's:
     drift; the same bits on every x86-64 CPU, code path, thread count and row count. Decided by
     the dtypes, the rows and the CPU, never by a timing; $LLAMA_PARITY_TORCHREF_PRODUCTS
-    overrides: kernel (also on the scalar path and where torch multiplies 16-bit operands in
-    hardware; an error if the kernels cannot be built), torch (never). Kernels that cannot be
+    overrides: kernel (also on the scalar path and for every few-row 16-bit product; an error if
+    the kernels cannot be built), torch (never). Kernels that cannot be
     built leave torch's products, with one warning."""
     if not (rows <= FEW_ROWS and device.type == "cpu" and accum == torch.float32
             and compute in (torch.float32, *_HALF)):
         return False
     choice = _kernel_choice(PRODUCTS_ENV)
-    if choice is None or (choice == "auto" and compute in _HALF and hardware_products(compute)):
+    if choice is None or (choice == "auto" and compute in _HALF and not _widens(compute, accum, out, rows, device)):
         return False
     lib = _available_kernels(choice == "kernel", "products")
     if lib is None:
