@@ -66,6 +66,7 @@ def _torch_settings(policy) -> dict:
             else f"widened to {policy.accum_dtype} from {ops.WIDE_MIN_ROWS} rows (no {policy.compute_dtype} "
                  f"products in hardware, or capped), torch's {policy.compute_dtype} kernels below")
     out[f"torchref {ops.ATTENTION_ENV}"] = os.environ.get(ops.ATTENTION_ENV, "(unset)")
+    out[f"torchref {ops.PRODUCTS_ENV}"] = os.environ.get(ops.PRODUCTS_ENV, "(unset)")
     out[f"torchref CPU attention at {policy.name}"] = (
         "torch's fused kernel (scaled_dot_product_attention)"
         if ops.fused_attention_applies(policy, torch.device("cpu")) else "separate products, mask and softmax")
