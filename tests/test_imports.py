@@ -213,7 +213,7 @@ def test_nothing_outside_the_models_reads_their_private_names():
 
 def test_the_private_name_check_sees_what_it_checks(tmp_path):
     private = _private_names_defined((ROOT / "torchref").rglob("*.py"))
-    assert {"_take_slots", "_param", "_install", "_WIDE"} <= private
+    assert {"_take_slots", "_param", "_install", "_KEPT"} <= private
     probe = tmp_path / "probe.py"
     atomic_write(probe, "def f(m, self):\n    m._install(1)\n    self._install(2)\n    return m.model._param\n",
                  "probe module")

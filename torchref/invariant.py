@@ -12,7 +12,6 @@ verifies the promise on this machine at load.
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -48,11 +47,7 @@ def _on_cpu(t: torch.Tensor) -> None:
 def _gemm(x: torch.Tensor, packed: "_Packed") -> torch.Tensor:
     """x [M, K] (contiguous; bf16 for bf16 x bf16 pairs, else the accumulator dtype) @ w^T
     -> [M, N] in the accumulator dtype."""
-    M, K = x.shape
-    y = torch.empty((M, packed.n), dtype=torch.float32 if x.dtype == torch.bfloat16 else x.dtype)
-    ops.fixed_order_kernels().fo_gemm(M, packed.n, K, x.data_ptr(), K, packed.data.data_ptr(), packed.wtype,
-                         y.data_ptr(), packed.n, torch.get_num_threads())
-    return y
+    return ops.fixed_order_gemm(x, packed.data, packed.wtype, packed.n)
 
 
 def _gemm_batched(x: torch.Tensor, w: torch.Tensor, w_kn: bool) -> torch.Tensor:
@@ -92,8 +87,6 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
 # ----- packed weights ---------------------------------------------------------------------
 
 class _Packed(NamedTuple):
-    refs: tuple          # weak references to the source tensors (they drop the entry)
-    versions: tuple      # their version counters when packed
     data: torch.Tensor   # the weights stacked, in fixed_order's panel layout
     wtype: int
     n: int               # rows of the stacked weights (outputs)
@@ -103,27 +96,17 @@ class _Packed(NamedTuple):
 
 def _pack(ws, bs, policy: Policy) -> _Packed:
     """The weights stacked and packed once per set of tensors (llamaspec.fixed_order.pack_for
-    decides how), again when one is replaced or changed in place (its version counter
-    moves)."""
-    tensors = tuple(ws) + tuple(b for b in bs if b is not None)
-    key = (tuple(map(id, tensors)), policy.compute_dtype, policy.accum_dtype)
-    entry = _PACKED.get(key)
-    versions = tuple(t._version for t in tensors)
-    if entry is None or entry.versions != versions:
+    decides how), kept while they live (ops.kept, with ops.linears' own packed copies), again
+    when one is replaced or changed in place (its version counter moves)."""
+    def make():
         acc = _acc(policy)
         w = torch.cat([w.detach().cpu() for w in ws])
         packed, wtype, x_dtype, _ = fo.pack_for(to_numpy(w), policy.compute_dtype, policy.accum_dtype)
         bias = (torch.cat([b.detach().to(dt(policy.compute_dtype)).to(acc) for b in bs])
                 if all(b is not None for b in bs) else None)
-        drop = lambda _, key=key: _PACKED.pop(key, None)  # noqa: E731
-        # An entry lives only while all its tensors do (each weak reference drops it when
-        # its tensor dies, before the id can be reused), so the ids name these very tensors.
-        entry = _PACKED[key] = _Packed(tuple(weakref.ref(t, drop) for t in tensors), versions,
-                                       from_numpy(packed), wtype, w.shape[0], bias, dt(x_dtype))
-    return entry
-
-
-_PACKED: dict[tuple, _Packed] = {}  # (ids of the source tensors, dtypes) -> their packed form
+        return _Packed(from_numpy(packed), wtype, w.shape[0], bias, dt(x_dtype))
+    tensors = tuple(ws) + tuple(b for b in bs if b is not None)
+    return ops.kept(tensors, ("fixed-order", policy.compute_dtype, policy.accum_dtype), make)
 
 
 # ----- the ops ----------------------------------------------------------------------------

@@ -203,9 +203,7 @@ def _kernel_linears(x: torch.Tensor, ws, bs, compute: torch.dtype, out: torch.dt
     packed, wtype = _panels(tuple(ws), compute)
     sizes = [w.shape[0] for w in ws]
     n = sum(sizes)
-    y = torch.empty((rows.shape[0], n), dtype=torch.float32)
-    fixed_order_kernels().fo_gemm(rows.shape[0], n, K, rows.data_ptr(), K, packed.data_ptr(), wtype,
-                                  y.data_ptr(), n, torch.get_num_threads())
+    y = fixed_order_gemm(rows, packed, wtype, n)
     for part, b in zip(y.split(sizes, dim=-1), bs):
         if b is not None:
             part += _bias(b, compute, torch.float32)
@@ -226,7 +224,18 @@ def _panels(ws: tuple, compute: torch.dtype) -> tuple[torch.Tensor, int]:
         packed = torch.empty(fo.PANEL * -(-N // fo.PANEL) * K, dtype=compute)
         fixed_order_kernels().fo_pack(w.data_ptr(), wtype, N, K, K, 1, packed.data_ptr())
         return packed
-    return _kept(ws, ("panels", compute), make), wtype
+    return kept(ws, ("panels", compute), make), wtype
+
+
+def fixed_order_gemm(rows: torch.Tensor, packed: torch.Tensor, wtype: int, n: int) -> torch.Tensor:
+    """rows [M, K] (contiguous: f32, f64 for f64 weights, bf16 for the bf16 pair program) @ w^T
+    for the n rows of w packed in `packed` (llamaspec.fixed_order's panels, weight type wtype):
+    [M, n] in f32 (f64 for f64 rows), on torch's threads."""
+    M, K = rows.shape
+    y = torch.empty((M, n), dtype=torch.float32 if rows.dtype == torch.bfloat16 else rows.dtype)
+    fixed_order_kernels().fo_gemm(M, n, K, rows.data_ptr(), K, packed.data_ptr(), wtype, y.data_ptr(), n,
+                                  torch.get_num_threads())
+    return y
 
 
 # $LLAMA_PARITY_TORCHREF_LOGITS: auto (kernel_logits' rule), kernel (wherever the fixed-order
@@ -373,30 +382,31 @@ def _widened(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return w
     if w.dtype not in _HALF:
         return w.to(dtype)
-    return _kept((w,), dtype, lambda: w.detach().to(dtype))
+    return kept((w,), dtype, lambda: w.detach().to(dtype))
 
 
-def _kept(tensors: tuple, what, make):
-    """make()'s result for these tensors, made once and kept while every one of them lives,
-    made again when one changes in place (its version counter moves): a widened or packed copy of
-    weights (twice a 16-bit weight's memory, once an f32 one's). Inference tensors keep no version
-    counter: for them make() runs every call."""
+def kept(tensors: tuple, what, make):
+    """make()'s result for these tensors (what: a key telling results of the same tensors
+    apart), made once and kept while every one of them lives, made again when one changes in
+    place (its version counter moves): a widened or packed copy of weights (twice a 16-bit
+    weight's memory, once an f32 one's; invariant.py's packed weights too). Inference tensors keep
+    no version counter: for them make() runs every call."""
     if any(t.is_inference() for t in tensors):
         return make()
     key = (tuple(map(id, tensors)), what)
     versions = tuple(t._version for t in tensors)
-    entry = _WIDE.get(key)
+    entry = _KEPT.get(key)
     if entry is None or any(ref() is not t for ref, t in zip(entry[0], tensors)) or entry[1] != versions:
         with torch.inference_mode(False):
             made = make()
         # the weak references drop the entry when a tensor dies, before its id can be reused
-        drop = lambda _, key=key: _WIDE.pop(key, None)  # noqa: E731
-        entry = _WIDE[key] = (tuple(weakref.ref(t, drop) for t in tensors), versions, made)
+        drop = lambda _, key=key: _KEPT.pop(key, None)  # noqa: E731
+        entry = _KEPT[key] = (tuple(weakref.ref(t, drop) for t in tensors), versions, made)
     return entry[2]
 
 
 # (ids of weights, what) -> (weak refs, versions, their widened or packed copy)
-_WIDE: dict[tuple, tuple] = {}
+_KEPT: dict[tuple, tuple] = {}
 
 
 # A product of at most this many rows (a decode step of a small batch) runs on the fixed-order
