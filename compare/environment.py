@@ -34,12 +34,13 @@ ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MK
 def cpu() -> dict:
     """The CPU (model name, its ISA extensions that matter), the caps set on the libraries,
     and the code paths they report using; the GPU when there is one."""
-    from llamaspec.cpuinfo import name_and_flags
+    from llamaspec.cpuinfo import name_and_flags, vendor
     name, flags = name_and_flags()
     caps = [f"{k}={os.environ[k]}" for k in ISA_CAPS if k in os.environ]
     # XLA's cap is one flag among XLA_FLAGS (recorded whole elsewhere in the environment)
     caps += [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_cpu_max_isa=")]
-    out = {"cpu": name, "cpu isa": " ".join(f for f in ISA_FLAGS if f in flags) or "unknown",
+    out = {"cpu": name, "cpu vendor": vendor() or "unknown",
+           "cpu isa": " ".join(f for f in ISA_FLAGS if f in flags) or "unknown",
            "isa caps": ", ".join(caps) or "none"}
     try:
         import torch
@@ -67,6 +68,9 @@ def _torch_settings(policy) -> dict:
                  f"products in hardware, or capped), torch's {policy.compute_dtype} kernels below")
     out[f"torchref {ops.ATTENTION_ENV}"] = os.environ.get(ops.ATTENTION_ENV, "(unset)")
     out[f"torchref {ops.PRODUCTS_ENV}"] = os.environ.get(ops.PRODUCTS_ENV, "(unset)")
+    out["torchref CPU f32 products of many rows"] = (
+        "fixed-order kernels where they build (torch's BLAS is MKL, the CPU not Intel's)" if ops.mkl_off_intel()
+        else "torch's BLAS")
     out[f"torchref CPU attention at {policy.name}"] = (
         "torch's fused kernel (scaled_dot_product_attention)"
         if ops.fused_attention_applies(policy, torch.device("cpu")) else "separate products, mask and softmax")

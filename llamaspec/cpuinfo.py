@@ -25,6 +25,21 @@ def name_and_flags() -> tuple[str, frozenset]:
     return name, flags
 
 
+@functools.cache
+def vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo's vendor_id names it ("GenuineIntel", "AuthenticAMD",
+    ...); "" where it does not say (another OS, another architecture)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 def has(flag: str) -> bool:
     """Whether the CPU reports feature `flag` ("amx_bf16", "avx512_bf16", ...)."""
     return flag in name_and_flags()[1]

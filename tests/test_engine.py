@@ -39,7 +39,7 @@ def test_report_carries_per_tap_metrics_logits_agreement_and_environment(tiny_di
     assert pairs["candidate vs reference"]["top1_agreement"] > 0.9
     assert len(report.logits["positions"]["kl_cand_ref"]) == IDS.size
     assert report.environment["torch"].startswith("2.") and "jax backend" in report.environment
-    assert report.environment["cpu"] and report.environment["cpu isa"]
+    assert report.environment["cpu"] and report.environment["cpu isa"] and report.environment["cpu vendor"]
     assert report.local[1]["cand_amplification"] > 0
     page = report.to_html(tmp_path / "r.html").read_text()
     assert "Logits agreement" in page and "max ULP" in page and "jax backend" in page

@@ -151,7 +151,7 @@ def test_linear_paths_are_the_policys_products(dtype, rows, monkeypatch):
     for choice in ("widened", "native"):
         monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, choice)
         monkeypatch.setenv(ops.LOGITS_ENV, "torch")   # the kernel's logits: test_bf16_logits_of_few_rows_on_the_kernel
-        monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")  # the kernel's products: test_few_row_products_on_the_kernel
+        monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")  # the kernel's products: test_products_on_the_kernel
         spy, blocks = LinearSpy(torch.nn.functional.linear), BmmSpy(torch.bmm)
         monkeypatch.setattr(torch.nn.functional, "linear", spy)
         monkeypatch.setattr(torch, "bmm", blocks)
@@ -186,7 +186,7 @@ def test_f32_products_of_few_rows_in_row_blocks(rows, monkeypatch):
     for weights of fewer rows than a block, of whole blocks and of blocks and a rest: within f32
     rounding of the f64 product (each product and sum rounded once), the result's shape and dtype
     linear's; its bits do not depend on torch's thread count; more rows go to torch's linear.
-    (torch's path: on x86-64 such products run on the kernel, test_few_row_products_on_the_kernel.)"""
+    (torch's path: on x86-64 such products run on the kernel, test_products_on_the_kernel.)"""
     policy = Policy.get("fp32")
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(2, rows, 80, generator=gen)[1:]            # [1, rows, 80], a view
@@ -415,8 +415,8 @@ def test_kernel_logits_rule(monkeypatch):
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("rows", [1, 3, ops.FEW_ROWS])
-def test_few_row_products_on_the_kernel(policy, rows, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 3, ops.FEW_ROWS, 3 * ops.FEW_ROWS + 5])
+def test_products_on_the_kernel(policy, rows, monkeypatch):
     """kernel_products (forced): q/k/v-like weights read by one x, with and without biases, are one
     product on the fixed-order kernel, torch's products untouched: each result within f32 summation
     of the f64 product (16-bit ones then rounded once), shaped and typed as torch's path gives it,
@@ -467,11 +467,13 @@ def test_few_row_products_on_the_kernel(policy, rows, monkeypatch):
 
 
 def test_kernel_products_rule(flags, monkeypatch):
-    """auto: products of at most FEW_ROWS rows with an f32 accumulator on an x86-64 CPU whose
-    kernel code path is AVX2 or better, of f32 operands, or of 16-bit ones linears widens (an f32
-    result; WIDE_MIN_ROWS rows or more where torch multiplies them in software); not other 16-bit
-    ones, more rows, f64, off the CPU, or on the scalar path; kernel takes any 16-bit operands
-    and the scalar path too; torch never; an unknown choice is an error."""
+    """auto: products with an f32 accumulator on an x86-64 CPU whose kernel code path is AVX2 or
+    better, of f32 operands, or of 16-bit ones linears widens (an f32 result; WIDE_MIN_ROWS rows
+    or more where torch multiplies them in software), of at most FEW_ROWS rows, or of any number
+    where torch's MKL runs on a CPU of a known vendor other than Intel; not other 16-bit ones,
+    more rows on an Intel CPU or one of unknown vendor, f64, off the CPU, or on the scalar path;
+    kernel takes any rows, any 16-bit operands and the scalar path too; torch never; an unknown
+    choice is an error."""
     fo, lib = kernels_or_skip()
     import platform
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -479,26 +481,34 @@ def test_kernel_products_rule(flags, monkeypatch):
     f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
     cpu = torch.device("cpu")
     monkeypatch.setenv(ops.PRODUCTS_ENV, "auto")
-    for path in fo.code_paths(lib):
-        with fo.code_path(lib, path):
-            vector = path != "scalar"
-            for features, hw in (({"avx2", "fma"}, set()), ({"avx512_bf16"}, {bf16}),
-                                 ({"amx_bf16", "avx512_fp16"}, {bf16, f16})):
-                flags(*features)
-                for rows in (1, ops.WIDE_MIN_ROWS - 1, ops.WIDE_MIN_ROWS, ops.FEW_ROWS, ops.FEW_ROWS + 1):
-                    few = rows <= ops.FEW_ROWS and vector
-                    assert ops.kernel_products(f32, f32, f32, rows, cpu) is few, (path, features, rows)
-                    for c in (bf16, f16):
-                        want = few and c not in hw and rows >= ops.WIDE_MIN_ROWS
-                        assert ops.kernel_products(c, f32, c, rows, cpu) is want, (path, features, rows, c)
-                        assert ops.kernel_products(c, f32, f32, rows, cpu) is few, (path, features, rows, c)
-                assert not ops.kernel_products(f32, f64, f32, 1, cpu) and not ops.kernel_products(f64, f64, f64, 1, cpu)
-                assert not ops.kernel_products(f32, f32, f32, 1, torch.device("meta"))
+    mkl = torch.backends.mkl.is_available()
+    for vendor in ("GenuineIntel", "AuthenticAMD", "HygonGenuine", ""):
+        monkeypatch.setattr(cpuinfo, "vendor", lambda vendor=vendor: vendor)
+        assert ops.mkl_off_intel() is (mkl and vendor not in ("GenuineIntel", "")), vendor
+        for path in fo.code_paths(lib):
+            with fo.code_path(lib, path):
+                vector = path != "scalar"
+                for features, hw in (({"avx2", "fma"}, set()), ({"avx512_bf16"}, {bf16}),
+                                     ({"amx_bf16", "avx512_fp16"}, {bf16, f16})):
+                    flags(*features)
+                    for rows in (1, ops.WIDE_MIN_ROWS - 1, ops.WIDE_MIN_ROWS, ops.FEW_ROWS, ops.FEW_ROWS + 1, 2048):
+                        runs = vector and (rows <= ops.FEW_ROWS or ops.mkl_off_intel())
+                        where = (vendor, path, features, rows)
+                        assert ops.kernel_products(f32, f32, f32, rows, cpu) is runs, where
+                        for c in (bf16, f16):
+                            want = runs and c not in hw and rows >= ops.WIDE_MIN_ROWS
+                            assert ops.kernel_products(c, f32, c, rows, cpu) is want, (*where, c)
+                            assert ops.kernel_products(c, f32, f32, rows, cpu) is runs, (*where, c)
+                    assert not ops.kernel_products(f32, f64, f32, 1, cpu)
+                    assert not ops.kernel_products(f64, f64, f64, 1, cpu)
+                    assert not ops.kernel_products(f32, f32, f32, 1, torch.device("meta"))
     with fo.code_path(lib, "scalar"):
         monkeypatch.setenv(ops.PRODUCTS_ENV, "kernel")
         assert ops.kernel_products(f32, f32, f32, 1, cpu)
+    monkeypatch.setattr(cpuinfo, "vendor", lambda: "GenuineIntel")
     assert ops.kernel_products(bf16, f32, bf16, 1, cpu) and ops.kernel_products(f16, f32, f16, ops.FEW_ROWS, cpu)
-    assert not ops.kernel_products(f32, f32, f32, ops.FEW_ROWS + 1, cpu)
+    assert ops.kernel_products(f32, f32, f32, 2048, cpu) and ops.kernel_products(bf16, f32, bf16, 2048, cpu)
+    assert not ops.kernel_products(f64, f64, f64, 2048, cpu)
     monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")
     assert not ops.kernel_products(f32, f32, f32, 1, cpu)
     monkeypatch.setenv(ops.PRODUCTS_ENV, "fast")

@@ -104,8 +104,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     Either torch's kernel for compute_dtype operands does that itself (_native), or the
     operands go to it widened to accum_dtype: products of bf16/fp16 numbers are exact in f32,
     so that is the same arithmetic, the sums in another order (drift). A 16-bit weight is
-    widened once (_widened). A product of at most FEW_ROWS rows whose arithmetic is f32 runs on
-    the fixed-order kernels' gemm where kernel_products says so (an x86-64 CPU); elsewhere an f32
+    widened once (_widened). A product whose arithmetic is f32 runs on the fixed-order kernels'
+    gemm where kernel_products says so (few rows, or any off Intel: an x86-64 CPU); elsewhere an f32
     product of that few rows on the CPU runs in blocks of the weight's rows
     (_linear_by_row_blocks): so does the f32 lm_head of a bf16 decode step, on the widened copy
     (4.0 ms for SmolLM2's at one row on a Zen 4, against 8.9 when it was widened a chunk at a
@@ -148,40 +148,56 @@ PRODUCTS_ENV = "LLAMA_PARITY_TORCHREF_PRODUCTS"
 def kernel_products(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, rows: int,
                     device: torch.device) -> bool:
     """Whether linears runs a product of `rows` rows (result in `out`) on the fixed-order kernels'
-    gemm (_kernel_linears) instead of torch's: a product of at most FEW_ROWS rows (a decode step
-    of a small batch) that torch would run in f32, summed in f32: f32 operands, or bf16 / fp16
-    ones that linears widens (_widens: 8 rows or more on a CPU without hardware_products, or an
-    f32 result), on an x86-64 CPU where the kernel's code path ($LLAMA_PARITY_KERNEL_ISA, else
-    the CPU's best) is AVX2 or better. Fewer 16-bit rows keep torch's 16-bit kernel: at one row
-    the kernel made SmolLM2's capped bf16 decode step slower (33.5 against 28.0 ms).
+    gemm (_kernel_linears) instead of torch's: a product that torch would run in f32, summed in
+    f32 (f32 operands, or bf16 / fp16 ones that linears widens: _widens, 8 rows or more on a CPU
+    without hardware_products, or an f32 result), on an x86-64 CPU where the kernel's code path
+    ($LLAMA_PARITY_KERNEL_ISA, else the CPU's best) is AVX2 or better, and either of at most
+    FEW_ROWS rows (a decode step of a small batch) or, more rows, where torch's BLAS is MKL on a
+    CPU that is not Intel's (mkl_off_intel). Fewer 16-bit rows keep torch's 16-bit kernel: at
+    one row the kernel made SmolLM2's capped bf16 decode step slower (33.5 against 28.0 ms).
 
-    Why: so few rows make the product memory-bound (about M/2 multiply-adds per weight byte
+    Why few rows: they make the product memory-bound (about M/2 multiply-adds per weight byte
     at f32), and the kernel reads each packed weight byte once, spread over all threads, while
     torch's BLAS reads it at a fraction of the memory's rate there. SmolLM2's seven products of a
     layer on a 2-core Zen 4, us, torch (row blocks; its own linear from 17 rows) / kernel: f32
     1 row 644 / 594, 8 rows 1821 / 715, 16 rows 1913 / 928; bf16 weights under an AVX2 cap
     (row blocks on the widened copy) 8 rows ~1800 / 905 (docs/measurements.md). A 16-bit
     weight is packed in its own dtype and widened in registers, so the kernel reads half the
-    bytes the widened copy has. More rows stay on torch's BLAS (compute-bound; the peer's
-    kernel).
+    bytes the widened copy has.
+
+    Why more rows only off Intel: MKL picks its code by the CPU's vendor as well as its features
+    (Intel's notice: its libraries may not optimize to the same degree for other vendors' CPUs),
+    and on an AMD Zen 4 the kernel's register-blocked multiply-adds ran every compute-bound
+    product faster, on both code paths (the same layer's products,
+    ms, MKL / kernel, Zen 4: 128 rows 8.9 / 4.6, 2048 rows 88.9 / 71.8; under the AVX2 cap 7.9 /
+    4.8 and 99.4 / 85.6; capped bf16 weights 2048 rows 87.0 / 78.4). On an Intel CPU MKL runs
+    its own best kernels, which no one has timed against this one: torch's stay.
 
     The same exact products, summed in f32 in the kernel's fixed order instead of torch's:
     drift; the same bits on every x86-64 CPU, code path, thread count and row count. Decided by
-    the dtypes, the rows and the CPU, never by a timing; $LLAMA_PARITY_TORCHREF_PRODUCTS
-    overrides: kernel (also on the scalar path and for every few-row 16-bit product; an error if
-    the kernels cannot be built), torch (never). Kernels that cannot be
-    built leave torch's products, with one warning."""
-    if not (rows <= FEW_ROWS and device.type == "cpu" and accum == torch.float32
-            and compute in (torch.float32, *_HALF)):
+    the dtypes, the rows, the CPU and torch's BLAS, never by a timing;
+    $LLAMA_PARITY_TORCHREF_PRODUCTS overrides: kernel (any rows, also on the scalar path and for
+    every 16-bit product with an f32 accumulator; an error if the kernels cannot be built), torch
+    (never). Kernels that cannot be built leave torch's products, with one warning."""
+    if not (device.type == "cpu" and accum == torch.float32 and compute in (torch.float32, *_HALF)):
         return False
     choice = _kernel_choice(PRODUCTS_ENV)
-    if choice is None or (choice == "auto" and compute in _HALF and not _widens(compute, accum, out, rows, device)):
+    if choice is None or (choice == "auto" and (
+            (compute in _HALF and not _widens(compute, accum, out, rows, device))
+            or (rows > FEW_ROWS and not mkl_off_intel()))):
         return False
     lib = _available_kernels(choice == "kernel", "products")
     if lib is None:
         return False
     from llamaspec import fixed_order as fo
     return choice == "kernel" or lib.fo_isa() >= fo.ISAS["avx2"]
+
+
+def mkl_off_intel() -> bool:
+    """Whether torch multiplies f32 matrices on MKL (the BLAS it was built with) and this CPU's
+    vendor is known and not Intel: there MKL leaves out the code it runs on Intel's CPUs (see
+    kernel_products)."""
+    return torch.backends.mkl.is_available() and cpuinfo.vendor() not in ("", "GenuineIntel")
 
 
 def _kernel_choice(env: str) -> str | None:
