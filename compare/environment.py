@@ -63,7 +63,10 @@ def _torch_settings(policy) -> dict:
     compute = dt(policy.compute_dtype)
     if compute in (torch.bfloat16, torch.float16) and policy.accum_dtype != policy.compute_dtype:
         out[f"torchref CPU products at {policy.name}"] = (
-            f"torch's {policy.compute_dtype} kernels (in hardware here)" if ops.hardware_products(compute)
+            f"torch's {policy.compute_dtype} kernels (in hardware here)"
+            + (f"; 2 to {ops.FEW_ROWS} rows on the fixed-order kernels" if ops.kernel_products(
+                compute, dt(policy.accum_dtype), compute, 2, torch.device("cpu")) else "")
+            if ops.hardware_products(compute)
             else f"widened to {policy.accum_dtype} from {ops.WIDE_MIN_ROWS} rows (no {policy.compute_dtype} "
                  f"products in hardware, or capped), torch's {policy.compute_dtype} kernels below")
     out[f"torchref {ops.ATTENTION_ENV}"] = os.environ.get(ops.ATTENTION_ENV, "(unset)")

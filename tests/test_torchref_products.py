@@ -469,7 +469,8 @@ def test_products_on_the_kernel(policy, rows, monkeypatch):
 def test_kernel_products_rule(flags, monkeypatch):
     """auto: products with an f32 accumulator on an x86-64 CPU whose kernel code path is AVX2 or
     better, of f32 operands, or of 16-bit ones linears widens (an f32 result; WIDE_MIN_ROWS rows
-    or more where torch multiplies them in software), of at most FEW_ROWS rows, or of any number
+    or more where torch multiplies them in software), or of 2 or more 16-bit rows torch would run
+    on AVX-512 pair products without AMX, of at most FEW_ROWS rows, or of any number
     where torch's MKL runs on a CPU of a known vendor other than Intel; not other 16-bit ones,
     more rows on an Intel CPU or one of unknown vendor, f64, off the CPU, or on the scalar path;
     kernel takes any rows, any 16-bit operands and the scalar path too; torch never; an unknown
@@ -491,17 +492,27 @@ def test_kernel_products_rule(flags, monkeypatch):
                 for features, hw in (({"avx2", "fma"}, set()), ({"avx512_bf16"}, {bf16}),
                                      ({"amx_bf16", "avx512_fp16"}, {bf16, f16})):
                     flags(*features)
-                    for rows in (1, ops.WIDE_MIN_ROWS - 1, ops.WIDE_MIN_ROWS, ops.FEW_ROWS, ops.FEW_ROWS + 1, 2048):
+                    amx = any(f.startswith("amx") for f in features)
+                    for rows in (1, 2, ops.WIDE_MIN_ROWS - 1, ops.WIDE_MIN_ROWS, ops.FEW_ROWS, ops.FEW_ROWS + 1,
+                                 2048):
                         runs = vector and (rows <= ops.FEW_ROWS or ops.mkl_off_intel())
                         where = (vendor, path, features, rows)
                         assert ops.kernel_products(f32, f32, f32, rows, cpu) is runs, where
                         for c in (bf16, f16):
-                            want = runs and c not in hw and rows >= ops.WIDE_MIN_ROWS
+                            # torch multiplies c in software: the widened products (WIDE_MIN_ROWS
+                            # rows on); on AVX-512 pair products without AMX: 2 to FEW_ROWS rows
+                            in_software = c not in hw and rows >= ops.WIDE_MIN_ROWS
+                            on_pairs = c in hw and not amx and 1 < rows <= ops.FEW_ROWS
+                            want = runs and (in_software or on_pairs)
                             assert ops.kernel_products(c, f32, c, rows, cpu) is want, (*where, c)
                             assert ops.kernel_products(c, f32, f32, rows, cpu) is runs, (*where, c)
                     assert not ops.kernel_products(f32, f64, f32, 1, cpu)
                     assert not ops.kernel_products(f64, f64, f64, 1, cpu)
                     assert not ops.kernel_products(f32, f32, f32, 1, torch.device("meta"))
+    flags("avx512_bf16")      # pair products without AMX; forced native keeps torch's 16-bit kernels
+    assert ops.kernel_products(bf16, f32, bf16, ops.WIDE_MIN_ROWS, cpu)
+    monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, "native")
+    assert not ops.kernel_products(bf16, f32, bf16, ops.WIDE_MIN_ROWS, cpu)
     with fo.code_path(lib, "scalar"):
         monkeypatch.setenv(ops.PRODUCTS_ENV, "kernel")
         assert ops.kernel_products(f32, f32, f32, 1, cpu)

@@ -153,8 +153,11 @@ def kernel_products(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, 
     without hardware_products, or an f32 result), on an x86-64 CPU where the kernel's code path
     ($LLAMA_PARITY_KERNEL_ISA, else the CPU's best) is AVX2 or better, and either of at most
     FEW_ROWS rows (a decode step of a small batch) or, more rows, where torch's BLAS is MKL on a
-    CPU that is not Intel's (mkl_off_intel). Fewer 16-bit rows keep torch's 16-bit kernel: at
-    one row the kernel made SmolLM2's capped bf16 decode step slower (33.5 against 28.0 ms).
+    CPU that is not Intel's (mkl_off_intel). 16-bit products torch runs on its 16-bit kernels
+    stay there, except 2 to FEW_ROWS rows on AVX-512 pair products without AMX
+    (_pairs_of_few_rows: SmolLM2's bf16 decode at batch 8 on the Zen 4, 42.2 against 51.0 ms a
+    step; batch 4 40.4 against 54.6): at one row the kernel made SmolLM2's capped bf16 decode step
+    slower (33.5 against 28.0 ms).
 
     Why few rows: they make the product memory-bound (about M/2 multiply-adds per weight byte
     at f32), and the kernel reads each packed weight byte once, spread over all threads, while
@@ -183,7 +186,8 @@ def kernel_products(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, 
         return False
     choice = _kernel_choice(PRODUCTS_ENV)
     if choice is None or (choice == "auto" and (
-            (compute in _HALF and not _widens(compute, accum, out, rows, device))
+            (compute in _HALF and not _widens(compute, accum, out, rows, device)
+             and not _pairs_of_few_rows(compute, rows))
             or (rows > FEW_ROWS and not mkl_off_intel()))):
         return False
     lib = _available_kernels(choice == "kernel", "products")
@@ -191,6 +195,20 @@ def kernel_products(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, 
         return False
     from llamaspec import fixed_order as fo
     return choice == "kernel" or lib.fo_isa() >= fo.ISAS["avx2"]
+
+
+def _pairs_of_few_rows(compute: torch.dtype, rows: int) -> bool:
+    """Whether torch would multiply 2 to FEW_ROWS rows of `compute` (bf16 / fp16) operands with
+    oneDNN's AVX-512 pair products: hardware_products by its own rule ($LLAMA_PARITY_BF16_DOTS on
+    auto) on a CPU without AMX tiles. oneDNN's path for so few rows is slow there: SmolLM2's seven
+    bf16 products of a layer on the Zen 4, us, torch / kernel: 2 rows 710 / 353, 4 rows 800 / 369,
+    8 rows 868 / 492, 16 rows 978 / 801 (one row: ATen's matrix-vector kernel 291 / 270, and the
+    kernel was the slower in the model, so one row stays with torch). On AMX tiles no one has
+    timed the two: torch's stay."""
+    if not (1 < rows <= FEW_ROWS and compute in _HALF and cpuinfo.dots_choice() == "auto"
+            and hardware_products(compute)):
+        return False
+    return not any(flag.startswith("amx") for flag in cpuinfo.name_and_flags()[1])
 
 
 def mkl_off_intel() -> bool:
