@@ -156,8 +156,8 @@ def kernel_products(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, 
     CPU that is not Intel's (mkl_off_intel). 16-bit products torch runs on its 16-bit kernels
     stay there, except 2 to FEW_ROWS rows on AVX-512 pair products without AMX
     (_pairs_of_few_rows: SmolLM2's bf16 decode at batch 8 on the Zen 4, 42.2 against 51.0 ms a
-    step; batch 4 40.4 against 54.6): at one row the kernel made SmolLM2's capped bf16 decode step
-    slower (33.5 against 28.0 ms).
+    step; batch 4 40.4 against 54.6). One 16-bit row stays with torch everywhere: there the kernel
+    made SmolLM2's capped bf16 decode step slower (33.5 against 28.0 ms).
 
     Why few rows: they make the product memory-bound (about M/2 multiply-adds per weight byte
     at f32), and the kernel reads each packed weight byte once, spread over all threads, while
