@@ -509,10 +509,13 @@ def test_kernel_products_rule(flags, monkeypatch):
                     assert not ops.kernel_products(f32, f64, f32, 1, cpu)
                     assert not ops.kernel_products(f64, f64, f64, 1, cpu)
                     assert not ops.kernel_products(f32, f32, f32, 1, torch.device("meta"))
-    flags("avx512_bf16")      # pair products without AMX; forced native keeps torch's 16-bit kernels
-    assert ops.kernel_products(bf16, f32, bf16, ops.WIDE_MIN_ROWS, cpu)
-    monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, "native")
-    assert not ops.kernel_products(bf16, f32, bf16, ops.WIDE_MIN_ROWS, cpu)
+    vector_paths = [p for p in fo.code_paths(lib) if p != "scalar"]
+    if vector_paths:
+        with fo.code_path(lib, vector_paths[0]):
+            flags("avx512_bf16")      # pair products without AMX; forced native keeps torch's 16-bit kernels
+            assert ops.kernel_products(bf16, f32, bf16, ops.WIDE_MIN_ROWS, cpu)
+            monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, "native")
+            assert not ops.kernel_products(bf16, f32, bf16, ops.WIDE_MIN_ROWS, cpu)
     with fo.code_path(lib, "scalar"):
         monkeypatch.setenv(ops.PRODUCTS_ENV, "kernel")
         assert ops.kernel_products(f32, f32, f32, 1, cpu)
