@@ -9,35 +9,33 @@ import platform
 
 
 @functools.cache
-def name_and_flags() -> tuple[str, frozenset]:
-    name, flags = platform.processor() or platform.machine(), frozenset()
+def _first_processor() -> dict[str, str]:
+    """/proc/cpuinfo's fields of the first processor, up to its feature flags (empty where the
+    file cannot be read: another OS)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    name = value.strip()
-                elif key.strip() in ("flags", "Features"):
-                    flags = frozenset(value.split())
+                fields.setdefault(key.strip(), value.strip())
+                if key.strip() in ("flags", "Features"):
                     break
     except OSError:
         pass
-    return name, flags
+    return fields
 
 
 @functools.cache
+def name_and_flags() -> tuple[str, frozenset]:
+    fields = _first_processor()
+    flags = fields.get("flags", fields.get("Features", ""))
+    return fields.get("model name") or platform.processor() or platform.machine(), frozenset(flags.split())
+
+
 def vendor() -> str:
     """The CPU's vendor as /proc/cpuinfo's vendor_id names it ("GenuineIntel", "AuthenticAMD",
     ...); "" where it does not say (another OS, another architecture)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    return value.strip()
-    except OSError:
-        pass
-    return ""
+    return _first_processor().get("vendor_id", "")
 
 
 def has(flag: str) -> bool:
