@@ -211,12 +211,12 @@ void Row(Isa isa, A* s, const uint8_t* allowed, int64_t n, const RowSpec& spec) 
   RowScalar(s, allowed, n, spec);
 }
 
-// ----- q . k on AVX-512: the block sums kept in registers ------------------------------
+// ----- q . k on AVX-512 and AVX2: the block sums kept in the tile ----------------------
 
 // Rows [0, MR) of x (ldx apart) against NP panels of 16 keys from panel `first` on: y = the
 // sum over the blocks of kDimBlock dims, in order, of one fma chain per block (the first
 // block's chain as it is). The same program as fixed_order's Columns per block followed by
-// an in-order add, which the other code paths run; here without writing each block's sums.
+// an in-order add, which the scalar path runs; here without writing each block's sums.
 template <int MR, int NP, class W>
 FO_AVX512 void Scores512(const float* x, int64_t ldx, const W* keys, int64_t panels, int64_t first, int64_t D,
                          float* y, int64_t ldy, int64_t cols) {
@@ -241,6 +241,38 @@ FO_AVX512 void Scores512(const float* x, int64_t ldx, const W* keys, int64_t pan
   fo::Store512<MR, NP>(total, y, ldy, cols);
 }
 
+// The same program on AVX2, rows [0, MR) against one panel of 16 keys (two ymm): the chains of
+// a block in registers (fixed_order's 6-row AVX2 tile), the blocks' running sums in a tile of
+// the stack (L1; 12 more registers do not fit), added in order after each block.
+template <int MR, class W>
+FO_AVX2 void Scores256(const float* x, int64_t ldx, const W* keys, int64_t panels, int64_t first, int64_t D,
+                       float* y, int64_t ldy, int64_t cols) {
+  alignas(32) float total[MR][fo::kPanel];
+  for (int64_t d0 = 0; d0 < D; d0 += kDimBlock) {
+    const int64_t dims = std::min(kDimBlock, D - d0);
+    const W* block = keys + panels * fo::kPanel * d0 + first * dims * fo::kPanel;
+    __m256 acc[MR][2];
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < dims; ++k) {
+      const __m256 w0 = fo::Load256(block + k * fo::kPanel), w1 = fo::Load256(block + k * fo::kPanel + 8);
+      #pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + d0 + k);
+        acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      }
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h) {
+        float* t = total[r] + 8 * h;
+        _mm256_store_ps(t, d0 == 0 ? acc[r][h] : _mm256_add_ps(_mm256_load_ps(t), acc[r][h]));
+      }
+  }
+  for (int r = 0; r < MR; ++r) std::memcpy(y + r * ldy, total[r], std::min<int64_t>(cols, fo::kPanel) * sizeof(float));
+}
+
 // y[R, width] = q . k for rows x [R, D] against the keys from panel `first` on, in
 // PrepareTyped's layout (`panels` panels of 16 keys for each block of dims).
 template <class A, class W>
@@ -256,6 +288,19 @@ void Scores(Isa isa, const A* x, int64_t R, int64_t D, const W* keys, int64_t pa
           if (left >= 6) Scores512<6, 2>(x + r * D, D, keys, panels, first + p, D, out + r * width, width, cols), r += 6;
           else if (left >= 3) Scores512<3, 2>(x + r * D, D, keys, panels, first + p, D, out + r * width, width, cols), r += 3;
           else Scores512<1, 2>(x + r * D, D, keys, panels, first + p, D, out + r * width, width, cols), r += 1;
+        }
+      }
+      return;
+    }
+    if (isa == fo::kAvx2) {
+      for (int64_t p = 0; p < fo::Panels(width); ++p) {
+        float* out = y + p * fo::kPanel;
+        const int64_t cols = width - p * fo::kPanel;
+        for (int64_t r = 0; r < R;) {
+          const int64_t left = R - r;
+          if (left >= 6) Scores256<6>(x + r * D, D, keys, panels, first + p, D, out + r * width, width, cols), r += 6;
+          else if (left >= 3) Scores256<3>(x + r * D, D, keys, panels, first + p, D, out + r * width, width, cols), r += 3;
+          else Scores256<1>(x + r * D, D, keys, panels, first + p, D, out + r * width, width, cols), r += 1;
         }
       }
       return;

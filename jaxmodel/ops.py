@@ -188,7 +188,7 @@ ATTENTION_ENV = "LLAMA_PARITY_ATTENTION"
 
 def fused_attention_applies(policy: Policy) -> bool:
     """Whether causal_attention runs as fused_attention: with JAX on an x86-64 CPU whose kernel
-    code path is AVX-512 (FUSED_ATTENTION_ISA), for a policy whose scores, softmax and sums the
+    code path is AVX2 or better (FUSED_ATTENTION_ISA), for a policy whose scores, softmax and sums the
     kernel computes as the policy says (compute f32 or bf16, softmax and accumulation in f32;
     f64 throughout only when $LLAMA_PARITY_ATTENTION is "fused": its f64 exp is scalar code),
     unless that variable says "xla"; "fused" takes any code path. Decided by the platform and
@@ -211,11 +211,17 @@ def fused_attention_applies(policy: Policy) -> bool:
     return _kernels_reach(FUSED_ATTENTION_ISA)
 
 
-# The least code path of the fixed-order kernels on which auto takes the fused attention: AVX-512,
-# where it is measured faster than XLA's attention. On its AVX2 path (half the vector width) a
-# SmolLM2 prefill of 2048 tokens took 3.33 s against XLA's 2.73 s under the AVX2 cap, and its scalar
-# path is the program's definition, not a fast one (docs/measurements.md).
-FUSED_ATTENTION_ISA = "avx512"
+# The least code path of the fixed-order kernels on which auto takes the fused attention: AVX2.
+# Its scalar path is the program's definition, not a fast one. The AVX2 path was once left to XLA:
+# on session 20's Intel Xeon under the AVX2 cap it took 58.9 ms a layer at fp32 2048 tokens (29.6 on
+# AVX-512), and a SmolLM2 prefill of 2048 tokens 3.33 s against XLA's 2.73. Since then its tiles
+# keep their accumulators in registers (fixed_order.h's unrolled row loops: 43 -> 106 GF/s a Zen 4
+# core) and its q . k block sums in the tile (attention.h's Scores256): on a Zen 4, fp32 2048, 39.4
+# then 36.7 ms a layer (AVX-512: 33.0); SmolLM2's prefill under the AVX2 cap there, in-process
+# A/Bs, XLA's time / the kernel's: fp32 2048 1.09, 1.09; 512 1.02, 1.03; 128 1.06, 0.93; bf16 2048
+# 1.07, 1.06 (docs/measurements.md). The kernel's bits are its AVX-512 path's: where it runs,
+# attention gives the same bits on both.
+FUSED_ATTENTION_ISA = "avx2"
 
 
 @functools.cache

@@ -130,7 +130,7 @@ def test_fused_attention_on_a_mesh_is_bitwise_the_one_device_one(tmp_path):
     (sharding.fused_attention, a shard_map of the custom call, which XLA cannot partition); its
     result for a row and a KV head depends on nothing else, so TP 2, DP 2 and DP 2 x TP 2 give
     the one-device bits, at fp32 and bf16 (GQA: 8 query heads on 2 KV heads). The model's
-    prefill on a mesh calls it in every layer where ops.fused_attention_applies (an AVX-512
+    prefill on a mesh calls it in every layer where ops.fused_attention_applies (an AVX2 or better
     kernel path), else not at all."""
     ckpt = make_checkpoint(tmp_path / "gqa", num_key_value_heads=2, **SHARDED)
     meshes = [{"tensor": 2}, {"data": 2}, {"data": 2, "tensor": 2}]
