@@ -74,9 +74,12 @@ def _torch_settings(policy) -> dict:
     out["torchref CPU f32 products of many rows"] = (
         "fixed-order kernels where they build (torch's BLAS is MKL, the CPU not Intel's)" if ops.mkl_off_intel()
         else "torch's BLAS")
-    out[f"torchref CPU attention at {policy.name}"] = (
-        "torch's fused kernel (scaled_dot_product_attention)"
-        if ops.fused_attention_applies(policy, torch.device("cpu")) else "separate products, mask and softmax")
+    attention = "separate products, mask and softmax"
+    if ops.fused_attention_applies(policy, torch.device("cpu")):
+        attention = "torch's fused kernel (scaled_dot_product_attention)"
+    elif ops.kernel_attention_applies(policy, torch.zeros(0)):
+        attention = "fixed-order kernels' causal attention for prompts; " + attention + " for decode steps"
+    out[f"torchref CPU attention at {policy.name}"] = attention
     with matmul_settings(policy):  # the settings every torchref call of this run used
         mm, cpu = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
         out["torch cuda matmul fp32_precision"] = mm.fp32_precision

@@ -161,10 +161,11 @@ def test_kernel_attention_rule_leaves_amx_cpus_to_the_separate_ops(monkeypatch):
 
 def test_kernel_attention_runs_in_the_model(tiny_dir, monkeypatch):
     """The whole model at bf16 over a long prompt (QUERY_BLOCK shrunk to 4: 12 tokens are 3
-    blocks), one row padded: auto calls the kernel once per layer (spy) and never for a short
-    call (a decode step, a prompt under 2 blocks); the logits are the separate ops' to bf16
-    drift (rel L2 2e-2: bf16 keeps 8 bits, and a flipped rounding of one attention output moves
-    the later layers), and prefill + decode give the forward's logits to the same bound."""
+    blocks), one row padded: auto calls the kernel once per layer (spy), for a short prompt too
+    (7 tokens, under 2 blocks) and never for one query a row (a decode step, a one-token
+    forward); the logits are the separate ops' to bf16 drift (rel L2 2e-2: bf16 keeps 8 bits,
+    and a flipped rounding of one attention output moves the later layers), and prefill + decode
+    give the forward's logits to the same bound."""
     ids = np.random.default_rng(3).integers(3, 96, (2, 12))
     mask = np.ones_like(ids)
     mask[1, :3] = 0
@@ -193,8 +194,10 @@ def test_kernel_attention_runs_in_the_model(tiny_dir, monkeypatch):
     for t in range(9, 12):
         logits, cache = m.decode(cache, ids[:, t])
         steps.append(np.asarray(logits, np.float64))
+    assert calls == [9] * layers                      # decode steps: the separate ops
     m(ids[:, :7], attention_mask=mask[:, :7])
-    assert len(calls) == layers                       # decode steps and 7 < 2 blocks: the separate ops
+    m(ids[:, :1])
+    assert calls == [9] * layers + [7] * layers       # a short prompt: the kernel; one query: the ops
     got = np.stack(steps, 1)
     assert np.linalg.norm(got - runs["auto"][:, 8:12]) <= 2e-2 * np.linalg.norm(runs["auto"][:, 8:12])
 

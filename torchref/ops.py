@@ -501,13 +501,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     nothing (a padding position) reads every key, so that query averages all S values as one
     block would. Where fused_attention_applies, a long prompt's blocks run as fused_block, and a
     prompt from slot 0 without padding (plain_causal) as one fused_causal call; where
-    kernel_attention_applies (a bf16 policy), the whole call as kernel_attention.
+    kernel_attention_applies (a bf16 policy), a prompt of any length (2 queries or more: a decode
+    step's one query a row stays with block_attention) as one kernel_attention call.
     """
     T = q.shape[1]
+    if T >= 2 and kernel_attention_applies(policy, q):
+        return kernel_attention(q, k, v, allowed, policy)
     if T < 2 * QUERY_BLOCK:
         return block_attention(q, k, v, allowed, policy)
-    if kernel_attention_applies(policy, q):
-        return kernel_attention(q, k, v, allowed, policy)
     fused = fused_attention_applies(policy, q.device)
     if fused and k.shape[1] >= T and plain_causal(allowed):
         return fused_causal(q, k[:, :T], v[:, :T], policy)
@@ -613,18 +614,22 @@ def _attention_choice() -> str:
 
 
 def kernel_attention_applies(policy: Policy, q: torch.Tensor) -> bool:
-    """Whether a long prompt's attention (2 * QUERY_BLOCK queries or more) runs as
-    kernel_attention instead of block_attention: a bf16 policy (bf16 operands, f32 accumulation
-    and softmax) on an x86-64 CPU. block_attention's separate products, roundings, mask and
-    softmax write and read every score several times, and torch's fused kernel cannot stand in
-    (it rounds the unnormalised exponentials, the policy the probabilities). SmolLM2's attention
-    at 2048 tokens on a 2-core Zen 4, one layer: 37 ms against block_attention's 53 with its
-    AVX-512-BF16 products, 42 against 87 under an AVX2 cap, where the fp32 policy's fused
-    kernel takes 48 (docs/measurements.md). Its bits are the same on every x86-64 CPU, code
-    path, batch and thread count. Not where torch's bf16 products run on AMX tiles
-    (amx_products: unmeasured there). Decided by the policy and the CPU, never by a timing;
-    $LLAMA_PARITY_TORCHREF_ATTENTION overrides (kernel: an error if the kernels cannot be built;
-    fused, ops: never). Kernels that cannot be built leave block_attention, with one warning."""
+    """Whether a prompt's attention (2 queries or more; attention asks) runs as kernel_attention
+    instead of block_attention: a bf16 policy (bf16 operands, f32 accumulation and softmax) on an
+    x86-64 CPU. block_attention's separate products, roundings, mask and softmax write and read
+    every score several times, and torch's fused kernel cannot stand in (it rounds the
+    unnormalised exponentials, the policy the probabilities). SmolLM2's attention at 2048 tokens
+    on a 2-core Zen 4, one layer: 37 ms against block_attention's 53 with its AVX-512-BF16
+    products, 42 against 87 under an AVX2 cap, where the fp32 policy's fused kernel takes 48; a
+    short prompt's whole prefill, in-process A/B: 128 tokens 122.8 against 129.2 ms (AVX2 cap
+    217 / 230), 16 tokens in a cache of 528 slots 55.7 / 59.3 (block_attention reads every slot,
+    the kernel each query's keys up to its last visible one). A decode step (one query a row)
+    keeps block_attention: there the kernel was the slower in the model (docs/measurements.md).
+    Its bits are the same on every x86-64 CPU, code path, batch and thread count. Not where
+    torch's bf16 products run on AMX tiles (amx_products: unmeasured there). Decided by the policy
+    and the CPU, never by a timing; $LLAMA_PARITY_TORCHREF_ATTENTION overrides (kernel: an error
+    if the kernels cannot be built; fused, ops: never). Kernels that cannot be built leave
+    block_attention, with one warning."""
     if not (policy.compute_dtype == "bfloat16" and policy.accum_dtype == "float32"
             and policy.softmax_dtype == "float32" and q.device.type == "cpu"
             and platform.machine().lower() in ("x86_64", "amd64")):
