@@ -470,7 +470,8 @@ def test_kernel_products_rule(flags, monkeypatch):
     """auto: products with an f32 accumulator on an x86-64 CPU whose kernel code path is AVX2 or
     better, of f32 operands, or of 16-bit ones linears widens (an f32 result; WIDE_MIN_ROWS rows
     or more where torch multiplies them in software), or of 2 or more 16-bit rows torch would run
-    on AVX-512 pair products without AMX, of at most FEW_ROWS rows, or of any number
+    on AVX-512 pair products (not on AMX tiles for that dtype, amx_products: oneDNN capped below
+    them counts as without), of at most FEW_ROWS rows, or of any number
     where torch's MKL runs on a CPU of a known vendor other than Intel; not other 16-bit ones,
     more rows on an Intel CPU or one of unknown vendor, f64, off the CPU, or on the scalar path;
     kernel takes any rows, any 16-bit operands and the scalar path too; torch never; an unknown
@@ -492,7 +493,7 @@ def test_kernel_products_rule(flags, monkeypatch):
                 for features, hw in (({"avx2", "fma"}, set()), ({"avx512_bf16"}, {bf16}),
                                      ({"amx_bf16", "avx512_fp16"}, {bf16, f16})):
                     flags(*features)
-                    amx = any(f.startswith("amx") for f in features)
+                    amx = {bf16: "amx_bf16" in features, f16: "amx_fp16" in features}   # AMX tiles for it
                     for rows in (1, 2, ops.WIDE_MIN_ROWS - 1, ops.WIDE_MIN_ROWS, ops.FEW_ROWS, ops.FEW_ROWS + 1,
                                  2048):
                         runs = vector and (rows <= ops.FEW_ROWS or ops.mkl_off_intel())
@@ -502,7 +503,7 @@ def test_kernel_products_rule(flags, monkeypatch):
                             # torch multiplies c in software: the widened products (WIDE_MIN_ROWS
                             # rows on); on AVX-512 pair products without AMX: 2 to FEW_ROWS rows
                             in_software = c not in hw and rows >= ops.WIDE_MIN_ROWS
-                            on_pairs = c in hw and not amx and 1 < rows <= ops.FEW_ROWS
+                            on_pairs = c in hw and not amx[c] and 1 < rows <= ops.FEW_ROWS
                             want = runs and (in_software or on_pairs)
                             assert ops.kernel_products(c, f32, c, rows, cpu) is want, (*where, c)
                             assert ops.kernel_products(c, f32, f32, rows, cpu) is runs, (*where, c)
@@ -516,6 +517,12 @@ def test_kernel_products_rule(flags, monkeypatch):
             assert ops.kernel_products(bf16, f32, bf16, ops.WIDE_MIN_ROWS, cpu)
             monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, "native")
             assert not ops.kernel_products(bf16, f32, bf16, ops.WIDE_MIN_ROWS, cpu)
+            monkeypatch.setenv(cpuinfo.BF16_DOTS_ENV, "auto")
+            flags("amx_bf16", "avx512_bf16")   # AMX tiles keep torch's, unless oneDNN is capped below them
+            assert not ops.kernel_products(bf16, f32, bf16, ops.WIDE_MIN_ROWS, cpu)
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+            assert ops.kernel_products(bf16, f32, bf16, ops.WIDE_MIN_ROWS, cpu)
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     with fo.code_path(lib, "scalar"):
         monkeypatch.setenv(ops.PRODUCTS_ENV, "kernel")
         assert ops.kernel_products(f32, f32, f32, 1, cpu)

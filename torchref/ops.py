@@ -203,12 +203,10 @@ def _pairs_of_few_rows(compute: torch.dtype, rows: int) -> bool:
     auto) on a CPU without AMX tiles. oneDNN's path for so few rows is slow there: SmolLM2's seven
     bf16 products of a layer on the Zen 4, us, torch / kernel: 2 rows 710 / 353, 4 rows 800 / 369,
     8 rows 868 / 492, 16 rows 978 / 801 (one row: ATen's matrix-vector kernel 291 / 270, and the
-    kernel was the slower in the model, so one row stays with torch). On AMX tiles no one has
-    timed the two: torch's stay."""
-    if not (1 < rows <= FEW_ROWS and compute in _HALF and cpuinfo.dots_choice() == "auto"
-            and hardware_products(compute)):
-        return False
-    return not any(flag.startswith("amx") for flag in cpuinfo.name_and_flags()[1])
+    kernel was the slower in the model, so one row stays with torch). Where they run on AMX tiles
+    (amx_products) no one has timed the two: torch's stay."""
+    return (1 < rows <= FEW_ROWS and compute in _HALF and cpuinfo.dots_choice() == "auto"
+            and hardware_products(compute) and not amx_products(compute))
 
 
 def mkl_off_intel() -> bool:
@@ -339,6 +337,7 @@ WIDE_MIN_ROWS = 8
 _HARDWARE_CAPS = {torch.bfloat16: ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "ALL",
                                    "DEFAULT"),
                   torch.float16: ("AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT")}
+# the CPU flags of bf16 / fp16 products in hardware, the AMX one first (amx_products reads it)
 _HARDWARE_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
 
 
@@ -640,13 +639,16 @@ def kernel_attention_applies(policy: Policy, q: torch.Tensor) -> bool:
     return _available_kernels(choice == "kernel", "attention") is not None
 
 
-def amx_products() -> bool:
-    """Whether torch multiplies bf16 matrices on AMX tiles here (hardware_products, an amx_bf16
-    CPU, oneDNN not capped below AMX). There block_attention's products run on oneDNN's AMX
-    kernels, several times the AVX-512 multiply-adds kernel_attention runs on, and no one has
-    timed the two against each other on such a CPU: auto leaves block_attention there."""
+def amx_products(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether torch multiplies `dtype` (bf16 / fp16) matrices on AMX tiles here
+    (hardware_products, the CPU's AMX flag for it, amx_bf16 / amx_fp16, and oneDNN not capped
+    below AMX). There a bf16 block_attention's products run on oneDNN's AMX kernels, several times
+    the AVX-512 multiply-adds kernel_attention runs on, and no one has timed the two against each
+    other on such a CPU: auto leaves block_attention there (and torch's few-row products:
+    _pairs_of_few_rows)."""
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
-    return (hardware_products(torch.bfloat16) and "amx_bf16" in cpuinfo.name_and_flags()[1]
+    amx_flag = _HARDWARE_FLAGS[dtype][0]
+    return (hardware_products(dtype) and amx_flag in cpuinfo.name_and_flags()[1]
             and cap.startswith(("AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT")))
 
 
