@@ -16,6 +16,8 @@ sit in the same blocks whatever the other rows' lengths.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,14 @@ from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill
 
 from . import invariant, ops
 from .dtypes import cast, dt, from_numpy, matmul_settings, to_numpy
+
+
+@contextlib.contextmanager
+def call_settings(policy: Policy):
+    """What every call of a model runs under: torch's matmul settings for the policy
+    (dtypes.matmul_settings) and one set of ops' decisions for the call (ops.one_call)."""
+    with matmul_settings(policy), ops.one_call():
+        yield
 
 
 def ops_for(batch_invariant: bool):
@@ -95,30 +105,42 @@ class Attention(nn.Module):
         q = rec("q", q.view(B, T, self.heads, self.head_dim))
         k = rec("k", k.view(B, T, self.kv_heads, self.head_dim))
         v = rec("v", v.view(B, T, self.kv_heads, self.head_dim))
-        q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
-        k = rec("k_rope", self.ops.apply_rope(k, *self.key_tables(ctx, cache)))
+        q, k = self.rotated(q, k, ctx, cache)
+        q, k = rec("q_rope", q), rec("k_rope", k)
         allowed = ctx.allowed
         if cache is not None:
             # a [B, Hkv, S, D] tensor per layer, written in place: attention reads each kv head's
             # keys as a strided view, no copy (jaxmodel: one [L, B, S, Hkv, D] array)
             k_all, v_all = cache.k[layer], cache.v[layer]
-            start = shared_start(cache.index, T, k_all.shape[2])
-            index = _index_tensor(cache.index, x.device)
+            start, index = _cache_slots(cache.index, T, k_all.shape[2], x.device)
             if start is not None and getattr(self.write_slots, "__func__", None) is _OWN_WRITE_SLOTS:
                 # the module's own slots (no control replaced the seam), every row's from one slot
                 # the host knows: one block of the cache, as the scatter writes it (shared_start;
                 # a batch-1 decode step's 60 scatters cost about 1 ms on a Zen 4)
-                k_all[:, :, start:start + T] = self.stored(k).transpose(1, 2)
-                v_all[:, :, start:start + T] = self.stored(v).transpose(1, 2)
+                k_all.narrow(2, start, T).copy_(self.stored(k).transpose(1, 2))
+                v_all.narrow(2, start, T).copy_(self.stored(v).transpose(1, 2))
             else:
                 rows = torch.arange(B, device=x.device)[:, None]
                 slots = self.write_slots(index, T, k_all.shape[2])
                 k_all[rows, :, slots], v_all[rows, :, slots] = self.stored(k), self.stored(v)
             allowed = self.cache_allowed(ctx.allowed, index)
             S = allowed.shape[-1]  # the slots this call may see (all of them by default)
-            k, v = k_all[:, :, :S].transpose(1, 2), v_all[:, :, :S].transpose(1, 2)
+            k, v = (t.narrow(2, 0, S).transpose(1, 2) for t in (k_all, v_all))
         out = rec("attn_ctx", self.ops.attention(q, k, v, allowed, ctx.policy).reshape(B, T, -1))
         return self.o_proj(out, ctx.policy), cache
+
+    def rotated(self, q, k, ctx: Context, cache: KV | None):
+        """q and k [B, T, heads, D] after RoPE: q on the call's tables, k on key_tables'. In a
+        decode step (T = 1) whose tables are the call's own (no control replaced the seam), the
+        two go through one apply_rope, their heads side by side: the same elementwise arithmetic
+        in half the ops, which cost a decode step microseconds each, more than their arithmetic
+        (a prompt's rotation is its arithmetic, and a strided q slowed fp32 prefill 2048 by 2%;
+        jaxmodel rotates them apart)."""
+        cos, sin = self.key_tables(ctx, cache)
+        if q.shape[1] == 1 and cos is ctx.cos and sin is ctx.sin:
+            both = self.ops.apply_rope(torch.cat([q, k], dim=2), cos, sin)
+            return both.narrow(2, 0, self.heads), both.narrow(2, self.heads, self.kv_heads)
+        return self.ops.apply_rope(q, ctx.cos, ctx.sin), self.ops.apply_rope(k, cos, sin)
 
     # Seams: one step each of the cache path, which a planted-bug control may replace on one
     # layer (compare/controls); jaxmodel's Attention has the same four.
@@ -144,9 +166,23 @@ class Attention(nn.Module):
 _OWN_WRITE_SLOTS = Attention.write_slots
 
 
-def _index_tensor(index, device) -> torch.Tensor:
-    """KV.index as the seams take it: a tensor [B]."""
-    return torch.as_tensor(index, device=device) if isinstance(index, np.ndarray) else index
+def _cache_slots(index, T: int, S: int, device) -> tuple[int | None, torch.Tensor]:
+    """(shared_start(index, T, S), KV.index as the seams take it: a tensor [B]), worked out once
+    for a call's index array, which every layer reads (kept while that array lives), not once a
+    layer: a decode step's numpy test and tensor cost microseconds a layer."""
+    if not isinstance(index, np.ndarray):
+        return shared_start(index, T, S), index
+    last = _LAST_SLOTS[0]
+    if last is not None and last[0]() is index and last[1] == (T, S, device):
+        return last[2]
+    answer = shared_start(index, T, S), torch.as_tensor(index, device=device)
+    _LAST_SLOTS[0] = (weakref.ref(index), (T, S, device), answer)
+    return answer
+
+
+# (weak ref to the last KV.index array _cache_slots read, its T, S and device, its answer); the
+# arrays are never changed in place (a call makes its own)
+_LAST_SLOTS: list = [None]
 
 
 class MLP(nn.Module):
@@ -329,7 +365,7 @@ class LlamaModel(nn.Module):
         """Logits [B, T, V] in the policy's logits dtype."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
-        with matmul_settings(self.policy):
+        with call_settings(self.policy):
             logits, _, _ = self.model(self._tensor(run.ids), self._tensor(run.positions).long(),
                                       causal_allowed(self._tensor(run.mask), run.ids.shape[1]))
         return self._tensor(run.restore(to_numpy(logits))) if self.batch_invariant else logits
@@ -345,7 +381,7 @@ class LlamaModel(nn.Module):
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
         forced = {i: self._tensor(run.place(x)) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
-        with matmul_settings(self.policy):
+        with call_settings(self.policy):
             logits, acts, _ = self.model(self._tensor(run.ids), self._tensor(run.positions).long(),
                                          causal_allowed(self._tensor(run.mask), run.ids.shape[1]), names,
                                          inject=forced)
@@ -394,7 +430,7 @@ class LlamaModel(nn.Module):
                  "next_pos": self._tensor(mask.sum(1).astype(np.int64)), "index": T}
         cache["mask"][:, :T] = self._tensor(mask.astype(bool))
         last = torch.full((B,), T - 1, device=self.device)
-        with matmul_settings(self.policy):
+        with call_settings(self.policy):
             logits, acts, _ = self.model(self._tensor(ids), self._tensor(positions_from_mask(mask)).long(),
                                          causal_allowed(cache["mask"], T), names, cache=kv, last=last, inject=forced)
         return to_numpy(logits[:, -1]), cache, {n: to_numpy(acts[n]).copy() for n in names}
@@ -426,7 +462,7 @@ class LlamaModel(nn.Module):
         forced = {k: self._tensor(x) for k, x in check_inject(self.cfg, inject, (B, 1)).items()}
         cache["mask"][:, i] = True
         kv = KV(cache["k"], cache["v"], np.full(B, i, np.int64))
-        with matmul_settings(self.policy):
+        with call_settings(self.policy):
             logits, acts, _ = self.model(self._tensor(next_ids)[:, None], cache["next_pos"][:, None],
                                          causal_allowed(cache["mask"], 1, i), names, cache=kv, inject=forced)
         cache["index"] = i + 1
@@ -442,7 +478,7 @@ class LlamaModel(nn.Module):
         cache = {"k": kv.k, "v": kv.v, "lens": self._tensor(run.mask.sum(1).astype(np.int64))}
         visible = torch.zeros((B, -(-W // Kb) * Kb), dtype=torch.int32, device=self.device)
         visible[:, :W] = self._tensor(run.mask)
-        with matmul_settings(self.policy):
+        with call_settings(self.policy):
             logits, _, _ = self.model(self._tensor(run.ids), self._tensor(run.positions).long(),
                                       causal_allowed(visible, W), cache=kv, last=cache["lens"] - 1)
         return to_numpy(logits[:, -1]), cache
@@ -455,7 +491,7 @@ class LlamaModel(nn.Module):
         next_ids = check_next_ids(self.cfg, next_ids, B, longest, S)
         width = min(S, -(-(longest + 1) // Kb) * Kb)
         allowed = (torch.arange(width, device=self.device)[None, :] <= lens[:, None])[:, None, :]
-        with matmul_settings(self.policy):
+        with call_settings(self.policy):
             logits, acts, _ = self.model(self._tensor(next_ids)[:, None], lens[:, None], allowed, names,
                                          cache=KV(cache["k"], cache["v"], lens))
         cache["lens"] = lens + 1
@@ -517,7 +553,7 @@ class LayerRunner:
             m._install(key, weights[key], shapes[key])
         rec = Recorder({*taps, f"layers.{i}.out"})
         try:
-            with matmul_settings(self.policy):
+            with call_settings(self.policy):
                 block(self._residual(self._tensor(h)), self.ctx, rec.layer(i))
         finally:
             for key in shapes:
@@ -528,14 +564,14 @@ class LayerRunner:
     def final_norm(self, weight: np.ndarray, h: np.ndarray) -> np.ndarray:
         m = self.module
         m._install("model.norm.weight", weight, (self.cfg.hidden_size,))
-        with matmul_settings(self.policy):
+        with call_settings(self.policy):
             return to_numpy(m.norm(self._residual(self._tensor(h)), self.policy))
 
     @torch.inference_mode()
     def logits(self, x: np.ndarray, head_rows: np.ndarray) -> np.ndarray:
         """The logits of final_norm output x for the lm_head rows given (a vocabulary chunk)."""
         m = self.module
-        with matmul_settings(self.policy):
+        with call_settings(self.policy):
             return to_numpy(head_logits(self._tensor(x), m._param(head_rows), m.ops, self.policy))
 
 

@@ -10,13 +10,17 @@ transformers' LlamaForCausalLM (eager attention): RoPE half-split layout, scores
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
 import os
 import platform
+import threading
 import warnings
 import weakref
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -92,8 +96,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, D]; the tables are rounded to x's dtype first, as HF does."""
-    cos = cast(cos, x.dtype)[:, :, None, :]
-    sin = cast(sin, x.dtype)[:, :, None, :]
+    cos = cast(cos, x.dtype).unsqueeze(2)   # [B, T, 1, D]
+    sin = cast(sin, x.dtype).unsqueeze(2)
     return x * cos + rotate_half(x) * sin
 
 
@@ -119,15 +123,13 @@ def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = Non
     rounded and widened once for all of them (the same operand each time: the same bits)."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
     out = dt(out_dtype or policy.compute_dtype)
-    rows, device = x.numel() // max(x.shape[-1], 1), x.device
-    if kernel_products(compute, accum, out, rows, device):
+    on_kernel, dtype, product, one_row = _products_plan(compute, accum, out, x.numel() // max(x.shape[-1], 1),
+                                                        x.device)
+    if on_kernel:
         return _kernel_linears(x, ws, bs, compute, out)
     # the operands rounded to compute_dtype (no-ops where they are held in it; a policy whose
     # param_dtype is wider needs them), then, where the product widens, widened exactly
-    dtype = accum if _widens(compute, accum, out, rows, device) else compute
     x = cast(cast(x, compute), dtype)
-    product = _linear_by_row_blocks if _few_f32_rows(dtype, rows, device) else torch.nn.functional.linear
-    one_row = _one_row_kernel(rows, dtype, device)
     if one_row:
         # torch's own switch for oneDNN, process-wide for the call (torch.backends.mkldnn.flags
         # sets it too, with its other flags and a warning each time)
@@ -138,6 +140,58 @@ def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = Non
     finally:
         if one_row:
             torch._C._set_mkldnn_enabled(True)
+
+
+class ProductsPlan(NamedTuple):
+    """How linears multiplies a product of some rows (its dtypes, rows and device: _products_plan)."""
+    on_kernel: bool     # on the fixed-order kernels' gemm (kernel_products); the rest is then unused
+    dtype: torch.dtype  # torch's operands: compute_dtype, or accum_dtype where the product widens
+    product: Callable   # torch.nn.functional.linear, or _linear_by_row_blocks for a few f32 rows
+    one_row: bool       # oneDNN off for the call (_one_row_kernel)
+
+
+def _products_plan(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, rows: int,
+                   device: torch.device) -> ProductsPlan:
+    """linears' choice for a product of `rows` rows, by kernel_products, _widens, _few_f32_rows and
+    _one_row_kernel: asked anew every product outside a model call, and once per call (per
+    dtypes, rows and device) inside one (one_call)."""
+    plans = getattr(_CALL, "plans", None)
+    key = (compute, accum, out, rows, device)
+    plan = None if plans is None else plans.get(key)
+    if plan is None:
+        if kernel_products(compute, accum, out, rows, device):
+            plan = ProductsPlan(True, compute, torch.nn.functional.linear, False)
+        else:
+            dtype = accum if _widens(compute, accum, out, rows, device) else compute
+            plan = ProductsPlan(False, dtype, _linear_by_row_blocks if _few_f32_rows(dtype, rows, device)
+                                else torch.nn.functional.linear, _one_row_kernel(rows, dtype, device))
+        if plans is not None:
+            plans[key] = plan
+    return plan
+
+
+_CALL = threading.local()   # plans: this thread's model call's ProductsPlans (one_call), or absent
+
+
+@contextlib.contextmanager
+def one_call():
+    """The extent of one model call (model.py enters it for each): inside it linears decides how
+    to multiply a product of some rows and dtypes once (_products_plan), not at every product.
+    Those rules read the environment ($LLAMA_PARITY_TORCHREF_PRODUCTS, the libraries' caps, ...),
+    the CPU's flags and torch's oneDNN switch, several microseconds a product: a batch-1 decode
+    step of SmolLM2 (120 calls of linears) spent about 1.5 ms of its 22 in linears outside
+    torch's products under an AVX2 cap on a Zen 4, 0.4 with the choices kept per call
+    (docs/measurements.md). None of them changes during a call: the same choices, the same bits.
+    Nested calls share the outer one's plans; outside every call (an op called on its own) each
+    product asks anew, so a changed setting counts at once."""
+    if getattr(_CALL, "plans", None) is not None:
+        yield
+        return
+    _CALL.plans = {}
+    try:
+        yield
+    finally:
+        _CALL.plans = None
 
 
 # $LLAMA_PARITY_TORCHREF_PRODUCTS: auto (kernel_products' rule), kernel (wherever the fixed-order
@@ -832,18 +886,17 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     wide = accum if _widens(compute, accum, compute, B * Hq * T, q.device) else compute   # the products' dtype
     scale = D ** -0.5
     early = scale_queries(scale, policy.compute_dtype)   # HF's order, (q @ k^T) * scale, in fewer passes
-    qg = (cast(q, compute) * scale if early else cast(q, compute)).reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
+    qg = _query_rows(cast(q, compute) * scale if early else cast(q, compute), Hkv)
     # one bmm over the batch's kv heads (what torch.matmul of the [B, Hkv, ...] operands runs,
     # without its dispatch: about 2.5 us a product, two a layer)
     keys = cast(k.permute(0, 2, 3, 1), wide).reshape(B * Hkv, D, S)
-    scores = torch.bmm(cast(qg.reshape(B * Hkv, G * T, D), wide), keys,
-                       **_into(scratch, "scores", (B * Hkv, G * T, S), wide, q.device))
+    scores = torch.bmm(cast(qg, wide), keys, **_into(scratch, "scores", (B * Hkv, G * T, S), wide, q.device))
     scores = _rounded(scores, compute, scratch)
     if not early:
         scores = cast(scores, compute) * scale
     scores = cast(scores.view(B, Hkv, G, T, S), soft)   # a no-op where the product left them in soft
     # in place (scores is this call's own), from fill_from on
-    hidden, lowest = _hidden(allowed)[:, None, None], torch.finfo(soft).min
+    hidden, lowest = _hidden(allowed), torch.finfo(soft).min
     if fill_from:
         scores[..., fill_from:].masked_fill_(hidden[..., fill_from:], lowest)
     else:
@@ -851,7 +904,27 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     probs = softmax(scores, **_into(scratch, "probs", scores.shape, soft, q.device)).view(B * Hkv, G * T, S)
     probs = _rounded(probs, compute, scratch) if probs.dtype == wide else cast(probs, compute)
     ctx = torch.bmm(cast(probs, wide), cast(v.permute(0, 2, 1, 3), wide).reshape(B * Hkv, S, D))   # [B Hkv, G T, D]
-    return cast(ctx, compute).view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+    return _from_query_rows(cast(ctx, compute), B, T)
+
+
+def _query_rows(q: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """q [B, T, Hq, D] as block_attention's rows [B * Hkv, G * T, D]: kv head h's G query heads
+    (heads h * G ... h * G + G - 1), each with its T queries. One query a row (a decode step) is
+    that order already: one reshape (a view of a contiguous q), not two and a permute (a decode
+    step's ops cost microseconds each, far more than their arithmetic)."""
+    B, T, Hq, D = q.shape
+    if T == 1:
+        return q.reshape(B * Hkv, Hq // Hkv, D)
+    return q.reshape(B, T, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4).reshape(B * Hkv, Hq // Hkv * T, D)
+
+
+def _from_query_rows(x: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """_query_rows undone: x [B * Hkv, G * T, D] as [B, T, Hq, D]."""
+    D = x.shape[-1]
+    if T == 1:
+        return x.view(B, 1, -1, D)
+    Hkv = x.shape[0] // B
+    return x.view(B, Hkv, -1, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, -1, D)
 
 
 def _into(scratch: Scratch | None, name: str, shape, dtype: torch.dtype, device: torch.device) -> dict:
@@ -872,8 +945,9 @@ def _rounded(x: torch.Tensor, dtype: torch.dtype, scratch: Scratch | None) -> to
 
 
 def _hidden(allowed: torch.Tensor) -> torch.Tensor:
-    """~allowed: the keys each query may not see, inverted once per call's mask (_per_mask)."""
-    return _per_mask(_HIDDEN, allowed, torch.bitwise_not)
+    """~allowed [B, 1, 1, T, S]: the keys each query may not see, as block_attention's scores
+    [B, Hkv, G, T, S] take it, inverted once per call's mask (_per_mask)."""
+    return _per_mask(_HIDDEN, allowed, lambda a: torch.bitwise_not(a)[:, None, None])
 
 
 def softmax(s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

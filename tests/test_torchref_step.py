@@ -1,0 +1,122 @@
+"""What a torchref call decides once, and a decode step's shortcuts (torchref.ops.one_call,
+Attention.rotated, the KV cache's slots per call): each is the same arithmetic as the long way,
+bit for bit, and a setting changed between calls counts at the next call."""
+
+import platform
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torchref  # noqa: E402
+from llamaspec import Policy  # noqa: E402
+from torchref import model as tm  # noqa: E402
+from torchref import ops  # noqa: E402
+
+IDS = np.array([[5, 9, 2, 7, 1, 3], [4, 4, 8, 6, 2, 9]])
+MASK = np.array([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+TAPS = ("layers.*.q_rope", "layers.*.k_rope", "layers.*.attn_ctx", "layers.*.out")
+
+
+def counting(monkeypatch, name):
+    """ops.<name> wrapped to count its calls (the list of their arguments)."""
+    calls, real = [], getattr(ops, name)
+    monkeypatch.setattr(ops, name, lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
+def steps(m, n=3):
+    """A prefill of IDS then n greedy decode steps: [(logits, taps)] per step, as numpy."""
+    logits, cache = m.prefill(IDS, MASK, IDS.shape[1] + n)
+    out = []
+    for _ in range(n):
+        logits, cache, acts = m.decode_capture(cache, np.asarray(logits).argmax(-1), taps=TAPS)
+        out.append((np.asarray(logits), acts))
+    return out
+
+
+def assert_same_bits(a, b):
+    for (la, ta), (lb, tb) in zip(a, b, strict=True):
+        assert np.array_equal(la, lb)
+        assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_products_decided_once_a_call_and_anew_at_the_next(policy, tiny_dir, monkeypatch):
+    """Inside a model call linears asks its rules once per kind of product (dtypes, rows), not at
+    every product; the next call asks again, and outside a call every product asks: a setting
+    changed between calls counts at once."""
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy=policy)
+    asked, products = counting(monkeypatch, "kernel_products"), counting(monkeypatch, "linears")
+    m.forward(IDS, MASK)
+    # one kind for the layers' products, one for the logits (their own result dtype at bf16)
+    kinds = {a[:4] for a in asked}
+    assert len(asked) == len(kinds) <= 2
+    assert len(products) >= 4 * m.cfg.num_hidden_layers
+    m.forward(IDS, MASK)
+    assert len(asked) == 2 * len(kinds)
+    x, w = torch.ones(2, 64), torch.ones(8, 64)
+    before = len(asked)
+    for _ in range(3):
+        ops.linear(x, w, None, Policy.get(policy))
+    assert len(asked) == before + 3
+
+
+def test_products_plan_follows_the_setting_between_calls(tiny_dir, monkeypatch):
+    """$LLAMA_PARITY_TORCHREF_PRODUCTS set between two calls of one model: the second call runs
+    the products where the setting says (torch: never the fixed-order gemm)."""
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy="fp32")
+    gemm = counting(monkeypatch, "fixed_order_gemm")
+    monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")
+    first = np.asarray(m.forward(IDS, MASK))
+    assert not gemm
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the fixed-order kernels' products run on x86-64 CPUs")
+    monkeypatch.setenv(ops.PRODUCTS_ENV, "kernel")
+    second = np.asarray(m.forward(IDS, MASK))
+    assert gemm
+    assert np.allclose(first, second, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16", "fp16"])
+def test_decode_rotates_queries_and_keys_together_bit_for_bit(policy, tiny_dir, monkeypatch):
+    """A decode step rotates q and k in one apply_rope (Attention.rotated); with key tables that
+    are equal but not the call's own objects (as a control's seam gives) it rotates them apart:
+    the same logits and taps, bit for bit."""
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy=policy)
+    rotations = counting(monkeypatch, "apply_rope")
+    together = steps(m)
+    assert len(rotations) == m.cfg.num_hidden_layers * (2 + 3)   # the prompt's two a layer, then one
+    monkeypatch.setattr(tm.Attention, "key_tables", lambda self, ctx, cache: (ctx.cos.clone(), ctx.sin.clone()))
+    rotations.clear()
+    apart = steps(m)
+    assert len(rotations) == m.cfg.num_hidden_layers * 2 * (1 + 3)
+    assert_same_bits(together, apart)
+
+
+def test_cache_slots_follow_each_calls_index(tiny_dir, monkeypatch):
+    """The cache's write slots are worked out once per call's index array (every layer of the
+    call reads it), and each step writes where its own array says: every step's logits are the
+    full recompute's at that position (to f32 rounding), through the block write and through the
+    scatter (a seam replaced by its own arithmetic) alike, and the two are the same bits."""
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy="fp32")
+
+    def against_recompute():
+        n = 4
+        logits, cache = m.prefill(IDS, MASK, IDS.shape[1] + n)
+        ids, mask, got = IDS, MASK, []
+        for _ in range(n):
+            nxt = np.asarray(logits).argmax(-1)
+            logits, cache = m.decode(cache, nxt)
+            ids, mask = np.concatenate([ids, nxt[:, None]], 1), np.concatenate([mask, np.ones_like(mask[:, :1])], 1)
+            full = np.asarray(m.forward(ids, mask))[:, -1]
+            assert np.allclose(np.asarray(logits), full, rtol=1e-4, atol=1e-4)
+            got.append(np.asarray(logits))
+        return got
+
+    block = against_recompute()
+    own = tm.Attention.write_slots
+    monkeypatch.setattr(tm.Attention, "write_slots", lambda self, index, T, S: own(self, index, T, S))
+    scatter = against_recompute()
+    assert all(np.array_equal(a, b) for a, b in zip(block, scatter, strict=True))
