@@ -17,7 +17,6 @@ sit in the same blocks whatever the other rows' lengths.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -168,21 +167,16 @@ _OWN_WRITE_SLOTS = Attention.write_slots
 
 def _cache_slots(index, T: int, S: int, device) -> tuple[int | None, torch.Tensor]:
     """(shared_start(index, T, S), KV.index as the seams take it: a tensor [B]), worked out once
-    for a call's index array, which every layer reads (kept while that array lives), not once a
-    layer: a decode step's numpy test and tensor cost microseconds a layer."""
+    for a call's index array (ops._per_mask: kept for the last array while it lives), not once a
+    layer: a decode step's numpy test and tensor cost microseconds a layer. Every layer of a call
+    reads the same array with the same T and S; a call makes its own array (never changed in
+    place)."""
     if not isinstance(index, np.ndarray):
         return shared_start(index, T, S), index
-    last = _LAST_SLOTS[0]
-    if last is not None and last[0]() is index and last[1] == (T, S, device):
-        return last[2]
-    answer = shared_start(index, T, S), torch.as_tensor(index, device=device)
-    _LAST_SLOTS[0] = (weakref.ref(index), (T, S, device), answer)
-    return answer
+    return ops._per_mask(_LAST_SLOTS, index, lambda i: (shared_start(i, T, S), torch.as_tensor(i, device=device)))
 
 
-# (weak ref to the last KV.index array _cache_slots read, its T, S and device, its answer); the
-# arrays are never changed in place (a call makes its own)
-_LAST_SLOTS: list = [None]
+_LAST_SLOTS: list = [None]   # (weak ref to the last KV.index array _cache_slots read, its answer)
 
 
 class MLP(nn.Module):

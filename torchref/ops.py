@@ -617,10 +617,11 @@ def _is_plain_causal(allowed: torch.Tensor) -> bool:
                                   torch.ones(T, S, dtype=torch.uint8, device=allowed.device).tril().expand(B, T, S))
 
 
-def _per_mask(memo: list, allowed: torch.Tensor, of):
+def _per_mask(memo: list, allowed, of):
     """of(allowed), kept in memo (a one-element list) for the last mask asked about while that
     mask lives: the layers of one call share their mask, so it is computed once per call, not
-    once a layer. Masks are never changed in place (a changed mask is a new tensor)."""
+    once a layer. Masks are never changed in place (a changed mask is a new tensor). model.py
+    keeps a call's KV cache index array's answers so too (model._cache_slots)."""
     last = memo[0]
     if last is not None and last[0]() is allowed:
         return last[1]
