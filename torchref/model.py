@@ -167,13 +167,13 @@ _OWN_WRITE_SLOTS = Attention.write_slots
 
 def _cache_slots(index, T: int, S: int, device) -> tuple[int | None, torch.Tensor]:
     """(shared_start(index, T, S), KV.index as the seams take it: a tensor [B]), worked out once
-    for a call's index array (ops._per_mask: kept for the last array while it lives), not once a
+    for a call's index array (ops.last_answer: kept for the last array while it lives), not once a
     layer: a decode step's numpy test and tensor cost microseconds a layer. Every layer of a call
     reads the same array with the same T and S; a call makes its own array (never changed in
     place)."""
     if not isinstance(index, np.ndarray):
         return shared_start(index, T, S), index
-    return ops._per_mask(_LAST_SLOTS, index, lambda i: (shared_start(i, T, S), torch.as_tensor(i, device=device)))
+    return ops.last_answer(_LAST_SLOTS, index, lambda i: (shared_start(i, T, S), torch.as_tensor(i, device=device)))
 
 
 _LAST_SLOTS: list = [None]   # (weak ref to the last KV.index array _cache_slots read, its answer)

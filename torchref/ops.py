@@ -607,8 +607,8 @@ def plain_causal(allowed: torch.Tensor) -> bool:
     row, query t may see keys 0..t and nothing else (slots T.. hidden). Read from the mask (its
     bytes against the lower triangle; 2 ms at 2048 x 2049 on a Zen 4), not taken on trust, so a
     mask that a seam, a control or a bug changed never runs as is_causal. Kept per mask
-    (_per_mask)."""
-    return _per_mask(_PLAIN, allowed, _is_plain_causal)
+    (last_answer)."""
+    return last_answer(_PLAIN, allowed, _is_plain_causal)
 
 
 def _is_plain_causal(allowed: torch.Tensor) -> bool:
@@ -617,16 +617,16 @@ def _is_plain_causal(allowed: torch.Tensor) -> bool:
                                   torch.ones(T, S, dtype=torch.uint8, device=allowed.device).tril().expand(B, T, S))
 
 
-def _per_mask(memo: list, allowed, of):
-    """of(allowed), kept in memo (a one-element list) for the last mask asked about while that
-    mask lives: the layers of one call share their mask, so it is computed once per call, not
-    once a layer. Masks are never changed in place (a changed mask is a new tensor). model.py
-    keeps a call's KV cache index array's answers so too (model._cache_slots)."""
+def last_answer(memo: list, obj, of):
+    """of(obj), kept in memo (a one-element list) for the last object asked about while it
+    lives: the layers of one call share their mask, so it is computed once per call, not once a
+    layer. Masks are never changed in place (a changed mask is a new tensor); model.py keeps a
+    call's KV cache index array's answer so too (model._cache_slots)."""
     last = memo[0]
-    if last is not None and last[0]() is allowed:
+    if last is not None and last[0]() is obj:
         return last[1]
-    answer = of(allowed)
-    memo[0] = (weakref.ref(allowed), answer)
+    answer = of(obj)
+    memo[0] = (weakref.ref(obj), answer)
     return answer
 
 
@@ -947,8 +947,8 @@ def _rounded(x: torch.Tensor, dtype: torch.dtype, scratch: Scratch | None) -> to
 
 def _hidden(allowed: torch.Tensor) -> torch.Tensor:
     """~allowed [B, 1, 1, T, S]: the keys each query may not see, as block_attention's scores
-    [B, Hkv, G, T, S] take it, inverted once per call's mask (_per_mask)."""
-    return _per_mask(_HIDDEN, allowed, lambda a: torch.bitwise_not(a)[:, None, None])
+    [B, Hkv, G, T, S] take it, inverted once per call's mask (last_answer)."""
+    return last_answer(_HIDDEN, allowed, lambda a: torch.bitwise_not(a)[:, None, None])
 
 
 def softmax(s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
