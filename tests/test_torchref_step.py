@@ -120,3 +120,55 @@ def test_cache_slots_follow_each_calls_index(tiny_dir, monkeypatch):
     monkeypatch.setattr(tm.Attention, "write_slots", lambda self, index, T, S: own(self, index, T, S))
     scatter = against_recompute()
     assert all(np.array_equal(a, b) for a, b in zip(block, scatter, strict=True))
+
+
+def test_times_writes_into_its_first_operand_only_where_that_is_the_same_tensor():
+    """ops.times(a, b, *inputs) is a * b: into a (the same object, the same bits) where a is of
+    the product's shape and dtype and shares memory with neither b nor the inputs; a new tensor,
+    a untouched, otherwise."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    want = a * b
+    got = ops.times(a.clone(), b)
+    assert torch.equal(got, want)
+    fresh = a.clone()
+    assert ops.times(fresh, b) is fresh
+
+    def out_of_place(x, y, *inputs):
+        before = x.clone()
+        got = ops.times(x, y, *inputs)
+        assert got is not x and torch.equal(x, before) and torch.equal(got, before * y)
+
+    both = torch.randn(4, 12, generator=g)
+    out_of_place(both[:, :6], both[:, 6:])                     # a view of b's memory
+    out_of_place(a, b, a)                                       # the op returned its input...
+    out_of_place(a.view(4, 6), b, a)                            # ...or a view of it
+    out_of_place(a.clone().to(torch.bfloat16), b)               # the product is f32, a bf16
+    out_of_place(a[:1].clone(), b)                              # a broadcasts
+    with torch.enable_grad():
+        out_of_place(a.clone().requires_grad_(), b)             # a gradient is being taken
+
+
+def test_mlp_taps_keep_their_values_when_the_activation_returns_its_input(tiny_dir):
+    """The MLP multiplies silu(gate) by up in silu's own result (ops.times): with an activation
+    that returns its input (as a control's or a user's op may), the gate tap is still the
+    projection's output and act is gate * up, bit for bit."""
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy="fp32")
+    taps = ("layers.0.gate", "layers.0.up", "layers.0.act")
+    _, own = m.capture(IDS, MASK, taps=taps)
+
+    class Identity:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return (lambda x: x) if name == "silu" else getattr(self.inner, name)
+
+    mlp = m.model.layers[0].mlp
+    mlp.ops = Identity(mlp.ops)
+    _, ident = m.capture(IDS, MASK, taps=taps)
+    gate, up = (np.asarray(ident[f"layers.0.{k}"]) for k in ("gate", "up"))
+    assert np.array_equal(gate, np.asarray(own["layers.0.gate"]))
+    assert np.array_equal(up, np.asarray(own["layers.0.up"]))
+    assert np.array_equal(np.asarray(ident["layers.0.act"]), gate * up)
+    assert not np.array_equal(np.asarray(own["layers.0.act"]), gate * up)

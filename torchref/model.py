@@ -191,7 +191,8 @@ class MLP(nn.Module):
         projs = (self.gate_proj, self.up_proj)
         gate, up = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], policy)
         rec("gate", gate), rec("up", up)
-        act = rec("act", self.ops.silu(gate) * up)
+        act = rec("act", ops.times(self.ops.silu(gate), up, gate))
+        del gate, up   # their product's memory (one tensor for both) goes before down_proj's result comes
         return self.down_proj(act, policy)
 
 
