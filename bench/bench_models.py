@@ -143,10 +143,13 @@ def run_policies(folder, policies, impls, cases, repeats, say) -> list[dict]:
         say(f"  {policy} {impl}: loaded in {time.perf_counter() - t0:.1f} s")
     first = {(c["name"], *key): c["run"](models[key]) for c in cases for key in keys}
     times = {key: [] for key in first}
+    faults = {key: [] for key in first}
     for r in range(repeats):
         for c in cases:
             for key in keys:
+                before = _minor_faults()
                 times[(c["name"], *key)].append(c["run"](models[key]))
+                faults[(c["name"], *key)].append(_minor_faults() - before)
             # each round's times as they come, so that a run stopped early still says something
             say(f"  round {r + 1}/{repeats} {c['name']}: " + ", ".join(
                 f"{policy} {impl} {times[(c['name'], policy, impl)][-1] * 1e3:.1f} ms" for policy, impl in keys))
@@ -162,9 +165,21 @@ def run_policies(folder, policies, impls, cases, repeats, say) -> list[dict]:
                 rows.append({"policy": policy, "case": c["name"], "unit": c["unit"], "impl": impl,
                              "median_s": m, "first_s": first[(c["name"], policy, impl)],
                              "all_s": times[(c["name"], policy, impl)],
+                             "minor_faults": faults[(c["name"], policy, impl)],
                              "x_sdpa": None if base is None else base / m,
                              "x_fp32": None if fp32 is None else m / fp32})
     return rows
+
+
+def _minor_faults() -> int:
+    """The process's minor page faults so far (0 where the OS does not count them). A run's
+    count says how much memory it touched fresh from the system: pages the allocator had
+    returned and took back (glibc's heap top, torchref.ops.times tells the story)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def run_policy(folder, policy, impls, cases, repeats, say) -> list[dict]:
@@ -209,14 +224,16 @@ def first_forward(folder, policy: str, say) -> dict:
 def table(rows, env) -> str:
     lines = [f"CPU: {env.get('cpu')} ({env.get('cpu isa')}; caps: {env.get('isa caps')}); "
              f"GPU: {env.get('gpu', 'none')}",
-             f"{'policy':<7}{'case':<18}{'impl':<10}{'median':>10}{'first s':>9}{'x sdpa':>8}{'/ fp32':>8}"]
+             f"{'policy':<7}{'case':<18}{'impl':<10}{'median':>10}{'first s':>9}{'x sdpa':>8}{'/ fp32':>8}"
+             f"{'faults':>9}"]
     for r in rows:
         unit = r["unit"]
         med = f"{r['median_s'] * 1e3:.1f} ms" if unit == "s" else f"{r['median_s'] * 1e3:.1f} ms/t"
         ratio = "" if r["x_sdpa"] is None else f"{r['x_sdpa']:.2f}"
         fp32 = "" if r.get("x_fp32") is None else f"{r['x_fp32']:.2f}"
+        faults = "" if not r.get("minor_faults") else f"{statistics.median(r['minor_faults']) / 1e3:.1f}k"
         lines.append(f"{r['policy']:<7}{r['case']:<18}{r['impl']:<10}{med:>10}{r['first_s']:>9.2f}{ratio:>8}"
-                     f"{fp32:>8}")
+                     f"{fp32:>8}{faults:>9}")
     return "\n".join(lines)
 
 
@@ -255,7 +272,8 @@ def main(argv=None) -> int:
     print(f"\nprefill: batch 1, last position's logits and the KV cache; decode: ms per greedy step "
           f"after a {DECODE_PROMPT}-token prefill, {args.decode_steps} steps; median of {args.repeats} "
           "interleaved rounds (every policy and implementation in turn); first s: the first call (compile "
-          "or cache load + first run), apart; / fp32: this time over the same implementation's fp32 time")
+          "or cache load + first run), apart; / fp32: this time over the same implementation's fp32 time; "
+          "faults: the runs' median count of minor page faults (memory taken fresh from the system)")
     print(table(rows, env))
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / \
         f"models-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -83,9 +83,10 @@ def test_bench_models_interleaves_policies_and_compares_with_fp32(tiny_dir):
     by = {(r["policy"], r["impl"]): r for r in rows}
     for (policy, impl), r in by.items():
         assert len(r["all_s"]) == 2 and r["median_s"] == float(np.median(r["all_s"]))
+        assert len(r["minor_faults"]) == 2 and all(isinstance(f, int) and f >= 0 for f in r["minor_faults"])
         assert r["x_sdpa"] == pytest.approx(by[(policy, "sdpa")]["median_s"] / r["median_s"])
         if policy == "fp32":
             assert r["x_fp32"] is None
         else:
             assert r["x_fp32"] == pytest.approx(r["median_s"] / by[("fp32", impl)]["median_s"])
-    assert "/ fp32" in bm.table(rows, {})
+    assert "/ fp32" in bm.table(rows, {}) and "faults" in bm.table(rows, {})
