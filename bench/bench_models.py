@@ -8,8 +8,9 @@ side in one run, each as a ratio to transformers sdpa.
 Every model is loaded once, then each case (prefill of T tokens at batch 1: the last
 position's logits and a filled KV cache; decode at batch B: ms per greedy step after a
 128-token prefill) runs once per policy and implementation in turn, `repeats` rounds, so that
-a slow phase of the machine hits every implementation and policy alike (interleaved); the
-table shows the median. Each case's first call is timed apart ("first s": JAX's compile, or
+a slow phase of the machine hits every implementation and policy alike (interleaved), each
+round starting one model later (no model keeps the first place); the table shows the median.
+Each case's first call is timed apart ("first s": JAX's compile, or
 its load from the persistent compilation cache, plus the first run; torch's allocator
 warm-up) and left out of the median. x sdpa = transformers sdpa's median at the same policy /
 this one's (above 1: faster); / fp32 = this one's median / the same implementation's fp32
@@ -131,7 +132,8 @@ def run_policies(folder, policies, impls, cases, repeats, say) -> list[dict]:
     """Every case for every implementation at every policy: each model loaded once, its first
     call apart, then `repeats` rounds in which each case runs every (policy, implementation) in
     turn, so that a slow phase of the machine hits them all alike, the policies too (a bf16 time
-    and the fp32 one it is compared with come from the same rounds). Returns one row per
+    and the fp32 one it is compared with come from the same rounds); round r starts with the r-th
+    model, so that each takes every place in the round in turn. Returns one row per
     (policy, case, impl): x_sdpa (transformers sdpa's median at the same policy over this one's)
     and, for a policy other than fp32 when fp32 runs too, x_fp32 (this one's median over the same
     implementation's fp32 median: above 1 is slower than fp32)."""
@@ -146,7 +148,10 @@ def run_policies(folder, policies, impls, cases, repeats, say) -> list[dict]:
     faults = {key: [] for key in first}
     for r in range(repeats):
         for c in cases:
-            for key in keys:
+            # each round starts with the next model: a place in the round has its own cost (SmolLM2's
+            # capped bf16 decode, the same torchref loaded twice: 0.8 ms a step slower in first place
+            # than in second, docs/measurements.md), so no model keeps one place
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
                 before = _minor_faults()
                 times[(c["name"], *key)].append(c["run"](models[key]))
                 faults[(c["name"], *key)].append(_minor_faults() - before)
@@ -271,7 +276,8 @@ def main(argv=None) -> int:
     extra = {p: first_forward(folder, p, say) for p in args.policy} if args.first_forward else {}
     print(f"\nprefill: batch 1, last position's logits and the KV cache; decode: ms per greedy step "
           f"after a {DECODE_PROMPT}-token prefill, {args.decode_steps} steps; median of {args.repeats} "
-          "interleaved rounds (every policy and implementation in turn); first s: the first call (compile "
+          "interleaved rounds (every policy and implementation in turn, each round starting one later); "
+          "first s: the first call (compile "
           "or cache load + first run), apart; / fp32: this time over the same implementation's fp32 time; "
           "faults: the runs' median count of minor page faults (memory taken fresh from the system)")
     print(table(rows, env))
