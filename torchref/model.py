@@ -192,7 +192,7 @@ class MLP(nn.Module):
         gate, up = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], policy)
         rec("gate", gate), rec("up", up)
         act = rec("act", ops.times(self.ops.silu(gate), up, gate))
-        del gate, up   # their product's memory (one tensor for both) goes before down_proj's result comes
+        del gate, up   # freed (on the fixed-order kernel one tensor for both) before down_proj's result is made
         return self.down_proj(act, policy)
 
 
