@@ -10,9 +10,9 @@ position's logits and a filled KV cache; decode at batch B: ms per greedy step a
 128-token prefill) runs once per policy and implementation in turn, `repeats` rounds, so that
 a slow phase of the machine hits every implementation and policy alike (interleaved), each
 round starting one model later (no model keeps the first place); the table shows the median.
-Each case's first call is timed apart ("first s": JAX's compile, or
-its load from the persistent compilation cache, plus the first run; torch's allocator
-warm-up) and left out of the median. x sdpa = transformers sdpa's median at the same policy /
+Each case's first call is timed apart ("first s": JAX's compile, or its load from the
+persistent compilation cache, plus the first run; torch's allocator warm-up) and left out of
+the median. x sdpa = transformers sdpa's median at the same policy /
 this one's (above 1: faster); / fp32 = this one's median / the same implementation's fp32
 median (on a CPU without bf16 instructions bf16 should stay within 1.2: issue 26).
 
@@ -277,9 +277,9 @@ def main(argv=None) -> int:
     print(f"\nprefill: batch 1, last position's logits and the KV cache; decode: ms per greedy step "
           f"after a {DECODE_PROMPT}-token prefill, {args.decode_steps} steps; median of {args.repeats} "
           "interleaved rounds (every policy and implementation in turn, each round starting one later); "
-          "first s: the first call (compile "
-          "or cache load + first run), apart; / fp32: this time over the same implementation's fp32 time; "
-          "faults: the runs' median count of minor page faults (memory taken fresh from the system)")
+          "first s: the first call (compile or cache load + first run), apart; / fp32: this time over the "
+          "same implementation's fp32 time; faults: the runs' median count of minor page faults (memory "
+          "taken fresh from the system)")
     print(table(rows, env))
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / \
         f"models-{time.strftime('%Y%m%d-%H%M%S')}.json"

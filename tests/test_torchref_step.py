@@ -172,3 +172,20 @@ def test_mlp_taps_keep_their_values_when_the_activation_returns_its_input(tiny_d
     assert np.array_equal(up, np.asarray(own["layers.0.up"]))
     assert np.array_equal(np.asarray(ident["layers.0.act"]), gate * up)
     assert not np.array_equal(np.asarray(own["layers.0.act"]), gate * up)
+
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_mlp_multiplies_into_the_activations_own_result(policy, tiny_dir, monkeypatch):
+    """A prompt's MLP multiplies up into SiLU's own result (no [tokens, intermediate] tensor of
+    its own for act), and act is silu(gate) * up bit for bit."""
+    from llamaspec.forward import Recorder
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy=policy)
+    made, real = [], ops.silu
+    monkeypatch.setattr(ops, "silu", lambda x: made.append(real(x)) or made[-1])
+    mlp, x = m.model.layers[0].mlp, torch.randn(2, 6, m.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    rec = Recorder({"gate", "up", "act"})
+    with torch.inference_mode(), tm.call_settings(m.policy):
+        mlp(x.to(m.model.embed_tokens.weight.dtype), m.policy, rec)
+    assert len(made) == 1 and rec.acts["act"] is made[0]
+    assert torch.equal(made[0], real(rec.acts["gate"]) * rec.acts["up"])
