@@ -92,10 +92,46 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """x [B, T, H, D]; cos/sin [B, T, D] are rounded to x.dtype first, as HF does."""
+    """x [B, T, H, D]; cos/sin [B, T, D] are rounded to x.dtype first, as HF does; then
+    x * cos + rotate_half(x) * sin in x.dtype, each op rounded to it (bf16: _bf16_rope)."""
     cos = cos.astype(x.dtype)[:, :, None, :]
     sin = sin.astype(x.dtype)[:, :, None, :]
+    if x.dtype == jnp.dtype(jnp.bfloat16):
+        return _bf16_rope(x, cos, sin)
     return x * cos + rotate_half(x) * sin
+
+
+def _bf16_rope(x, cos, sin):
+    """apply_rope for bf16 (x and the tables already bf16): the same values bit for bit (a NaN
+    stays a NaN, its sign bit may differ), computed in f32 with each op's result rounded to bf16
+    (_rounded) and rotate_half as a reversal: rotate_half(x) * sin = [-x2, x1] * [s1, s2] =
+    [x2, x1] * [-s1, s2] exactly (a sign moves between the factors; rounding to nearest is
+    symmetric), and [x2, x1] is x's two halves reversed.
+
+    Written so for XLA:CPU, which widens each bf16 op on its own and, with excess precision off,
+    keeps every round trip: rotate_half's concatenation of such round trips (and of the rounding
+    of the projection before it) compiles to a branch per element and scalar code. SmolLM2's bf16
+    prefill of 128 tokens, Zen 4, per layer: the queries' fusion (projection's rounding, RoPE,
+    scaling) 290 us as written, 47 so; the keys' (with the cache write) 160 and 27
+    (docs/measurements.md). f32, f16 and f64 keep the concatenation, their fast form there (f16:
+    XLA:CPU's own f16 loop, 20 us for the queries against 28 in f32)."""
+    f32, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+    half = x.shape[-1] // 2
+    sign = jnp.where(jnp.arange(2 * half) < half, -1.0, 1.0).astype(f32)
+    x = x.astype(f32)
+    swapped = lax.rev(x.reshape(*x.shape[:-1], 2, half), (x.ndim - 1,)).reshape(x.shape)   # [x2, x1]
+    return (_rounded(x * cos.astype(f32), bf16) + _rounded(swapped * (sin.astype(f32) * sign), bf16)).astype(bf16)
+
+
+def _rounded(y, dtype):
+    """y (f32) rounded to `dtype` (bf16 or f16) and held in f32 again: a 16-bit op computed in f32.
+
+    The same bits as the op in `dtype` itself: an add, subtract or multiply of two bf16 or f16
+    values computed in f32 and rounded once is the correctly rounded 16-bit result (f32's 24
+    significand bits are at least 2p + 2 for bf16's p = 8 and f16's p = 11, so the second
+    rounding never differs from a direct one), as XLA:CPU and PyTorch compute 16-bit elementwise
+    ops; the rounding between two ops also keeps the compiler from fusing them into one FMA."""
+    return y.astype(dtype).astype(y.dtype)
 
 
 def linear(x, w, b, policy: Policy, out_dtype=None):

@@ -736,6 +736,66 @@ def test_jaxmodel_widened_weights_change_no_bit(policy, config, tiny_dir, monkey
         np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
 
 
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_bf16_rope_rounds_each_op_once_to_bf16(framework):
+    """apply_rope on bf16 queries is x * cos + rotate_half(x) * sin with cos, sin rounded to bf16
+    and each product and the sum rounded to bf16 once, bit for bit, on every bf16 pattern (zeros,
+    subnormals, infinities, NaN): jaxmodel computes it in f32 with rotate_half as a reversal and
+    the sign on sin (ops._bf16_rope), torchref as written. The reference is numpy's: a product or
+    sum of two bf16 values in f32 rounded to bf16 is the correctly rounded bf16 result (f32's 24
+    bits >= 2 * 8 + 2), so it does not depend on the CPU; for jaxmodel with XLA:CPU's flushing
+    (subnormal operands and results are zero, on every x86 CPU), and also against XLA's own bf16
+    ops in apply_rope's written order (what jaxmodel computed before _bf16_rope)."""
+    B, T, H, D = 2, 64, 3, 64
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 2 ** 16, (B, T, H, D), dtype=np.uint16).view(ml_dtypes.bfloat16)
+    cos, sin = (np.concatenate([rng.standard_normal((B, T // 2, D)).astype(np.float32),   # ordinary tables
+                                rng.integers(0, 2 ** 32, (B, T // 2, D), dtype=np.uint32).view(np.float32)],
+                               axis=1) for _ in range(2))                                   # and any f32
+    bf16, f32 = ml_dtypes.bfloat16, np.float32
+    flush = framework == "jaxmodel"
+
+    def ftz(y):
+        return np.where(np.abs(y) < np.finfo(f32).tiny, np.copysign(f32(0), y), y) if flush else y
+
+    def rnd(y):
+        return y.astype(bf16).astype(f32)
+
+    def op(f, a, b):            # one f32 op of two bf16 values, rounded to bf16
+        return rnd(ftz(f(ftz(a), ftz(b))))
+
+    with np.errstate(all="ignore"):
+        xf, c, s = x.astype(f32), rnd(cos)[:, :, None], rnd(sin)[:, :, None]
+        turned = np.concatenate([-xf[..., D // 2:], xf[..., :D // 2]], axis=-1)
+        want = op(np.add, op(np.multiply, xf, c), op(np.multiply, turned, s)).astype(bf16)
+    nan = np.isnan(want.astype(f32))
+    assert nan.any() and np.isinf(want.astype(f32)).any()    # the patterns reach both
+    if framework == "jaxmodel":
+        import jax
+
+        from jaxmodel import ops
+        from jaxmodel.dtypes import compiler_options
+        if jax.default_backend() != "cpu":
+            pytest.skip("the reference models XLA:CPU's flushing of subnormals")
+
+        def written(x, cos, sin):
+            cos, sin = cos.astype(x.dtype)[:, :, None, :], sin.astype(x.dtype)[:, :, None, :]
+            return x * cos + ops.rotate_half(x) * sin
+
+        got, before = (np.asarray(jax.jit(f, compiler_options=compiler_options())(x, cos, sin))
+                       for f in (ops.apply_rope, written))
+        np.testing.assert_array_equal(got.view(np.uint16)[~nan], before.view(np.uint16)[~nan])
+    else:
+        import torch
+
+        from torchref import ops
+        as_torch = torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16)
+        out = ops.apply_rope(as_torch, torch.from_numpy(cos), torch.from_numpy(sin))
+        got = out.view(torch.int16).numpy().view(np.uint16).view(bf16)
+    np.testing.assert_array_equal(np.isnan(got.astype(f32)), nan)
+    np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+
+
 def test_bucket_lengths_and_front_padding_are_neutral():
     """bucket_length: at least T, the stated widths, monotone; front_padded keeps the caller's
     slots and positions (positions count real tokens) and puts masked slots in front."""
