@@ -189,3 +189,51 @@ def test_mlp_multiplies_into_the_activations_own_result(policy, tiny_dir, monkey
         mlp(x.to(m.model.embed_tokens.weight.dtype), m.policy, rec)
     assert len(made) == 1 and rec.acts["act"] is made[0]
     assert torch.equal(made[0], real(rec.acts["gate"]) * rec.acts["up"])
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_long_prompt_mlp_in_row_blocks_keeps_every_bit(policy, tiny_dir, monkeypatch):
+    """With the MLP's products on the fixed-order kernel (forced here, any CPU), a prompt of more
+    rows than a block runs its MLP in row blocks (ops.mlp_row_block; blocks of 8 rows here, the
+    last of 7, across the batch's rows): logits, every tap (gate, up, act in the call's shape), the
+    prefill and the decode steps are bitwise those of the MLP over all rows at once; with torch's
+    products (whose order may follow the row count) or a control's SiLU the rows stay together."""
+    from llamaspec import fixed_order as fo
+    from llamaspec.errors import InvarianceError
+    try:
+        fo.library()
+    except InvarianceError as e:
+        pytest.skip(f"fixed-order kernels not available: {e}")
+    monkeypatch.setenv(ops.PRODUCTS_ENV, "kernel")
+    m = torchref.from_pretrained(tiny_dir("bias"), policy=policy)
+    width = 2 * m.cfg.intermediate_size
+    ids = np.random.default_rng(5).integers(3, 96, (3, 29))
+    mask = np.ones_like(ids)
+    mask[1, :6] = 0
+    blocks = []
+    real_rows = tm.MLP.rows
+    monkeypatch.setattr(tm.MLP, "rows", lambda self, x, *a: blocks.append(x.shape) or real_rows(self, x, *a))
+
+    def run():
+        logits, acts = m.capture(ids, mask, taps=["*"])
+        out = [np.asarray(logits), *(np.asarray(acts[k]) for k in sorted(acts))]
+        first, cache = m.prefill(ids, mask, 33)
+        step, _ = m.decode(cache, np.asarray(first).argmax(-1))
+        return out + [np.asarray(first), np.asarray(step)], sorted(acts)
+
+    monkeypatch.setattr(ops, "MLP_BLOCK_BYTES", 1 << 30)
+    whole, names = run()
+    assert all(len(s) == 3 for s in blocks)             # every call's rows at once
+    monkeypatch.setattr(ops, "MLP_BLOCK_BYTES", 8 * 4 * width)
+    assert ops.mlp_row_block(87, width, Policy.get(policy), torch.device("cpu")) == 8
+    blocks.clear()
+    parts, names_b = run()
+    assert names_b == names and "layers.1.act" in names
+    assert [s for s in blocks if len(s) == 2][:12] == [(8, 32)] * 10 + [(7, 32), (8, 32)]   # 87 rows of 32
+    for a, b in zip(whole, parts, strict=True):
+        assert a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")
+    assert ops.mlp_row_block(87, width, Policy.get(policy), torch.device("cpu")) is None
+    monkeypatch.setenv(ops.PRODUCTS_ENV, "kernel")
+    m.model.layers[0].mlp.ops = type("Ops", (), {"linears": staticmethod(ops.linears), "silu": lambda x: x})
+    assert m.model.layers[0].mlp.row_block(torch.ones(87, 32), m.policy) is None

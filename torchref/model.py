@@ -187,6 +187,27 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x, policy: Policy, rec: Recorder):
+        block = self.row_block(x, policy)
+        if block is None:
+            return self.rows(x, policy, rec)
+        # a long prompt's rows in blocks (ops.mlp_row_block: the same bits); each block's taps
+        # recorded apart, then put together in the call's shape
+        flat, starts = x.reshape(-1, x.shape[-1]), range(0, x.numel() // x.shape[-1], block)
+        recs = [Recorder(rec.wanted, rec.prefix) for _ in starts]
+        out = torch.cat([self.rows(flat[a:a + block], policy, r) for a, r in zip(starts, recs)])
+        for name in recs[0].acts:
+            rec.acts[name] = torch.cat([r.acts[name] for r in recs]).reshape(*x.shape[:-1], -1)
+        return out.reshape(*x.shape[:-1], -1)
+
+    def row_block(self, x, policy: Policy) -> int | None:
+        """ops.mlp_row_block for x's rows; None where a control replaced the module's products or
+        SiLU (its op need not be the same function of each row)."""
+        if self.ops.linears is not ops.linears or self.ops.silu is not ops.silu:
+            return None
+        width = self.gate_proj.weight.shape[0] + self.up_proj.weight.shape[0]
+        return ops.mlp_row_block(x.numel() // x.shape[-1], width, policy, x.device)
+
+    def rows(self, x, policy: Policy, rec: Recorder):
         # gate and up in one ops.linears call (speed, as q/k/v; jaxmodel: a Linear each)
         projs = (self.gate_proj, self.up_proj)
         gate, up = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], policy)

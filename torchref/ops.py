@@ -251,6 +251,34 @@ def kernel_products(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, 
     return choice == "kernel" or lib.fo_isa() >= fo.ISAS["avx2"]
 
 
+# A prompt's MLP on the fixed-order kernels runs in blocks of rows whose joint gate/up product
+# (f32) holds at most this many bytes (mlp_row_block)
+MLP_BLOCK_BYTES = 16 * 2 ** 20
+
+
+def mlp_row_block(rows: int, width: int, policy: Policy, device: torch.device) -> int | None:
+    """The rows per block in which the MLP takes a call of `rows` rows whose gate and up products
+    have `width` outputs together, or None (all rows at once): a power of two rows whose f32
+    gate/up product holds at most MLP_BLOCK_BYTES, where every product of the MLP runs on the
+    fixed-order kernels (kernel_products) for the call's rows and for the blocks' alike. The MLP
+    is the same function of each row, and the kernel's sums are the same at every row count, so
+    blocks give the same bits; elsewhere (torch's products, whose order may follow the row count)
+    the rows stay together.
+
+    Why: a long prompt's MLP made and freed tens of megabytes a layer (SmolLM2 at 2048 tokens in
+    f32: the 25 MB gate/up product, SiLU's 12.6 MB), and in some processes glibc handed the freed
+    top of its heap back to the system after each layer, so the next layer faulted it in again:
+    100k-230k minor faults and 0.2-0.4 s a 3.5 s call on a Zen 4. In 1024-row blocks the MLP
+    reuses a few megabytes (docs/measurements.md)."""
+    block = 1 << (max(MLP_BLOCK_BYTES // (4 * width), 1).bit_length() - 1)
+    if rows <= block:
+        return None
+    compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
+    if all(_products_plan(compute, accum, compute, n, device).on_kernel for n in {rows, block, rows % block} - {0}):
+        return block
+    return None
+
+
 def _pairs_of_few_rows(compute: torch.dtype, rows: int) -> bool:
     """Whether torch would multiply 2 to FEW_ROWS rows of `compute` (bf16 / fp16) operands with
     oneDNN's AVX-512 pair products: hardware_products by its own rule ($LLAMA_PARITY_BF16_DOTS on
