@@ -174,7 +174,6 @@ def test_mlp_taps_keep_their_values_when_the_activation_returns_its_input(tiny_d
     assert not np.array_equal(np.asarray(own["layers.0.act"]), gate * up)
 
 
-
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
 def test_mlp_multiplies_into_the_activations_own_result(policy, tiny_dir, monkeypatch):
     """A prompt's MLP multiplies up into SiLU's own result (no [tokens, intermediate] tensor of

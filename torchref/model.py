@@ -193,7 +193,8 @@ class MLP(nn.Module):
         # a long prompt's rows in blocks (ops.mlp_row_block: the same bits); each block's taps
         # recorded apart, then put together in the call's shape (jaxmodel has none: XLA:CPU plans
         # a program's temporary buffers as a whole; 34k-36k faults a 2048-token prefill, session 36)
-        flat, starts = x.reshape(-1, x.shape[-1]), range(0, x.numel() // x.shape[-1], block)
+        flat = x.reshape(-1, x.shape[-1])
+        starts = range(0, flat.shape[0], block)
         recs = [Recorder(rec.wanted, rec.prefix) for _ in starts]
         out = torch.cat([self.rows(flat[a:a + block], policy, r) for a, r in zip(starts, recs)])
         for name in recs[0].acts:
