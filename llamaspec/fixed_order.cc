@@ -180,21 +180,38 @@ void fo_exp(int64_t n, const void* x, int is_f64, void* y, int threads) {
   RunChunked(fo::ExpJob{n, x, is_f64 != 0, y}, threads);
 }
 
-// Causal attention of a bf16 policy (fixed_order.h's CausalAttention): q [B, T, Hq, D] and
-// out contiguous f32; k, v f32 with element (b, s, h, d) at b * sb + s * ss + h * sh + d;
-// allowed [B, T, S] bytes at b * ab + t * at + j; late_scale 0 when q came scaled.
-void fo_attention(int64_t B, int64_t T, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, const float* q,
-                  const float* k, int64_t ksb, int64_t kss, int64_t ksh, const float* v, int64_t vsb,
-                  int64_t vss, int64_t vsh, const uint8_t* allowed, int64_t ab, int64_t at, float late_scale,
-                  float* out, int threads) {
+// Causal attention of a bf16 policy (fixed_order.h's CausalAttention): q, k and v bf16 (its
+// flag set) or f32, element (b, t or s, h, d) at b * sb + t * st + h * sh + d; allowed [B, T, S]
+// bytes at b * ab + t * at + j; early_scale 0 or late_scale 0 (which one scales); out [B, T, Hq, D]
+// contiguous bf16.
+void fo_attention(int64_t B, int64_t T, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, const void* q, int q_bf16,
+                  int64_t qsb, int64_t qst, int64_t qsh, float early_scale, const void* k, int k_bf16, int64_t ksb,
+                  int64_t kss, int64_t ksh, const void* v, int v_bf16, int64_t vsb, int64_t vss, int64_t vsh,
+                  const uint8_t* allowed, int64_t ab, int64_t at, float late_scale, void* out, int threads) {
   // the packed keys and values, kept per calling thread and grown only: a decode step's call
   // would otherwise fault fresh pages in every time
   thread_local std::vector<float> kp, vp;
   kp.resize(std::max<size_t>(kp.size(), B * Hkv * fo::Panels(S) * D * fo::kPanel));
   vp.resize(std::max<size_t>(vp.size(), B * Hkv * fo::Panels(D) * S * fo::kPanel));
-  RunJob(fo::AttentionPack{B, S, Hkv, D, k, v, ksb, kss, ksh, vsb, vss, vsh, kp.data(), vp.data()}, threads);
-  RunJob(fo::CausalAttention{B, T, S, Hq, Hkv, D, q, kp.data(), vp.data(), allowed, ab, at, late_scale, out},
-         threads);
+  const auto pack = [&](auto* ks, auto* vs) {
+    RunJob(fo::AttentionPack<std::remove_const_t<std::remove_pointer_t<decltype(ks)>>,
+                             std::remove_const_t<std::remove_pointer_t<decltype(vs)>>>{
+               B, S, Hkv, D, ks, vs, ksb, kss, ksh, vsb, vss, vsh, kp.data(), vp.data()},
+           threads);
+  };
+  using fo::Bf16;
+  if (k_bf16 && v_bf16) pack(static_cast<const Bf16*>(k), static_cast<const Bf16*>(v));
+  else if (k_bf16) pack(static_cast<const Bf16*>(k), static_cast<const float*>(v));
+  else if (v_bf16) pack(static_cast<const float*>(k), static_cast<const Bf16*>(v));
+  else pack(static_cast<const float*>(k), static_cast<const float*>(v));
+  const auto attend = [&](auto* qs) {
+    RunJob(fo::CausalAttention<std::remove_const_t<std::remove_pointer_t<decltype(qs)>>>{
+               B, T, S, Hq, Hkv, D, qs, qsb, qst, qsh, early_scale, kp.data(), vp.data(), allowed, ab, at,
+               late_scale, static_cast<Bf16*>(out)},
+           threads);
+  };
+  if (q_bf16) attend(static_cast<const Bf16*>(q));
+  else attend(static_cast<const float*>(q));
 }
 
 }  // extern "C"

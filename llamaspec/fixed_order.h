@@ -778,7 +778,9 @@ struct ExpJob {
 // bf16() rounds to nearest even, as torch's casts do. A key past the query's last visible one
 // has e_j = p_j = 0 and adds exact zeros to both chains (finite values), so which tile a query
 // shares changes nothing: the same bits for every tile, batch, thread count and code path.
-// q, k and v are f32 holding bf16 values (their products exact in f32); out f32 holding bf16.
+// q, k and v come as bf16 (widened exactly) or as f32 (rounded to bf16 first: the identity for
+// a value that is one, as a bf16 policy's f32 KV cache holds), their products exact in f32; with
+// an early scale (a power of two) the queries are bf16(q * scale) first; out is bf16.
 
 inline float RoundBf16(float x) {
   uint32_t u;
@@ -790,6 +792,17 @@ inline float RoundBf16(float x) {
   return x;
 }
 
+// An attention operand as the products take it: a bf16 value in f32 (see above).
+inline float Bf16Operand(float x) { return RoundBf16(x); }
+inline float Bf16Operand(Bf16 x) { return ToF32(x); }
+
+// x (f32 holding a bf16 value: RoundBf16's result) as bf16: its upper half.
+inline uint16_t Bf16Bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return uint16_t(u >> 16);
+}
+
 FO_AVX2 inline __m256 RoundBf16x8(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -798,6 +811,45 @@ FO_AVX2 inline __m256 RoundBf16x8(__m256 x) {
   const __m256 r = _mm256_blendv_ps(_mm256_castsi256_ps(up), _mm256_castsi256_ps(quiet),
                                     _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   return _mm256_and_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0xffff0000u))));
+}
+
+// n attention operands (f32 or Bf16) as the products take them (Bf16Operand), then times scale
+// and rounded again where scale is not 0: a tile's queries.
+template <class Q>
+inline void OperandRowScalar(const Q* src, int64_t n, float scale, float* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = Bf16Operand(src[j]);
+    dst[j] = scale != 0.0f ? RoundBf16(x * scale) : x;
+  }
+}
+
+template <class Q>
+FO_AVX2 inline void OperandRowAvx2(const Q* src, int64_t n, float scale, float* dst) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 x = Load256(src + j);
+    if constexpr (std::is_same_v<Q, float>) x = RoundBf16x8(x);
+    if (scale != 0.0f) x = RoundBf16x8(_mm256_mul_ps(x, sc));
+    _mm256_storeu_ps(dst + j, x);
+  }
+  OperandRowScalar(src + j, n - j, scale, dst + j);
+}
+
+// n f32 values rounded to bf16 (RoundBf16) and stored as bf16.
+inline void Bf16RowScalar(const float* src, int64_t n, Bf16* dst) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = Bf16{Bf16Bits(RoundBf16(src[j]))};
+}
+
+FO_AVX2 inline void Bf16RowAvx2(const float* src, int64_t n, Bf16* dst) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    // the upper halves, each below 2^16: packus keeps them as they are
+    const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(RoundBf16x8(_mm256_loadu_ps(src + j))), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
+  Bf16RowScalar(src + j, n - j, dst + j);
 }
 
 // One row's scores [0, n) in place: rounded (and late-scaled), masked from `seen` (bytes, 0 =
@@ -871,15 +923,18 @@ FO_AVX2 inline void ProbsRowAvx2(float* e, int64_t n, float z) {
   for (; j < n; ++j) e[j] = RoundBf16(e[j] / z);
 }
 
+template <class Q>
 struct CausalAttention {
   int64_t B, T, S, Hq, Hkv, D;
-  const float* q;          // [B, T, Hq, D], contiguous
+  const Q* q;              // [B, T, Hq, D]: element (b, t, h, d) at b * qsb + t * qst + h * qsh + d
+  int64_t qsb, qst, qsh;
+  float early_scale;       // the queries' scale (0: none; then late_scale)
   const float* kp;         // keys packed: [B * Hkv][Panels(S)][D][16]
   const float* vp;         // values transposed and packed: [B * Hkv][Panels(D)][S][16]
   const uint8_t* allowed;  // [B, T, S]: element (b, t, j) at b * ab + t * at + j
   int64_t ab, at;
-  float late_scale;        // 0: the queries came scaled
-  float* out;              // [B, T, Hq, D], contiguous
+  float late_scale;        // the scores' scale (0: none, the queries came scaled)
+  Bf16* out;               // [B, T, Hq, D], contiguous
   static constexpr int64_t kQueries = 16;  // queries per task (times G heads: its rows)
 
   int64_t Tiles() const { return (T + kQueries - 1) / kQueries; }
@@ -898,13 +953,21 @@ struct CausalAttention {
       n = lim[i] > n ? lim[i] : n;
     }
     const int64_t ld = Panels(n) * kPanel, rows = G * tq;
-    thread_local std::vector<float> buf, sums;
+    thread_local std::vector<float> buf, sums, qs, ys;
     buf.resize(rows * ld);
     sums.resize(rows);
+    qs.resize(rows * D);  // the tile's queries as the product takes them, [G][tq][D]
+    ys.resize(tq * D);    // one head's outputs before their rounding, [tq][D]
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < tq; ++i) {
+        const Q* src = q + b * qsb + (t0 + i) * qst + (h * G + g) * qsh;
+        float* dst = qs.data() + (g * tq + i) * D;
+        if (isa >= kAvx2) OperandRowAvx2(src, D, early_scale, dst);
+        else OperandRowScalar(src, D, early_scale, dst);
+      }
     const float* keys = kp + bh * Panels(S) * D * kPanel;
     for (int64_t g = 0; g < G; ++g)
-      Columns(isa, q + ((b * T + t0) * Hq + h * G + g) * D, Hq * D, tq, keys, n, D,
-              buf.data() + g * tq * ld, ld, 0, Panels(n));
+      Columns(isa, qs.data() + g * tq * D, D, tq, keys, n, D, buf.data() + g * tq * ld, ld, 0, Panels(n));
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r % tq;
       const uint8_t* seen = allowed + b * ab + (t0 + i) * at;
@@ -922,23 +985,28 @@ struct CausalAttention {
     }
     const float* values = vp + bh * Panels(D) * S * kPanel;
     for (int64_t g = 0; g < G; ++g) {
-      float* y = out + ((b * T + t0) * Hq + h * G + g) * D;
       for (int64_t p = 0; p < Panels(D); ++p) {
         const int64_t cols = D - p * kPanel < kPanel ? D - p * kPanel : kPanel;
-        Columns(isa, buf.data() + g * tq * ld, ld, tq, values + p * S * kPanel, cols, n, y + p * kPanel,
-                Hq * D, 0, 1);
+        Columns(isa, buf.data() + g * tq * ld, ld, tq, values + p * S * kPanel, cols, n, ys.data() + p * kPanel,
+                D, 0, 1);
       }
-      for (int64_t i = 0; i < tq; ++i)
-        for (int64_t d = 0; d < D; ++d) y[i * Hq * D + d] = RoundBf16(y[i * Hq * D + d]);
+      Bf16* y = out + ((b * T + t0) * Hq + h * G + g) * D;
+      for (int64_t i = 0; i < tq; ++i) {
+        if (isa >= kAvx2) Bf16RowAvx2(ys.data() + i * D, D, y + i * Hq * D);
+        else Bf16RowScalar(ys.data() + i * D, D, y + i * Hq * D);
+      }
     }
   }
 };
 
 // Packs the keys and the transposed values of each (b, kv head) for CausalAttention: task
 // 2 * bh (keys) and 2 * bh + 1 (values). k, v element (b, s, h, d) at b * sb + s * ss + h * sh + d.
+// k, v (f32 or Bf16: Bf16Operand) element (b, s, h, d) at b * sb + s * ss + h * sh + d.
+template <class KeyT, class ValueT>
 struct AttentionPack {
   int64_t B, S, Hkv, D;
-  const float *k, *v;
+  const KeyT* k;
+  const ValueT* v;
   int64_t ksb, kss, ksh, vsb, vss, vsh;
   float *kp, *vp;
 
@@ -947,9 +1015,20 @@ struct AttentionPack {
   void Run(Isa, int64_t task) const {
     const int64_t bh = task / 2, b = bh / Hkv, h = bh % Hkv;
     if (task % 2 == 0)
-      Pack(k + b * ksb + h * ksh, S, D, kss, int64_t{1}, kp + bh * Panels(S) * D * kPanel);
+      PackOperand(k + b * ksb + h * ksh, S, D, kss, int64_t{1}, kp + bh * Panels(S) * D * kPanel);
     else
-      Pack(v + b * vsb + h * vsh, D, S, int64_t{1}, vss, vp + bh * Panels(D) * S * kPanel);
+      PackOperand(v + b * vsb + h * vsh, D, S, int64_t{1}, vss, vp + bh * Panels(D) * S * kPanel);
+  }
+
+  // Pack's layout, each element as Bf16Operand takes it
+  template <class W>
+  static void PackOperand(const W* w, int64_t N, int64_t K, int64_t sn, int64_t sk, float* packed) {
+    for (int64_t p = 0; p < Panels(N); ++p)
+      for (int64_t kk = 0; kk < K; ++kk)
+        for (int64_t j = 0; j < kPanel; ++j) {
+          const int64_t n = p * kPanel + j;
+          packed[(p * K + kk) * kPanel + j] = n < N ? Bf16Operand(w[n * sn + kk * sk]) : 0.0f;
+        }
   }
 };
 

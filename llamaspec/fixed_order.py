@@ -295,8 +295,9 @@ def library() -> ctypes.CDLL:
     lib.fo_packed_elements.argtypes = [i64, i64, c_int]
     lib.fo_packed_elements.restype = i64
     lib.fo_use_openmp.argtypes = [ptr]
-    lib.fo_attention.argtypes = [i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                                 ptr, i64, i64, ctypes.c_float, ptr, c_int]
+    f32 = ctypes.c_float
+    lib.fo_attention.argtypes = [i64, i64, i64, i64, i64, i64, ptr, c_int, i64, i64, i64, f32, ptr, c_int, i64, i64,
+                                 i64, ptr, c_int, i64, i64, i64, ptr, i64, i64, f32, ptr, c_int]
     select_isa(lib)
     return lib
 

@@ -101,6 +101,42 @@ def test_kernel_bits_do_not_depend_on_path_batch_threads_or_tile(kernels):
     assert torch.equal(one[0, 0], first[0, 20])
 
 
+def test_kernel_reads_bf16_and_f32_operands_alike(kernels):
+    """The kernel reads q, k and v as they come: bf16, or f32 rounded to bf16 inside (a bf16
+    policy's f32 KV cache holds bf16 values; other f32 values round as block_attention's cast
+    rounds them), contiguous or strided (the cache's [B, Hkv, S, D] seen as [B, S, Hkv, D]), and
+    another float dtype through torch's cast: the same bits every way, on every code path. A
+    kernel that took f32 operands without rounding them differs here (the f32 values below are
+    not bf16 ones)."""
+    B, T, S, Hq, Hkv = 2, 37, 45, 6, 2
+    for D in (16, 24):                                  # the queries scaled first; the scores after
+        q, k, v = qkv(B, T, S, Hq, Hkv, D, seed=D)
+        allowed = masks(B, T, S, seed=D)["padded"]
+        want = ops.kernel_attention(q, k, v, allowed, BF16)
+        g = torch.Generator().manual_seed(D)
+
+        def off_grid(t):
+            # f32 values within a quarter step of t's bf16 values, rounding back to them
+            ulp = (t.float().abs() * 2.0 ** -8).clamp_min(2.0 ** -133)
+            near = t.float() + (torch.rand(t.shape, generator=g) - 0.5) * 0.5 * ulp
+            assert torch.equal(near.to(torch.bfloat16), t) and not torch.equal(near, t.float())
+            return near
+
+        def strided(t):
+            # the layout of the cache: heads before positions, seen through a transpose
+            return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+        forms = {"f32": [t.float() for t in (q, k, v)], "off grid": [off_grid(t) for t in (q, k, v)],
+                 "strided": [strided(t) for t in (q, k, v)], "f32 strided": [strided(t.float()) for t in (q, k, v)],
+                 "f64": [t.double() for t in (q, k, v)], "mixed": [q, k.float(), strided(v)]}
+        for path in fo.code_paths(kernels):
+            with fo.code_path(kernels, path):
+                assert torch.equal(ops.kernel_attention(q, k, v, allowed, BF16), want), (D, path)
+                for name, (fq, fk, fv) in forms.items():
+                    got = ops.kernel_attention(fq, fk, fv, allowed, BF16)
+                    assert got.dtype == torch.bfloat16 and torch.equal(got, want), (D, path, name)
+
+
 def test_kernel_nan_reaches_the_queries_that_see_it(kernels):
     """A NaN key makes NaN the outputs of the queries that see it, and of no other batch row;
     a NaN key that the mask hides from every query leaves everything finite (as

@@ -797,18 +797,29 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     S, Hkv = k.shape[1], k.shape[2]
     scale = D ** -0.5
     early = scale_queries(scale, policy.compute_dtype)
-    qs = cast(q, torch.bfloat16)
-    qs = (qs * scale if early else qs).to(torch.float32).contiguous()
-    k32, v32 = (cast(t, torch.bfloat16).to(torch.float32) for t in (k, v))
-    k32, v32 = (t if t.stride(-1) == 1 else t.contiguous() for t in (k32, v32))
+    q, k, v = (_kernel_operand(t) for t in (q, k, v))
     seen = allowed.bool()
     seen = seen if seen.stride(-1) == 1 else seen.contiguous()
-    out = torch.empty((B, T, Hq, D), dtype=torch.float32, device=q.device)
+    out = torch.empty((B, T, Hq, D), dtype=torch.bfloat16, device=q.device)
     fixed_order_kernels().fo_attention(
-        B, T, S, Hq, Hkv, D, qs.data_ptr(), k32.data_ptr(), *k32.stride()[:3], v32.data_ptr(), *v32.stride()[:3],
-        seen.data_ptr(), seen.stride(0), seen.stride(1), 0.0 if early else scale, out.data_ptr(),
-        torch.get_num_threads())
-    return out.to(torch.bfloat16)
+        B, T, S, Hq, Hkv, D, *_kernel_operand_args(q), scale if early else 0.0, *_kernel_operand_args(k),
+        *_kernel_operand_args(v), seen.data_ptr(), seen.stride(0), seen.stride(1), 0.0 if early else scale,
+        out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
+    """q, k or v as kernel_attention hands it to the kernel, which reads bf16 as it is and f32
+    rounded to bf16 (a bf16 policy's f32 KV cache: the identity), so neither is copied here:
+    another dtype rounded to bf16 by torch (as block_attention's cast), its last dimension
+    contiguous."""
+    t = t if t.dtype in (torch.bfloat16, torch.float32) else t.to(torch.bfloat16)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _kernel_operand_args(t: torch.Tensor) -> tuple:
+    """fo_attention's arguments for one operand: its memory, whether it is bf16, its strides."""
+    return (t.data_ptr(), t.dtype == torch.bfloat16, *t.stride()[:3])
 
 
 def fused_attention_applies(policy: Policy, device: torch.device) -> bool:
