@@ -180,6 +180,21 @@ void fo_exp(int64_t n, const void* x, int is_f64, void* y, int threads) {
   RunChunked(fo::ExpJob{n, x, is_f64 != 0, y}, threads);
 }
 
+// RoPE of a bf16 policy (fixed_order.h's RopeJob): queries q [B, T, Hq, D] and keys k [B, T, Hk, D]
+// (element (b, t, h, d) at b * sb + t * st + h * sh + d) with their tables [B, T, D] (b * cb + t * ct
+// + d), all bf16, into contiguous qy, ky.
+void fo_rope_bf16(int64_t B, int64_t T, int64_t D, int64_t Hq, const void* q, int64_t qsb, int64_t qst,
+                  int64_t qsh, const void* qc, const void* qs, int64_t qcb, int64_t qct, void* qy, int64_t Hk,
+                  const void* k, int64_t ksb, int64_t kst, int64_t ksh, const void* kc, const void* ks,
+                  int64_t kcb, int64_t kct, void* ky, int threads) {
+  using fo::Bf16;
+  const auto in = [](const void* p) { return static_cast<const Bf16*>(p); };
+  RunChunked(fo::RopeJob{B, T, D,
+                         {{Hq, in(q), qsb, qst, qsh, in(qc), in(qs), qcb, qct, static_cast<Bf16*>(qy)},
+                          {Hk, in(k), ksb, kst, ksh, in(kc), in(ks), kcb, kct, static_cast<Bf16*>(ky)}}},
+             threads);
+}
+
 // Causal attention of a bf16 policy (fixed_order.h's CausalAttention): q, k and v bf16 (its
 // flag set) or f32, element (b, t or s, h, d) at b * sb + t * st + h * sh + d; allowed [B, T, S]
 // bytes at b * ab + t * at + j; early_scale 0 or late_scale 0 (which one scales); out [B, T, Hq, D]

@@ -841,14 +841,17 @@ inline void Bf16RowScalar(const float* src, int64_t n, Bf16* dst) {
   for (int64_t j = 0; j < n; ++j) dst[j] = Bf16{Bf16Bits(RoundBf16(src[j]))};
 }
 
+// 8 f32 values holding bf16 ones (RoundBf16x8's results) stored as bf16: their upper halves,
+// each below 2^16, which packus keeps as they are.
+FO_AVX2 inline void StoreBf16x8(Bf16* dst, __m256 x) {
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
 FO_AVX2 inline void Bf16RowAvx2(const float* src, int64_t n, Bf16* dst) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    // the upper halves, each below 2^16: packus keeps them as they are
-    const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(RoundBf16x8(_mm256_loadu_ps(src + j))), 16);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
-                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-  }
+  for (; j + 8 <= n; j += 8) StoreBf16x8(dst + j, RoundBf16x8(_mm256_loadu_ps(src + j)));
   Bf16RowScalar(src + j, n - j, dst + j);
 }
 
@@ -1029,6 +1032,76 @@ struct AttentionPack {
           const int64_t n = p * kPanel + j;
           packed[(p * K + kk) * kPanel + j] = n < N ? Bf16Operand(w[n * sn + kk * sk]) : 0.0f;
         }
+  }
+};
+
+// ----- RoPE of a bf16 policy (torchref) --------------------------------------------------
+//
+// For a row x [D] of a query or key head and its position's tables c, s [D] (bf16, h = D / 2):
+//   y[d] = bf16(bf16(x[d] * c[d]) + bf16(r[d] * s[d])),  r = rotate_half(x) = [-x[h:], x[:h]]
+// torch's bf16 ops one by one (apply_rope: mul, neg, cat, mul, add), each in f32 and rounded to
+// nearest even (RoundBf16): the product of two bf16 values is exact in f32, the sum is rounded
+// to f32 and then to bf16 as torch's bf16 add does. The same bits as torch's ops on every CPU
+// and code path (a NaN stays NaN; its sign and payload may differ).
+
+inline void RopeRowScalar(const Bf16* x, const Bf16* c, const Bf16* s, int64_t D, Bf16* y) {
+  const int64_t h = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float r = d < h ? -ToF32(x[d + h]) : ToF32(x[d - h]);
+    const float a = RoundBf16(ToF32(x[d]) * ToF32(c[d])), b = RoundBf16(r * ToF32(s[d]));
+    y[d] = Bf16{Bf16Bits(RoundBf16(a + b))};
+  }
+}
+
+FO_AVX2 inline void RopeRowAvx2(const Bf16* x, const Bf16* c, const Bf16* s, int64_t D, Bf16* y) {
+  const int64_t h = D / 2;
+  if (h % 8 != 0) return RopeRowScalar(x, c, s, D, y);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t d = 0; d < h; d += 8) {
+    const __m256 x1 = Load256(x + d), x2 = Load256(x + h + d);
+    // y[:h] = x1 c1 - x2 s1, y[h:] = x2 c2 + x1 s2; negation flips the sign bit, as torch's neg
+    const __m256 lo = _mm256_add_ps(RoundBf16x8(_mm256_mul_ps(x1, Load256(c + d))),
+                                    RoundBf16x8(_mm256_mul_ps(_mm256_xor_ps(x2, sign), Load256(s + d))));
+    const __m256 hi = _mm256_add_ps(RoundBf16x8(_mm256_mul_ps(x2, Load256(c + h + d))),
+                                    RoundBf16x8(_mm256_mul_ps(x1, Load256(s + h + d))));
+    StoreBf16x8(y + d, RoundBf16x8(lo));
+    StoreBf16x8(y + h + d, RoundBf16x8(hi));
+  }
+}
+
+// Queries [B, T, Hq, D] and keys [B, T, Hk, D] (element (b, t, h, d) at b * sb + t * st + h * sh
+// + d), each with its own tables [B, T, D] (b * cb + t * ct + d), into contiguous outputs.
+struct RopeJob {
+  int64_t B, T, D;
+  struct Part {
+    int64_t H;
+    const Bf16* x;
+    int64_t sb, st, sh;
+    const Bf16 *c, *s;
+    int64_t cb, ct;
+    Bf16* y;
+  } parts[2];
+  static constexpr int64_t kElements = int64_t{1} << 14;  // about this many outputs a task
+
+  int64_t Positions() const {  // a task's positions
+    const int64_t per = (parts[0].H + parts[1].H) * D;
+    return per >= kElements ? 1 : kElements / per;
+  }
+  int64_t Tasks(int threads) const { return threads <= 1 ? 1 : (B * T + Positions() - 1) / Positions(); }
+
+  void Run(Isa isa, int64_t t, int64_t tasks) const {
+    const int64_t size = tasks == 1 ? B * T : Positions(), p0 = t * size, p1 = p0 + size < B * T ? p0 + size : B * T;
+    for (const Part& q : parts)
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b = p / T, i = p % T;
+        const Bf16 *c = q.c + b * q.cb + i * q.ct, *s = q.s + b * q.cb + i * q.ct;
+        for (int64_t hh = 0; hh < q.H; ++hh) {
+          const Bf16* x = q.x + b * q.sb + i * q.st + hh * q.sh;
+          Bf16* y = q.y + (p * q.H + hh) * D;
+          if (isa >= kAvx2) RopeRowAvx2(x, c, s, D, y);
+          else RopeRowScalar(x, c, s, D, y);
+        }
+      }
   }
 };
 

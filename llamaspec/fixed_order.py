@@ -298,6 +298,8 @@ def library() -> ctypes.CDLL:
     f32 = ctypes.c_float
     lib.fo_attention.argtypes = [i64, i64, i64, i64, i64, i64, ptr, c_int, i64, i64, i64, f32, ptr, c_int, i64, i64,
                                  i64, ptr, c_int, i64, i64, i64, ptr, i64, i64, f32, ptr, c_int]
+    lib.fo_rope_bf16.argtypes = [i64, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64,
+                                 i64, ptr, ptr, i64, i64, ptr, c_int]
     select_isa(lib)
     return lib
 

@@ -2,6 +2,8 @@
 agreement with transformers, KV cache, padding, generation, taps, presets, errors."""
 
 import importlib
+import platform
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -790,10 +792,74 @@ def test_bf16_rope_rounds_each_op_once_to_bf16(framework):
 
         from torchref import ops
         as_torch = torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16)
-        out = ops.apply_rope(as_torch, torch.from_numpy(cos), torch.from_numpy(sin))
+        tables = torch.from_numpy(cos), torch.from_numpy(sin)
+        out = ops.apply_rope(as_torch, *tables)
         got = out.view(torch.int16).numpy().view(np.uint16).view(bf16)
+        # a bf16 prompt's rotation in the model (ops.kernel_rope, every code path): the same bits,
+        # for keys of other heads (a strided view) on tables of other strides
+        if platform.machine().lower() in ("x86_64", "amd64") and shutil.which("g++"):
+            from llamaspec import fixed_order as fo
+            lib = ops.fixed_order_kernels()
+            assert ops.kernel_rope_applies(as_torch, as_torch)
+            spaced = tuple(torch.cat([t, t], dim=-1)[..., :D] for t in tables)   # rows 2 D apart
+            for path in fo.code_paths(lib):
+                with fo.code_path(lib, path):
+                    q, k = ops.kernel_rope(as_torch, as_torch[:, :, 1:], *tables, *spaced)
+                for y, ref, nans in ((q, want, nan), (k, want[:, :, 1:], nan[:, :, 1:])):
+                    y = y.view(torch.int16).numpy().view(np.uint16).view(bf16)
+                    np.testing.assert_array_equal(np.isnan(y.astype(f32)), nans, err_msg=path)
+                    np.testing.assert_array_equal(y.view(np.uint16)[~nans], ref.view(np.uint16)[~nans],
+                                                  err_msg=path)
     np.testing.assert_array_equal(np.isnan(got.astype(f32)), nan)
     np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+
+
+def test_torchref_bf16_prompt_rotates_in_one_kernel_call(tiny_dir, monkeypatch):
+    """A bf16 prompt's RoPE runs as one ops.kernel_rope call a layer (spy), a decode step's and a
+    control's replaced apply_rope do not, and a bf16 prefill with decode steps gives every
+    activation and logit bit for bit as with apply_rope alone (kernel_rope_applies off)."""
+    torch = pytest.importorskip("torch")
+    import types
+
+    import torchref
+    from torchref import ops
+    if platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which("g++"):
+        pytest.skip("the fixed-order kernels are x86-64 code built with g++")
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy="bf16")
+    layers = m.cfg.num_hidden_layers
+    ids = np.random.default_rng(4).integers(3, 96, (2, 11))
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0
+    calls, real = [], ops.kernel_rope
+
+    def spy(q, *args):
+        calls.append(q.shape[1])
+        return real(q, *args)
+
+    monkeypatch.setattr(ops, "kernel_rope", spy)
+
+    def run():
+        logits, acts = m.capture(ids[:, :8], mask[:, :8], taps=["*"])
+        first, cache = m.prefill(ids[:, :8], mask[:, :8], 11)
+        steps = [m.decode(cache, ids[:, t])[0] for t in range(8, 10)]
+        return {"logits": logits, "prefill": first, **acts, **{f"step{i}": s for i, s in enumerate(steps)}}
+
+    with_kernel = run()
+    assert calls == [8] * (2 * layers)                 # capture's and prefill's prompts; no decode step
+    monkeypatch.setattr(ops, "kernel_rope_applies", lambda q, k: False)
+    calls.clear()
+    without = run()
+    assert not calls and with_kernel.keys() == without.keys()
+    for name in with_kernel:
+        np.testing.assert_array_equal(np.asarray(with_kernel[name]).view(np.uint8),
+                                      np.asarray(without[name]).view(np.uint8), err_msg=name)
+    monkeypatch.undo()
+    monkeypatch.setattr(ops, "kernel_rope", spy)
+    attn = m.model.layers[0].self_attn
+    attn.ops = types.SimpleNamespace(**{**{k: getattr(ops, k) for k in dir(ops) if not k.startswith("__")},
+                                        "apply_rope": lambda x, cos, sin: ops.apply_rope(x, cos, sin)})
+    m(ids, attention_mask=mask)
+    assert calls == [11] * (layers - 1)                # layer 0's replaced apply_rope runs as given
 
 
 def test_bucket_lengths_and_front_padding_are_neutral():
