@@ -818,7 +818,7 @@ def test_torchref_bf16_prompt_rotates_in_one_kernel_call(tiny_dir, monkeypatch):
     """A bf16 prompt's RoPE runs as one ops.kernel_rope call a layer (spy), a decode step's and a
     control's replaced apply_rope do not, and a bf16 prefill with decode steps gives every
     activation and logit bit for bit as with apply_rope alone (kernel_rope_applies off)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     import types
 
     import torchref
