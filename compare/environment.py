@@ -77,8 +77,8 @@ def _torch_settings(policy) -> dict:
     attention = "separate products, mask and softmax"
     if ops.fused_attention_applies(policy, torch.device("cpu")):
         attention = "torch's fused kernel (scaled_dot_product_attention)"
-    elif ops.kernel_attention_applies(policy, torch.zeros(0)):
-        attention = "fixed-order kernels' causal attention for prompts; " + attention + " for decode steps"
+    elif ops.kernel_attention_applies(policy, torch.device("cpu")):
+        attention = "fixed-order kernels' causal attention (prompts and decode steps)"
     out[f"torchref CPU attention at {policy.name}"] = attention
     with matmul_settings(policy):  # the settings every torchref call of this run used
         mm, cpu = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul

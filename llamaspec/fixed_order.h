@@ -1002,9 +1002,60 @@ struct CausalAttention {
   }
 };
 
+// 8 attention operands (f32 or Bf16) as Bf16Operand takes them.
+template <class W>
+FO_AVX2 inline __m256 Operand8(const W* p) {
+  if constexpr (std::is_same_v<W, float>) return RoundBf16x8(_mm256_loadu_ps(p));
+  else return Load256(p);
+}
+
+// r[i][j] -> r[j][i] for an 8 x 8 block of floats.
+FO_AVX2 inline void Transpose8x8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // rows 4i .. 4i + 3
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+
+// The first `panels` whole panels of AttentionPack::PackOperand: rows of K contiguous values
+// (sk 1: keys, 8 x 8 blocks transposed) or the panel's 16 values of each k contiguous (sn 1:
+// values).
+template <class W>
+FO_AVX2 void PackPanelsAvx2(const W* w, int64_t panels, int64_t K, int64_t sn, int64_t sk, float* packed) {
+  for (int64_t p = 0; p < panels; ++p) {
+    float* out = packed + p * K * kPanel;
+    if (sk == 1 && K % 8 == 0) {
+      for (int64_t k0 = 0; k0 < K; k0 += 8)
+        for (int64_t half = 0; half < 2; ++half) {
+          __m256 r[8];
+          for (int i = 0; i < 8; ++i) r[i] = Operand8(w + (p * kPanel + half * 8 + i) * sn + k0);
+          Transpose8x8(r);
+          for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + (k0 + j) * kPanel + half * 8, r[j]);
+        }
+    } else {
+      for (int64_t k = 0; k < K; ++k) {
+        const W* src = w + p * kPanel + k * sk;
+        _mm256_storeu_ps(out + k * kPanel, Operand8(src));
+        _mm256_storeu_ps(out + k * kPanel + 8, Operand8(src + 8));
+      }
+    }
+  }
+}
+
 // Packs the keys and the transposed values of each (b, kv head) for CausalAttention: task
-// 2 * bh (keys) and 2 * bh + 1 (values). k, v element (b, s, h, d) at b * sb + s * ss + h * sh + d.
-// k, v (f32 or Bf16: Bf16Operand) element (b, s, h, d) at b * sb + s * ss + h * sh + d.
+// 2 * bh (keys) and 2 * bh + 1 (values). k, v (f32 or Bf16: Bf16Operand) element (b, s, h, d) at
+// b * sb + s * ss + h * sh + d.
 template <class KeyT, class ValueT>
 struct AttentionPack {
   int64_t B, S, Hkv, D;
@@ -1015,18 +1066,25 @@ struct AttentionPack {
 
   int64_t Tasks(int) const { return 2 * B * Hkv; }
 
-  void Run(Isa, int64_t task) const {
+  void Run(Isa isa, int64_t task) const {
     const int64_t bh = task / 2, b = bh / Hkv, h = bh % Hkv;
     if (task % 2 == 0)
-      PackOperand(k + b * ksb + h * ksh, S, D, kss, int64_t{1}, kp + bh * Panels(S) * D * kPanel);
+      PackOperand(isa, k + b * ksb + h * ksh, S, D, kss, int64_t{1}, kp + bh * Panels(S) * D * kPanel);
     else
-      PackOperand(v + b * vsb + h * vsh, D, S, int64_t{1}, vss, vp + bh * Panels(D) * S * kPanel);
+      PackOperand(isa, v + b * vsb + h * vsh, D, S, int64_t{1}, vss, vp + bh * Panels(D) * S * kPanel);
   }
 
-  // Pack's layout, each element as Bf16Operand takes it
+  // Pack's layout, each element as Bf16Operand takes it (zeros past N): whole panels 8 values at
+  // a time where the CPU runs AVX2 (a decode step packs every key and value of the cache), the
+  // rest one by one. Moves and exact conversions only: the same packed values either way.
   template <class W>
-  static void PackOperand(const W* w, int64_t N, int64_t K, int64_t sn, int64_t sk, float* packed) {
-    for (int64_t p = 0; p < Panels(N); ++p)
+  static void PackOperand(Isa isa, const W* w, int64_t N, int64_t K, int64_t sn, int64_t sk, float* packed) {
+    int64_t p = 0;
+    if (isa >= kAvx2 && ((sk == 1 && K % 8 == 0) || sn == 1)) {
+      p = N / kPanel;
+      PackPanelsAvx2(w, p, K, sn, sk, packed);
+    }
+    for (; p < Panels(N); ++p)
       for (int64_t kk = 0; kk < K; ++kk)
         for (int64_t j = 0; j < kPanel; ++j) {
           const int64_t n = p * kPanel + j;

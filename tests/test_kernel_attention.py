@@ -157,8 +157,7 @@ def test_kernel_attention_rule(monkeypatch):
     another policy or device; kernel: the same; fused and ops: never; another value is an error
     naming the variable."""
     monkeypatch.delenv(ops.ATTENTION_ENV, raising=False)
-    cpu = torch.zeros(1, 1, 1, 1)
-    meta = torch.zeros(1, 1, 1, 1, device="meta")      # only the device's type is read
+    cpu, meta = torch.device("cpu"), torch.device("meta")
     auto = {name: ops.kernel_attention_applies(Policy.get(name), cpu)
             for name in ("bf16", "fp16", "fp32", "bf16w-f32", "fp64", "tf32")}
     assert auto == {"bf16": True, "fp16": False, "fp32": False, "bf16w-f32": False, "fp64": False,
@@ -184,7 +183,7 @@ def test_kernel_attention_rule_leaves_amx_cpus_to_the_separate_ops(monkeypatch):
     monkeypatch.setattr(cpuinfo, "name_and_flags", lambda: ("Intel(R) Xeon(R) (flags as an AMX CPU's)", flags))
     for var in (ops.ATTENTION_ENV, "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", cpuinfo.BF16_DOTS_ENV):
         monkeypatch.delenv(var, raising=False)
-    cpu = torch.zeros(1, 1, 1, 1)
+    cpu = torch.device("cpu")
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: its bf16 products never run on AMX")
     assert ops.amx_products() and not ops.kernel_attention_applies(BF16, cpu)
@@ -198,10 +197,10 @@ def test_kernel_attention_rule_leaves_amx_cpus_to_the_separate_ops(monkeypatch):
 def test_kernel_attention_runs_in_the_model(tiny_dir, monkeypatch):
     """The whole model at bf16 over a long prompt (QUERY_BLOCK shrunk to 4: 12 tokens are 3
     blocks), one row padded: auto calls the kernel once per layer (spy), for a short prompt too
-    (7 tokens, under 2 blocks) and never for one query a row (a decode step, a one-token
-    forward); the logits are the separate ops' to bf16 drift (rel L2 2e-2: bf16 keeps 8 bits,
-    and a flipped rounding of one attention output moves the later layers), and prefill + decode
-    give the forward's logits to the same bound."""
+    (7 tokens, under 2 blocks) and for one query a row (a decode step, a one-token forward); the
+    logits are the separate ops' to bf16 drift (rel L2 2e-2: bf16 keeps 8 bits, and a flipped
+    rounding of one attention output moves the later layers), and prefill + decode give the
+    forward's logits to the same bound."""
     ids = np.random.default_rng(3).integers(3, 96, (2, 12))
     mask = np.ones_like(ids)
     mask[1, :3] = 0
@@ -230,10 +229,11 @@ def test_kernel_attention_runs_in_the_model(tiny_dir, monkeypatch):
     for t in range(9, 12):
         logits, cache = m.decode(cache, ids[:, t])
         steps.append(np.asarray(logits, np.float64))
-    assert calls == [9] * layers                      # decode steps: the separate ops
+    assert calls == [9] * layers + [1] * (3 * layers)  # each decode step: the kernel too
+    calls.clear()
     m(ids[:, :7], attention_mask=mask[:, :7])
     m(ids[:, :1])
-    assert calls == [9] * layers + [7] * layers       # a short prompt: the kernel; one query: the ops
+    assert calls == [7] * layers + [1] * layers        # a short prompt, one query: the kernel
     got = np.stack(steps, 1)
     assert np.linalg.norm(got - runs["auto"][:, 8:12]) <= 2e-2 * np.linalg.norm(runs["auto"][:, 8:12])
 

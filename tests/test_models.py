@@ -626,11 +626,13 @@ def test_jaxmodel_prefill_writes_the_prompt_to_its_cache_as_one_block(tiny_dir, 
             assert scattered[2][n].dtype == cache[n].dtype and np.array_equal(scattered[2][n], cache[n]), n
 
 
-@pytest.mark.parametrize("policy,dots", [("fp32", "auto"), ("bf16", "widened"), ("fp16", "widened"),
-                                         ("bf16", "native")])
-def test_torchref_cache_widened_and_written_as_one_block(tiny_dir, monkeypatch, policy, dots):
+@pytest.mark.parametrize("policy,dots,attention", [("fp32", "auto", "auto"), ("bf16", "widened", "ops"),
+                                                   ("fp16", "widened", "auto"), ("bf16", "native", "auto"),
+                                                   ("bf16", "widened", "auto")])
+def test_torchref_cache_widened_and_written_as_one_block(tiny_dir, monkeypatch, policy, dots, attention):
     """torchref's KV cache: kept in f32 where attention widens a 16-bit policy's products
-    (ops.cache_dtype: $LLAMA_PARITY_BF16_DOTS=widened here), else in compute_dtype; a call whose
+    (ops.cache_dtype: $LLAMA_PARITY_BF16_DOTS=widened here), else in compute_dtype, as it is where
+    a bf16 policy's attention runs on the fixed-order kernels (auto on x86-64; ops: never); a call whose
     rows all write from one slot (prefill, decode) writes a slice, not a scatter. The prefill,
     decode steps (B=2 with a left-padded row, and B=1) and the cache's values are bitwise those of
     a compute_dtype cache written by the scatter (both replaced back: ops.cache_dtype, and
@@ -641,8 +643,12 @@ def test_torchref_cache_widened_and_written_as_one_block(tiny_dir, monkeypatch, 
     from torchref import ops
     from torchref.dtypes import dt
     monkeypatch.setenv("LLAMA_PARITY_BF16_DOTS", dots)
+    monkeypatch.setenv(ops.ATTENTION_ENV, attention)
     compute = dt(Policy.get(policy).compute_dtype)
-    want = torch.float32 if dots == "widened" else compute
+    kernel = ops.kernel_attention_applies(Policy.get(policy), torch.device("cpu"))
+    if policy != "bf16" or attention == "ops":
+        assert not kernel
+    want = torch.float32 if dots == "widened" and not kernel else compute
     assert ops.cache_dtype(Policy.get(policy), torch.device("cpu")) == want
     assert ops.cache_dtype(Policy.get(policy), torch.device("cuda")) == compute   # only the device's type is read
     ids = tokens(B=2, T=20, seed=4)

@@ -271,8 +271,9 @@ def test_torchref_widened_products_are_drift(config, tiny_dir, monkeypatch):
 
 
 def test_attention_products_count_the_rows_of_every_matrix(monkeypatch):
-    """A decode step's attention is one small product per row of the batch and KV head (G query
-    heads: G rows each). Widened (forced), they take f32 operands once all their matrices
+    """A decode step's attention in block_attention (where the fixed-order kernels do not take
+    it: ops.kernel_attention_applies) is one small product per row of the batch and KV head (G
+    query heads: G rows each). Widened (forced), they take f32 operands once all their matrices
     together have WIDE_MIN_ROWS rows, although each has fewer, and the result stays within bf16
     rounding of torch's bf16 products."""
     policy = Policy.get("bf16")
@@ -289,7 +290,7 @@ def test_attention_products_count_the_rows_of_every_matrix(monkeypatch):
         seen = []
         real = torch.bmm
         monkeypatch.setattr(torch, "bmm", lambda a, b, **out: seen.append((a.dtype, b.dtype)) or real(a, b, **out))
-        out[choice] = ops.attention(q, k, v, allowed, policy)
+        out[choice] = ops.block_attention(q, k, v, allowed, policy)
         monkeypatch.undo()
         want = torch.float32 if choice == "widened" else torch.bfloat16
         assert len(seen) == 2 and all(d == (want, want) for d in seen), (choice, seen)

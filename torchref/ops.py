@@ -513,8 +513,12 @@ def cache_dtype(policy: Policy, device: torch.device) -> torch.dtype:
     so that no step widens the whole cache again. The same bits (widening is exact, and a product
     that does not widen rounds them back exactly); twice the cache's memory. A batch-1 decode step
     of SmolLM2 widened 60 caches of 168 slots, about 2.5 ms of its 35 on a Zen 4 under an AVX2
-    cap (docs/measurements.md). Decided by the policy and the CPU, as hardware_products."""
+    cap (docs/measurements.md). Not where kernel_attention_applies: the kernel reads bf16 keys and
+    values as they are (widening them as it packs them), and a bf16 cache is half the bytes to read
+    a step. Decided by the policy and the CPU, as hardware_products."""
     compute, accum = dt(policy.compute_dtype), dt(policy.accum_dtype)
+    if kernel_attention_applies(policy, device):
+        return compute
     return accum if _widens(compute, accum, compute, WIDE_MIN_ROWS, device) else compute
 
 
@@ -627,11 +631,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     nothing (a padding position) reads every key, so that query averages all S values as one
     block would. Where fused_attention_applies, a long prompt's blocks run as fused_block, and a
     prompt from slot 0 without padding (plain_causal) as one fused_causal call; where
-    kernel_attention_applies (a bf16 policy), a prompt of any length (2 queries or more: a decode
-    step's one query a row stays with block_attention) as one kernel_attention call.
+    kernel_attention_applies (a bf16 policy), every call (a prompt of any length, a decode step)
+    as one kernel_attention call.
     """
     T = q.shape[1]
-    if T >= 2 and kernel_attention_applies(policy, q):
+    if kernel_attention_applies(policy, q.device):
         return kernel_attention(q, k, v, allowed, policy)
     if T < 2 * QUERY_BLOCK:
         return block_attention(q, k, v, allowed, policy)
@@ -740,25 +744,29 @@ def _attention_choice() -> str:
     return choice
 
 
-def kernel_attention_applies(policy: Policy, q: torch.Tensor) -> bool:
-    """Whether a prompt's attention (2 queries or more; attention asks) runs as kernel_attention
-    instead of block_attention: a bf16 policy (bf16 operands, f32 accumulation and softmax) on an
-    x86-64 CPU. block_attention's separate products, roundings, mask and softmax write and read
-    every score several times, and torch's fused kernel cannot stand in (it rounds the
-    unnormalised exponentials, the policy the probabilities). SmolLM2's attention at 2048 tokens
-    on a 2-core Zen 4, one layer: 37 ms against block_attention's 53 with its AVX-512-BF16
-    products, 42 against 87 under an AVX2 cap, where the fp32 policy's fused kernel takes 48; a
-    short prompt's whole prefill, in-process A/B: 128 tokens 122.8 against 129.2 ms (AVX2 cap
-    217 / 230), 16 tokens in a cache of 528 slots 55.7 / 59.3 (block_attention reads every slot,
-    the kernel each query's keys up to its last visible one). A decode step (one query a row)
-    keeps block_attention: there the kernel was the slower in the model (docs/measurements.md).
-    Its bits are the same on every x86-64 CPU, code path, batch and thread count. Not where
-    torch's bf16 products run on AMX tiles (amx_products: unmeasured there). Decided by the policy
-    and the CPU, never by a timing; $LLAMA_PARITY_TORCHREF_ATTENTION overrides (kernel: an error
-    if the kernels cannot be built; fused, ops: never). Kernels that cannot be built leave
-    block_attention, with one warning."""
+def kernel_attention_applies(policy: Policy, device: torch.device) -> bool:
+    """Whether attention runs as kernel_attention instead of block_attention (a prompt's and a
+    decode step's alike): a bf16 policy (bf16 operands, f32 accumulation and softmax) on an x86-64
+    CPU. block_attention's separate products, roundings, mask and softmax write and read every
+    score several times, and torch's fused kernel cannot stand in (it rounds the unnormalised
+    exponentials, the policy the probabilities). SmolLM2's attention at 2048 tokens on a 2-core
+    Zen 4, one layer: 37 ms against block_attention's 53 with its AVX-512-BF16 products, 42
+    against 87 under an AVX2 cap, where the fp32 policy's fused kernel takes 48; a short prompt's
+    whole prefill, in-process A/B: 128 tokens 122.8 against 129.2 ms (AVX2 cap 217 / 230), 16
+    tokens in a cache of 528 slots 55.7 / 59.3 (block_attention reads every slot, the kernel each
+    query's keys up to its last visible one). A decode step, since the kernel reads bf16 (or f32)
+    keys and values as they are and packs them 8 at a time (session 37; before, it was the slower
+    there): 16 steps after 128 tokens, in-process A/B, ms a step, block_attention / kernel, batch
+    1: 23.8 / 20.7, batch 8: 37.9 / 31.9; under the AVX2 cap (the cache then in bf16 too,
+    cache_dtype) batch 1: 21.1 / 19.7, batch 8: 54.3 / 56.3 (docs/measurements.md). A query's
+    result does not depend on the tile it shares, so a decode step's attention gives the bits the
+    same query gets in a prompt. Its bits are the same on every x86-64 CPU, code path, batch and
+    thread count. Not where torch's bf16 products run on AMX tiles (amx_products: unmeasured
+    there). Decided by the policy and the CPU, never by a timing; $LLAMA_PARITY_TORCHREF_ATTENTION
+    overrides (kernel: an error if the kernels cannot be built; fused, ops: never). Kernels that
+    cannot be built leave block_attention, with one warning."""
     if not (policy.compute_dtype == "bfloat16" and policy.accum_dtype == "float32"
-            and policy.softmax_dtype == "float32" and q.device.type == "cpu"
+            and policy.softmax_dtype == "float32" and device.type == "cpu"
             and platform.machine().lower() in ("x86_64", "amd64")):
         return False
     choice = _attention_choice()
