@@ -133,6 +133,9 @@ def kernel_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     faster; docs/measurements.md). The tables [B, T, D] (or broadcast to it) are rounded to bf16
     first, as apply_rope rounds them."""
     B, T, Hq, D = q.shape
+    if k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != D:
+        raise ValueError(f"kernel_rope: keys {tuple(k.shape)} do not match queries {tuple(q.shape)} "
+                         "in batch, positions and head_dim")
     outs = tuple(torch.empty(x.shape, dtype=torch.bfloat16, device=x.device) for x in (q, k))
     args, held = [], []   # held: the tensors the pointers point into, alive until the call returns
     for x, c, s, y in ((q, cos, sin, outs[0]), (k, key_cos, key_sin, outs[1])):
