@@ -107,6 +107,10 @@ void RunJob(JobT job, int threads) {
   ThePool().Run(n, threads, [&](int64_t t) { job.Run(g_isa, t); });
 }
 
+// The element type a pointer type points to, without const (a job's template argument).
+template <class P>
+using Pointee = std::remove_const_t<std::remove_pointer_t<P>>;
+
 template <class JobT>
 void RunChunked(const JobT& job, int threads) {
   const int64_t n = job.Tasks(threads);
@@ -209,8 +213,7 @@ void fo_attention(int64_t B, int64_t T, int64_t S, int64_t Hq, int64_t Hkv, int6
   kp.resize(std::max<size_t>(kp.size(), B * Hkv * fo::Panels(S) * D * fo::kPanel));
   vp.resize(std::max<size_t>(vp.size(), B * Hkv * fo::Panels(D) * S * fo::kPanel));
   const auto pack = [&](auto* ks, auto* vs) {
-    RunJob(fo::AttentionPack<std::remove_const_t<std::remove_pointer_t<decltype(ks)>>,
-                             std::remove_const_t<std::remove_pointer_t<decltype(vs)>>>{
+    RunJob(fo::AttentionPack<Pointee<decltype(ks)>, Pointee<decltype(vs)>>{
                B, S, Hkv, D, ks, vs, ksb, kss, ksh, vsb, vss, vsh, kp.data(), vp.data()},
            threads);
   };
@@ -220,7 +223,7 @@ void fo_attention(int64_t B, int64_t T, int64_t S, int64_t Hq, int64_t Hkv, int6
   else if (v_bf16) pack(static_cast<const float*>(k), static_cast<const Bf16*>(v));
   else pack(static_cast<const float*>(k), static_cast<const float*>(v));
   const auto attend = [&](auto* qs) {
-    RunJob(fo::CausalAttention<std::remove_const_t<std::remove_pointer_t<decltype(qs)>>>{
+    RunJob(fo::CausalAttention<Pointee<decltype(qs)>>{
                B, T, S, Hq, Hkv, D, qs, qsb, qst, qsh, early_scale, kp.data(), vp.data(), allowed, ab, at,
                late_scale, static_cast<Bf16*>(out)},
            threads);

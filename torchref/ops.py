@@ -103,13 +103,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def kernel_rope_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether queries and keys rotate as one kernel_rope call instead of apply_rope each: both
-    bf16 (a bf16 policy's compute dtype) with an even head_dim, on an x86-64 CPU where the
-    fixed-order kernels are built. The same bits either way (kernel_rope), so no setting chooses
+    bf16 (a bf16 policy's compute dtype) with an even head_dim, on a CPU where the fixed-order
+    kernels are built (x86-64). The same bits either way (kernel_rope), so no setting chooses
     and kernels that cannot be built leave apply_rope without a warning of their own (the
     attention's and logits' say it)."""
     return (q.dtype == k.dtype == torch.bfloat16 and q.device.type == k.device.type == "cpu"
-            and q.shape[-1] % 2 == 0 and platform.machine().lower() in ("x86_64", "amd64")
-            and _built_kernels() is not None)
+            and q.shape[-1] % 2 == 0 and _built_kernels() is not None)
 
 
 @functools.cache
@@ -203,28 +202,33 @@ def _products_plan(compute: torch.dtype, accum: torch.dtype, out: torch.dtype, r
     """linears' choice for a product of `rows` rows, by kernel_products, _widens, _few_f32_rows and
     _one_row_kernel: asked anew every product outside a model call, and once per call (per
     dtypes, rows and device) inside one (one_call)."""
-    plans = getattr(_CALL, "plans", None)
-    key = (compute, accum, out, rows, device)
-    plan = None if plans is None else plans.get(key)
-    if plan is None:
+    def decide() -> ProductsPlan:
         if kernel_products(compute, accum, out, rows, device):
-            plan = ProductsPlan(True, compute, torch.nn.functional.linear, False)
-        else:
-            dtype = accum if _widens(compute, accum, out, rows, device) else compute
-            plan = ProductsPlan(False, dtype, _linear_by_row_blocks if _few_f32_rows(dtype, rows, device)
-                                else torch.nn.functional.linear, _one_row_kernel(rows, dtype, device))
-        if plans is not None:
-            plans[key] = plan
-    return plan
+            return ProductsPlan(True, compute, torch.nn.functional.linear, False)
+        dtype = accum if _widens(compute, accum, out, rows, device) else compute
+        return ProductsPlan(False, dtype, _linear_by_row_blocks if _few_f32_rows(dtype, rows, device)
+                            else torch.nn.functional.linear, _one_row_kernel(rows, dtype, device))
+    return _per_call((compute, accum, out, rows, device), decide)
 
 
-_CALL = threading.local()   # plans: this thread's model call's ProductsPlans (one_call), or absent
+def _per_call(key, decide: Callable):
+    """decide() once per model call for `key` (one_call keeps the answers), anew outside one."""
+    plans = getattr(_CALL, "plans", None)
+    if plans is None:
+        return decide()
+    if key not in plans:
+        plans[key] = decide()
+    return plans[key]
+
+
+_CALL = threading.local()   # plans: this thread's model call's choices (one_call, _per_call), or absent
 
 
 @contextlib.contextmanager
 def one_call():
     """The extent of one model call (model.py enters it for each): inside it linears decides how
-    to multiply a product of some rows and dtypes once (_products_plan), not at every product.
+    to multiply a product of some rows and dtypes once (_products_plan), not at every product,
+    and attention whether the fixed-order kernel attends once, not every layer (6 us a call).
     Those rules read the environment ($LLAMA_PARITY_TORCHREF_PRODUCTS, the libraries' caps, ...),
     the CPU's flags and torch's oneDNN switch, several microseconds a product: a batch-1 decode
     step of SmolLM2 (120 calls of linears) spent about 1.5 ms of its 22 in linears outside
@@ -638,7 +642,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     as one kernel_attention call.
     """
     T = q.shape[1]
-    if kernel_attention_applies(policy, q.device):
+    if _per_call(("kernel attention", policy, q.device.type), lambda: kernel_attention_applies(policy, q.device)):
         return kernel_attention(q, k, v, allowed, policy)
     if T < 2 * QUERY_BLOCK:
         return block_attention(q, k, v, allowed, policy)
