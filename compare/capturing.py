@@ -211,7 +211,8 @@ def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, tap
                                "batch_invariant": bool(getattr(side, "batch_invariant", False))},
             "policy": policy.to_dict(), "config": cfg_dict,
             "checkpoint": {"path": str(folder.resolve()), "fingerprint": print_fp},
-            "environment": environment(policy, uses_jax=getattr(side, "package", None) == "jaxmodel"),
+            "environment": environment(policy, uses_jax=getattr(side, "package", None) == "jaxmodel",
+                                       sides={"captured": side}),
             "capture_seconds": round(seconds, 3)})
         atomic_write(staging / MANIFEST, _manifest_text(manifest), "dump manifest")
         _publish(staging, out, replace)

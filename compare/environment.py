@@ -1,10 +1,12 @@
 """What a report records about where it ran, so two reports can be told apart later.
 
-The CPU and its instruction sets (and the caps put on the libraries), framework
-versions, devices, the XLA flags and jaxmodel's compiler options, and torch's
-matmul settings as a policy pins them (llamaspec.policy). A number that differs between
-two machines is often explained by one of these lines (JAX's TF32 default on GPU,
-XLA_FLAGS set in a shell profile, a different MKL thread count).
+The CPU and its instruction sets (and the caps put on the libraries), framework versions,
+devices, the XLA flags, torch's matmul settings, and each side's plan: the record its model
+made once at load of how it computes (llamaspec.plan: the backend, the fixed-order kernels'
+code path, the settings read, a choice per op). The models decide; this module only reads
+their plans, so a dispatch rule lives in one place. A number that differs between two
+machines is often explained by one of these lines (JAX's TF32 default on GPU, XLA_FLAGS set
+in a shell profile, another backend, a different MKL thread count).
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ import os
 import platform
 from importlib.metadata import PackageNotFoundError, version
 
+from llamaspec.plan import ISA_FLAGS
+
 PACKAGES = ("numpy", "torch", "jax", "jaxlib", "flax", "ml_dtypes", "transformers")
+# Variables that cap the libraries' instruction sets (docs/invariance.md: one machine, many CPUs).
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+            "MKL_CBWR", "LLAMA_PARITY_KERNEL_ISA")
 
 
 def _version(pkg: str) -> str:
@@ -21,14 +28,6 @@ def _version(pkg: str) -> str:
         return version(pkg)
     except PackageNotFoundError:
         return "not installed"
-
-
-# The instruction-set extensions that change which kernels the libraries pick.
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
-# Variables that cap the libraries' instruction sets (docs/invariance.md: one machine, many CPUs).
-ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
-            "MKL_CBWR", "LLAMA_PARITY_KERNEL_ISA")
 
 
 def cpu() -> dict:
@@ -53,76 +52,71 @@ def cpu() -> dict:
     return out
 
 
-def _torch_settings(policy) -> dict:
+def _torch_settings() -> dict:
+    """torch's threads and the process's matmul settings (torchref checks them against the policy
+    at each call and never changes them)."""
     import torch
-
-    from torchref import ops
-    from torchref.dtypes import dt, matmul_settings
-    out = {"torch threads": torch.get_num_threads(),
-           "torch cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
-    compute = dt(policy.compute_dtype)
-    if compute in (torch.bfloat16, torch.float16) and policy.accum_dtype != policy.compute_dtype:
-        out[f"torchref CPU products at {policy.name}"] = (
-            f"torch's {policy.compute_dtype} kernels (in hardware here)"
-            + (f"; 2 to {ops.FEW_ROWS} rows on the fixed-order kernels" if ops.kernel_products(
-                compute, dt(policy.accum_dtype), compute, 2, torch.device("cpu")) else "")
-            if ops.hardware_products(compute)
-            else f"widened to {policy.accum_dtype} from {ops.WIDE_MIN_ROWS} rows (no {policy.compute_dtype} "
-                 f"products in hardware, or capped), torch's {policy.compute_dtype} kernels below")
-    out[f"torchref {ops.ATTENTION_ENV}"] = os.environ.get(ops.ATTENTION_ENV, "(unset)")
-    out[f"torchref {ops.PRODUCTS_ENV}"] = os.environ.get(ops.PRODUCTS_ENV, "(unset)")
-    out["torchref CPU f32 products of many rows"] = (
-        "fixed-order kernels where they build (torch's BLAS is MKL, the CPU not Intel's)" if ops.mkl_off_intel()
-        else "torch's BLAS")
-    attention = "separate products, mask and softmax"
-    if ops.fused_attention_applies(policy, torch.device("cpu")):
-        attention = "torch's fused kernel (scaled_dot_product_attention)"
-    elif ops.kernel_attention_applies(policy, torch.device("cpu")):
-        attention = "fixed-order kernels' causal attention (prompts and decode steps)"
-    out[f"torchref CPU attention at {policy.name}"] = attention
-    with matmul_settings(policy):  # the settings every torchref call of this run used
-        mm, cpu = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
-        out["torch cuda matmul fp32_precision"] = mm.fp32_precision
-        out["torch cpu matmul fp32_precision"] = cpu.fp32_precision
-        out["torch bf16 reduced-precision reduction"] = mm.allow_bf16_reduced_precision_reduction
-        out["torch fp16 reduced-precision reduction"] = mm.allow_fp16_reduced_precision_reduction
-    return out
+    mm, cpu_mm = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+    return {"torch threads": torch.get_num_threads(),
+            "torch cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+            "torch cuda matmul fp32_precision": mm.fp32_precision,
+            "torch cpu matmul fp32_precision": cpu_mm.fp32_precision,
+            "torch bf16 reduced-precision reduction": mm.allow_bf16_reduced_precision_reduction,
+            "torch fp16 reduced-precision reduction": mm.allow_fp16_reduced_precision_reduction}
 
 
-def _jax_settings(policy) -> dict:
+def _jax_settings() -> dict:
     import jax
 
-    from jaxmodel import kernels, ops
     from jaxmodel.dtypes import compiler_options
-    bf16 = ("native bf16 for 2+ rows (AMX or AVX-512-BF16), widened f32 for one row" if ops.native_dots(policy)
-            else "widened to f32" if ops.widened_dtype(policy) is not None else "as the policy's dtypes")
     return {"jax backend": jax.default_backend(),
             "jax devices": ", ".join(str(d) for d in jax.devices()),
             "jax_enable_x64": bool(jax.config.jax_enable_x64),
-            "jaxmodel compiler options": ", ".join(f"{k}={v}" for k, v in compiler_options().items()),
-            "jaxmodel batch-invariant extra options": ", ".join(
-                f"{k}={v}" for k, v in compiler_options(True).items() if k not in compiler_options()) or "none",
-            "jaxmodel batch-invariant kernels": kernels.state(),
-            f"jaxmodel {ops.BF16_DOTS_ENV}": os.environ.get(ops.BF16_DOTS_ENV, "(unset)"),
-            f"jaxmodel products at {policy.name}": bf16,
-            f"jaxmodel {ops.ATTENTION_ENV}": os.environ.get(ops.ATTENTION_ENV, "(unset)"),
-            f"jaxmodel {ops.MATVEC_ENV}": os.environ.get(ops.MATVEC_ENV, "(unset)"),
-            f"jaxmodel one-row products at {policy.name}": (
-                "fixed-order kernel on 16-bit packed weights" if ops.kernel_matvecs(policy) else "XLA"),
-            f"jaxmodel causal attention at {policy.name}": (
-                "fused CPU kernel (jaxmodel/attention.h; per shard on a mesh)" if ops.fused_attention_applies(policy)
-                else "XLA")}
+            "jaxmodel compiler options": ", ".join(f"{k}={v}" for k, v in compiler_options().items())}
 
 
-def environment(policy, uses_jax: bool = True) -> dict:
-    """Flat {name: value} for the report (JSON-safe); policy: a llamaspec.Policy or a preset name."""
+def plan_of(impl):
+    """The plan an implementation's model holds (a torchref or jaxmodel model, or an adapter around
+    one), or None for another implementation (transformers, a port, a dump)."""
+    for obj in (impl, getattr(impl, "model", None)):
+        plan = getattr(obj, "plan", None)
+        if plan is not None and hasattr(plan, "record"):
+            return plan
+    return None
+
+
+def default_plans(policy, uses_jax: bool) -> dict:
+    """{framework: plan} of the default backend at `policy` on the CPU, for a record made without
+    the models at hand (the demo, the benchmarks): what from_pretrained would choose here."""
+    from torchref.plan import make_plan
+    plans = {"torchref": make_plan(policy, "cpu", "fast")}
+    if uses_jax:
+        from jaxmodel.plan import make_plan as make_jax_plan
+        plans["jaxmodel"] = make_jax_plan(policy, "cpu", "fast")
+    return plans
+
+
+def environment(policy, uses_jax: bool = True, sides: dict | None = None) -> dict:
+    """Flat {name: value} for the report (JSON-safe); policy: a llamaspec.Policy or a preset name.
+    sides: {role ("reference", "candidate", ...): implementation}; each one's plan is recorded
+    under "<role> plan ..." (implementations without a plan, as transformers, record none).
+    Without sides, the plans from_pretrained would make here by default."""
     from llamaspec import Policy
     policy = Policy.get(policy)
     env = {"python": platform.python_version(), "platform": platform.platform(),
            "cpu count": os.cpu_count(), **cpu()}
     env.update({pkg: _version(pkg) for pkg in PACKAGES})
     env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "(unset)")
-    env.update(_torch_settings(policy))
+    env.update(_torch_settings())
     if uses_jax:
-        env.update(_jax_settings(policy))
+        env.update(_jax_settings())
+    plans = default_plans(policy, uses_jax) if sides is None else {
+        role: plan for role, plan in ((r, plan_of(impl)) for r, impl in sides.items()) if plan is not None}
+    for role, plan in plans.items():
+        env.update({f"{role} plan {k}": v for k, v in plan.record().items()})
     return env
+
+
+def sides_of(ref, cand) -> dict:
+    """environment's sides for a comparison of two ladder Sides: their models at the policy."""
+    return {"reference": ref.at_policy, "candidate": cand.at_policy}

@@ -59,15 +59,21 @@ class OurModel:
         # a sharded jaxmodel says so in every report: "jaxmodel (mesh data=1, tensor=3)"
         self.name = self.package if mesh is None else (
             f"{self.package} (mesh {', '.join(f'{a}={n}' for a, n in mesh.shape.items())})")
+        if self.backend == "reference":   # the plain reference, said where it is not the default
+            self.name += " (reference backend)"
         self.taps = tuple(tapnames.all_taps(model.cfg.num_hidden_layers))
 
     @classmethod
-    def load(cls, package: str, checkpoint, policy, batch_invariant: bool = False, mesh=None) -> "OurModel":
-        """mesh: jaxmodel on a jax.sharding.Mesh (jaxmodel/sharding.py); torchref has none."""
+    def load(cls, package: str, checkpoint, policy, batch_invariant: bool = False, mesh=None,
+             backend: str | None = None) -> "OurModel":
+        """mesh: jaxmodel on a jax.sharding.Mesh (jaxmodel/sharding.py); torchref has none.
+        backend: llamaspec.plan.BACKENDS (None: from_pretrained's default)."""
         if package not in PACKAGES:
             raise ValueError(f"unknown implementation '{package}' (one of {', '.join(PACKAGES)})")
         mod = importlib.import_module(package)
         kw = {"batch_invariant": True} if batch_invariant else {}
+        if backend is not None:
+            kw["backend"] = backend
         if mesh is not None:
             if package != "jaxmodel":
                 raise ValueError(f"a mesh is for jaxmodel; {package} runs on one device")
@@ -78,6 +84,12 @@ class OurModel:
     def mesh(self):
         """The jax mesh a sharded jaxmodel runs on (its float64 twin runs on the same), else None."""
         return getattr(self.model, "mesh", None)
+
+    @property
+    def backend(self) -> str | None:
+        """The backend the model runs on (its plan's), None for a model without a plan."""
+        plan = getattr(self.model, "plan", None)
+        return None if plan is None else plan.backend
 
     @property
     def cfg(self):
@@ -118,6 +130,8 @@ class OurModel:
         rounded_weights, over the model's own weights as it rounded them."""
         mod = importlib.import_module(self.package)
         kw = {} if self.mesh is None else {"mesh": self.mesh}     # a sharded model's twin, sharded alike
+        if self.backend == "reference":     # the reference's twin is the reference at float64
+            kw["backend"] = "reference"
         if self.checkpoint is not None and not rounded_weights:
             return OurModel(mod.from_pretrained(self.checkpoint, policy="fp64", **kw), self.checkpoint)
         twin = mod.from_weights(self.model.cfg, self.model.weights(), policy=fp64_policy(self.model.policy), **kw)

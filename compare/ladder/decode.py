@@ -66,7 +66,7 @@ from llamaspec import taps as tapnames
 from llamaspec.inputs import left_align
 
 from ..adapters import OurModel, Side, config_differences, inject_support
-from ..environment import environment
+from ..environment import environment, sides_of
 from ..evidence import ONSET, POOLED_DRIFT, POOLED_NO_STRUCTURE, DecodePath, Pooled
 from ..explain import ladder as explain
 from ..metrics import pair_metrics, rel_l2
@@ -494,8 +494,8 @@ def _decode_report(ref: Side, cand: Side, policy: Policy, runs: _Runs, T: int, j
     return DecodeReport(ref.name, cand.name, policy.to_dict(), len(per_step), T, runs.fed.tolist(), runs.source,
                         worst, None if first is None else first.step,
                         None if first is None else first.first_divergence, per_step, listed, listed_taps, timing,
-                        environment(policy, uses_jax), config_differences(ref.at_policy, cand.at_policy),
-                        runs.oracle)
+                        environment(policy, uses_jax, sides_of(ref, cand)),
+                        config_differences(ref.at_policy, cand.at_policy), runs.oracle)
 
 
 def _which_path(st: StepVerdict, div: Divergence, dec, own, orc, keeps_f32) -> None:

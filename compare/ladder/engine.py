@@ -18,7 +18,7 @@ from llamaspec import InputError, Policy
 from llamaspec import taps as tapnames
 
 from ..adapters import PACKAGES, InjectUnsupported, Side, config_differences, inject_support, resolve_side
-from ..environment import environment
+from ..environment import environment, sides_of
 from ..explain import ladder as explain
 from ..metrics import logits_agreement, pair_metrics
 from ..results import JsonResult
@@ -108,7 +108,7 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
     rung = "run" if c64 is not None else f"not run: {cand.name} has no float64() (the same implementation at float64)"
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
-                  logits, environment(policy, uses_jax), differences, forcing, rung,
+                  logits, environment(policy, uses_jax, sides_of(ref, cand)), differences, forcing, rung,
                   run={"path": "full", "seconds": seconds}, capture=capture)
 
 
@@ -207,7 +207,7 @@ def _run_streamed(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forc
     _lap(s.seconds, "capture check", t0)
     uses_jax = "jaxmodel" in (ref.at_policy.package, cand.at_policy.package)
     return Report(ref.name, cand.name, policy.to_dict(), s.worst, s.divergence, s.verdicts, s.local, s.logits,
-                  environment(policy, uses_jax), differences, "run" if teacher_forcing else "off",
+                  environment(policy, uses_jax, sides_of(ref, cand)), differences, "run" if teacher_forcing else "off",
                   run={"path": "streamed", "seconds": s.seconds}, capture=capture)
 
 

@@ -64,7 +64,7 @@ from llamaspec.generate import until_eos
 from llamaspec.inputs import left_align
 
 from ..adapters import Side
-from ..environment import environment
+from ..environment import environment, sides_of
 from ..explain import ladder as explain
 from ..metrics import rel_l2
 from ..results import JsonResult
@@ -301,7 +301,7 @@ def run_greedy(ref: Side, cand: Side, ids, mask, policy: Policy, new_tokens: int
     verdict = max((r.kind for r in rows), key=GREEDY_KINDS.index)
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
     return GreedyReport(ref.name, cand.name, policy.to_dict(), int(new_tokens), verdict, rows,
-                        environment(policy, uses_jax), ladders)
+                        environment(policy, uses_jax, sides_of(ref, cand)), ladders)
 
 
 def compare_greedy(reference="torchref", candidate="jaxmodel", checkpoint=None, inputs=None, new_tokens: int = 32,
