@@ -14,7 +14,7 @@ Each case's first call is timed apart ("first s": JAX's compile, or its load fro
 persistent compilation cache, plus the first run; torch's allocator warm-up) and left out of
 the median. x sdpa = transformers sdpa's median at the same policy /
 this one's (above 1: faster); / fp32 = this one's median / the same implementation's fp32
-median (on a CPU without bf16 instructions bf16 should stay within 1.2: issue 26).
+median (on a CPU without bf16 instructions bf16 should stay within 1.2x of fp32).
 
 Under an instruction-set cap (the libraries' own switches, as `make test-cap-avx2` sets
 them): `make bench-cap-avx2`. The CPU and the caps in force are printed with the table and
@@ -150,7 +150,7 @@ def run_policies(folder, policies, impls, cases, repeats, say) -> list[dict]:
         for c in cases:
             # each round starts with the next model: a place in the round has its own cost (SmolLM2's
             # capped bf16 decode, the same torchref loaded twice: 0.8 ms a step slower in first place
-            # than in second, docs/measurements.md), so no model keeps one place
+            # than in second, bench/results/2026-12-05-torchref-prefill-page-faults.json), so no model keeps one place
             for key in keys[r % len(keys):] + keys[:r % len(keys)]:
                 before = _minor_faults()
                 times[(c["name"], *key)].append(c["run"](models[key]))

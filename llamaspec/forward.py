@@ -64,7 +64,7 @@ def shared_start(index, T: int, S: int) -> int | None:
     the T keys in a cache of S slots; else None. Then Attention.write_slots' slots (index[b] + t)
     are one block of the cache, and both models write it as such (the same values as the
     scatter): XLA:CPU runs a scatter as a loop over its B * T rows, torch's costs index tensors
-    per layer (docs/measurements.md)."""
+    per layer (bench/results/2026-12-03-jaxmodel-prefill-profile.json)."""
     if not isinstance(index, np.ndarray) or index.size == 0 or (index != index.flat[0]).any():
         return None
     start = int(index.flat[0])

@@ -1,10 +1,10 @@
-"""Issue 12, the file and cache parts: every damaged or foreign file gives one clear error
+"""Bad files and caches: every damaged or foreign file gives one clear error
 (or, where a user expects it to go on, one warning) that starts with the file's path and
 names the tensor key or field; nothing is accepted silently and nothing crashes.
 
 One table (CASES): each row plants one fault in a temporary copy, makes the call that must
 refuse or warn, and gives a regex the message must match. `before` records how the code
-behaved before issue 12's fixes: good (clear error already), poor (an error, but raw or
+behaved before the fixes of 2026-12-01 (6eec8f4 on): good (clear error already), poor (an error, but raw or
 misleading), bad (silently accepted, or a crash).
 """
 

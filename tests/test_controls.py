@@ -147,7 +147,7 @@ def test_dtype_noise_controls_on_padded_batches(name, side, folder):
     assert check(control, report) == [], report.summary()
 
 
-# Issue 13's other classes in torchref and transformers at bf16: RoPE angles rounded at the
+# The other false-alarm classes found on 2026-12-01, in torchref and transformers at bf16: RoPE angles rounded at the
 # policy (a precision that grows with position x frequency) and an epsilon change that bf16
 # (nearly) rounds away where it starts, localised by the fp64 rung.
 PADDED_CLASSES = ["rope_tables_bf16", "hf_rope_angles_bf16", "rmsnorm_eps_hidden_bf16", "hf_rmsnorm_eps_hidden_bf16"]
@@ -187,7 +187,7 @@ def _clean_matrix():
 def test_smollm2_clean_on_a_padded_batch(cand, policy, side, smollm2, smol_ids):
     """Two rows of different lengths, padded on `side`: neither the engine's float64 copies
     (transformers' eager float64 attention and left padding) nor the padding may become a
-    finding (issue 13's false alarm)."""
+    finding (a false alarm found on 2026-12-01)."""
     from compare import compare_models
     ids = np.concatenate([smol_ids[:, :48], smol_ids[:, 16:64]])
     mask = np.ones_like(ids)
@@ -220,7 +220,7 @@ def smol_ids_128(smollm2):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("name", ["hf_rope_angles_bf16", pytest.param("rope_tables_bf16", marks=pytest.mark.slow)])
 def test_smollm2_rope_angles_in_bf16_at_128_tokens(name, smollm2, smol_ids_128):
-    """Issue 13's third class: RoPE angles in bf16 on a bf16 model at 128 tokens was drift;
+    """A false-alarm class found on 2026-12-01: RoPE angles in bf16 on a bf16 model at 128 tokens was drift;
     the precision check now also looks at each quarter of the RoPE frequencies at q_rope /
     k_rope (and transformers' q_rope is recomputed from its own tables)."""
     found_and_confirmed(name, smollm2, smol_ids_128)

@@ -1,4 +1,4 @@
-"""Dumps (issue 15): capture one side, judge it later against a live other side; tampered
+"""Dumps: capture one side, judge it later against a live other side; tampered
 dumps refused by name; the capture verb and compare --candidate-dump end to end."""
 
 import dataclasses

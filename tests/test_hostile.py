@@ -1,4 +1,4 @@
-"""Hostile files and faults (issue 22, docs/threat-model.md): one row per case the issue
+"""Hostile files and faults (docs/threat-model.md): one row per case the hostile-input review
 tried, with the class it had before the fix ("bad": silently wrong, data lost or a security
 hole; "poor": refused with a traceback, a wrong exit code or a misleading message) and the
 message it must show now. Each plant(tmp, request) returns a function that runs the case,
@@ -495,7 +495,7 @@ def _assert_parity_arg(**kw):
 
 
 def _cache_probe_symlink(tmp, request):
-    """Found beyond the issue: the cache's write probe was .write-test-<pid>, a name anyone
+    """Found beyond the review: the cache's write probe was .write-test-<pid>, a name anyone
     sharing the cache could plant as a symlink to truncate a file of the victim's."""
     from llamaspec.cache import ensure_dir
     victim = tmp / "victim.txt"
@@ -520,7 +520,7 @@ def _dump_version_1(tmp, request):
 @dataclasses.dataclass
 class Case:
     id: str
-    before: str        # what the issue found: "bad" or "poor"
+    before: str        # what the review found: "bad" or "poor"
     plant: object
     message: str       # regex the returned text must match
 
@@ -560,7 +560,7 @@ CASES = [
     Case("dump-tap-file-edited", "bad", _edited_tap_file,
          r"layer-0001\.safetensors: sha256 [0-9a-f]{64} differs from [0-9a-f]{64} in manifest\.json: the file was "
          r"changed after the capture"),
-    # beyond the issue
+    # beyond the review
     Case("cache-write-probe-planted-symlink", "bad", _cache_probe_symlink, r"^precious$"),
     Case("dump-format-version-1-no-checksums", "poor", _dump_version_1,
          r"manifest\.json: a version 1 dump, whose manifest holds no checksums of its tap files"),

@@ -267,7 +267,7 @@ def test_cli_end_to_end_writes_reports_and_exits_zero(ck, tmp_path, capsys):
 
 def test_probes_take_torchref_outputs_that_numpy_refuses(ck, tmp_path, monkeypatch, capsys):
     """On a GPU, torchref's logits are a CUDA tensor and np.asarray(tensor) raises (the lent
-    H200, session 30: `probe batch --impl torchref` stopped with an internal error). Here every
+    H200 on 2026-12-04: `probe batch --impl torchref` stopped with an internal error). Here every
     np.asarray of a torch tensor raises the same way, so each probe must bring torchref's
     outputs to the host as torch tensors (to_numpy), never through numpy's array protocol."""
     import torch

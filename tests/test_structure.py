@@ -1,4 +1,4 @@
-"""compare.ladder.structure's tests on a step's own inputs (issue 21 part 3: partial rotary,
+"""compare.ladder.structure's tests on a step's own inputs (partial rotary,
 the activation, a transposed square projection, a missing or doubled residual, q/k swapped),
 each with rounding that must not fire it, and the findings' sentences (compare.explain)."""
 

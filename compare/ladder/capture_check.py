@@ -1,4 +1,4 @@
-"""Does capturing change the numbers? (issue 21, part 4)
+"""Does capturing change the numbers?
 
 Hooks, `sow`, forced outputs and host copies can change what a framework compiles or
 which kernels it picks, and so the numbers it produces: a capture that records every tap

@@ -779,7 +779,7 @@ def hint(findings: list[Finding]) -> str:
     return explain_findings.hint(findings)
 
 
-# --- issue 21: structure named from the step's own inputs --------------------------------
+# --- structure named from the step's own inputs ------------------------------------------
 # Each test below asks whether the candidate computes, exactly, a known wrong variant of the
 # step from its own inputs (tap_inputs: each side's taps that feed this one). "Exactly" is
 # at fp64-rung rounding: a side that keeps f32 steps lands ~1e-7 from its own variant, and

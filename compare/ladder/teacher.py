@@ -139,7 +139,7 @@ def confirm_divergence(d: Divergence, rows, at, policy, keeps_f32) -> None:
     _confirm(d, rows, at, policy, keeps_f32)
 
 
-# ----- inherited taps (issue 21 part 2) ----------------------------------------------------------
+# ----- inherited taps ----------------------------------------------------------------------------
 # After the first divergence, every later tap carries its difference, and the rungs read that
 # inherited difference as findings of their own (dtype noise at the fp64 rung, structure of the
 # bug's propagated error). Teacher forcing says which are: a tap fed the oracle's input to its
