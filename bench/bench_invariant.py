@@ -35,8 +35,7 @@ from compare.environment import environment
 def time_modes(models, ids, n_decode, repeats):
     """{mode: (prefill seconds, decode seconds per token)}, medians of `repeats` after a
     warm-up of each model (JAX compiles then). The modes take turns within each repeat, so
-    a slow spell of the machine (it has happened: one mode 1.5x slower for minutes) falls
-    on both instead of on whichever ran then."""
+    a slow spell of the machine falls on both instead of on whichever ran then."""
     mask, total = np.ones_like(ids), ids.shape[1] + n_decode
 
     def prefill(m):

@@ -171,7 +171,7 @@ def test_noise_controls_are_listed():
 
 def _clean_matrix():
     """Every clean candidate, policy and padding side; the issue's false-alarm cases run by
-    default, the rest with -m slow (2-3 s each on SmolLM2, 64 tokens)."""
+    default, the rest with -m slow (SmolLM2, 64 tokens each)."""
     default = {("transformers-eager", "fp32", "left"), ("transformers-eager", "bf16", "left"),
                ("transformers-sdpa", "bf16", "left"), ("jaxmodel", "bf16", "right")}
     for cand in ("jaxmodel", "transformers-eager", "transformers-sdpa"):

@@ -235,8 +235,8 @@ def _positions(a: np.ndarray, b: np.ndarray) -> tuple[int | None, int | None]:
 
 def rel(cand, ref) -> float:
     """metrics.rel_l2 (NaN on NaN/Inf, the norm of cand - ref where ref is all zero) with
-    the sums in einsum: np.linalg.norm's BLAS dot took 22 ms for 57k values on a loaded
-    2-core machine (its threads spin against the others'), einsum 0.04 ms."""
+    the sums in einsum: np.linalg.norm's BLAS dot stalls on a loaded machine (its threads
+    spin against the others'), einsum does not."""
     c, r = np.asarray(cand, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
     if not (np.isfinite(c).all() and np.isfinite(r).all()):
         return math.nan
