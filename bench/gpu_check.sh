@@ -93,7 +93,7 @@ if [ -z "$ckpt" ]; then  # step 1 skipped, or died before naming its checkpoint:
 from llamaspec.testing import make_checkpoint; print(make_checkpoint(tempfile.mkdtemp() + '/m', seed=0, **s))")
 fi
 
-# jaxmodel's fp32 programs take ~45 s each to compile on the H200 (bf16 ~4 s; session 30), and
+# jaxmodel's fp32 programs take ~45 s each to compile on the H200 (bf16 ~4 s; first run 2026-12-04), and
 # steps 2 and 4 compile one per shape: they run at bf16 (torchref's probe at fp32 too).
 if want 2; then
     step "2: speed, SmolLM2 shapes, torchref / jaxmodel / transformers sdpa, bf16"
@@ -122,7 +122,7 @@ if want 5; then
     run 35 "$PY" -m bench.bench_sharding --checkpoint "$ckpt" --policies fp32,bf16 --repeats 3 \
         --out "$OUT/sharding.json"
 fi
-if want 6; then  # not in the default list: a diagnosis of step 1's 47 s fp32 first call (session 30)
+if want 6; then  # not in the default list: a diagnosis of step 1's 47 s fp32 first call (first run 2026-12-04)
     step "6: jaxmodel's fp32 first forward with XLA:GPU's autotuning off (XLA_FLAGS=--xla_gpu_autotune_level=0)"
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" run 90 "$PY" -c "
 import sys, time, numpy as np, jaxmodel, torchref
