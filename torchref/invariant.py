@@ -1,5 +1,5 @@
 """Batch-invariant versions of the ops whose result for one sequence could depend on the
-rest of the batch: same names and signatures as ops.py (model.ops_for picks the module);
+rest of the batch: same names and signatures as ops.py (the invariant backend: plan.py picks it);
 jaxmodel/invariant.py mirrors this file function by function.
 
 Every product, row sum and exp runs on llamaspec.fixed_order's kernels, whose order per
@@ -21,9 +21,10 @@ from llamaspec import fixed_order as fo
 from llamaspec.errors import InvarianceError
 from llamaspec.selfcheck import check_rows
 
-from . import ops
+from . import fast, ops
 from .dtypes import dt, from_numpy, to_numpy
-from .ops import apply_rope, rope_inv_freq, rotate_half  # noqa: F401 (invariant as is)
+from .fast import times_in_place as times  # noqa: F401 (the same bits as ops.times)
+from .ops import apply_rope, cache_dtype, rope_inv_freq, rotate_half, write_cache  # noqa: F401 (invariant as is)
 
 LAYOUT_MULTIPLE = 4  # canonical widths are multiples of this (fewer shapes; order-free)
 KEY_BLOCK = 64       # keys per attention block: every attention product has this shape
@@ -47,7 +48,7 @@ def _on_cpu(t: torch.Tensor) -> None:
 def _gemm(x: torch.Tensor, packed: "_Packed") -> torch.Tensor:
     """x [M, K] (contiguous; bf16 for bf16 x bf16 pairs, else the accumulator dtype) @ w^T
     -> [M, N] in the accumulator dtype."""
-    return ops.fixed_order_gemm(x, packed.data, packed.wtype, packed.n)
+    return fast.fixed_order_gemm(x, packed.data, packed.wtype, packed.n)
 
 
 def _gemm_batched(x: torch.Tensor, w: torch.Tensor, w_kn: bool) -> torch.Tensor:
@@ -58,7 +59,7 @@ def _gemm_batched(x: torch.Tensor, w: torch.Tensor, w_kn: bool) -> torch.Tensor:
     assert x.stride(-1) == 1 and x.stride(-2) == K and w.is_contiguous()
     y = torch.empty((P, Q, M, N), dtype=x.dtype)
     sn, sk = (1, N) if w_kn else (K, 1)
-    ops.fixed_order_kernels().fo_gemm_batched(P, Q, M, N, K, x.data_ptr(), K, x.stride(0), x.stride(1),
+    fast.fixed_order_kernels().fo_gemm_batched(P, Q, M, N, K, x.data_ptr(), K, x.stride(0), x.stride(1),
                                  w.data_ptr(), _WTYPE[x.dtype], sn, sk, w.stride(0), w.stride(1),
                                  y.data_ptr(), N, y.stride(0), y.stride(1), torch.get_num_threads())
     return y
@@ -68,7 +69,7 @@ def _row_sums(x: torch.Tensor, squares: bool = False) -> torch.Tensor:
     """Sum over the last axis (of x or x^2), one fma chain per row; x f32 or f64."""
     x = x.contiguous()
     s = torch.empty(x.shape[:-1], dtype=x.dtype)
-    ops.fixed_order_kernels().fo_row_sums(s.numel(), x.shape[-1], x.data_ptr(), x.shape[-1], int(squares),
+    fast.fixed_order_kernels().fo_row_sums(s.numel(), x.shape[-1], x.data_ptr(), x.shape[-1], int(squares),
                              int(x.dtype == torch.float64), s.data_ptr(), torch.get_num_threads())
     return s
 
@@ -79,7 +80,7 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     a = x.to(wide).contiguous()
     y = torch.empty_like(a)
-    ops.fixed_order_kernels().fo_exp(a.numel(), a.data_ptr(), int(wide == torch.float64), y.data_ptr(),
+    fast.fixed_order_kernels().fo_exp(a.numel(), a.data_ptr(), int(wide == torch.float64), y.data_ptr(),
                         torch.get_num_threads())
     return y.to(x.dtype)
 
@@ -96,7 +97,7 @@ class _Packed(NamedTuple):
 
 def _pack(ws, bs, policy: Policy) -> _Packed:
     """The weights stacked and packed once per set of tensors (llamaspec.fixed_order.pack_for
-    decides how), kept while they live (ops.kept, with ops.linears' own packed copies), again
+    decides how), kept while they live (fast.kept, with the fast backend's own packed copies), again
     when one is replaced or changed in place (its version counter moves)."""
     def make():
         acc = _acc(policy)
@@ -106,7 +107,7 @@ def _pack(ws, bs, policy: Policy) -> _Packed:
                 if all(b is not None for b in bs) else None)
         return _Packed(from_numpy(packed), wtype, w.shape[0], bias, dt(x_dtype))
     tensors = tuple(ws) + tuple(b for b in bs if b is not None)
-    return ops.kept(tensors, ("fixed-order", policy.compute_dtype, policy.accum_dtype), make)
+    return fast.kept(tensors, ("fixed-order", policy.compute_dtype, policy.accum_dtype), make)
 
 
 # ----- the ops ----------------------------------------------------------------------------

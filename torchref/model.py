@@ -7,8 +7,10 @@ one-to-one. The math lives in ops.py; modules only hold weights and wire ops tog
 Every step follows the precision policy. jaxmodel/model.py is the same file in JAX: same
 classes, arguments, cache and tap names.
 
-batch_invariant=True hands every module invariant.py instead of ops.py (ops_for; same
-function names, docs/invariance.md says why) and runs every call in the canonical layout
+Every module calls its ops through `self.ops`, the backend's namespace (ops.py itself for
+the reference, fast.py's or invariant.py's for the others: the same names and signatures), which
+plan.py picks once at load (model.plan says what each op runs on). The invariant backend
+(batch_invariant=True, docs/invariance.md) runs every call in the canonical layout
 of llamaspec.inputs.layout. The KV cache keeps that layout: row b's tokens fill slots
 [0, lens[b]) and a decode step writes each row at its own slot lens[b], so a row's keys
 sit in the same blocks whatever the other rows' lengths.
@@ -16,7 +18,6 @@ sit in the same blocks whatever the other rows' lengths.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -26,24 +27,18 @@ from torch import nn
 from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, load_weights, positions_from_mask
 from llamaspec import generate as run_generation
 from llamaspec import taps as tapnames
-from llamaspec.forward import KV, Context, Recorder, shared_start
+from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill, layout
+from llamaspec.plan import backend_name
 
-from . import invariant, ops
-from .dtypes import cast, dt, from_numpy, matmul_settings, to_numpy
-
-
-@contextlib.contextmanager
-def call_settings(policy: Policy):
-    """What every call of a model runs under: torch's matmul settings for the policy
-    (dtypes.matmul_settings) and one set of ops' decisions for the call (ops.one_call)."""
-    with matmul_settings(policy), ops.one_call():
-        yield
+from . import invariant
+from .dtypes import cast, check_matmul_settings, dt, from_numpy, to_numpy
+from .plan import make_backend
 
 
-def ops_for(batch_invariant: bool):
-    """The op functions every module calls: ops.py, or invariant.py (same names)."""
-    return invariant if batch_invariant else ops
+def ops_for(batch_invariant: bool, policy: Policy | str = "fp32", device="cpu"):
+    """The op namespace every module calls by default: the fast backend's, or invariant.py."""
+    return make_backend(policy, device, "invariant" if batch_invariant else "fast")[1]
 
 
 def _weight(*shape) -> nn.Parameter:
@@ -97,55 +92,28 @@ class Attention(nn.Module):
         """cache: None (keys are this call's tokens), or this call's keys and values go to
         slots index[b] + t of row b in layer `layer`, and attention reads the cache."""
         B, T, _ = x.shape
-        # q, k, v in one ops.linears call: batch-invariant mode packs the three as one product
-        # (speed; jaxmodel packs a Linear each)
+        # q, k, v in one ops.linears call (a backend may run them as one product)
         projs = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], ctx.policy)
         q = rec("q", q.view(B, T, self.heads, self.head_dim))
         k = rec("k", k.view(B, T, self.kv_heads, self.head_dim))
         v = rec("v", v.view(B, T, self.kv_heads, self.head_dim))
-        q, k = self.rotated(q, k, ctx, cache)
-        q, k = rec("q_rope", q), rec("k_rope", k)
+        cos, sin = self.key_tables(ctx, cache)
+        q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
+        k = rec("k_rope", self.ops.apply_rope(k, cos, sin))
         allowed = ctx.allowed
         if cache is not None:
             # a [B, Hkv, S, D] tensor per layer, written in place: attention reads each kv head's
             # keys as a strided view, no copy (jaxmodel: one [L, B, S, Hkv, D] array)
             k_all, v_all = cache.k[layer], cache.v[layer]
-            start, index = _cache_slots(cache.index, T, k_all.shape[2], x.device)
-            if start is not None and getattr(self.write_slots, "__func__", None) is _OWN_WRITE_SLOTS:
-                # the module's own slots (no control replaced the seam), every row's from one slot
-                # the host knows: one block of the cache, as the scatter writes it (shared_start;
-                # a batch-1 decode step's 60 scatters cost about 1 ms on a Zen 4)
-                k_all.narrow(2, start, T).copy_(self.stored(k).transpose(1, 2))
-                v_all.narrow(2, start, T).copy_(self.stored(v).transpose(1, 2))
-            else:
-                rows = torch.arange(B, device=x.device)[:, None]
-                slots = self.write_slots(index, T, k_all.shape[2])
-                k_all[rows, :, slots], v_all[rows, :, slots] = self.stored(k), self.stored(v)
-            allowed = self.cache_allowed(ctx.allowed, index)
+            slots = self.write_slots(cache.index, T, k_all.shape[2])
+            self.ops.write_cache(k_all, slots, self.stored(k))
+            self.ops.write_cache(v_all, slots, self.stored(v))
+            allowed = self.cache_allowed(ctx.allowed, cache.index)
             S = allowed.shape[-1]  # the slots this call may see (all of them by default)
             k, v = (t.narrow(2, 0, S).transpose(1, 2) for t in (k_all, v_all))
         out = rec("attn_ctx", self.ops.attention(q, k, v, allowed, ctx.policy).reshape(B, T, -1))
         return self.o_proj(out, ctx.policy), cache
-
-    def rotated(self, q, k, ctx: Context, cache: KV | None):
-        """q and k [B, T, heads, D] after RoPE: q on the call's tables, k on key_tables'. A bf16
-        prompt's q and k rotate in one call of the fixed-order kernels where no control replaced
-        apply_rope (ops.kernel_rope: the same bits, one call for apply_rope's ten tensors; a
-        decode step's was slower so in the model, 22.8 against 22.6 ms a step on a Zen 4). Else,
-        in a decode step (T = 1) whose tables are the call's own (no control replaced the seam),
-        the two go through one apply_rope, their heads side by side: the same elementwise
-        arithmetic in half the ops, which cost a decode step microseconds each, more than their
-        arithmetic (a prompt's rotation is its arithmetic, and a strided q slowed fp32 prefill
-        2048 by 2%; jaxmodel rotates them apart)."""
-        cos, sin = self.key_tables(ctx, cache)
-        if q.shape[1] >= 2 and self.ops.apply_rope is ops.apply_rope and ops.kernel_rope_applies(q, k):
-            # a bf16 prompt: both in one call of the fixed-order kernels, the same bits (ops.kernel_rope)
-            return ops.kernel_rope(q, k, ctx.cos, ctx.sin, cos, sin)
-        if q.shape[1] == 1 and cos is ctx.cos and sin is ctx.sin:
-            both = self.ops.apply_rope(torch.cat([q, k], dim=2), cos, sin)
-            return both.narrow(2, 0, self.heads), both.narrow(2, self.heads, self.kv_heads)
-        return self.ops.apply_rope(q, ctx.cos, ctx.sin), self.ops.apply_rope(k, cos, sin)
 
     # Seams: one step each of the cache path, which a planted-bug control may replace on one
     # layer (compare/controls); jaxmodel's Attention has the same four.
@@ -158,31 +126,12 @@ class Attention(nn.Module):
         return index[:, None] + torch.arange(T, device=index.device)
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
-        """A key or value as the cache keeps it: as computed (the cache is in compute_dtype)."""
+        """A key or value as the cache keeps it: as computed."""
         return x
 
     def cache_allowed(self, allowed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The mask [B, T, S] over the cache this call attends with: the call's own."""
         return allowed
-
-
-# write_slots as defined here: a seam replaced on the instance or on the class (a control, a test)
-# is not this function, and its slots go through the scatter
-_OWN_WRITE_SLOTS = Attention.write_slots
-
-
-def _cache_slots(index, T: int, S: int, device) -> tuple[int | None, torch.Tensor]:
-    """(shared_start(index, T, S), KV.index as the seams take it: a tensor [B]), worked out once
-    for a call's index array (ops.last_answer: kept for the last array while it lives), not once a
-    layer: a decode step's numpy test and tensor cost microseconds a layer. Every layer of a call
-    reads the same array with the same T and S; a call makes its own array (never changed in
-    place)."""
-    if not isinstance(index, np.ndarray):
-        return shared_start(index, T, S), index
-    return ops.last_answer(_LAST_SLOTS, index, lambda i: (shared_start(i, T, S), torch.as_tensor(i, device=device)))
-
-
-_LAST_SLOTS: list = [None]   # (weak ref to the last KV.index array _cache_slots read, its answer)
 
 
 class MLP(nn.Module):
@@ -193,35 +142,12 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x, policy: Policy, rec: Recorder):
-        block = self.row_block(x, policy)
-        if block is None:
-            return self.rows(x, policy, rec)
-        # a long prompt's rows in blocks (ops.mlp_row_block: the same bits); each block's taps
-        # recorded apart, then put together in the call's shape (jaxmodel has none: XLA:CPU plans
-        # a program's temporary buffers as a whole; 34k-36k faults a 2048-token prefill, session 36)
-        flat = x.reshape(-1, x.shape[-1])
-        starts = range(0, flat.shape[0], block)
-        recs = [Recorder(rec.wanted, rec.prefix) for _ in starts]
-        out = torch.cat([self.rows(flat[a:a + block], policy, r) for a, r in zip(starts, recs)])
-        for name in recs[0].acts:
-            rec.acts[name] = torch.cat([r.acts[name] for r in recs]).reshape(*x.shape[:-1], -1)
-        return out.reshape(*x.shape[:-1], -1)
-
-    def row_block(self, x, policy: Policy) -> int | None:
-        """ops.mlp_row_block for x's rows; None where a control replaced the module's products or
-        SiLU (its op need not be the same function of each row)."""
-        if self.ops.linears is not ops.linears or self.ops.silu is not ops.silu:
-            return None
-        width = self.gate_proj.weight.shape[0] + self.up_proj.weight.shape[0]
-        return ops.mlp_row_block(x.numel() // x.shape[-1], width, policy, x.device)
-
-    def rows(self, x, policy: Policy, rec: Recorder):
-        # gate and up in one ops.linears call (speed, as q/k/v; jaxmodel: a Linear each)
+        # gate and up in one ops.linears call (a backend may run them as one product)
         projs = (self.gate_proj, self.up_proj)
         gate, up = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], policy)
         rec("gate", gate), rec("up", up)
-        act = rec("act", ops.times(self.ops.silu(gate), up, gate))
-        del gate, up   # freed (on the fixed-order kernel one tensor for both) before down_proj's result is made
+        act = rec("act", self.ops.times(self.ops.silu(gate), up, gate))
+        del gate, up   # freed before down_proj's result is made
         return self.down_proj(act, policy)
 
 
@@ -244,16 +170,18 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """The network. cfg, policy and ops are plain attributes; parameter names are the
+    """The network. cfg, policy, plan and ops are plain attributes; parameter names are the
     checkpoint keys without the "model." prefix (lm_head keeps its own). torch modules are
-    built shape-first, so weights are installed after (weights=None: shapes only)."""
+    built shape-first, so weights are installed after (weights=None: shapes only). backend:
+    reference, fast or invariant (None: llamaspec.plan.backend_name's rule)."""
 
     def __init__(self, cfg: LlamaConfig, policy: Policy, weights: dict[str, np.ndarray] | None = None,
-                 batch_invariant: bool = False, device: str | torch.device = "cpu"):
+                 batch_invariant: bool = False, device: str | torch.device = "cpu", backend: str | None = None):
         super().__init__()
-        self.cfg, self.policy, self.batch_invariant = cfg, policy, batch_invariant
+        backend = backend_name(backend, batch_invariant)
+        self.cfg, self.policy, self.batch_invariant = cfg, policy, backend == "invariant"
         self.device = torch.device(device)
-        self.ops = ops_for(batch_invariant)
+        self.plan, self.ops = make_backend(policy, self.device, backend)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, self.ops) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
@@ -292,9 +220,7 @@ class Llama(nn.Module):
         self.get_submodule(owner)._parameters[name] = p
 
     def head_weight(self) -> torch.Tensor:
-        """The lm_head's [vocab, hidden] matrix (the embedding table when tied). bf16/fp16
-        policies keep logits in f32: ops.linear widens this matrix for them (once, or a chunk at
-        a time for a decode step's few rows)."""
+        """The lm_head's [vocab, hidden] matrix (the embedding table when tied)."""
         return (self.embed_tokens if self.lm_head is None else self.lm_head).weight
 
     def forward(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None):
@@ -308,6 +234,8 @@ class Llama(nn.Module):
         rec = Recorder(taps)
         h = rec("embed", self.embed_tokens(ids).to(residual))
         ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions)
+        if cache is not None and isinstance(cache.index, np.ndarray):
+            cache = cache._replace(index=torch.as_tensor(cache.index, device=ids.device))   # once per call
         for i, block in enumerate(self.layers):
             if inject and i in inject:
                 h = inject[i].to(residual)
@@ -336,13 +264,8 @@ def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions: torch.Tensor):
 
 
 def head_logits(x: torch.Tensor, head: torch.Tensor, ops, policy: Policy) -> torch.Tensor:
-    """The lm_head: final_norm output x times the [vocab, hidden] matrix (or a chunk of its rows).
-    A bf16 policy's f32 logits of a decode step's few rows run on the fixed-order kernel where
-    ops.kernel_logits says so (invariant.linear: the same products, summed in its order)."""
-    rows = x.numel() // x.shape[-1]
-    if ops is not invariant and ops.kernel_logits(dt(policy.compute_dtype), dt(policy.accum_dtype),
-                                                  dt(policy.logits_dtype), rows, x.device):
-        return invariant.linear(x, head, None, policy, policy.logits_dtype)
+    """The lm_head: final_norm output x times the [vocab, hidden] matrix (or a chunk of its rows),
+    rounded to the policy's logits dtype."""
     return ops.linear(x, head, None, policy, policy.logits_dtype)
 
 
@@ -353,7 +276,7 @@ class LlamaModel(nn.Module):
     def __init__(self, module: Llama):
         super().__init__()
         self.cfg, self.policy, self.batch_invariant = module.cfg, module.policy, module.batch_invariant
-        self.device = module.device
+        self.device, self.plan = module.device, module.plan
         self.model = module
 
     @property
@@ -389,7 +312,7 @@ class LlamaModel(nn.Module):
         """Logits [B, T, V] in the policy's logits dtype."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
-        with call_settings(self.policy):
+        with check_matmul_settings(self.policy, self.device):
             logits, _, _ = self.model(self._tensor(run.ids), self._tensor(run.positions).long(),
                                       causal_allowed(self._tensor(run.mask), run.ids.shape[1]))
         return self._tensor(run.restore(to_numpy(logits))) if self.batch_invariant else logits
@@ -405,7 +328,7 @@ class LlamaModel(nn.Module):
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
         forced = {i: self._tensor(run.place(x)) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
-        with call_settings(self.policy):
+        with check_matmul_settings(self.policy, self.device):
             logits, acts, _ = self.model(self._tensor(run.ids), self._tensor(run.positions).long(),
                                          causal_allowed(self._tensor(run.mask), run.ids.shape[1]), names,
                                          inject=forced)
@@ -417,11 +340,10 @@ class LlamaModel(nn.Module):
     # jaxmodel; batch-invariant mode keeps lens [B] in place of the last three.
 
     def _empty_cache(self, B: int, S: int) -> KV:
-        """Keys and values in compute_dtype, or widened where attention widens them
-        (ops.cache_dtype: the same values in f32; not in batch-invariant mode); the write index
-        on the host (numpy zeros: llamaspec.forward.shared_start)."""
+        """Keys and values in the backend's cache_dtype (compute_dtype, or the same values widened
+        where its attention widens them); the write index on the host."""
         cfg, policy = self.cfg, self.policy
-        dtype = dt(policy.compute_dtype) if self.batch_invariant else ops.cache_dtype(policy, self.device)
+        dtype = self.model.ops.cache_dtype(policy, self.device)
         shape = (B, cfg.num_key_value_heads, S, cfg.head_dim)
         zeros = [[torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
                  for _ in "kv"]
@@ -454,7 +376,7 @@ class LlamaModel(nn.Module):
                  "next_pos": self._tensor(mask.sum(1).astype(np.int64)), "index": T}
         cache["mask"][:, :T] = self._tensor(mask.astype(bool))
         last = torch.full((B,), T - 1, device=self.device)
-        with call_settings(self.policy):
+        with check_matmul_settings(self.policy, self.device):
             logits, acts, _ = self.model(self._tensor(ids), self._tensor(positions_from_mask(mask)).long(),
                                          causal_allowed(cache["mask"], T), names, cache=kv, last=last, inject=forced)
         return to_numpy(logits[:, -1]), cache, {n: to_numpy(acts[n]).copy() for n in names}
@@ -486,7 +408,7 @@ class LlamaModel(nn.Module):
         forced = {k: self._tensor(x) for k, x in check_inject(self.cfg, inject, (B, 1)).items()}
         cache["mask"][:, i] = True
         kv = KV(cache["k"], cache["v"], np.full(B, i, np.int64))
-        with call_settings(self.policy):
+        with check_matmul_settings(self.policy, self.device):
             logits, acts, _ = self.model(self._tensor(next_ids)[:, None], cache["next_pos"][:, None],
                                          causal_allowed(cache["mask"], 1, i), names, cache=kv, inject=forced)
         cache["index"] = i + 1
@@ -502,7 +424,7 @@ class LlamaModel(nn.Module):
         cache = {"k": kv.k, "v": kv.v, "lens": self._tensor(run.mask.sum(1).astype(np.int64))}
         visible = torch.zeros((B, -(-W // Kb) * Kb), dtype=torch.int32, device=self.device)
         visible[:, :W] = self._tensor(run.mask)
-        with call_settings(self.policy):
+        with check_matmul_settings(self.policy, self.device):
             logits, _, _ = self.model(self._tensor(run.ids), self._tensor(run.positions).long(),
                                       causal_allowed(visible, W), cache=kv, last=cache["lens"] - 1)
         return to_numpy(logits[:, -1]), cache
@@ -515,7 +437,7 @@ class LlamaModel(nn.Module):
         next_ids = check_next_ids(self.cfg, next_ids, B, longest, S)
         width = min(S, -(-(longest + 1) // Kb) * Kb)
         allowed = (torch.arange(width, device=self.device)[None, :] <= lens[:, None])[:, None, :]
-        with call_settings(self.policy):
+        with check_matmul_settings(self.policy, self.device):
             logits, acts, _ = self.model(self._tensor(next_ids)[:, None], lens[:, None], allowed, names,
                                          cache=KV(cache["k"], cache["v"], lens))
         cache["lens"] = lens + 1
@@ -537,11 +459,15 @@ class LayerRunner:
     Llama whose one block, final norm and lm_head chunk get their weights installed
     (rounded as Llama rounds them) for the call and dropped after it. Arrays in and
     out are numpy; a hidden state given back to `block` is used as is (the residual dtype).
-    Not in batch-invariant mode."""
+    backend: reference or fast (the invariant backend needs the canonical layout: an error)."""
 
-    def __init__(self, cfg: LlamaConfig, policy: str | Policy, device: str | None = None):
+    def __init__(self, cfg: LlamaConfig, policy: str | Policy, device: str | None = None, backend: str = "fast"):
+        if backend == "invariant":
+            raise ValueError("LayerRunner: the invariant backend runs whole calls in the canonical layout; "
+                             "a layer-streamed comparison takes backend='reference' or 'fast'")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.module = Llama(cfg, Policy.get(policy), device=device)
+        self.module = Llama(cfg, Policy.get(policy), device=device, backend=backend)
+        self.plan = self.module.plan
         self.cfg, self.policy = cfg, self.module.policy
         self.ctx: Context | None = None
 
@@ -577,7 +503,7 @@ class LayerRunner:
             m._install(key, weights[key], shapes[key])
         rec = Recorder({*taps, f"layers.{i}.out"})
         try:
-            with call_settings(self.policy):
+            with check_matmul_settings(self.policy, m.device):
                 block(self._residual(self._tensor(h)), self.ctx, rec.layer(i))
         finally:
             for key in shapes:
@@ -588,14 +514,14 @@ class LayerRunner:
     def final_norm(self, weight: np.ndarray, h: np.ndarray) -> np.ndarray:
         m = self.module
         m._install("model.norm.weight", weight, (self.cfg.hidden_size,))
-        with call_settings(self.policy):
+        with check_matmul_settings(self.policy, m.device):
             return to_numpy(m.norm(self._residual(self._tensor(h)), self.policy))
 
     @torch.inference_mode()
     def logits(self, x: np.ndarray, head_rows: np.ndarray) -> np.ndarray:
         """The logits of final_norm output x for the lm_head rows given (a vocabulary chunk)."""
         m = self.module
-        with call_settings(self.policy):
+        with check_matmul_settings(self.policy, m.device):
             return to_numpy(head_logits(self._tensor(x), m._param(head_rows), m.ops, self.policy))
 
 
@@ -616,21 +542,23 @@ def causal_allowed(mask: torch.Tensor, n_queries: int, first_query_slot: int = 0
 
 
 def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str | Policy = "fp32",
-                 batch_invariant: bool = False, device: str | None = None) -> LlamaModel:
+                 batch_invariant: bool = False, device: str | None = None, backend: str | None = None) -> LlamaModel:
     """A model from checkpoint-keyed numpy weights (as load_weights or weights() give them),
     each rounded to the policy's param_dtype.
 
-    batch_invariant=True: a sequence's logits and greedy completions are bitwise the same
-    whatever the rest of the batch, its row and its padding (see invariant.py)."""
+    backend: "reference" (ops.py), "fast" (the default) or "invariant" (= batch_invariant=True: a
+    sequence's logits and greedy completions are bitwise the same whatever the rest of the batch,
+    its row and its padding; see invariant.py)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    module = Llama(cfg, Policy.get(policy), weights, batch_invariant, device).eval()
-    if batch_invariant:
+    module = Llama(cfg, Policy.get(policy), weights, batch_invariant, device, backend).eval()
+    if module.batch_invariant:
         invariant.self_check(module)
     return LlamaModel(module).eval()
 
 
 def from_pretrained(path: str | Path, policy: str | Policy = "fp32", batch_invariant: bool = False,
-                    device: str | None = None, check_finite: bool = True) -> LlamaModel:
-    """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy."""
+                    device: str | None = None, check_finite: bool = True, backend: str | None = None) -> LlamaModel:
+    """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy,
+    computing on `backend` (from_weights)."""
     cfg, weights = load_weights(path, check_finite=check_finite)
-    return from_weights(cfg, weights, policy, batch_invariant, device)
+    return from_weights(cfg, weights, policy, batch_invariant, device, backend)

@@ -1,0 +1,140 @@
+"""torchref's plan: how a loaded model computes, decided once at load (llamaspec.plan.Plan).
+
+The only module of torchref that reads environment variables, the CPU's flags and torch's
+library states. It turns them into the fast backend's typed choices (fast.Choices) and a
+Plan record for reports; model.py holds both (model.plan, the network's ops namespace).
+
+    LLAMA_PARITY_PRODUCTS  = auto | kernel | reference    the fixed-order gemm for few-row / off-Intel products
+    LLAMA_PARITY_LOGITS    = auto | kernel | reference    the fixed-order gemm for a bf16 policy's f32 logits
+    LLAMA_PARITY_ATTENTION = auto | fused | kernel | reference   torch's sdpa / the fixed-order attention
+    LLAMA_PARITY_BF16_DOTS = auto | native | widened      16-bit products in hardware or widened to f32
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import warnings
+
+import torch
+
+from llamaspec import Policy, cpuinfo
+from llamaspec.errors import InvarianceError, PolicyError
+from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, read_settings
+
+from . import fast, invariant, ops
+
+PRODUCTS_ENV = "LLAMA_PARITY_PRODUCTS"
+LOGITS_ENV = "LLAMA_PARITY_LOGITS"
+ATTENTION_ENV = "LLAMA_PARITY_ATTENTION"
+SETTINGS = (PRODUCTS_ENV, LOGITS_ENV, ATTENTION_ENV, cpuinfo.BF16_DOTS_ENV, "LLAMA_PARITY_KERNEL_ISA",
+            "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+_CHOICES = {PRODUCTS_ENV: ("auto", "kernel", "reference"), LOGITS_ENV: ("auto", "kernel", "reference"),
+            ATTENTION_ENV: ("auto", "fused", "kernel", "reference")}
+
+# oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA) that keep bf16 / fp16 products in hardware,
+# as prefixes: AVX512_CORE_BF16 and above for bf16, AVX512_CORE_FP16 and above for fp16.
+_HARDWARE_CAPS = {"bfloat16": ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT"),
+                  "float16": ("AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT")}
+# the CPU flags of bf16 / fp16 products in hardware, the AMX one first
+_HARDWARE_FLAGS = {"bfloat16": ("amx_bf16", "avx512_bf16"), "float16": ("amx_fp16", "avx512_fp16")}
+
+
+def _choice(env: dict, name: str) -> str:
+    value = (env.get(name) or "auto").strip().lower() or "auto"
+    if value not in _CHOICES[name]:
+        raise PolicyError(f"{name}={value!r}: expected {', '.join(_CHOICES[name])}")
+    return value
+
+
+def _hardware(dtype: str, flags: frozenset, dots: str, cap: str, mkldnn: bool) -> bool:
+    """Whether torch multiplies `dtype` (bf16 / fp16) matrices of many rows in hardware here: oneDNN
+    on AMX tiles or AVX-512 pair products, enabled and not capped below them; elsewhere torch runs
+    them in software, several times slower than its f32 product, so the fast backend widens them.
+    $LLAMA_PARITY_BF16_DOTS overrides (native: torch's 16-bit kernels anywhere; widened)."""
+    if dots != "auto":
+        return dots == "native"
+    return any(f in flags for f in _HARDWARE_FLAGS[dtype]) and cap.startswith(_HARDWARE_CAPS[dtype]) and mkldnn
+
+
+def _kernel_isa(needed: bool, strict: bool) -> tuple[int | None, str | None]:
+    """(the fixed-order kernels' code path, why they could not be built): (None, None) when not needed."""
+    if not needed:
+        return None, None
+    try:
+        return fast.fixed_order_kernels().fo_isa(), None
+    except InvarianceError as e:
+        if strict:
+            raise
+        warnings.warn(f"torchref's fixed-order kernels are not available ({e}); the fast backend runs "
+                      "torch's ops in their place", RuntimeWarning, stacklevel=4)
+        return None, str(e)
+
+
+def choices(policy: Policy, device: torch.device, env: dict) -> fast.Choices:
+    """The fast backend's choices for `policy` on `device` from these settings and this machine."""
+    name, flags = cpuinfo.name_and_flags()
+    dots = cpuinfo.dots_choice(env.get(cpuinfo.BF16_DOTS_ENV))
+    cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
+    mkldnn = torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled)
+    hardware = {d: _hardware(d, flags, dots, cap, mkldnn) for d in _HARDWARE_FLAGS}
+    amx = {d: hardware[d] and _HARDWARE_FLAGS[d][0] in flags
+           and cap.startswith(("AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT")) for d in _HARDWARE_FLAGS}
+    products, logits, attention = (_choice(env, n) for n in (PRODUCTS_ENV, LOGITS_ENV, ATTENTION_ENV))
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    cpu = device.type == "cpu"
+    strict = "kernel" in (products, logits, attention)
+    isa, error = _kernel_isa(cpu and x86 and (policy.compute_dtype in ("float32", "bfloat16", "float16")
+                                              or strict), strict)
+    return fast.Choices(
+        products=products, logits=logits, attention=attention, x86=x86, kernel_isa=isa, kernel_error=error,
+        hardware_bf16=hardware["bfloat16"], hardware_fp16=hardware["float16"], amx_bf16=amx["bfloat16"],
+        amx_fp16=amx["float16"], dots_auto=dots == "auto",
+        mkl_off_intel=torch.backends.mkl.is_available() and cpuinfo.vendor() not in ("", "GenuineIntel"))
+
+
+def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast"):
+    """(Plan, the ops namespace every module calls) for `backend` at `policy` on `device`."""
+    policy, device = Policy.get(policy), torch.device(device)
+    backend = backend_name(backend, False)
+    env = {n: os.environ[n] for n in SETTINGS if n in os.environ}
+    name, flags = cpuinfo.name_and_flags()
+    isa, error = None, None
+    if backend == "fast":
+        c = choices(policy, device, env)
+        namespace, described = fast.namespace(c), fast.describe(c, policy, device)
+        isa, error = c.kernel_isa, c.kernel_error
+    elif backend == "invariant":
+        namespace = invariant
+        described = {op: "fixed-order kernels (batch-invariant)" for op in ("products", "logits", "attention", "norm")}
+        try:
+            isa = fast.fixed_order_kernels().fo_isa()
+        except InvarianceError as e:
+            error = str(e)
+    else:
+        namespace, described = ops, {}
+    plan = Plan(backend=backend, framework="torch", device=str(device), policy=policy.name, cpu=name,
+                cpu_vendor=cpuinfo.vendor(), cpu_flags=tuple(f for f in ISA_FLAGS if f in flags),
+                kernel_isa=None if isa is None else _isa_name(isa), kernel_error=error,
+                settings=read_settings(SETTINGS), libraries=_libraries(),
+                ops=tuple((op, described.get(op, "reference")) for op in OPS))
+    return plan, namespace
+
+
+def make_plan(policy: str | Policy, device="cpu", backend: str | None = "fast") -> Plan:
+    """The Plan from_pretrained(..., backend=backend) would hold for `policy` on `device` here."""
+    return make_backend(policy, device, backend)[0]
+
+
+def _isa_name(isa: int) -> str:
+    from llamaspec import fixed_order as fo
+    return {v: k for k, v in fo.ISAS.items()}[isa]
+
+
+def _libraries() -> tuple[tuple[str, str], ...]:
+    """The torch library states a plan depends on."""
+    return (("torch", torch.__version__), ("torch cpu capability", torch.backends.cpu.get_cpu_capability()),
+            ("torch blas", "mkl" if torch.backends.mkl.is_available() else "other"),
+            ("onednn", "enabled" if torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+             else "off"),
+            ("onednn fp32 precision", str(torch.backends.mkldnn.matmul.fp32_precision)))
