@@ -1,5 +1,5 @@
 """Batch-invariant versions of the ops whose result for one sequence could depend on the
-rest of the batch: same names as ops.py (model.ops_for picks the module); mirrors
+rest of the batch: the invariant backend, with ops.py's op names (plan.py picks it); mirrors
 torchref/invariant.py function by function.
 
 Products (on weights packed once at load), row sums and exp run on llamaspec/fixed_order.h's
@@ -11,15 +11,23 @@ self_check() verifies the promise on this machine at load.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from llamaspec import Policy
 
 from . import kernels, ops
 from .dtypes import of
+from .fast import Fast, write_cache  # noqa: F401 (a prompt's keys as one block: the same values)
 from .kernels import PackedWeight
-from .ops import apply_rope, rope_cos_sin, rope_inv_freq, rotate_half  # noqa: F401 (invariant as is)
+from .ops import kv_dtype, norm_weight, rope_cos_sin, rope_inv_freq, rotate_half, scanned  # noqa: F401 (as is)
+
+apply_rope = Fast.apply_rope   # elementwise, the same bits in any batch (bf16: fast's vector form)
+ROW_PARALLEL = False           # the fixed-order kernels run whole on each device (docs/sharding.md)
 
 LAYOUT_MULTIPLE = 16  # canonical widths are multiples of this (fewer compiled shapes; order-free)
 KEY_BLOCK = 64        # keys per attention block: every attention product has this shape
@@ -36,9 +44,36 @@ def pack(w, policy: Policy) -> PackedWeight:
     return PackedWeight.of(w, policy.compute_dtype, policy.accum_dtype)
 
 
-def linear(x, w: PackedWeight, b, policy: Policy, out_dtype=None):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "packed"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """A matrix as linear() takes it: data, its values in param_dtype (indexing reads them), and
+    packed, the same packed once for fixed_order's gemm."""
+    data: jax.Array
+    packed: PackedWeight
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+
+def prepare(w, policy: Policy, layout=None, one_row: bool = True) -> Weight:
+    """ops.prepare: w with its packed form, from the values as rounded to param_dtype. On a mesh
+    the packed array is replicated (the fixed-order kernels are per-device code, run whole on each
+    device: docs/sharding.md)."""
+    from .sharding import to_host
+    p = pack(to_host(w), policy)
+    data = p.data if layout is None else layout.put_replicated(np.asarray(p.data))
+    return Weight(w, PackedWeight(data, p.n, p.k, p.wtype, p.x_dtype, p.acc))
+
+
+def linear(x, w: Weight, b, policy: Policy, out_dtype=None):
     """ops.linear: operands rounded to compute_dtype, products summed in the accumulator
     by fixed_order's gemm on the packed weight, bias added, rounded once to out_dtype."""
+    w = w.packed if isinstance(w, Weight) else w
     rows = x.reshape(-1, x.shape[-1]).astype(of(policy.compute_dtype)).astype(w.x_dtype)
     y = kernels.gemm(rows, w)
     if b is not None:
@@ -120,10 +155,6 @@ def self_check(module) -> None:
     token per row (decode) and LAYOUT_MULTIPLE tokens per row (prefill), RMSNorm, silu,
     attention and RoPE's tables on random rows; raises InvarianceError naming the op otherwise. Each op is
     compiled with the batch-invariant compiler options, as the model's programs are."""
-    import functools
-
-    import numpy as np
-
     from llamaspec.selfcheck import check_rows
 
     from .dtypes import compiler_options
@@ -151,7 +182,7 @@ def self_check(module) -> None:
 
     def lin(m, x, out_dtype=None):
         bias = None if m.bias is None else m.bias[...]
-        return rows_of(lambda x, w, b: linear(x, w, b, policy, out_dtype), x, m.packed_weight(), bias)
+        return rows_of(lambda x, w, b: linear(x, w, b, policy, out_dtype), x, m.weight.get_value(), bias)
 
     checks = {
         "linear q_proj (one token)": lin(attn.q_proj, x1),
@@ -179,7 +210,6 @@ def _attention_rows(cfg, policy: Policy, rng, jit, pool):
     """Rows for the attention check: sequences of random lengths (up to two key blocks),
     keys at slots [0, n) as the canonical layout puts them; the batch's longest row sets
     the width, rounded up to LAYOUT_MULTIPLE, as in the model."""
-    import numpy as np
     compute = of(policy.compute_dtype)
     H, Hkv, D, S = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, KEY_BLOCK + LAYOUT_MULTIPLE
     q, k, v = (np.asarray(rng.standard_normal((pool, S, h, D)), np.float32) for h in (H, Hkv, Hkv))

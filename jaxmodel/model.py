@@ -13,15 +13,18 @@ every decode step, and passing the state as an argument keeps the weights inputs
 compiled program, never constants in it.
 
 The KV cache is a plain dict passed in and returned, with torchref's keys: k, v [L, B, S,
-Hkv, D] in compute_dtype (a 16-bit policy on the CPU holds them widened to f32: the same
-values, ops.Widened), mask [B, S] (slots holding a real token), next_pos [B] (next
+Hkv, D] in the backend's kv_dtype (compute_dtype; fast keeps a 16-bit policy's widened to
+f32 on the CPU: the same values), mask [B, S] (slots holding a real token), next_pos [B] (next
 position per row) and index (the slot the next token is written to). With dynamic NTK
 RoPE past max_position_embeddings, cached keys keep the rotation they were written with,
 as in transformers.
 
-batch_invariant=True hands every module invariant.py instead of ops.py (ops_for; same
-function names, docs/invariance.md says why) and runs every call in the canonical layout
-of llamaspec.inputs.layout. Its cache has lens [B] in place of mask/next_pos/index: row b's
+Every module computes with `self.ops`, the backend's op namespace (ops.py: the reference;
+fast.Fast; invariant.py), chosen once by the plan (plan.py; model.plan) and the seam a
+planted-bug control replaces on one layer. Matrices are held as the backend's `prepare` makes
+them at load (ops.py: the array itself), so its copies are jit state, never made per call.
+The invariant backend (batch_invariant=True; docs/invariance.md) runs every call in the
+canonical layout of llamaspec.inputs.layout. Its cache has lens [B] in place of mask/next_pos/index: row b's
 tokens fill slots [0, lens[b]) and a decode step writes each row at its own lens[b].
 """
 
@@ -38,10 +41,13 @@ from jax import lax
 
 from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, generate, load_weights, positions_from_mask
 from llamaspec import taps as tapnames
-from llamaspec.forward import KV, Context, Recorder, shared_start
+from llamaspec.errors import PolicyError
+from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, bucket_length, check_inject, check_next_ids, check_prefill, front_padded, layout
+from llamaspec.plan import Plan, backend_name
 
-from . import invariant, ops, sharding
+from . import invariant
+from . import plan as plans
 from .dtypes import compiler_options, numpy_dtype, of, opmath
 from .sharding import MeshLayout, add_in_order, layout_for, row_parallel, to_host
 
@@ -56,11 +62,6 @@ CACHE_BLOCK = 64  # cache length is rounded up to this, so prompts of similar le
 # = False runs prefill at the prompt's own length too.
 
 
-def ops_for(batch_invariant: bool):
-    """The op functions every module calls: ops.py, or invariant.py (same names)."""
-    return invariant if batch_invariant else ops
-
-
 class OnMesh(NamedTuple):
     """Checkpoint tensors and the layout they are placed with (sharding.py), in place of the
     plain dict the modules are built from when the model runs on a mesh."""
@@ -72,28 +73,12 @@ class OnMesh(NamedTuple):
         return np.asarray(self.layout.as_stored(key, self.tensors[key])).astype(dtype)
 
 
-def _param(weights, key, dtype, store=None):
+def _param(weights, key, dtype):
     """A checkpoint tensor rounded to param_dtype on the host (numpy/ml_dtypes round to
-    nearest even, the same on every platform); on a mesh, placed shard by shard. store: a
-    wider dtype to keep the rounded values in (exactly; ops.Widened), else dtype."""
+    nearest even, the same on every platform); on a mesh, placed shard by shard."""
     if isinstance(weights, OnMesh):
-        return nnx.Param(weights.layout.weight(key, weights.tensors[key], dtype, store))
-    w = _as_param(weights[key], dtype)
-    return nnx.Param(w if store is None else w.astype(store))
-
-
-def _store(ops, policy: Policy):
-    """The dtype the KV cache's values are kept in: ops.widened_dtype on the default path (a
-    bf16/f16 policy on the CPU: compute_dtype values held in f32), else None (compute_dtype)."""
-    return None if ops is invariant else ops.widened_dtype(policy)
-
-
-def _matrix_store(ops, policy: Policy):
-    """The dtype weight matrices are kept in: _store's when the policy's param_dtype is its
-    compute_dtype (their values rounded to param_dtype, held in f32, so no dot converts them; the
-    memory is then the fp32 model's, the numbers the same), else None (param_dtype: a dot rounds
-    them to compute_dtype, which the stored values would skip)."""
-    return _store(ops, policy) if of(policy.param_dtype) == of(policy.compute_dtype) else None
+        return weights.layout.weight(key, weights.tensors[key], dtype)
+    return _as_param(weights[key], dtype)
 
 
 def _layout_of(weights) -> MeshLayout | None:
@@ -116,97 +101,27 @@ def _as_param(w, dtype):
     return jnp.asarray(w.astype(dtype))
 
 
-class Packed(nnx.Variable):
-    """A weight packed for the batch-invariant mode's fixed-order kernels (flat array)."""
-
-
-class NativeCopy(nnx.Variable):
-    """A widened weight's values again in param_dtype, for the products ops.native_dots runs
-    in bf16 itself (not a Param: weights() and the checkpoint keys do not see it)."""
-
-
-def native_values(policy: Policy, w, layout: MeshLayout | None = None):
-    """A widened weight's values in param_dtype for ops.native_dots' products, when it says so
-    and the model runs on one device (a mesh keeps the widened path), else None. The one rule
-    for Llama's matrices (as NativeCopy) and LayerRunner's lm_head rows."""
-    if layout is not None or not ops.native_dots(policy):
-        return None
-    return w.astype(numpy_dtype(policy.param_dtype))
-
-
-def _native_copy(policy: Policy, weight, layout: MeshLayout | None) -> NativeCopy | None:
-    """A widened Linear's or Embedding's weight as a NativeCopy (native_values), or None."""
-    native = native_values(policy, weight[...], layout)
-    return None if native is None else NativeCopy(native)
-
-
-class MatvecCopy(nnx.Variable):
-    """A widened weight's values packed in compute_dtype for the fixed-order kernel's one-row
-    products (ops.kernel_matvecs; not a Param: weights() and the checkpoint keys do not see it)."""
-
-
-def _matvec_copy(policy: Policy, weight, layout: MeshLayout | None) -> tuple[MatvecCopy | None, tuple | None]:
-    """(a MatvecCopy, the static rest of its kernels.PackedWeight) for a widened Linear's or
-    Embedding's weight where ops.kernel_matvecs says so and the model runs on one device (a mesh
-    keeps XLA's dots), else (None, None). Packed on the host from the widened values (exact)."""
-    if layout is not None or not ops.kernel_matvecs(policy):
-        return None, None
-    from . import kernels
-    p = kernels.PackedWeight.widening(np.asarray(weight[...]).astype(numpy_dtype(policy.compute_dtype)))
-    return MatvecCopy(p.data), (p.n, p.k, p.wtype, p.x_dtype, p.acc)
-
-
-def _keep_copies(module, policy: Policy, layout: MeshLayout | None) -> None:
-    """A widened Linear's or Embedding's native and matvec copies (or None) set on it."""
-    widened = module.widened
-    module.native = _native_copy(policy, module.weight, layout) if widened else None
-    module.matvec, module.matvec_meta = _matvec_copy(policy, module.weight, layout) if widened else (None, None)
-
-
-def _as_widened(module) -> ops.Widened:
-    """A widened module's matrix as ops.Widened takes it, with the native and matvec copies it keeps."""
-    from . import kernels
-    matvec = None if module.matvec is None else kernels.PackedWeight(module.matvec[...], *module.matvec_meta)
-    return ops.Widened(module.weight[...], None if module.native is None else module.native[...], matvec)
-
-
-def _pack(w, policy: Policy, layout: MeshLayout | None = None) -> tuple[Packed, tuple]:
-    """(the packed array, the static rest of its PackedWeight) for invariant.linear; w a host
-    array. On a mesh the packed array is replicated (the fixed-order kernels are per-device
-    code, run whole on each device: docs/sharding.md)."""
-    p = invariant.pack(np.asarray(w), policy)
-    data = p.data if layout is None else layout.put_replicated(np.asarray(p.data))
-    return Packed(data), (p.n, p.k, p.wtype, p.x_dtype, p.acc)
-
-
 class Linear(nnx.Module):
-    """x @ weight.T (+ bias). split_in: the logical axis its input columns are split over on a
-    mesh ("heads" for o_proj, "mlp" for down_proj; None: its output rows, or nothing, are)."""
+    """x @ weight.T (+ bias). weight: the matrix as the backend's `prepare` holds it (ops.py: the
+    array). split_in: the logical axis its input columns are split over on a mesh ("heads" for
+    o_proj, "mlp" for down_proj; None: its output rows, or nothing, are)."""
 
-    def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy, split_in: str | None = None):
-        store = _matrix_store(ops, policy)
-        self.widened = store is not None      # weight kept as ops.Widened takes it
-        self.weight = _param(weights, key + ".weight", dtype, store)
-        self.bias = _param(weights, key + ".bias", dtype) if bias else None
-        self.ops = ops
+    def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy, split_in: str | None = None,
+                 one_row: bool = True):
         layout = _layout_of(weights)
+        self.weight = nnx.Param(ops.prepare(_param(weights, key + ".weight", dtype), policy, layout, one_row))
+        self.bias = nnx.Param(_param(weights, key + ".bias", dtype)) if bias else None
+        self.ops = ops
         # partial sums that cross tensor shards, added in shard order (sharding.row_parallel)
-        self.row_parallel = (split_in if layout is not None and layout.tensor > 1 and ops is not invariant
-                             else None)
+        self.row_parallel = split_in if layout is not None and layout.tensor > 1 and ops.ROW_PARALLEL else None
         self.layout = layout
-        _keep_copies(self, policy, layout)
-        if ops is invariant:  # packed once here, from the weight as rounded to param_dtype
-            host = weights.host(key + ".weight", dtype) if isinstance(weights, OnMesh) else self.weight[...]
-            self.packed, self.packed_meta = _pack(host, policy, _layout_of(weights))
-
-    def packed_weight(self):
-        return invariant.PackedWeight(self.packed[...], *self.packed_meta)
 
     def __call__(self, x, policy: Policy, out_dtype=None):
-        w = self.packed_weight() if self.ops is invariant else _as_widened(self) if self.widened else self.weight[...]
+        w = self.weight.get_value()
         b = None if self.bias is None else self.bias[...]
         if self.row_parallel:
-            return row_parallel(self.layout, x, w, b, policy, self.row_parallel, self.reduce, out_dtype)
+            return row_parallel(self.layout, x, w, b, policy, self.row_parallel, self.reduce, out_dtype,
+                                self.ops.linear_sums)
         return self.ops.linear(x, w, b, policy, out_dtype)
 
     def reduce(self, parts):
@@ -216,12 +131,12 @@ class Linear(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    """The token table. store: a wider dtype to keep it in (_store: when it is also the lm_head)."""
+    """The token table. ops: when it is also the lm_head (tied), the backend whose `prepare`
+    holds it as the lm_head's matrix (indexing reads the table's values); else None."""
 
-    def __init__(self, weights, key, dtype, store=None, policy: Policy | None = None):
-        self.weight = _param(weights, key + ".weight", dtype, store)
-        self.widened = store is not None
-        _keep_copies(self, policy, _layout_of(weights))
+    def __init__(self, weights, key, dtype, ops=None, policy: Policy | None = None):
+        w = _param(weights, key + ".weight", dtype)
+        self.weight = nnx.Param(w if ops is None else ops.prepare(w, policy, _layout_of(weights)))
 
     def __call__(self, ids):
         return self.weight[...][ids]
@@ -229,7 +144,7 @@ class Embedding(nnx.Module):
 
 class RMSNorm(nnx.Module):
     def __init__(self, weights, key, dtype, eps: float, ops):
-        self.weight = _param(weights, key + ".weight", dtype)
+        self.weight = nnx.Param(_param(weights, key + ".weight", dtype))
         self.eps = eps
         self.ops = ops
 
@@ -268,31 +183,12 @@ class Attention(nnx.Module):
             # one [L, B, S, Hkv, D] array, updated functionally in the donated buffer: attention's
             # own key layout (torchref: a [B, Hkv, S, D] tensor per layer, read as strided views)
             new_k, new_v = self.stored(k).astype(cache.k.dtype), self.stored(v).astype(cache.v.dtype)
-            start = _shared_start(cache.index, T, cache.k.shape[2])
-            if start is not None and getattr(self.write_slots, "__func__", None) is _OWN_WRITE_SLOTS:
-                # the module's own slots (no control replaced the seam), every row's from one slot
-                # known while tracing (a fresh cache): one block, not a scatter (_shared_start)
-                at = (layer, 0, start, 0, 0)
-                cache = cache._replace(k=lax.dynamic_update_slice(cache.k, new_k[None], at),
-                                       v=lax.dynamic_update_slice(cache.v, new_v[None], at))
-            else:
-                rows = jnp.arange(B)[:, None]
-                slots = self.write_slots(cache.index, T, cache.k.shape[2])
-                cache = cache._replace(k=cache.k.at[layer, rows, slots].set(new_k),
-                                       v=cache.v.at[layer, rows, slots].set(new_v))
+            slots = self.write_slots(cache.index, T, cache.k.shape[2])
+            cache = cache._replace(k=self.ops.write_cache(cache.k, layer, new_k, slots),
+                                   v=self.ops.write_cache(cache.v, layer, new_v, slots))
             allowed = self.cache_allowed(ctx.allowed, cache.index)
             k, v = cache.k[layer], cache.v[layer]
-            if k.dtype != q.dtype:      # a widened cache (_empty_cache): compute values held in f32
-                k, v = ops.Widened(k), ops.Widened(v)
-        if ctx.causal_from is not None and allowed is ctx.allowed and self.ops.attention is ops.attention:
-            # the call's own causal mask (no seam changed it) and the module's own attention (no
-            # control replaced it): a long prompt's queries in blocks over the keys they may see
-            if lay is not None and ops.fused_attention_applies(ctx.policy):
-                out = sharding.fused_attention(lay, q, k, v, allowed, ctx.policy)   # the kernel, per shard
-            else:
-                out = ops.causal_attention(q, k, v, allowed, ctx.policy, ctx.causal_from)
-        else:
-            out = self.ops.attention(q, k, v, allowed, ctx.policy)
+        out = self.ops.attention(q, k, v, allowed, ctx.policy)
         out = shard(lay, out, "batch", None, "heads", None)
         out = rec("attn_ctx", out.reshape(B, T, -1))
         return self.o_proj(out, ctx.policy), cache
@@ -312,8 +208,9 @@ class Attention(nnx.Module):
         return ctx.cos, ctx.sin
 
     def write_slots(self, index, T: int, S: int):
-        """The cache slots [B, T] of this call's keys in a cache of S slots: index[b] + t."""
-        return index[:, None] + jnp.arange(T)
+        """The cache slots [B, T] of this call's keys in a cache of S slots: index[b] + t (numpy
+        where index is: a fresh cache's, known while tracing)."""
+        return index[:, None] + np.arange(T)
 
     def stored(self, x):
         """A key or value as the cache keeps it: as computed (the cache is in compute_dtype)."""
@@ -322,17 +219,6 @@ class Attention(nnx.Module):
     def cache_allowed(self, allowed, index):
         """The mask [B, T, S] over the cache this call attends with: the call's own."""
         return allowed
-
-
-# write_slots as defined here: a seam replaced on the instance or on the class (a control, a test)
-# is not this function, and its slots go through the scatter
-_OWN_WRITE_SLOTS = Attention.write_slots
-
-
-def _shared_start(index, T: int, S: int) -> int | None:
-    """llamaspec.forward.shared_start for a call of 2 or more new tokens (a prefill; a 2048-token
-    prefill's scatter ran 2 x 30 loops of 2048 steps); a one-token call keeps the scatter."""
-    return None if T == 1 else shared_start(index, T, S)
 
 
 class MLP(nnx.Module):
@@ -379,47 +265,40 @@ class Llama(nnx.Module):
     state's paths are the checkpoint keys without the "model." prefix."""
 
     def __init__(self, cfg: LlamaConfig, policy: Policy, weights: dict[str, np.ndarray],
-                 batch_invariant: bool = False, layout: MeshLayout | None = None):
-        self.cfg, self.policy, self.batch_invariant = cfg, policy, batch_invariant
+                 batch_invariant: bool = False, layout: MeshLayout | None = None, backend: str | None = None):
+        backend = backend_name(backend, batch_invariant)
+        self.plan: Plan
+        self.plan, self.ops = plans.load(policy, None, backend, layout)
+        self.cfg, self.policy, self.batch_invariant = cfg, policy, backend == "invariant"
         self.layout = layout   # None: one device; else the mesh layout of sharding.py
         if layout is not None:
             weights = OnMesh(weights, layout)
-        self.ops = ops_for(batch_invariant)
         dt = numpy_dtype(policy.param_dtype)
-        # a tied table is also the lm_head's matrix: kept as the Linears keep theirs
-        self.embed_tokens = Embedding(weights, "model.embed_tokens", dt,
-                                      _matrix_store(self.ops, policy) if cfg.tie_word_embeddings else None, policy)
+        # a tied table is also the lm_head's matrix: held as the Linears hold theirs
+        self.embed_tokens = Embedding(weights, "model.embed_tokens", dt, self.ops if cfg.tie_word_embeddings else None,
+                                      policy)
         self.layers = nnx.List([Block(cfg, weights, i, dt, self.ops, policy) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, self.ops, policy)
-        if batch_invariant:  # the lm_head packed once (the embedding table when tied)
-            head = self.embed_tokens if self.lm_head is None else self.lm_head
-            key = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-            host = weights.host(key, dt) if layout is not None else head.weight[...]
-            self.head_packed, self.head_meta = _pack(host, policy, layout)
 
     def head_weight(self):
-        """The lm_head as the ops take it: the matrix, or (invariant) its packed form."""
-        if self.batch_invariant:
-            return invariant.PackedWeight(self.head_packed[...], *self.head_meta)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return _as_widened(head) if head.widened else head.weight[...]
+        """The lm_head's matrix as the ops take it (the embedding table when tied)."""
+        return (self.embed_tokens if self.lm_head is None else self.lm_head).weight.get_value()
 
     def __call__(self, ids, positions, allowed, taps=(), cache: KV | None = None, last=None, inject=None,
-                 scan=False, stacked=None, causal_from=None):
+                 scan=False, stacked=None):
         """Embedding -> blocks -> final norm -> lm_head; returns (logits, {tap: activation}, cache).
 
         ids, positions [B, T]; allowed [B, T, S]. last [B]: logits for slot last[b] of each
         row only. inject {i: h}: teacher forcing, layer i's input is replaced by h.
         scan: run the blocks under one lax.scan (no cache; see _scan_layers), over `stacked` (the
         blocks' states stacked on a layer axis, stack_layers) when given.
-        causal_from: Context.causal_from, where `allowed` is causal_allowed's (None: no promise).
         """
         policy = self.policy
         residual = of(policy.residual_dtype)
         rec = Recorder(taps)
         h = rec("embed", shard(self.layout, self.embed_tokens(ids).astype(residual), "batch", None, None))
-        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions, causal_from)
+        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions)
         if scan:
             h, acts = self._scan_layers(h, ctx, taps, inject, stacked)
             rec.acts.update(acts)
@@ -496,22 +375,19 @@ class Llama(nnx.Module):
 
 
 def scan_block(block: Block) -> Block:
-    """The block as the layers' lax.scan runs it: a copy without its native bf16 weights
-    (NativeCopy), since inside XLA:CPU's loop a bf16 product runs slower than the widened one
-    (SmolLM2's [100, 576] x [576, 1536] over 30 layers: 42 ms native, 31 ms widened, against
-    20 ms native unrolled; docs/measurements.md). Only the scan's products take the widened path.
-    Nor its matvec copies (MatvecCopy): the scan runs whole prompts, and the stacked layers would
-    hold them twice for a one-token prompt's sake."""
+    """The block as the layers' lax.scan runs it: a copy whose matrices are as their backend's
+    `scanned` keeps them in the stacked layers (fast: without the copies only unrolled products
+    use)."""
     copy = nnx.merge(*nnx.split(block))
     for _, module in nnx.iter_modules(copy):
         if isinstance(module, Linear):
-            module.native = module.matvec = None
+            module.weight.set_value(module.ops.scanned(module.weight.get_value()))
     return copy
 
 
 def stack_layers(model: Llama):
     """The blocks' states (weights, packed weights) stacked on a leading layer axis, as
-    _scan_layers' lax.scan takes them (scan_block: without native copies)."""
+    _scan_layers' lax.scan takes them (scan_block)."""
     return jax.tree.map(lambda *w: jnp.stack(w), *(nnx.state(scan_block(block)) for block in model.layers))
 
 
@@ -551,19 +427,22 @@ class LayerRunner:
     (compare.ladder.stream). The same modules and steps as Llama.__call__: one Block built
     from the layer's weights (rounded as Llama rounds them) runs under one jit-compiled
     program per (policy, shapes, taps), reused for every layer; the final norm and lm_head
-    chunks likewise. Arrays in and out are numpy. Not in batch-invariant mode."""
+    chunks likewise. Arrays in and out are numpy. backend: as from_pretrained's (not invariant)."""
 
-    def __init__(self, cfg: LlamaConfig, policy: str | Policy):
+    def __init__(self, cfg: LlamaConfig, policy: str | Policy, backend: str = "fast"):
+        if backend == "invariant":
+            raise PolicyError("LayerRunner: the invariant backend runs whole models only (its canonical "
+                              "layout is the batch's); stream with backend='fast' or 'reference'")
         self.cfg, self.policy = cfg, Policy.get(policy)
+        self.plan, self.ops = plans.load(self.policy, None, backend)
         self.dtype = numpy_dtype(self.policy.param_dtype)
         self.tables = None
 
     def start(self, ids, mask) -> None:
         """The RoPE tables and the causal mask of one batch, for every later call."""
         ids, mask = check_tokens(self.cfg, ids, mask)
-        cos, sin = _piece_programs(self.cfg, self.policy)[0](positions_from_mask(mask))
+        cos, sin = _piece_programs(self.cfg, self.policy, self.ops)[0](positions_from_mask(mask))
         self.tables = (cos, sin, causal_allowed(jnp.asarray(mask), ids.shape[1]))
-        self.causal_from = causal_promise(mask, ids.shape[1], self.policy)
 
     def embed(self, rows) -> np.ndarray:
         """The embedding tap from the table's rows of the batch's ids ([B, T, hidden]):
@@ -573,45 +452,39 @@ class LayerRunner:
     def block(self, i: int, weights: dict, h, taps=()) -> dict:
         """Layer i on the hidden state h (layer i's input); {tap name: numpy} for the
         requested per-layer tap names ("layers.i.<name>") plus "layers.i.out" always."""
-        block = scan_block(Block(self.cfg, weights, i, self.dtype, ops, self.policy))   # as the forward's scan
+        block = scan_block(Block(self.cfg, weights, i, self.dtype, self.ops, self.policy))   # as the forward's scan
         graphdef, state = nnx.split(block)
         names = tuple(sorted({tapnames.parse(t)[1] for t in taps} | {"out"}))
-        acts = _block_program(graphdef, self.policy, names, self.causal_from)(
-            state, jnp.asarray(to_residual(h, self.policy)), *self.tables)
+        acts = _block_program(graphdef, self.policy, names)(state, jnp.asarray(to_residual(h, self.policy)),
+                                                            *self.tables)
         return {f"layers.{i}.{n}": np.asarray(a) for n, a in acts.items()}
 
     def final_norm(self, weight, h) -> np.ndarray:
-        norm = RMSNorm({"model.norm.weight": weight}, "model.norm", self.dtype, self.cfg.rms_norm_eps, ops)
-        return np.asarray(_piece_programs(self.cfg, self.policy)[1](norm.weight[...], jnp.asarray(h)))
+        norm = RMSNorm({"model.norm.weight": weight}, "model.norm", self.dtype, self.cfg.rms_norm_eps, self.ops)
+        return np.asarray(_piece_programs(self.cfg, self.policy, self.ops)[1](norm.weight[...], jnp.asarray(h)))
 
     def logits(self, x, head_rows) -> np.ndarray:
         """The logits of final_norm output x for the lm_head rows given (a vocabulary chunk), the
-        rows held as Llama holds its head (widened, with a native copy where ops.native_dots)."""
-        w = _as_param(head_rows, self.dtype)
-        wide = _matrix_store(ops, self.policy)
-        if wide is not None:
-            w = ops.Widened(w.astype(wide), native_values(self.policy, w))
-        return np.asarray(_piece_programs(self.cfg, self.policy)[2](jnp.asarray(x), w))
+        rows held as Llama holds its head (no one-row copy: x holds the batch's rows)."""
+        w = self.ops.prepare(_as_param(head_rows, self.dtype), self.policy, None, False)
+        return np.asarray(_piece_programs(self.cfg, self.policy, self.ops)[2](jnp.asarray(x), w))
 
 
 @functools.lru_cache(maxsize=16)
-def _block_program(graphdef, policy: Policy, names: tuple, causal_from: int | None):
-    """One jitted Block for a structure, a set of tap names and the causal promise of its mask
-    (causal_promise); jit compiles once per shape."""
+def _block_program(graphdef, policy: Policy, names: tuple):
+    """One jitted Block for a structure and a set of tap names; jit compiles once per shape."""
     resid = of(policy.residual_dtype)
 
     def run(state, h, cos, sin, allowed):
         rec = Recorder(names)
-        # allowed is causal_allowed's (LayerRunner.start), with the forward's promise: the same blocks
-        ctx = Context(cos, sin, allowed, policy, causal_from=causal_from)
-        nnx.merge(graphdef, state)(h.astype(resid), ctx, rec, None, 0)
+        nnx.merge(graphdef, state)(h.astype(resid), Context(cos, sin, allowed, policy), rec, None, 0)
         return rec.acts
     return jax.jit(run, compiler_options=compiler_options(False))
 
 
 @functools.lru_cache(maxsize=16)
-def _piece_programs(cfg: LlamaConfig, policy: Policy):
-    """The jitted RoPE tables, final norm and lm_head (chunk) of LayerRunner."""
+def _piece_programs(cfg: LlamaConfig, policy: Policy, ops):
+    """The jitted RoPE tables, final norm and lm_head (chunk) of LayerRunner, with `ops`."""
     jit = functools.partial(jax.jit, compiler_options=compiler_options(False))
     resid = of(policy.residual_dtype)
     return (jit(lambda positions: rope_tables(cfg, policy, ops, positions)),
@@ -628,31 +501,6 @@ def causal_allowed(mask, n_queries: int, first_query_slot=0):
     return mask.astype(bool)[:, None, :] & (jnp.arange(S)[None, :] <= q_slot[:, None])[None]
 
 
-def causal_promise(mask, n_queries: int, policy: Policy, slots: int | None = None) -> int | None:
-    """Context.causal_from for a call whose mask is causal_allowed of the host's mask [B, T] (a
-    prefill's: of that mask in the first T of `slots` cache slots) for n_queries queries: 0, the
-    promise that no query sees a key after its own slot, by which ops.causal_attention's blocks
-    leave out the keys after their last query; None where that
-    mask breaks it (a bug planted in causal_allowed, say: a query that also sees a later key), so
-    that attention reads every key and computes what the mask says instead of hiding the leak.
-    Read from the mask causal_allowed builds (one small program per shape), and only where the
-    promise cuts keys: XLA's attention over 2 * ops.QUERY_BLOCK queries or more
-    (ops.fused_attention reads the whole mask itself)."""
-    if n_queries < 2 * ops.QUERY_BLOCK or ops.fused_attention_applies(policy):
-        return 0
-    mask = np.asarray(mask, bool)
-    if slots is not None:
-        mask = np.pad(mask, ((0, 0), (0, slots - mask.shape[1])))
-    return None if bool(_breaks_promise(jnp.asarray(mask), n_queries)) else 0
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _breaks_promise(slots, n_queries: int):
-    """Whether causal_allowed(slots, n_queries) lets some query t see a key after slot t."""
-    after = jnp.arange(slots.shape[1])[None, :] > jnp.arange(n_queries)[:, None]
-    return (causal_allowed(slots, n_queries) & after[None]).any()
-
-
 def _whole(model, tree):
     """What a program hands back to its caller, whole on every device of the mesh (each
     process then reads it as numpy); as it is on one device."""
@@ -666,41 +514,38 @@ def _cache_out(model, cache: dict) -> dict:
     return {**_whole(model, {n: x for n, x in cache.items() if n not in kv}), **kv}
 
 
-def _forward(graphdef, state, stacked, ids, mask, positions, inject, *, taps, causal_from=0):
+def _forward(graphdef, state, stacked, ids, mask, positions, inject, *, taps):
     """The whole prompt through the blocks' lax.scan, over `stacked` (stack_layers; None: stacked
-    in the program). causal_from: causal_promise's, for causal_allowed's mask."""
+    in the program)."""
     model = nnx.merge(graphdef, state)
     logits, acts, _ = model(ids, positions, causal_allowed(mask, ids.shape[1]), taps=taps, inject=inject,
-                            scan=True, stacked=stacked, causal_from=causal_from)
+                            scan=True, stacked=stacked)
     return _whole(model, (logits, acts))
 
 
 def _empty_cache(model, B: int, S: int) -> KV:
-    """Keys and values in compute_dtype; a 16-bit policy on the CPU keeps them widened to f32
-    (the same values: _store), as its matrices."""
+    """Keys and values in the backend's kv_dtype (ops.py: compute_dtype)."""
     cfg = model.cfg
     shape = (cfg.num_hidden_layers, B, S, model.layers[0].self_attn.kv_heads, cfg.head_dim)
-    dtype = _store(model.ops, model.policy) or of(model.policy.compute_dtype)
+    dtype = model.ops.kv_dtype(model.policy)
     zeros = shard(model.layout, jnp.zeros(shape, dtype), None, "batch", None, "kv_heads", None)
     return KV(zeros, zeros, np.zeros(B, np.int32))     # numpy: known while tracing (_shared_start)
 
 
-def _prefill(graphdef, state, ids, mask, positions, inject=None, *, cache_len, causal_from=0):
+def _prefill(graphdef, state, ids, mask, positions, inject=None, *, cache_len):
     """inject {layer: [B, T, hidden]} or None: teacher forcing (jit compiles it apart)."""
-    logits, cache, _ = _prefill_taps(graphdef, state, ids, mask, positions, inject, cache_len=cache_len, taps=(),
-                                     causal_from=causal_from)
+    logits, cache, _ = _prefill_taps(graphdef, state, ids, mask, positions, inject, cache_len=cache_len, taps=())
     return logits, cache
 
 
-def _prefill_taps(graphdef, state, ids, mask, positions, inject, *, cache_len, taps, causal_from=0):
+def _prefill_taps(graphdef, state, ids, mask, positions, inject, *, cache_len, taps):
     """_prefill, also returning the prompt's activations {tap: [B, T, ...]} (unrolled layers:
-    per-layer names as asked). causal_from: causal_promise's, for causal_allowed's mask."""
+    per-layer names as asked)."""
     model = nnx.merge(graphdef, state)
     B, T = ids.shape
     slots = jnp.zeros((B, cache_len), bool).at[:, :T].set(mask.astype(bool))
     logits, acts, kv = model(ids, positions, causal_allowed(slots, T), taps=taps,
-                             cache=_empty_cache(model, B, cache_len), last=jnp.full(B, T - 1), inject=inject,
-                             causal_from=causal_from)
+                             cache=_empty_cache(model, B, cache_len), last=jnp.full(B, T - 1), inject=inject)
     cache = {"k": kv.k, "v": kv.v, "mask": slots, "next_pos": mask.sum(1).astype(jnp.int32), "index": jnp.int32(T)}
     return _whole(model, logits[:, 0]), _cache_out(model, cache), _whole(model, acts)
 
@@ -755,11 +600,9 @@ def _programs(graphdef, batch_invariant: bool):
     milliseconds, too much to pay on every decode step as a static argument.
     """
     jit = functools.partial(jax.jit, compiler_options=compiler_options(batch_invariant))
-    # the invariant prefill makes no causal promise (LlamaModel._promise gives it none)
-    prefill, decode, prefill_static = (((_prefill_invariant, _decode_invariant, ("cache_len",)) if batch_invariant
-                                        else (_prefill, _decode, ("cache_len", "causal_from"))))
-    return (jit(functools.partial(_forward, graphdef), static_argnames=("taps", "causal_from")),
-            jit(functools.partial(prefill, graphdef), static_argnames=prefill_static),
+    prefill, decode = (_prefill_invariant, _decode_invariant) if batch_invariant else (_prefill, _decode)
+    return (jit(functools.partial(_forward, graphdef), static_argnames="taps"),
+            jit(functools.partial(prefill, graphdef), static_argnames="cache_len"),
             # the cache is donated: each step updates it in place instead of copying it
             jit(functools.partial(decode, graphdef), donate_argnums=1))
 
@@ -768,7 +611,7 @@ def _programs(graphdef, batch_invariant: bool):
 def _prefill_capture_program(graphdef):
     """The jitted _prefill_taps for one model structure (LlamaModel.prefill_capture)."""
     jit = functools.partial(jax.jit, compiler_options=compiler_options(False))
-    return jit(functools.partial(_prefill_taps, graphdef), static_argnames=("cache_len", "taps", "causal_from"))
+    return jit(functools.partial(_prefill_taps, graphdef), static_argnames=("cache_len", "taps"))
 
 
 @functools.lru_cache(maxsize=16)
@@ -781,7 +624,7 @@ def _decode_capture_program(graphdef):
 def clear_programs() -> None:
     """Forget every traced and compiled program of this process (the jit caches and the programs
     bound per model structure), so that the next call traces again: after changing a constant
-    that tracing reads (ops.QUERY_BLOCK, $LLAMA_PARITY_BF16_DOTS). The persistent compilation
+    that tracing reads (fast.QUERY_BLOCK). The persistent compilation
     cache on disk is keyed by the program itself and stays."""
     jax.clear_caches()
     for cached in (_programs, _block_program, _piece_programs, _prefill_capture_program, _decode_capture_program):
@@ -802,6 +645,7 @@ class LlamaModel:
         self.cfg: LlamaConfig = module.cfg
         self.policy: Policy = module.policy
         self.batch_invariant: bool = module.batch_invariant
+        self.plan: Plan = module.plan   # how it computes: backend, machine, a choice per op (plan.py)
         self.layout: MeshLayout | None = module.layout   # None: one device (sharding.py)
         self.graphdef, self.state = nnx.split(module)
         self._forward, self._prefill, self._decode = _programs(self.graphdef, self.batch_invariant)
@@ -844,11 +688,6 @@ class LlamaModel:
     def _inputs(self, run: Layout) -> tuple:
         """The run's ids, mask and positions, placed (_put)."""
         return tuple(map(self._put, (run.ids, run.mask, run.positions)))
-
-    def _promise(self, mask, n_queries: int, slots: int | None = None) -> dict:
-        """The causal_from keyword of a forward or prefill program (causal_promise's reading of the
-        run's mask); none in batch-invariant mode (its attention makes no use of it)."""
-        return {} if self.batch_invariant else {"causal_from": causal_promise(mask, n_queries, self.policy, slots)}
 
     def _forced(self, forced: dict, run: Layout | None = None) -> dict:
         """inject's states in the residual dtype (rounded on the host), placed."""
@@ -895,8 +734,7 @@ class LlamaModel:
         """Logits [B, T, V] (jax array, logits_dtype) for token ids [B, T]."""
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
-        logits, _ = self._forward(self.state, self._stacked(), *self._inputs(run), {}, taps=(),
-                                  **self._promise(run.mask, run.ids.shape[1]))
+        logits, _ = self._forward(self.state, self._stacked(), *self._inputs(run), {}, taps=())
         return jnp.asarray(run.restore(logits)) if self.batch_invariant else logits
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
@@ -913,8 +751,7 @@ class LlamaModel:
         # is what every program returns, so asking for it alone runs the plain forward's program
         program_taps = tuple(sorted({n if tapnames.layer_of(n) is None
                                      else "layers.*." + tapnames.parse(n)[1] for n in names} - {"logits"}))
-        logits, acts = self._forward(self.state, self._stacked(), *self._inputs(run), forced, taps=program_taps,
-                                     **self._promise(run.mask, run.ids.shape[1]))
+        logits, acts = self._forward(self.state, self._stacked(), *self._inputs(run), forced, taps=program_taps)
         acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
         acts["logits"] = logits = np.asarray(logits)
         return run.restore(logits), {n: run.restore(_pick(acts, n)) for n in names}
@@ -926,13 +763,12 @@ class LlamaModel:
         program per set of injected layers; the cache holds the forced keys and values)."""
         shape, run, inputs, cache_len = self._prefill_inputs(ids, mask, total_len)
         forced = check_inject(self.cfg, inject, shape)
-        promise = self._promise(run.mask, run.ids.shape[1], cache_len)
         if not forced:
-            logits, cache = self._prefill(self.state, *inputs, cache_len=cache_len, **promise)
+            logits, cache = self._prefill(self.state, *inputs, cache_len=cache_len)
             return np.asarray(logits), cache
         if self.batch_invariant:
             raise NotImplementedError("prefill: inject is not taken in batch-invariant mode")
-        logits, cache = self._prefill(self.state, *inputs, self._forced(forced, run), cache_len=cache_len, **promise)
+        logits, cache = self._prefill(self.state, *inputs, self._forced(forced, run), cache_len=cache_len)
         return np.asarray(logits), cache
 
     def prefill_program_text(self, ids, mask, total_len: int) -> str:
@@ -940,8 +776,7 @@ class LlamaModel:
         the call stack of every op in its metadata: bench/profile_ops.py reads it). Compiles,
         or loads from the compilation cache, as prefill would."""
         _, run, inputs, cache_len = self._prefill_inputs(ids, mask, total_len)
-        promise = self._promise(run.mask, run.ids.shape[1], cache_len)
-        return self._prefill.lower(self.state, *inputs, cache_len=cache_len, **promise).compile().as_text()
+        return self._prefill.lower(self.state, *inputs, cache_len=cache_len).compile().as_text()
 
     def _prefill_inputs(self, ids, mask, total_len: int):
         """A prefill's prompt checked and laid out in its shape bucket: (the prompt's [B, T] shape,
@@ -961,8 +796,7 @@ class LlamaModel:
         shape, run, inputs, cache_len = self._prefill_inputs(ids, mask, total_len)
         forced = self._forced(check_inject(self.cfg, inject, shape), run)
         logits, cache, acts = _prefill_capture_program(self.graphdef)(
-            self.state, *inputs, forced, cache_len=cache_len, taps=tuple(names),
-            **self._promise(run.mask, run.ids.shape[1], cache_len))
+            self.state, *inputs, forced, cache_len=cache_len, taps=tuple(names))
         # per-slot taps back to the caller's slots; logits holds the last slot only
         return np.asarray(logits), cache, {n: np.asarray(acts[n]) if n in LAST_SLOT_TAPS else run.restore(acts[n])
                                            for n in names}
@@ -1005,27 +839,31 @@ class LlamaModel:
 
 
 def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str | Policy = "fp32",
-                 batch_invariant: bool = False, mesh=None, shard_sums: str = "ordered") -> LlamaModel:
+                 batch_invariant: bool = False, mesh=None, shard_sums: str = "ordered",
+                 backend: str | None = None) -> LlamaModel:
     """A model from checkpoint-keyed numpy weights (as load_weights or weights() give them),
     each rounded to the policy's param_dtype.
 
-    batch_invariant=True: a sequence's logits and greedy completions are bitwise the same
-    whatever the rest of the batch, its row and its padding (see invariant.py).
+    backend: "reference" (ops.py), "fast" (the default) or "invariant" (llamaspec.plan.BACKENDS;
+    plan.py decides what each runs on this machine, model.plan records it).
+    batch_invariant=True (the invariant backend): a sequence's logits and greedy completions are
+    bitwise the same whatever the rest of the batch, its row and its padding (see invariant.py).
     mesh: a jax.sharding.Mesh with axes data/tensor, or their sizes ({"data": 2, "tensor": 4},
     "data=2,tensor=4"): the model sharded as sharding.py lays it out, weights placed shard
     by shard (None: one device). shard_sums: "ordered" (cross-shard sums added in shard order:
     bitwise the same in one process or several) or "all-reduce" (XLA's psum), sharding.py."""
     layout = None if mesh is None else layout_for(cfg, mesh, shard_sums)
-    module = Llama(cfg, Policy.get(policy), weights, batch_invariant, layout)
-    if batch_invariant:
+    module = Llama(cfg, Policy.get(policy), weights, batch_invariant, layout, backend)
+    if module.batch_invariant:
         invariant.self_check(module)
     return LlamaModel(module)
 
 
 def from_pretrained(path, policy: str | Policy = "fp32", batch_invariant: bool = False,
-                    check_finite: bool = True, mesh=None, shard_sums: str = "ordered") -> LlamaModel:
+                    check_finite: bool = True, mesh=None, shard_sums: str = "ordered",
+                    backend: str | None = None) -> LlamaModel:
     """Loads a Hugging Face Llama folder (config.json + safetensors) under a precision policy
-    (mesh, shard_sums: see from_weights; each device's shards are read from the memory-mapped
-    files)."""
+    (mesh, shard_sums, backend: see from_weights; each device's shards are read from the
+    memory-mapped files)."""
     cfg, weights = load_weights(path, check_finite=check_finite)
-    return from_weights(cfg, weights, policy, batch_invariant, mesh, shard_sums)
+    return from_weights(cfg, weights, policy, batch_invariant, mesh, shard_sums, backend)

@@ -296,22 +296,24 @@ def to_host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def row_parallel(layout: MeshLayout, x, w, b, policy: Policy, axis: str, reduce=None, out_dtype=None):
+def row_parallel(layout: MeshLayout, x, w, b, policy: Policy, axis: str, reduce=None, out_dtype=None,
+                 sums=ops.linear_sums):
     """ops.linear for a weight [out, in] whose input columns are split over `tensor` (logical axis
     `axis`: "heads" for o_proj, "mlp" for down_proj), x split the same way: every shard's partial
-    products in accum_dtype, gathered to every shard (exact), added in shard order by `reduce`
-    (default: add_in_order; a planted-bug control replaces it), then the bias and one rounding,
-    as ops.linear does. With layout.sums "all-reduce" the partial sums go to XLA's psum instead."""
+    products in accum_dtype (`sums`: the backend's linear_sums), gathered to every shard (exact),
+    added in shard order by `reduce` (default: add_in_order; a planted-bug control replaces it),
+    then the bias and one rounding, as ops.linear does. With layout.sums "all-reduce" the partial
+    sums go to XLA's psum instead."""
     accum = of(policy.accum_dtype)
     lead = (None,) * (x.ndim - 2)
 
     in_specs = (layout.spec("batch", *lead, axis), layout.spec(None, axis))
     if layout.sums == "all-reduce":
-        y = jax.shard_map(lambda x, w: jax.lax.psum(ops.linear_sums(x, w, policy), "tensor"), mesh=layout.mesh,
+        y = jax.shard_map(lambda x, w: jax.lax.psum(sums(x, w, policy), "tensor"), mesh=layout.mesh,
                           in_specs=in_specs, out_specs=layout.spec("batch", *lead, None))(x, w)
     else:
         def partial_sums(x, w):
-            return jax.lax.all_gather(ops.linear_sums(x, w, policy), "tensor")
+            return jax.lax.all_gather(sums(x, w, policy), "tensor")
 
         parts = jax.shard_map(partial_sums, mesh=layout.mesh, in_specs=in_specs,
                               # all_gather's result is the same on every tensor shard (not inferred)
@@ -322,14 +324,14 @@ def row_parallel(layout: MeshLayout, x, w, b, policy: Policy, axis: str, reduce=
     return y.astype(out_dtype or of(policy.compute_dtype))
 
 
-def fused_attention(layout: MeshLayout, q, k, v, allowed, policy: Policy):
-    """ops.fused_attention on each device's shard: rows of the batch over `data`, query and KV
-    heads over `tensor` (a shard's query heads read its own KV heads, as GQA maps them). The
-    kernel's result for a row and a KV head depends on nothing else (attention.h), so the
-    sharded result is bitwise the one-device one; XLA could not partition the custom call.
-    k, v may be Widened (a widened cache): the spec covers the whole pytree."""
+def per_shard_attention(layout: MeshLayout, attention, q, k, v, allowed):
+    """attention(q, k, v, allowed) (a custom call XLA cannot partition: fast's fused kernel) on each
+    device's shard: rows of the batch over `data`, query and KV heads over `tensor` (a shard's query
+    heads read its own KV heads, as GQA maps them). The kernel's result for a row and a KV head
+    depends on nothing else (attention.h), so the sharded result is bitwise the one-device one.
+    k, v may be pytrees (fast.Weight: a widened cache): the spec covers each."""
     heads, kv = layout.spec("batch", None, "heads", None), layout.spec("batch", None, "kv_heads", None)
-    return jax.shard_map(lambda q, k, v, a: ops.fused_attention(q, k, v, a, policy), mesh=layout.mesh,
+    return jax.shard_map(attention, mesh=layout.mesh,
                          in_specs=(heads, kv, kv, layout.spec("batch", None, None)), out_specs=heads)(
                              q, k, v, allowed)
 

@@ -1,0 +1,199 @@
+"""jaxmodel's plan: the only module of the package that reads environment variables, CPU flags,
+XLA_FLAGS and the fixed-order kernels' build state. Computed once at load (from_pretrained,
+from_weights, LayerRunner); the model holds it as `model.plan` and computes with the namespace
+`backend_ops` builds from the same decisions (ops.py, fast.Fast or invariant.py).
+
+    plan = make_plan("bf16", "cpu", "fast")
+    plan.op("attention")     # e.g. "fused kernel (attention.h) for prompts; XLA for decode steps"
+
+Settings read (llamaspec.plan.read_settings records the ones set):
+    LLAMA_PARITY_ATTENTION = auto | fused | reference   (kernel: torchref's only, an error here)
+    LLAMA_PARITY_PRODUCTS  = auto | kernel | reference   (one-row 16-bit products on the kernel)
+    LLAMA_PARITY_BF16_DOTS = auto | native | widened     (bf16 products in hardware; llamaspec.cpuinfo)
+    LLAMA_PARITY_LOGITS    = the lm_head is a product as the others here: read, only recorded
+    XLA_FLAGS' --xla_cpu_max_isa (YNNPACK's bf16 products do not follow it; the plan does)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import warnings
+
+import jax
+
+from llamaspec import Policy, cpuinfo
+from llamaspec import fixed_order as fo
+from llamaspec.errors import InvarianceError, PolicyError
+from llamaspec.plan import BACKENDS, ISA_FLAGS, OPS, Plan, read_settings
+
+from . import fast, invariant, ops
+
+ATTENTION_ENV = "LLAMA_PARITY_ATTENTION"
+PRODUCTS_ENV = "LLAMA_PARITY_PRODUCTS"
+LOGITS_ENV = "LLAMA_PARITY_LOGITS"
+BF16_DOTS_ENV = cpuinfo.BF16_DOTS_ENV
+KERNEL_ISA_ENV = "LLAMA_PARITY_KERNEL_ISA"
+SETTINGS = (ATTENTION_ENV, PRODUCTS_ENV, LOGITS_ENV, BF16_DOTS_ENV, KERNEL_ISA_ENV, "XLA_FLAGS")
+# The least kernel code path on which auto takes the kernels: AVX2 (the scalar path is the
+# programs' definition, not a fast one).
+KERNEL_MIN_ISA = "avx2"
+# XLA's --xla_cpu_max_isa values that keep bf16 products in hardware (a prefix: AMX_FP16 too)
+_BF16_ISAS = ("AVX512_BF16", "AMX")
+
+
+def make_plan(policy, device: str = "cpu", backend: str = "fast") -> Plan:
+    """The plan for `policy` (a preset name or a Policy) on `device` ("cpu", "gpu", ...) with
+    `backend` (one of llamaspec.plan.BACKENDS)."""
+    return _decide(Policy.get(policy), device, backend)[0]
+
+
+def backend_ops(plan: Plan, layout=None):
+    """The op namespace a model with this plan computes with (layout: its sharding.MeshLayout or
+    None): ops.py, invariant.py or a fast.Fast (the machine's choices are the plan's: not policy's)."""
+    return _with_layout(_namespace(plan.device, plan.backend, _Kernels()), layout)
+
+
+def load(policy, device: str | None, backend: str, layout=None):
+    """(plan, op namespace) for a model being loaded (device None: JAX's default backend; layout:
+    its sharding.MeshLayout or None)."""
+    plan, namespace = _decide(Policy.get(policy), device or jax.default_backend(), backend)
+    return plan, _with_layout(namespace, layout)
+
+
+def _with_layout(namespace, layout):
+    return fast.Fast(**{**vars(namespace), "layout": layout}) if isinstance(namespace, fast.Fast) else namespace
+
+
+def _choice(name: str, allowed: tuple[str, ...]) -> str:
+    choice = (os.environ.get(name) or "auto").strip().lower() or "auto"
+    if choice not in allowed:
+        extra = " (kernel is torchref's fixed-order attention; jaxmodel's kernel is fused)" if (
+            name == ATTENTION_ENV and choice == "kernel") else ""
+        raise PolicyError(f"{name}={choice!r}: jaxmodel takes {', '.join(allowed)}{extra}")
+    return choice
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _xla_caps() -> list[str]:
+    return [a.split("=", 1)[1] for a in os.environ.get("XLA_FLAGS", "").split() if a.startswith("--xla_cpu_max_isa=")]
+
+
+class _Kernels:
+    """The fixed-order kernels' state as this plan found it: built (and their code path) or why not."""
+
+    def __init__(self):
+        self.isa: str | None = None
+        self.error: str | None = None
+
+    def build(self, required: bool) -> bool:
+        """Whether the kernels build; required: an error if not, else one warning."""
+        from . import kernels
+        try:
+            lib = kernels.library()
+        except InvarianceError as e:
+            if required:
+                raise
+            self.error = str(e)
+            _warn_once(str(e))
+            return False
+        self.isa = fo.ISA_NAMES[lib.fo_isa()]
+        return True
+
+    def reach(self, isa: str) -> bool:
+        """Whether they build and their code path is `isa` or better."""
+        return self.build(False) and fo.ISAS[self.isa] >= fo.ISAS[isa]
+
+
+@functools.cache
+def _warn_once(error: str) -> None:
+    warnings.warn(f"jaxmodel's fixed-order kernels are not available ({error}); attention and one-row 16-bit "
+                  f"products run in XLA ({ATTENTION_ENV}=reference and {PRODUCTS_ENV}=reference silence this)",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _namespace(device: str, backend: str, kern: "_Kernels"):
+    """The backend's op namespace for this machine (the kernels' state noted in kern)."""
+    if backend not in BACKENDS:
+        raise PolicyError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend == "reference":
+        return ops
+    if backend == "invariant":
+        if device != "cpu":
+            raise InvarianceError(f"batch_invariant=True runs on the CPU only (its fixed-order kernels are CPU "
+                                  f"code); JAX's backend is {device}")
+        kern.build(True)
+        return invariant
+    return _fast(device, kern)
+
+
+def _decide(policy: Policy, device: str, backend: str):
+    kern = _Kernels()
+    namespace = _namespace(device, backend, kern)
+    libraries = (("xla max isa", " ".join(_xla_caps()) or "none"),)
+    if backend == "reference":
+        return _plan(policy, device, backend, kern, (), libraries, {op: "reference" for op in OPS}), namespace
+    if backend == "invariant":
+        chosen = {"products": "fixed-order kernel (packed weights)", "logits": "fixed-order kernel (packed weights)",
+                  "attention": f"fixed-order kernel, {invariant.KEY_BLOCK}-key blocks added in order",
+                  "rope": "reference", "norm": "fixed-order row sums", "mlp": "fixed-order exp (silu)",
+                  "cache": "block write where the slots are known"}
+        return _plan(policy, device, backend, kern, read_settings((KERNEL_ISA_ENV,)), libraries, chosen), namespace
+    return _plan(policy, device, backend, kern, read_settings(SETTINGS), libraries,
+                 _fast_ops(namespace, policy)), namespace
+
+
+def _fast(device: str, kern: _Kernels) -> fast.Fast:
+    """The machine's choices for the fast backend, read once."""
+    attention = _choice(ATTENTION_ENV, ("auto", "fused", "reference"))
+    products = _choice(PRODUCTS_ENV, ("auto", "kernel", "reference"))
+    _choice(LOGITS_ENV, ("auto", "kernel", "reference"))
+    dots = cpuinfo.dots_choice()
+    cpu = device == "cpu"
+    on_x86 = cpu and _x86()
+    bf16 = dots == "native" or (dots == "auto" and (cpuinfo.has("amx_bf16") or cpuinfo.has("avx512_bf16"))
+                                and all(cap.strip().upper().startswith(_BF16_ISAS) for cap in _xla_caps()))
+
+    def kernel(choice: str, name: str) -> bool:
+        if choice == "reference" or not on_x86:
+            return False
+        return kern.build(True) if choice == name else kern.reach(KERNEL_MIN_ISA)
+
+    matvec = kernel(products, "kernel")
+    fused = kernel(attention, "fused")
+    return fast.Fast(cpu=cpu, bf16_products=cpu and bf16, matvec_kernel=matvec, attention_kernel=fused,
+                     attention_f64=fused and attention == "fused")
+
+
+def _fast_ops(f: fast.Fast, policy: Policy) -> dict:
+    """What each op of the fast backend does at this policy, in words."""
+    wide = f.widened(policy) is not None
+    products = "reference"
+    if wide:
+        products = "f32 dots on widened 16-bit values"
+        if f.native_products(policy):
+            products += f"; bf16 products in hardware from {fast.NATIVE_MIN_ROWS} rows"
+        if f.kernel_matvecs(policy):
+            products += "; one-row products on the fixed-order kernel"
+    attention = "fused kernel (attention.h) for prompts, XLA for decode steps" if f.fused_attention(policy) else (
+        f"XLA, causal prompts in blocks of {fast.QUERY_BLOCK} queries")
+    if wide:
+        attention += ("; bf16 products in hardware" if f.native_products(policy) else "; f32 dots on widened values")
+    return {"products": products, "logits": products,
+            "attention": attention,
+            "rope": "bf16 per op in f32, rotate_half as a reversal" if policy.compute_dtype == "bfloat16"
+            else "reference",
+            "norm": "reference", "mlp": "reference",
+            "cache": ("f32 copies of the compute values; " if wide else "") + "block write where the slots are known"}
+
+
+def _plan(policy: Policy, device: str, backend: str, kern: _Kernels, settings, libraries, chosen: dict) -> Plan:
+    name, flags = cpuinfo.name_and_flags()
+    return Plan(backend=backend, framework="jax", device=device, policy=policy.name, cpu=name,
+                cpu_vendor=cpuinfo.vendor(), cpu_flags=tuple(f for f in ISA_FLAGS if f in flags),
+                kernel_isa=kern.isa, kernel_error=kern.error, settings=tuple(settings),
+                libraries=tuple(libraries), ops=tuple((op, chosen[op]) for op in OPS))
