@@ -1,4 +1,4 @@
-"""torchref's attention of a bf16 policy on the fixed-order kernels (torchref.ops:
+"""torchref's attention of a bf16 policy on the fixed-order kernels (torchref.fast:
 kernel_attention_applies, kernel_attention; llamaspec/fixed_order.h, CausalAttention).
 
 The kernel computes block_attention's function (scores rounded to bf16, masked, f32 softmax,
@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 import torchref  # noqa: E402
 from llamaspec import Policy  # noqa: E402
 from llamaspec import fixed_order as fo  # noqa: E402
-from torchref import ops  # noqa: E402
+from torchref import fast  # noqa: E402
+from torchref import plan as tplan  # noqa: E402
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                                 reason="the fixed-order kernels are x86-64 code")
@@ -47,9 +48,12 @@ def masks(B, T, S, seed=0):
     return {"causal": c, "padded": padded, "holes": holes}
 
 
+C = tplan.choices(BF16, torch.device("cpu"), {})   # this machine's fast backend, default settings
+
+
 @pytest.fixture(scope="module")
 def kernels():
-    return ops.fixed_order_kernels()
+    return fast.fixed_order_kernels()
 
 
 @pytest.mark.parametrize("B,T,S,D", [(1, 40, 40, 16), (2, 37, 53, 16), (3, 70, 70, 24), (1, 33, 33, 64)])
@@ -64,8 +68,8 @@ def test_kernel_computes_block_attention(kernels, B, T, S, D):
     the wrong point or drops a rounding of the scores, by far more than 2^-8."""
     q, k, v = qkv(B, T, S, D=D, seed=T)
     for name, allowed in masks(B, T, S, seed=S).items():
-        got = ops.kernel_attention(q, k, v, allowed, BF16)
-        want = ops.block_attention(q, k, v, allowed, BF16)
+        got = fast.kernel_attention(q, k, v, allowed, BF16)
+        want = fast.block_attention(C, q, k, v, allowed, BF16)
         assert got.dtype == torch.bfloat16 and got.shape == want.shape, name
         assert bool(torch.isfinite(got).all()), name
         diff = (got.double() - want.double()).abs()
@@ -84,20 +88,20 @@ def test_kernel_bits_do_not_depend_on_path_batch_threads_or_tile(kernels):
     ref = {}
     for path in fo.code_paths(kernels):
         with fo.code_path(kernels, path):
-            ref[path] = ops.kernel_attention(q, k, v, allowed, BF16)
+            ref[path] = fast.kernel_attention(q, k, v, allowed, BF16)
     first = ref[fo.code_paths(kernels)[0]]
     for path, out in ref.items():
         assert torch.equal(out, first), path
-    alone = ops.kernel_attention(q[:1], k[:1], v[:1], allowed[:1], BF16)
+    alone = fast.kernel_attention(q[:1], k[:1], v[:1], allowed[:1], BF16)
     assert torch.equal(alone, first[:1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(ops.kernel_attention(q, k, v, allowed, BF16), first)
+        assert torch.equal(fast.kernel_attention(q, k, v, allowed, BF16), first)
     finally:
         torch.set_num_threads(threads)
     # query 20 of row 0 alone (one query over its 21 keys) is the same as in its tile of 16
-    one = ops.kernel_attention(q[:1, 20:21], k[:1, :21], v[:1, :21], allowed[:1, 20:21, :21], BF16)
+    one = fast.kernel_attention(q[:1, 20:21], k[:1, :21], v[:1, :21], allowed[:1, 20:21, :21], BF16)
     assert torch.equal(one[0, 0], first[0, 20])
 
 
@@ -112,7 +116,7 @@ def test_kernel_reads_bf16_and_f32_operands_alike(kernels):
     for D in (16, 24):                                  # the queries scaled first; the scores after
         q, k, v = qkv(B, T, S, Hq, Hkv, D, seed=D)
         allowed = masks(B, T, S, seed=D)["padded"]
-        want = ops.kernel_attention(q, k, v, allowed, BF16)
+        want = fast.kernel_attention(q, k, v, allowed, BF16)
         g = torch.Generator().manual_seed(D)
 
         def off_grid(t):
@@ -131,9 +135,9 @@ def test_kernel_reads_bf16_and_f32_operands_alike(kernels):
                  "f64": [t.double() for t in (q, k, v)], "mixed": [q, k.float(), strided(v)]}
         for path in fo.code_paths(kernels):
             with fo.code_path(kernels, path):
-                assert torch.equal(ops.kernel_attention(q, k, v, allowed, BF16), want), (D, path)
+                assert torch.equal(fast.kernel_attention(q, k, v, allowed, BF16), want), (D, path)
                 for name, (fq, fk, fv) in forms.items():
-                    got = ops.kernel_attention(fq, fk, fv, allowed, BF16)
+                    got = fast.kernel_attention(fq, fk, fv, allowed, BF16)
                     assert got.dtype == torch.bfloat16 and torch.equal(got, want), (D, path, name)
 
 
@@ -144,105 +148,74 @@ def test_kernel_nan_reaches_the_queries_that_see_it(kernels):
     q, k, v = qkv(2, 40, 40, seed=2)
     allowed = causal(2, 40, 40)
     k[0, 25, 0, 3] = float("nan")
-    out = ops.kernel_attention(q, k, v, allowed, BF16)
+    out = fast.kernel_attention(q, k, v, allowed, BF16)
     assert bool(out[0, 25:, :3].isnan().all())          # kv head 0: query heads 0-2 of queries 25..
     assert bool(out[0, :16].isfinite().all()) and bool(out[1].isfinite().all())
     hidden = allowed.clone()
     hidden[0, :, 25] = False
-    assert bool(ops.kernel_attention(q, k, v, hidden, BF16).isfinite().all())
+    assert bool(fast.kernel_attention(q, k, v, hidden, BF16).isfinite().all())
 
 
-def test_kernel_attention_rule(monkeypatch):
+def rule(policy, device="cpu", **env):
+    c = tplan.choices(Policy.get(policy), torch.device(device), {tplan.ATTENTION_ENV: v for v in env.values()})
+    return fast.kernel_attention_applies(c, Policy.get(policy), torch.device(device))
+
+
+def test_kernel_attention_rule():
     """auto: a bf16 policy (bf16 operands, f32 accumulation and softmax) on an x86-64 CPU, never
-    another policy or device; kernel: the same; fused and ops: never; another value is an error
-    naming the variable."""
-    monkeypatch.delenv(ops.ATTENTION_ENV, raising=False)
-    cpu, meta = torch.device("cpu"), torch.device("meta")
-    auto = {name: ops.kernel_attention_applies(Policy.get(name), cpu)
-            for name in ("bf16", "fp16", "fp32", "bf16w-f32", "fp64", "tf32")}
+    another policy or device; kernel: the same; fused and reference: never; another value is an
+    error naming the variable."""
+    auto = {name: rule(name) for name in ("bf16", "fp16", "fp32", "bf16w-f32", "fp64", "tf32")}
     assert auto == {"bf16": True, "fp16": False, "fp32": False, "bf16w-f32": False, "fp64": False,
                     "tf32": False}
-    assert not ops.kernel_attention_applies(BF16, meta)
-    monkeypatch.setenv(ops.ATTENTION_ENV, "kernel")
-    assert ops.kernel_attention_applies(BF16, cpu) and not ops.kernel_attention_applies(Policy.get("fp32"), cpu)
-    for choice in ("fused", "ops"):
-        monkeypatch.setenv(ops.ATTENTION_ENV, choice)
-        assert not ops.kernel_attention_applies(BF16, cpu)
-    monkeypatch.setenv(ops.ATTENTION_ENV, "fast")
-    with pytest.raises(ValueError, match=ops.ATTENTION_ENV):
-        ops.kernel_attention_applies(BF16, cpu)
+    assert not rule("bf16", "meta")
+    assert rule("bf16", choice="kernel") and not rule("fp32", choice="kernel")
+    for choice in ("fused", "reference"):
+        assert not rule("bf16", choice=choice)
+    with pytest.raises(ValueError, match=tplan.ATTENTION_ENV):
+        rule("bf16", choice="fast")
 
 
 def test_kernel_attention_rule_leaves_amx_cpus_to_the_separate_ops(monkeypatch):
     """auto on a CPU whose bf16 products run on AMX tiles (the CPU's flags as such a Xeon reports
-    them) keeps block_attention: the two were never timed there. oneDNN capped below AMX, or
-    $LLAMA_PARITY_TORCHREF_ATTENTION=kernel, takes the kernel again."""
+    them) keeps block attention: the two were never timed there. oneDNN capped below AMX, or
+    $LLAMA_PARITY_ATTENTION=kernel, takes the kernel again."""
     from llamaspec import cpuinfo
     flags = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16",
                        "amx_tile"})
     monkeypatch.setattr(cpuinfo, "name_and_flags", lambda: ("Intel(R) Xeon(R) (flags as an AMX CPU's)", flags))
-    for var in (ops.ATTENTION_ENV, "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", cpuinfo.BF16_DOTS_ENV):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv(cpuinfo.BF16_DOTS_ENV, raising=False)
     cpu = torch.device("cpu")
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: its bf16 products never run on AMX")
-    assert ops.amx_products() and not ops.kernel_attention_applies(BF16, cpu)
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    assert not ops.amx_products() and ops.kernel_attention_applies(BF16, cpu)
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
-    monkeypatch.setenv(ops.ATTENTION_ENV, "kernel")
-    assert ops.kernel_attention_applies(BF16, cpu)
+    c = tplan.choices(BF16, cpu, {})
+    assert c.amx_bf16 and not fast.kernel_attention_applies(c, BF16, cpu)
+    c = tplan.choices(BF16, cpu, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"})
+    assert not c.amx_bf16 and fast.kernel_attention_applies(c, BF16, cpu)
+    c = tplan.choices(BF16, cpu, {tplan.ATTENTION_ENV: "kernel"})
+    assert fast.kernel_attention_applies(c, BF16, cpu)
 
 
 def test_kernel_attention_runs_in_the_model(tiny_dir, monkeypatch):
-    """The whole model at bf16 over a long prompt (QUERY_BLOCK shrunk to 4: 12 tokens are 3
-    blocks), one row padded: auto calls the kernel once per layer (spy), for a short prompt too
-    (7 tokens, under 2 blocks) and for one query a row (a decode step, a one-token forward); the
-    logits are the separate ops' to bf16 drift (rel L2 2e-2: bf16 keeps 8 bits, and a flipped
+    """The whole model at bf16, one row padded: the plan says the kernel attends; the logits are
+    the reference attention's to bf16 drift (rel L2 2e-2: bf16 keeps 8 bits, and a flipped
     rounding of one attention output moves the later layers), and prefill + decode give the
     forward's logits to the same bound."""
     ids = np.random.default_rng(3).integers(3, 96, (2, 12))
     mask = np.ones_like(ids)
     mask[1, :3] = 0
-    calls, real = [], ops.kernel_attention
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape[1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "kernel_attention", spy)
-    monkeypatch.setattr(ops, "QUERY_BLOCK", 4)
-    m = torchref.from_pretrained(tiny_dir("gqa"), policy="bf16")
-    layers = m.cfg.num_hidden_layers
     runs = {}
-    for choice in ("ops", "auto"):
-        monkeypatch.setenv(ops.ATTENTION_ENV, choice)
-        calls.clear()
+    for choice in ("reference", "auto"):
+        monkeypatch.setenv(tplan.ATTENTION_ENV, choice)
+        m = torchref.from_pretrained(tiny_dir("gqa"), policy="bf16")
+        assert (m.plan.op("attention") == "reference") is (choice == "reference")
         runs[choice] = np.asarray(m(ids, attention_mask=mask), np.float64)
-        assert len(calls) == (0 if choice == "ops" else layers), choice
-    scale = np.linalg.norm(runs["ops"])
-    assert np.linalg.norm(runs["auto"] - runs["ops"]) <= 2e-2 * scale
-    calls.clear()
+    scale = np.linalg.norm(runs["reference"])
+    assert np.linalg.norm(runs["auto"] - runs["reference"]) <= 2e-2 * scale
     logits, cache = m.prefill(ids[:, :9], mask[:, :9], 12)
-    assert calls == [9] * layers
     steps = [np.asarray(logits, np.float64)]
     for t in range(9, 12):
         logits, cache = m.decode(cache, ids[:, t])
         steps.append(np.asarray(logits, np.float64))
-    assert calls == [9] * layers + [1] * (3 * layers)  # each decode step: the kernel too
-    calls.clear()
-    m(ids[:, :7], attention_mask=mask[:, :7])
-    m(ids[:, :1])
-    assert calls == [7] * layers + [1] * layers        # a short prompt, one query: the kernel
     got = np.stack(steps, 1)
     assert np.linalg.norm(got - runs["auto"][:, 8:12]) <= 2e-2 * np.linalg.norm(runs["auto"][:, 8:12])
-
-
-def test_kernel_attention_off_leaves_block_attention(tiny_dir, monkeypatch):
-    """$LLAMA_PARITY_TORCHREF_ATTENTION=ops: a bf16 long prompt runs the separate ops, as before
-    the kernel (the kernel is never called)."""
-    monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
-    monkeypatch.setattr(ops, "QUERY_BLOCK", 4)
-    monkeypatch.setattr(ops, "kernel_attention", lambda *a, **k: pytest.fail("kernel called"))
-    m = torchref.from_pretrained(tiny_dir("gqa"), policy="bf16")
-    assert np.isfinite(np.asarray(m(np.arange(3, 15)[None]), np.float64)).all()

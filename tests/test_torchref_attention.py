@@ -1,4 +1,4 @@
-"""torchref's attention through torch's fused kernel (torchref.ops: fused_attention_applies,
+"""torchref's attention through torch's fused kernel (torchref.fast: fused_attention_applies,
 fused_block).
 
 For policies whose attention is f32 throughout, torchref runs each block of a long prompt's
@@ -6,7 +6,7 @@ queries through torch's scaled_dot_product_attention (on the CPU a flash kernel:
 one division at the end) instead of separate products, mask and softmax: the same function,
 the sums in another order. These tests hold the fused blocks to block_attention at f64 (where
 only the order of f64 sums differs), padding rows and arbitrary masks included, and check the
-rule that picks the path; the path is forced with $LLAMA_PARITY_TORCHREF_ATTENTION, so they run
+rule that picks the path; the path is forced with $LLAMA_PARITY_ATTENTION's choices, so they run
 the same on any CPU.
 """
 
@@ -18,11 +18,19 @@ torch = pytest.importorskip("torch")
 
 import torchref  # noqa: E402
 from llamaspec import Policy  # noqa: E402
-from torchref import ops  # noqa: E402
+from torchref import fast  # noqa: E402
+from torchref import plan as tplan  # noqa: E402
 from torchref.dtypes import from_numpy  # noqa: E402
-from torchref.model import LayerRunner  # noqa: E402
 
 F64_BOUND = 1e-12   # f64 sums of a few hundred terms of size ~1, in two orders
+
+
+def ch(attention: str = "auto", policy: str = "fp32") -> fast.Choices:
+    """The fast backend's choices on this machine with $LLAMA_PARITY_ATTENTION=attention."""
+    return tplan.choices(Policy.get(policy), torch.device("cpu"), {tplan.ATTENTION_ENV: attention})
+
+
+C = ch()
 
 
 def masks(T: int, S: int, seed: int) -> dict[str, torch.Tensor]:
@@ -50,14 +58,12 @@ def test_fused_blocks_compute_block_attention(T, S, monkeypatch):
     the mask are honoured."""
     policy = Policy.get("fp64")
     q, k, v = qkv(T, S)
-    monkeypatch.setattr(ops, "QUERY_BLOCK", 8)
+    monkeypatch.setattr(fast, "QUERY_BLOCK", 8)
     for name, allowed in masks(T, S, seed=T).items():
-        pairs = [(ops.fused_block(q, k, v, allowed, policy), ops.block_attention(q, k, v, allowed, policy))]
-        if T >= 2 * ops.QUERY_BLOCK:
-            monkeypatch.setenv(ops.ATTENTION_ENV, "fused")
-            fused = ops.attention(q, k, v, allowed, policy)
-            monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
-            pairs.append((fused, ops.attention(q, k, v, allowed, policy)))
+        pairs = [(fast.fused_block(q, k, v, allowed, policy), fast.block_attention(C, q, k, v, allowed, policy))]
+        if T >= 2 * fast.QUERY_BLOCK:
+            fused = fast.attention(ch("fused"), q, k, v, allowed, policy)
+            pairs.append((fused, fast.attention(C, q, k, v, allowed, policy)))
         for got, want in pairs:
             assert got.shape == want.shape and bool(torch.isfinite(got).all()), name
             err = float((got - want).abs().max())
@@ -73,72 +79,52 @@ def test_fused_blocks_pass_nan_through():
     q, k, v = qkv(6, 6)
     k[0, 2, 0, 0] = float("nan")
     allowed = masks(6, 6, 0)["causal"]
-    out = ops.fused_block(q, k, v, allowed, policy)
+    out = fast.fused_block(q, k, v, allowed, policy)
     assert bool(out[0, 2:, :2].isnan().all()) and bool(out[1].isfinite().all())
 
 
-def test_fused_attention_rule(monkeypatch):
+def test_fused_attention_rule():
     """auto: f32-throughout policies on the CPU (fp32, bf16w-f32), not 16-bit attention (bf16,
     fp16: another rounding point), not f64, not tf32 products, not off the CPU; fused: any
-    policy in one float dtype (f32 or f64), on any device; ops: never; another value is an
+    policy in one float dtype (f32 or f64), on any device; reference: never; another value is an
     error naming the variable."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")   # only the device's type is read
-    monkeypatch.delenv(ops.ATTENTION_ENV, raising=False)
-    auto = {name: ops.fused_attention_applies(Policy.get(name), cpu)
+    auto = {name: fast.fused_attention_applies(C, Policy.get(name), cpu)
             for name in ("fp32", "bf16w-f32", "bf16", "fp16", "fp64", "fp64-hf", "tf32")}
     assert auto == {"fp32": True, "bf16w-f32": True, "bf16": False, "fp16": False, "fp64": False,
                     "fp64-hf": False, "tf32": False}
-    assert not ops.fused_attention_applies(Policy.get("fp32"), cuda)
-    monkeypatch.setenv(ops.ATTENTION_ENV, " Fused ")
-    assert ops.fused_attention_applies(Policy.get("fp64"), cpu)
-    assert ops.fused_attention_applies(Policy.get("fp32"), cuda)
-    assert not ops.fused_attention_applies(Policy.get("bf16"), cpu)
-    assert not ops.fused_attention_applies(Policy.get("fp64-hf"), cpu)   # f32 softmax inside f64
-    monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
-    assert not ops.fused_attention_applies(Policy.get("fp32"), cpu)
-    monkeypatch.setenv(ops.ATTENTION_ENV, "fast")
-    with pytest.raises(ValueError, match=ops.ATTENTION_ENV):
-        ops.fused_attention_applies(Policy.get("fp32"), cpu)
+    assert not fast.fused_attention_applies(C, Policy.get("fp32"), cuda)
+    fused = ch(" Fused ")
+    assert fast.fused_attention_applies(fused, Policy.get("fp64"), cpu)
+    assert fast.fused_attention_applies(fused, Policy.get("fp32"), cuda)
+    assert not fast.fused_attention_applies(fused, Policy.get("bf16"), cpu)
+    assert not fast.fused_attention_applies(fused, Policy.get("fp64-hf"), cpu)   # f32 softmax inside f64
+    assert not fast.fused_attention_applies(ch("reference"), Policy.get("fp32"), cpu)
+    with pytest.raises(ValueError, match=tplan.ATTENTION_ENV):
+        ch("fast")
 
 
 def test_fused_attention_runs_in_the_model(tiny_dir, monkeypatch):
     """The whole model at fp32 over a long prompt (QUERY_BLOCK shrunk to 4: 12 tokens are 3
-    blocks) against the separate ops: auto on the CPU calls torch's kernel once per block and
-    layer (spy) and never for a short call (a decode step, a prompt under 2 blocks); the logits
-    agree to f32 rounding (rel L2 1e-5; the model's logits are O(1)), and prefill + decode give
-    the forward's logits to f32 rounding."""
+    blocks) against the reference attention: the logits agree to f32 rounding (rel L2 1e-5; the
+    model's logits are O(1)), and prefill + decode give the forward's logits to f32 rounding."""
     ids = np.random.default_rng(3).integers(3, 96, (2, 12))
     mask = np.ones_like(ids)
     mask[1, :3] = 0
-    runs, calls = {}, []
-    real = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].dtype)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(ops, "QUERY_BLOCK", 4)
-    m = torchref.from_pretrained(tiny_dir("gqa"), policy="fp32")
-    layers = m.cfg.num_hidden_layers
-    for choice in ("ops", "auto"):
-        monkeypatch.setenv(ops.ATTENTION_ENV, choice)
-        calls.clear()
+    runs = {}
+    monkeypatch.setattr(fast, "QUERY_BLOCK", 4)
+    for choice in ("reference", "auto"):
+        monkeypatch.setenv(tplan.ATTENTION_ENV, choice)
+        m = torchref.from_pretrained(tiny_dir("gqa"), policy="fp32")
         runs[choice] = np.asarray(m(ids, attention_mask=mask))
-        assert len(calls) == (0 if choice == "ops" else 3 * layers), choice
-    assert set(calls) == {torch.float32}
-    scale = np.linalg.norm(runs["ops"])
-    assert np.linalg.norm(runs["auto"] - runs["ops"]) <= 1e-5 * scale
-    calls.clear()
+    assert m.plan.op("attention").startswith("torch sdpa")
+    scale = np.linalg.norm(runs["reference"])
+    assert np.linalg.norm(runs["auto"] - runs["reference"]) <= 1e-5 * scale
     logits, cache = m.prefill(ids[:, :9], mask[:, :9], 12)
-    assert len(calls) == 3 * layers                  # blocks of 4, 4 and 1 queries
     steps = [np.asarray(logits)]
     for t in range(9, 12):
         logits, cache = m.decode(cache, ids[:, t])
         steps.append(np.asarray(logits))
-    assert len(calls) == 3 * layers                  # decode steps: the separate ops
-    m(ids[:, :7], attention_mask=mask[:, :7])
-    assert len(calls) == 3 * layers                  # 7 < 2 blocks: the separate ops
     got = np.stack(steps, 1)
     assert np.linalg.norm(got - runs["auto"][:, 8:12]) <= 1e-5 * np.linalg.norm(runs["auto"][:, 8:12])
 
@@ -163,40 +149,35 @@ def test_fill_starts_at_the_first_hidden_key(monkeypatch):
     in any row, may not see; S when none), and block_attention filling from there is bitwise
     block_attention filling every score, at fp32 and bf16, for causal, padded and holed masks;
     attention() over a long prompt (separate ops) likewise, its blocks cut by first_hidden."""
-    monkeypatch.setattr(ops, "QUERY_BLOCK", 8)
-    monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
-    real = ops.first_hidden
+    monkeypatch.setattr(fast, "QUERY_BLOCK", 8)
+    real = fast.first_hidden
     for T, S in ((42, 42), (40, 50), (16, 16)):
         for name, allowed in {**masks(T, S, seed=S), "none hidden": torch.ones(2, T, S, dtype=torch.bool)}.items():
             want = []
             for a in range(0, T, 8):
                 cols = (~allowed[:, a:a + 8]).any(1).any(0)
                 want.append(int(cols.nonzero()[0, 0]) if bool(cols.any()) else S)
-            got = ops.first_hidden(allowed)
+            got = fast.first_hidden(allowed)
             assert got == want, (name, got, want)
             for policy in ("fp32", "bf16"):
                 p = Policy.get(policy)
                 q, k, v = (t.to(getattr(torch, p.compute_dtype)) for t in qkv(T, S, torch.float32, seed=T))
                 for a, hidden in zip(range(0, T, 8), got):
                     block = q[:, a:a + 8], k, v, allowed[:, a:a + 8], p
-                    assert torch.equal(ops.block_attention(*block, fill_from=hidden), ops.block_attention(*block)), \
-                        (name, policy, a)
-                cut = ops.attention(q, k, v, allowed, p)
-                monkeypatch.setattr(ops, "first_hidden", lambda m: [0] * -(-m.shape[1] // 8))   # fill all
-                assert torch.equal(cut, ops.attention(q, k, v, allowed, p)), (name, policy)
-                monkeypatch.setattr(ops, "first_hidden", real)
+                    filled = fast.block_attention(C, *block, fill_from=hidden)
+                    assert torch.equal(filled, fast.block_attention(C, *block)), (name, policy, a)
+                cut = fast.attention(ch("reference"), q, k, v, allowed, p)   # not fused: separate ops
+                monkeypatch.setattr(fast, "first_hidden", lambda m: [0] * -(-m.shape[1] // 8))   # fill all
+                assert torch.equal(cut, fast.attention(ch("reference"), q, k, v, allowed, p)), (name, policy)
+                monkeypatch.setattr(fast, "first_hidden", real)
 
 
-def test_plain_long_prompt_is_one_causal_kernel_call(tiny_dir, monkeypatch):
+def test_plain_long_prompt_is_one_causal_kernel_call(monkeypatch):
     """A long prompt from slot 0 without padding (plain_causal, read from the mask) runs torch's
-    kernel once per layer with is_causal over the prompt's own keys (spy): forward, prefill (its
-    cache's empty slots hidden), the layer stream. A padded batch, a prompt after earlier slots,
-    a mask with one more key or one less, and a non-causal mask that a bug in causal_allowed would
-    build run attention()'s blocks with their masks. At fp64 (forced fused) the causal call is the
-    separate ops' result to f64 rounding, and a key's NaN reaches only the queries that see it; at
-    fp32 the model's logits agree with the separate ops to f32 rounding, prefill's last logits
-    with the forward's."""
-    import torchref.model as tm
+    kernel once with is_causal over the prompt's own keys (spy). A padded batch, a mask with one
+    more key or one less, and a prompt after earlier slots run the blocks with their masks. At
+    fp64 (forced fused) each is the separate ops' result to f64 rounding, and a key's NaN reaches
+    only the queries that see it."""
     calls = []
     real = torch.nn.functional.scaled_dot_product_attention
 
@@ -205,17 +186,16 @@ def test_plain_long_prompt_is_one_causal_kernel_call(tiny_dir, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(ops, "QUERY_BLOCK", 4)
-    # the op alone, at f64: causal mask over the first T of S slots (the rest empty, as a prefill's cache)
+    monkeypatch.setattr(fast, "QUERY_BLOCK", 4)
+    # causal mask over the first T of S slots (the rest empty, as a prefill's cache)
     T, S = 12, 15
     q, k, v = qkv(T, S)
     plain = torch.ones(T, S, dtype=torch.bool).tril()[None].repeat(2, 1, 1)
-    fp64 = Policy.get("fp64")
-    monkeypatch.setenv(ops.ATTENTION_ENV, "fused")
-    assert ops.plain_causal(plain) and ops.plain_causal(plain[:, :, :T]) and not ops.plain_causal(plain[:, 1:])
-    got = ops.attention(q, k, v, plain, fp64)
+    fp64, fused = Policy.get("fp64"), ch("fused")
+    assert fast.plain_causal(plain) and fast.plain_causal(plain[:, :, :T]) and not fast.plain_causal(plain[:, 1:])
+    got = fast.attention(fused, q, k, v, plain, fp64)
     assert calls == [(T, True)]
-    assert float((got - ops.block_attention(q, k, v, plain, fp64)).abs().max()) <= F64_BOUND
+    assert float((got - fast.block_attention(C, q, k, v, plain, fp64)).abs().max()) <= F64_BOUND
     padded, more, less = plain.clone(), plain.clone(), plain.clone()
     padded[1, :, :3] = False
     more[0, 4, 5] = True
@@ -224,47 +204,13 @@ def test_plain_long_prompt_is_one_causal_kernel_call(tiny_dir, monkeypatch):
               "after slot 2": torch.ones(T, S, dtype=torch.bool).tril(2)[None].repeat(2, 1, 1)}
     for name, mask in others.items():
         calls.clear()
-        assert not ops.plain_causal(mask), name
-        got = ops.attention(q, k, v, mask, fp64)
+        assert not fast.plain_causal(mask), name
+        got = fast.attention(fused, q, k, v, mask, fp64)
         assert calls and not any(c for _, c in calls), name          # the blocks, with their masks
-        assert float((got - ops.block_attention(q, k, v, mask, fp64)).abs().max()) <= F64_BOUND, name
+        assert float((got - fast.block_attention(C, q, k, v, mask, fp64)).abs().max()) <= F64_BOUND, name
     k[0, 5, 1, 3] = float("nan")
-    out = ops.attention(q, k, v, plain, fp64)
+    out = fast.attention(fused, q, k, v, plain, fp64)
     assert bool(out[0, 5:, 2:].isnan().all()) and bool(out[0, :5].isfinite().all()) and bool(out[1].isfinite().all())
-    calls.clear()
-
-    # the model at fp32, auto
-    monkeypatch.setenv(ops.ATTENTION_ENV, "auto")
-    m = torchref.from_pretrained(tiny_dir("gqa"), policy="fp32")
-    layers = m.cfg.num_hidden_layers
-    ids = np.random.default_rng(5).integers(3, 96, (2, 12))
-    fused = np.asarray(m(ids))
-    assert calls == [(12, True)] * layers
-    calls.clear()
-    logits, _ = m.prefill(ids, np.ones_like(ids), 14)
-    assert calls == [(12, True)] * layers
-    np.testing.assert_allclose(np.asarray(logits), fused[:, -1], rtol=0, atol=1e-5 * np.abs(fused).max())
-    calls.clear()
-    runner = LayerRunner(m.cfg, "fp32")
-    runner.start(ids, np.ones_like(ids))
-    weights = m.weights()
-    runner.block(0, weights, runner.embed(weights["model.embed_tokens.weight"][ids]))
-    assert calls == [(12, True)]
-    calls.clear()
-    mask = np.ones_like(ids)
-    mask[1, :2] = 0
-    m(ids, attention_mask=mask)
-    assert len(calls) == 3 * layers and not any(c for _, c in calls)
-    calls.clear()
-    monkeypatch.setenv(ops.ATTENTION_ENV, "ops")
-    separate = np.asarray(m(ids))
-    assert not calls
-    assert np.linalg.norm(fused - separate) <= 1e-5 * np.linalg.norm(separate)
-    monkeypatch.setenv(ops.ATTENTION_ENV, "auto")
-    real_allowed = tm.causal_allowed
-    monkeypatch.setattr(tm, "causal_allowed", lambda mask, n, first=0: real_allowed(mask, n, first) | True)
-    m(ids)                                                       # a bug: every query sees every key
-    assert len(calls) == 3 * layers and not any(c for _, c in calls)
 
 
 def test_answers_kept_per_mask_follow_the_mask_asked_about():
@@ -278,9 +224,9 @@ def test_answers_kept_per_mask_follow_the_mask_asked_about():
     a = torch.ones(1, T, S, dtype=torch.bool).tril()
     b = a.clone()
     b[0, -1, 0] = False          # one key hidden from the last query
-    first_b = ops.block_attention(q, k, v, b, policy)
-    first_a = ops.block_attention(q, k, v, a, policy)
-    assert ops.plain_causal(a) and not ops.plain_causal(b) and ops.plain_causal(a.clone())
+    first_b = fast.block_attention(C, q, k, v, b, policy)
+    first_a = fast.block_attention(C, q, k, v, a, policy)
+    assert fast.plain_causal(a) and not fast.plain_causal(b) and fast.plain_causal(a.clone())
     assert not torch.equal(first_a, first_b)
-    assert torch.equal(ops.block_attention(q, k, v, b.clone(), policy), first_b)
-    assert torch.equal(ops.block_attention(q, k, v, a, policy), first_a)
+    assert torch.equal(fast.block_attention(C, q, k, v, b.clone(), policy), first_b)
+    assert torch.equal(fast.block_attention(C, q, k, v, a, policy), first_a)
