@@ -61,7 +61,7 @@ def choices(policy="bf16", **env) -> fast.Choices:
 def test_hardware_products_rule():
     """bf16 products in hardware with AMX-BF16 or AVX-512-BF16, fp16 with AMX-FP16 or AVX-512-FP16,
     oneDNN enabled and not capped below them; $LLAMA_PARITY_BF16_DOTS native / widened overrides."""
-    rule = tplan._hardware
+    rule = tplan.hardware_products
     for flags, bf16, fp16 in [((), False, False), (("avx512_bf16",), True, False), (("amx_bf16",), True, False),
                               (("avx512_fp16", "avx512_bf16"), True, True), (("amx_fp16",), False, True)]:
         f = frozenset(flags)

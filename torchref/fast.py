@@ -21,10 +21,11 @@ from typing import NamedTuple
 import torch
 
 from llamaspec import Policy
+from llamaspec import fixed_order as fo
 from llamaspec.forward import scale_queries
 
 from . import ops
-from .dtypes import cast, dt
+from .dtypes import cast, dt, from_numpy, to_numpy
 
 _HALF = (torch.bfloat16, torch.float16)   # the 16-bit compute dtypes, whose products f32 holds exactly
 # A product of at most this many rows (a decode step of a small batch) is "few rows": the
@@ -69,7 +70,6 @@ def namespace(c: Choices):
 # ----- the rules (pure functions of the choices, the dtypes and the shape) ------------------
 
 def _isa_at_least(c: Choices, name: str) -> bool:
-    from llamaspec import fixed_order as fo
     return c.kernel_isa is not None and c.kernel_isa >= fo.ISAS[name]
 
 
@@ -180,8 +180,7 @@ class Fast:
         if out != compute and c.logits == "reference":
             return ops.linear(x, w, b, policy, out_dtype)
         if kernel_logits(c, compute, accum, out, x.numel() // max(x.shape[-1], 1), x.device):
-            from . import invariant
-            return invariant.linear(x, w, b, policy, out_dtype)
+            return packed_linears(x, (w,), (b,), policy, out_dtype)[0]
         return self.linears(x, (w,), (b,), policy, out_dtype)[0]
 
     def linears(self, x, ws, bs, policy: Policy, out_dtype: str | None = None) -> list[torch.Tensor]:
@@ -218,7 +217,7 @@ class Fast:
     def write_cache(self, cache, slots, x) -> None:
         """ops.write_cache; where every row's slots are one block of the cache (a prompt from slot 0,
         a decode step at one slot), one copy of that block instead of the scatter: the same values."""
-        start = _one_block(slots, cache.shape[2]) if cache.device.type == "cpu" else None
+        start = one_block(slots, cache.shape[2]) if cache.device.type == "cpu" else None
         if start is None:
             return ops.write_cache(cache, slots, x)
         cache.narrow(2, start, x.shape[1]).copy_(x.transpose(1, 2))
@@ -239,7 +238,7 @@ class Fast:
         return accum if _widens(c, compute, accum, compute, WIDE_MIN_ROWS, device) else compute
 
 
-def _one_block(slots: torch.Tensor, S: int) -> int | None:
+def one_block(slots: torch.Tensor, S: int) -> int | None:
     """The first slot where slots [B, T] are, in every row, start .. start + T - 1 within S slots."""
     s = slots.numpy()
     start = int(s[0, 0])
@@ -342,7 +341,6 @@ def _kernel_linears(x: torch.Tensor, ws, bs, compute: torch.dtype, out: torch.dt
 def _panels(ws: tuple, compute: torch.dtype) -> tuple[torch.Tensor, int]:
     """The weights stacked and packed in the kernels' panel layout, with the kernel's weight
     type: made once per set of tensors and kept while they live (kept)."""
-    from llamaspec import fixed_order as fo
     wtype = fo.WTYPES[str(compute).removeprefix("torch.")]
 
     def make():
@@ -352,6 +350,51 @@ def _panels(ws: tuple, compute: torch.dtype) -> tuple[torch.Tensor, int]:
         fixed_order_kernels().fo_pack(w.data_ptr(), wtype, N, K, K, 1, packed.data_ptr())
         return packed
     return kept(ws, ("panels", compute), make), wtype
+
+
+class Packed(NamedTuple):
+    """Weights stacked and packed for the fixed-order gemm as llamaspec.fixed_order.pack_for decides
+    (bf16 weights of a bf16 policy with f32 sums: the kernel's bf16 pair program)."""
+    data: torch.Tensor   # the weights stacked, in fixed_order's panel layout
+    wtype: int
+    n: int               # rows of the stacked weights (outputs)
+    bias: torch.Tensor | None
+    x_dtype: torch.dtype  # what the kernel takes x in
+
+
+def pack(ws, bs, policy: Policy) -> Packed:
+    """The weights stacked and packed once per set of tensors, kept while they live (kept), again
+    when one is replaced or changed in place (its version counter moves)."""
+    def make():
+        acc = torch.float64 if dt(policy.accum_dtype) == torch.float64 else torch.float32
+        w = torch.cat([w.detach().cpu() for w in ws])
+        packed, wtype, x_dtype, _ = fo.pack_for(to_numpy(w), policy.compute_dtype, policy.accum_dtype)
+        bias = (torch.cat([b.detach().to(dt(policy.compute_dtype)).to(acc) for b in bs])
+                if all(b is not None for b in bs) else None)
+        return Packed(from_numpy(packed), wtype, w.shape[0], bias, dt(x_dtype))
+    tensors = tuple(ws) + tuple(b for b in bs if b is not None)
+    return kept(tensors, ("fixed-order", policy.compute_dtype, policy.accum_dtype), make)
+
+
+def packed_linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = None, gemm=None
+                   ) -> list[torch.Tensor]:
+    """linears as one fixed-order product against the weights packed once (pack): operands rounded
+    to compute_dtype, products summed in the accumulator in the kernel's order, bias added, rounded
+    once to out_dtype; the same bits for a row whatever the rows beside it (invariant.linears'
+    product, and the fast backend's bf16 logits of a few rows). gemm(rows, packed): the product."""
+    if any(b is not None for b in bs) and not all(b is not None for b in bs):
+        return [packed_linears(x, (w,), (b,), policy, out_dtype, gemm)[0] for w, b in zip(ws, bs)]
+    packed = pack(ws, bs, policy)
+    rows = x.reshape(-1, x.shape[-1]).to(dt(policy.compute_dtype)).to(packed.x_dtype).contiguous()
+    y = (gemm or _packed_gemm)(rows, packed)
+    if packed.bias is not None:
+        y = y + packed.bias
+    y = y.to(dt(out_dtype or policy.compute_dtype)).reshape(*x.shape[:-1], packed.n)
+    return list(y.split([w.shape[0] for w in ws], dim=-1)) if len(ws) > 1 else [y]
+
+
+def _packed_gemm(rows: torch.Tensor, packed: Packed) -> torch.Tensor:
+    return fixed_order_gemm(rows, packed.data, packed.wtype, packed.n)
 
 
 def fixed_order_gemm(rows: torch.Tensor, packed: torch.Tensor, wtype: int, n: int) -> torch.Tensor:
@@ -368,7 +411,6 @@ def fixed_order_gemm(rows: torch.Tensor, packed: torch.Tensor, wtype: int, n: in
 def fixed_order_kernels():
     """fixed_order's library, its parallel work on torch's OpenMP threads where torch has GNU
     OpenMP (a pool of its own would compete with torch's spinning threads for the cores)."""
-    from llamaspec import fixed_order as fo
     lib = fo.library()
     fo.use_openmp(_torch_openmp())
     return lib

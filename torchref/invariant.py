@@ -12,8 +12,6 @@ verifies the promise on this machine at load.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from llamaspec import Policy
@@ -22,7 +20,7 @@ from llamaspec.errors import InvarianceError
 from llamaspec.selfcheck import check_rows
 
 from . import fast, ops
-from .dtypes import dt, from_numpy, to_numpy
+from .dtypes import dt
 from .fast import times_in_place as times  # noqa: F401 (the same bits as ops.times)
 from .ops import apply_rope, cache_dtype, rope_inv_freq, rotate_half, write_cache  # noqa: F401 (invariant as is)
 
@@ -45,7 +43,7 @@ def _on_cpu(t: torch.Tensor) -> None:
 
 # ----- fixed-order kernels on torch tensors ------------------------------------------------
 
-def _gemm(x: torch.Tensor, packed: "_Packed") -> torch.Tensor:
+def _gemm(x: torch.Tensor, packed: fast.Packed) -> torch.Tensor:
     """x [M, K] (contiguous; bf16 for bf16 x bf16 pairs, else the accumulator dtype) @ w^T
     -> [M, N] in the accumulator dtype."""
     return fast.fixed_order_gemm(x, packed.data, packed.wtype, packed.n)
@@ -87,29 +85,6 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
 
 # ----- packed weights ---------------------------------------------------------------------
 
-class _Packed(NamedTuple):
-    data: torch.Tensor   # the weights stacked, in fixed_order's panel layout
-    wtype: int
-    n: int               # rows of the stacked weights (outputs)
-    bias: torch.Tensor | None
-    x_dtype: torch.dtype  # what the kernel takes x in
-
-
-def _pack(ws, bs, policy: Policy) -> _Packed:
-    """The weights stacked and packed once per set of tensors (llamaspec.fixed_order.pack_for
-    decides how), kept while they live (fast.kept, with the fast backend's own packed copies), again
-    when one is replaced or changed in place (its version counter moves)."""
-    def make():
-        acc = _acc(policy)
-        w = torch.cat([w.detach().cpu() for w in ws])
-        packed, wtype, x_dtype, _ = fo.pack_for(to_numpy(w), policy.compute_dtype, policy.accum_dtype)
-        bias = (torch.cat([b.detach().to(dt(policy.compute_dtype)).to(acc) for b in bs])
-                if all(b is not None for b in bs) else None)
-        return _Packed(from_numpy(packed), wtype, w.shape[0], bias, dt(x_dtype))
-    tensors = tuple(ws) + tuple(b for b in bs if b is not None)
-    return fast.kept(tensors, ("fixed-order", policy.compute_dtype, policy.accum_dtype), make)
-
-
 # ----- the ops ----------------------------------------------------------------------------
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Policy,
@@ -120,18 +95,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
 
 
 def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = None) -> list[torch.Tensor]:
-    """ops.linears as one product against the weights stacked (packed once), split into
+    """ops.linears as one product against the weights stacked (packed once: fast.pack), split into
     one result per weight: the same bits as one call each."""
     _on_cpu(x)
-    if any(b is not None for b in bs) and not all(b is not None for b in bs):
-        return [linear(x, w, b, policy, out_dtype) for w, b in zip(ws, bs)]
-    packed = _pack(ws, bs, policy)
-    rows = x.reshape(-1, x.shape[-1]).to(dt(policy.compute_dtype)).to(packed.x_dtype).contiguous()
-    y = _gemm(rows, packed)
-    if packed.bias is not None:
-        y = y + packed.bias
-    y = y.to(dt(out_dtype or policy.compute_dtype)).reshape(*x.shape[:-1], packed.n)
-    return list(y.split([w.shape[0] for w in ws], dim=-1)) if len(ws) > 1 else [y]
+    return fast.packed_linears(x, ws, bs, policy, out_dtype, lambda rows, packed: _gemm(rows, packed))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, policy: Policy) -> torch.Tensor:

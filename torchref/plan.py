@@ -47,7 +47,7 @@ def _choice(env: dict, name: str) -> str:
     return value
 
 
-def _hardware(dtype: str, flags: frozenset, dots: str, cap: str, mkldnn: bool) -> bool:
+def hardware_products(dtype: str, flags: frozenset, dots: str, cap: str, mkldnn: bool) -> bool:
     """Whether torch multiplies `dtype` (bf16 / fp16) matrices of many rows in hardware here: oneDNN
     on AMX tiles or AVX-512 pair products, enabled and not capped below them; elsewhere torch runs
     them in software, several times slower than its f32 product, so the fast backend widens them.
@@ -77,7 +77,7 @@ def choices(policy: Policy, device: torch.device, env: dict) -> fast.Choices:
     dots = cpuinfo.dots_choice(env.get(cpuinfo.BF16_DOTS_ENV))
     cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
     mkldnn = torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled)
-    hardware = {d: _hardware(d, flags, dots, cap, mkldnn) for d in _HARDWARE_FLAGS}
+    hardware = {d: hardware_products(d, flags, dots, cap, mkldnn) for d in _HARDWARE_FLAGS}
     amx = {d: hardware[d] and _HARDWARE_FLAGS[d][0] in flags
            and cap.startswith(("AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT")) for d in _HARDWARE_FLAGS}
     products, logits, attention = (_choice(env, n) for n in (PRODUCTS_ENV, LOGITS_ENV, ATTENTION_ENV))
