@@ -378,7 +378,7 @@ CACHE_SEAMS = ("key_tables", "write_slots", "stored", "cache_allowed")
 
 
 def test_torchref_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch):
-    """torchref.ops.attention computes QUERY_BLOCK queries at a time, each block over the keys
+    """torchref's fast attention computes QUERY_BLOCK queries at a time, each block over the keys
     up to the last one its mask allows (all of them when it holds a query that may see nothing;
     jaxmodel's blocks: the next test). With the block shrunk to 8 on a
     42-token batch (one row left-padded), at fp64: the blocked forward is the one-block forward
@@ -387,13 +387,14 @@ def test_torchref_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch)
     honoured, not cut at the causal bound."""
     import torch
 
-    from torchref import ops
+    from torchref import fast
+    from torchref.plan import choices
     ids = tokens(B=2, T=42, seed=7)
     mask = np.ones_like(ids)
     ids[1, :5], mask[1, :5] = 0, 0
     runs = {}
     for block in (10 ** 6, 8):
-        monkeypatch.setattr(ops, "QUERY_BLOCK", block)
+        monkeypatch.setattr(fast, "QUERY_BLOCK", block)
         m = load("torchref", tiny_dir("gqa"), "fp64")
         runs[block] = np.asarray(m(ids, attention_mask=mask))
     one_block, blocked = runs[10 ** 6], runs[8]
@@ -417,9 +418,10 @@ def test_torchref_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch)
     leak[:, :, 1:] |= causal[:, :, :-1]      # each query also sees the next key
     q, k, v, causal, leak = (torch.from_numpy(x) for x in (q, k, v, causal, leak))
     policy = PRESETS["fp64"]
-    every_key = np.asarray(ops.block_attention(q, k, v, leak, policy))[real]
-    cut = np.asarray(ops.block_attention(q, k, v, causal, policy))[real]
-    got = np.asarray(ops.attention(q, k, v, leak, policy))[real]
+    c = choices(policy, torch.device("cpu"), {})
+    every_key = np.asarray(fast.block_attention(c, q, k, v, leak, policy))[real]
+    cut = np.asarray(fast.block_attention(c, q, k, v, causal, policy))[real]
+    got = np.asarray(fast.attention(c, q, k, v, leak, policy))[real]
     assert rel_l2(got, every_key) <= 1e-14 and rel_l2(every_key, cut) > 1e-3
 
 
@@ -430,8 +432,8 @@ def test_torchref_query_blocks_read_the_keys_their_masks_allow(monkeypatch):
     bound, a fully masked row, over a longer cache, T not a multiple of the block."""
     import torch
 
-    from torchref import ops
-    monkeypatch.setattr(ops, "QUERY_BLOCK", 8)
+    from torchref import fast
+    monkeypatch.setattr(fast, "QUERY_BLOCK", 8)
 
     def by_definition(allowed):
         T, S = allowed.shape[1:]
@@ -451,9 +453,9 @@ def test_torchref_query_blocks_read_the_keys_their_masks_allow(monkeypatch):
         dead[0, T // 2] = False
         noise = torch.from_numpy(rng.random((2, T, S)) < 0.3)
         for allowed in (causal, padded, leak, dead, noise):
-            assert ops.keys_read(allowed) == by_definition(allowed), (T, S)
+            assert fast.keys_read(allowed) == by_definition(allowed), (T, S)
     causal = torch.ones(42, 42, dtype=torch.bool).tril()[None]
-    assert ops.keys_read(causal) == [8, 16, 24, 32, 40, 42]
+    assert fast.keys_read(causal) == [8, 16, 24, 32, 40, 42]
 
 
 def test_jaxmodel_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch, request):
@@ -626,38 +628,44 @@ def test_jaxmodel_prefill_writes_the_prompt_to_its_cache_as_one_block(tiny_dir, 
             assert scattered[2][n].dtype == cache[n].dtype and np.array_equal(scattered[2][n], cache[n]), n
 
 
-@pytest.mark.parametrize("policy,dots,attention", [("fp32", "auto", "auto"), ("bf16", "widened", "ops"),
+@pytest.mark.parametrize("policy,dots,attention", [("fp32", "auto", "auto"), ("bf16", "widened", "reference"),
                                                    ("fp16", "widened", "auto"), ("bf16", "native", "auto"),
                                                    ("bf16", "widened", "auto")])
 def test_torchref_cache_widened_and_written_as_one_block(tiny_dir, monkeypatch, policy, dots, attention):
-    """torchref's KV cache: kept in f32 where attention widens a 16-bit policy's products
-    (ops.cache_dtype: $LLAMA_PARITY_BF16_DOTS=widened here), else in compute_dtype, as it is where
-    a bf16 policy's attention runs on the fixed-order kernels (auto on x86-64; ops: never); a call whose
-    rows all write from one slot (prefill, decode) writes a slice, not a scatter. The prefill,
-    decode steps (B=2 with a left-padded row, and B=1) and the cache's values are bitwise those of
-    a compute_dtype cache written by the scatter (both replaced back: ops.cache_dtype, and
-    write_slots wrapped on the class), and the widened cache holds compute_dtype values."""
+    """torchref's KV cache on the fast backend: kept in f32 where attention widens a 16-bit
+    policy's products (cache_dtype: $LLAMA_PARITY_BF16_DOTS=widened here), else in compute_dtype,
+    as it is where a bf16 policy's attention runs on the fixed-order kernels (auto on x86-64) or
+    on the reference; a call whose rows all write from one slot (prefill, decode) writes a slice.
+    The prefill, decode steps (B=2 with a left-padded row, and B=1) and the cache's values are
+    bitwise those of a compute_dtype cache written by the reference's scatter (cache_dtype and
+    write_cache replaced by the reference's), and the widened cache holds compute_dtype values."""
     import torch
 
-    import torchref.model as tm
-    from torchref import ops
+    from compare.controls.prefill import Ops
+    from torchref import fast, ops
     from torchref.dtypes import dt
+    from torchref.plan import ATTENTION_ENV, choices
     monkeypatch.setenv("LLAMA_PARITY_BF16_DOTS", dots)
-    monkeypatch.setenv(ops.ATTENTION_ENV, attention)
+    monkeypatch.setenv(ATTENTION_ENV, attention)
     compute = dt(Policy.get(policy).compute_dtype)
-    kernel = ops.kernel_attention_applies(Policy.get(policy), torch.device("cpu"))
-    if policy != "bf16" or attention == "ops":
+    c = choices(Policy.get(policy), torch.device("cpu"), {"LLAMA_PARITY_BF16_DOTS": dots, ATTENTION_ENV: attention})
+    kernel = fast.kernel_attention_applies(c, Policy.get(policy), torch.device("cpu"))
+    if policy != "bf16" or attention == "reference":
         assert not kernel
-    want = torch.float32 if dots == "widened" and not kernel else compute
-    assert ops.cache_dtype(Policy.get(policy), torch.device("cpu")) == want
-    assert ops.cache_dtype(Policy.get(policy), torch.device("cuda")) == compute   # only the device's type is read
+    want = torch.float32 if dots == "widened" and not kernel and attention != "reference" else compute
+    ns = fast.namespace(c)
+    assert ns.cache_dtype(Policy.get(policy), torch.device("cpu")) == want
+    assert ns.cache_dtype(Policy.get(policy), torch.device("cuda")) == compute   # only the device's type is read
     ids = tokens(B=2, T=20, seed=4)
     mask = np.ones_like(ids)
     ids[1, :5], mask[1, :5] = 0, 0
-    writes = []
 
-    def run():
+    def run(plain=False):
         m = load("torchref", tiny_dir("gqa"), policy)
+        if plain:
+            m.ops = Ops(m.ops, cache_dtype=ops.cache_dtype)
+            for layer in m.model.layers:
+                layer.self_attn.ops = Ops(layer.self_attn.ops, write_cache=ops.write_cache)
         out = []
         for rows in (slice(0, 2), slice(0, 1)):
             logits, cache = m.prefill(ids[rows], mask[rows], 24)
@@ -667,20 +675,16 @@ def test_torchref_cache_widened_and_written_as_one_block(tiny_dir, monkeypatch, 
                 out.append(np.asarray(logits, np.float32))
         return out, cache
 
-    starts = []
-    real_start = tm.shared_start
-    monkeypatch.setattr(tm, "shared_start", lambda *a: starts.append(real_start(*a)) or starts[-1])
+    blocks = []
+    real_block = fast.one_block
+    monkeypatch.setattr(fast, "one_block", lambda *a: blocks.append(real_block(*a)) or blocks[-1])
     got, cache = run()
-    assert starts and None not in starts                     # every write of the default run is a slice
+    assert blocks and None not in blocks                     # every write of the default run is a slice
     assert {c.dtype for c in cache["k"] + cache["v"]} == {want}
-    for c in cache["k"] + cache["v"]:
-        assert torch.equal(c, c.to(compute).to(c.dtype))
-    own = tm.Attention.write_slots
-    monkeypatch.setattr(tm.Attention, "write_slots",
-                        lambda self, index, T, S: writes.append(T) or own(self, index, T, S))
-    monkeypatch.setattr(ops, "cache_dtype", lambda policy, device: dt(policy.compute_dtype))
-    ref, ref_cache = run()
-    assert writes and {c.dtype for c in ref_cache["k"]} == {compute}
+    for t in cache["k"] + cache["v"]:
+        assert torch.equal(t, t.to(compute).to(t.dtype))
+    ref, ref_cache = run(plain=True)
+    assert {t.dtype for t in ref_cache["k"]} == {compute}
     for a, b in zip(got, ref):
         assert np.array_equal(a, b)
     for a, b in zip(cache["k"] + cache["v"], ref_cache["k"] + ref_cache["v"]):
@@ -801,50 +805,40 @@ def test_bf16_rope_rounds_each_op_once_to_bf16(framework):
         tables = torch.from_numpy(cos), torch.from_numpy(sin)
         out = ops.apply_rope(as_torch, *tables)
         got = out.view(torch.int16).numpy().view(np.uint16).view(bf16)
-        # a bf16 prompt's rotation in the model (ops.kernel_rope, every code path): the same bits,
-        # for keys of other heads (a strided view) on tables of other strides
+        # a bf16 prompt's rotation on the fast backend (fast.rope_kernel, every code path): the same
+        # bits, for keys of other heads (a strided view) on tables of other strides
         if platform.machine().lower() in ("x86_64", "amd64") and shutil.which("g++"):
             from llamaspec import fixed_order as fo
-            lib = ops.fixed_order_kernels()
-            assert ops.kernel_rope_applies(as_torch, as_torch)
+            from torchref import fast
+            lib = fast.fixed_order_kernels()
             spaced = tuple(torch.cat([t, t], dim=-1)[..., :D] for t in tables)   # rows 2 D apart
             for path in fo.code_paths(lib):
                 with fo.code_path(lib, path):
-                    q, k = ops.kernel_rope(as_torch, as_torch[:, :, 1:], *tables, *spaced)
+                    q, k = fast.rope_kernel(as_torch, *tables), fast.rope_kernel(as_torch[:, :, 1:], *spaced)
                 for y, ref, nans in ((q, want, nan), (k, want[:, :, 1:], nan[:, :, 1:])):
                     y = y.view(torch.int16).numpy().view(np.uint16).view(bf16)
                     np.testing.assert_array_equal(np.isnan(y.astype(f32)), nans, err_msg=path)
                     np.testing.assert_array_equal(y.view(np.uint16)[~nans], ref.view(np.uint16)[~nans],
                                                   err_msg=path)
-            with pytest.raises(ValueError, match="do not match"):     # never read past the keys
-                ops.kernel_rope(as_torch, as_torch[:, :-1], *tables, *tables)
     np.testing.assert_array_equal(np.isnan(got.astype(f32)), nan)
     np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
 
 
-def test_torchref_bf16_prompt_rotates_in_one_kernel_call(tiny_dir, monkeypatch):
-    """A bf16 prompt's RoPE runs as one ops.kernel_rope call a layer (spy), a decode step's and a
-    control's replaced apply_rope do not, and a bf16 prefill with decode steps gives every
-    activation and logit bit for bit as with apply_rope alone (kernel_rope_applies off)."""
+def test_torchref_bf16_prompt_rope_on_the_kernel_keeps_every_bit(tiny_dir, monkeypatch):
+    """A bf16 model on the fast backend (its prompts' RoPE on the fixed-order kernel) gives every
+    activation and logit of a capture, a prefill and decode steps bit for bit as the same backend
+    with the reference's apply_rope in every layer."""
     pytest.importorskip("torch")
-    import types
-
     import torchref
+    from compare.controls.prefill import Ops
     from torchref import ops
     if platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which("g++"):
         pytest.skip("the fixed-order kernels are x86-64 code built with g++")
     m = torchref.from_pretrained(tiny_dir("gqa"), policy="bf16")
-    layers = m.cfg.num_hidden_layers
+    assert m.plan.op("rope").startswith("fixed-order")
     ids = np.random.default_rng(4).integers(3, 96, (2, 11))
     mask = np.ones_like(ids)
     mask[1, :4] = 0
-    calls, real = [], ops.kernel_rope
-
-    def spy(q, *args):
-        calls.append(q.shape[1])
-        return real(q, *args)
-
-    monkeypatch.setattr(ops, "kernel_rope", spy)
 
     def run():
         logits, acts = m.capture(ids[:, :8], mask[:, :8], taps=["*"])
@@ -853,21 +847,13 @@ def test_torchref_bf16_prompt_rotates_in_one_kernel_call(tiny_dir, monkeypatch):
         return {"logits": logits, "prefill": first, **acts, **{f"step{i}": s for i, s in enumerate(steps)}}
 
     with_kernel = run()
-    assert calls == [8] * (2 * layers)                 # capture's and prefill's prompts; no decode step
-    monkeypatch.setattr(ops, "kernel_rope_applies", lambda q, k: False)
-    calls.clear()
+    for layer in m.model.layers:
+        layer.self_attn.ops = Ops(layer.self_attn.ops, apply_rope=ops.apply_rope)
     without = run()
-    assert not calls and with_kernel.keys() == without.keys()
+    assert with_kernel.keys() == without.keys()
     for name in with_kernel:
         np.testing.assert_array_equal(np.asarray(with_kernel[name]).view(np.uint8),
                                       np.asarray(without[name]).view(np.uint8), err_msg=name)
-    monkeypatch.undo()
-    monkeypatch.setattr(ops, "kernel_rope", spy)
-    attn = m.model.layers[0].self_attn
-    attn.ops = types.SimpleNamespace(**{**{k: getattr(ops, k) for k in dir(ops) if not k.startswith("__")},
-                                        "apply_rope": lambda x, cos, sin: ops.apply_rope(x, cos, sin)})
-    m(ids, attention_mask=mask)
-    assert calls == [11] * (layers - 1)                # layer 0's replaced apply_rope runs as given
 
 
 def test_bucket_lengths_and_front_padding_are_neutral():
