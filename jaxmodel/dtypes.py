@@ -25,7 +25,7 @@ _DTYPES = {
 #   does (by default XLA may keep bf16/f16 intermediates in f32 between fused ops);
 # - xla_cpu_use_fusion_emitters=False: the classic emitters compile an op the same way
 #   whatever its consumers, so capturing an activation never changes the logits (with the
-#   newer ones FMA contraction follows the fusion, docs/measurements.md). XLA:CPU's only:
+#   newer ones FMA contraction follows the fusion, docs/performance.md). XLA:CPU's only:
 #   not asked for on other backends (XLA:GPU rejects it as unknown).
 _WANTED_OPTIONS = {"xla_allow_excess_precision": False, "xla_cpu_use_fusion_emitters": False}
 

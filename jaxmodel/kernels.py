@@ -1,7 +1,7 @@
 """llamaspec/fixed_order.h's kernels as JAX ops (XLA FFI custom calls on the CPU): the
 batch-invariant mode's products, row sums and exp, one fixed order per result whatever
 the row count, the thread count or the instruction set, the same programs torchref runs;
-and jaxmodel's fused CPU attention (attention.h, ops.fused_attention) on the same tiles.
+and the fast backend's fused CPU attention (attention.h) on the same tiles.
 
 fixed_order_ffi.cc is compiled on first use (g++ or $CXX, with jaxlib's FFI headers) into
 the llama-parity cache by llamaspec.fixed_order.load, which checks the file before
@@ -68,7 +68,7 @@ class PackedWeight:
     @staticmethod
     def widening(w: np.ndarray) -> "PackedWeight":
         """A bf16 or f16 w [n, k] packed in its own dtype, for gemm with an f32 x: the kernel
-        widens each weight exactly and sums the f32 products in f32 (ops.kernel_matvecs)."""
+        widens each weight exactly and sums the f32 products in f32 (fast.Fast.kernel_matvecs)."""
         name = {np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}.get(np.dtype(w.dtype))
         if name is None:
             raise ValueError(f"PackedWeight.widening takes bf16 or f16 weights, not {w.dtype}")

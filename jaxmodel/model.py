@@ -68,10 +68,6 @@ class OnMesh(NamedTuple):
     tensors: dict
     layout: MeshLayout
 
-    def host(self, key, dtype) -> np.ndarray:
-        """Tensor `key` rounded to dtype on the host, KV heads repeated as on the devices."""
-        return np.asarray(self.layout.as_stored(key, self.tensors[key])).astype(dtype)
-
 
 def _param(weights, key, dtype):
     """A checkpoint tensor rounded to param_dtype on the host (numpy/ml_dtypes round to
@@ -169,7 +165,7 @@ class Attention(nnx.Module):
         slots index[b] + t of row b in layer `layer`, and attention reads the cache."""
         B, T, _ = x.shape
         lay = self.layout
-        # a Linear each, each packed on its own in batch-invariant mode (torchref: one ops.linears call)
+        # a Linear each (torchref: one ops.linears call)
         q = rec("q", shard(lay, self.q_proj(x, ctx.policy).reshape(B, T, self.heads, self.head_dim),
                            "batch", None, "heads", None))
         k = self.kv_tap(rec, "k", shard(lay, self.k_proj(x, ctx.policy).reshape(B, T, self.kv_heads, self.head_dim),
@@ -315,7 +311,7 @@ class Llama(nnx.Module):
 
     def _scan_layers(self, h, ctx: Context, taps, inject, stacked=None):
         """The blocks as one lax.scan over their weights stacked on a layer axis, so XLA
-        compiles one block instead of num_hidden_layers copies (docs/measurements.md).
+        compiles one block instead of num_hidden_layers copies (docs/performance.md).
 
         stacked: the stacked weights (stack_layers), which LlamaModel builds once and keeps;
         None: stacked here, a copy of the layer weights on each call (which cost more than the
@@ -347,7 +343,7 @@ class Llama(nnx.Module):
             h, _ = nnx.merge(graphdef, weights)(h, ctx, rec, None, i)
             # 16-bit taps leave the loop widened to f32 (exact) and are rounded back after it (exact
             # again): XLA:CPU writes a bf16 slice into the stacked output by converting the whole
-            # stack to f32 and back on every layer (docs/measurements.md)
+            # stack to f32 and back on every layer (docs/performance.md)
             dtypes.update({name: x.dtype for name, x in rec.acts.items()})
             return h, {name: x.astype(opmath(x.dtype)) for name, x in rec.acts.items()}
 

@@ -65,10 +65,12 @@ if job.get("where"):          # probe where --circumstance sharding, default and
             fd = c.first_difference
             out[f"where|{mode}|{c.b_run}"] = np.asarray([c.verdict, fd.tap if fd else "",
                                                          str(sum(d.bitwise_equal for d in c.taps)), str(len(c.taps))])
-if job.get("attention"):      # the fused attention kernel per shard (sharding.fused_attention) and on one device
+if job.get("attention"):      # the fused attention kernel per shard (sharding.per_shard_attention) and on one device
+    import functools
+
     import jax.numpy as jnp
 
-    from jaxmodel import ops, sharding
+    from jaxmodel import fast, plan, sharding
     from jaxmodel.model import causal_allowed
     from llamaspec import Policy
     allowed = causal_allowed(mask, T)
@@ -76,14 +78,15 @@ if job.get("attention"):      # the fused attention kernel per shard (sharding.f
         pol = Policy.get(policy)
         q = jnp.asarray(rng.normal(size=(B, T, cfg.num_attention_heads, cfg.head_dim)), dtype)
         k, v = (jnp.asarray(rng.normal(size=(B, T, cfg.num_key_value_heads, cfg.head_dim)), dtype) for _ in "kv")
-        one = jax.jit(lambda q, k, v, a: ops.fused_attention(q, k, v, a, pol))(q, k, v, allowed)
+        kernel = functools.partial(fast._fused_attention, policy=pol)
+        one = jax.jit(kernel)(q, k, v, allowed)
         out[f"attention|{policy}|none"] = np.asarray(one.astype(jnp.float32))
         for mesh in job["attention"]:
             lay = sharding.layout_for(cfg, mesh)
-            got = jax.jit(lambda q, k, v, a: sharding.fused_attention(lay, q, k, v, a, pol))(q, k, v, allowed)
+            got = jax.jit(functools.partial(sharding.per_shard_attention, lay, kernel))(q, k, v, allowed)
             out[f"attention|{policy}|" + ",".join(f"{a}={n}" for a, n in sorted(mesh.items()))] = np.asarray(
                 got.astype(jnp.float32))
-        # the model on a mesh calls the kernel (sharding.fused_attention) in its prefill
+        # the model on a mesh calls the kernel (per shard) in its prefill
         from jaxmodel import kernels
         sharded = jaxmodel.from_weights(cfg, weights, policy, mesh={"tensor": 2})
         text = sharded.prefill_program_text(ids, mask, T + 4)
@@ -91,7 +94,7 @@ if job.get("attention"):      # the fused attention kernel per shard (sharding.f
         out[f"attention|{policy}|prefill"] = sharded.prefill(ids, mask, T + 4)[0].astype(np.float64)
         alone = jaxmodel.from_weights(cfg, weights, policy)
         out[f"attention|{policy}|prefill one device"] = alone.prefill(ids, mask, T + 4)[0].astype(np.float64)
-        out[f"attention|{policy}|applies"] = np.asarray(ops.fused_attention_applies(pol))
+        out[f"attention|{policy}|applies"] = np.asarray(plan.load(pol, "cpu", "fast")[1].fused_attention(pol))
 if job.get("port"):           # a user's own JAX port with sharded params, through JaxFunction
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding

@@ -1,6 +1,6 @@
-"""jaxmodel's fused attention (ops.fused_attention, jaxmodel/attention.h): the function
+"""The fast backend's fused attention (jaxmodel/attention.h): the function the reference's
 ops.attention computes, with the policy's rounding points, in bits that depend on neither the
-batch nor the instruction set; used where fused_attention_applies, never on a mesh's layout."""
+batch nor the instruction set; used for prompts where the plan's fused_attention says so."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 import jaxmodel  # noqa: F401  (x64 on, the persistent cache)
 from compare.metrics import rel_l2
-from jaxmodel import kernels, ops
+from jaxmodel import fast, kernels, ops, plan
 from llamaspec import Policy
 from llamaspec import fixed_order as fo
 
@@ -43,7 +43,7 @@ def masks(B, T, S, seed=0):
 
 
 def fused(q, k, v, allowed, policy):
-    return np.asarray(jax.jit(lambda *a: ops.fused_attention(*a, policy))(q, k, v, jnp.asarray(allowed)))
+    return np.asarray(jax.jit(lambda *a: fast._fused_attention(*a, policy))(q, k, v, jnp.asarray(allowed)))
 
 
 @pytest.mark.parametrize("shape", [(2, 37, 37, 6, 2, 64), (1, 70, 100, 4, 4, 32), (2, 5, 130, 3, 1, 48)])
@@ -133,35 +133,37 @@ def test_fused_attention_reports_nan_and_inf():
 
 
 def test_fused_attention_choice(monkeypatch):
-    """$LLAMA_PARITY_ATTENTION: auto takes the kernel for fp32 and bf16 on this x86-64 CPU (not
-    fp16, whose scores it does not round, nor fp64, whose exp is scalar code there), on each
-    code path from AVX2 up (FUSED_ATTENTION_ISA), not on the scalar one; fused adds fp64 (and
-    runs any code path); xla never; anything else is an error naming the variable. A run's
-    environment record says which attention ran."""
-    from compare.environment import _jax_settings
+    """$LLAMA_PARITY_ATTENTION, read by the plan: auto takes the kernel for fp32 and bf16 on this
+    x86-64 CPU (not fp16, whose scores it does not round, nor fp64, whose exp is scalar code
+    there), on each code path from AVX2 up (plan.KERNEL_MIN_ISA), not on the scalar one; fused
+    adds fp64 (and runs any code path); reference never; kernel (torchref's) and anything else
+    are an error naming the variable. The plan says which attention runs."""
+    from llamaspec.errors import PolicyError
     lib = kernels.library()
     for path in PATHS:
         with fo.code_path(lib, path):
-            fast = path != "scalar"
+            fast_path = path != "scalar"
             on, record = {}, {}
-            for choice in ("auto", "fused", "xla"):
-                monkeypatch.setenv(ops.ATTENTION_ENV, choice)
-                on[choice] = {p: ops.fused_attention_applies(Policy.get(p)) for p in ("fp32", "bf16", "fp16", "fp64")}
-                record[choice] = _jax_settings(Policy.get("fp32"))["jaxmodel causal attention at fp32"]
-            assert on["auto"] == {"fp32": fast, "bf16": fast, "fp16": False, "fp64": False}, path
+            for choice in ("auto", "fused", "reference"):
+                monkeypatch.setenv(plan.ATTENTION_ENV, choice)
+                made, namespace = plan.load("fp32", "cpu", "fast")
+                on[choice] = {p: namespace.fused_attention(Policy.get(p)) for p in ("fp32", "bf16", "fp16", "fp64")}
+                record[choice] = made.op("attention")
+            assert on["auto"] == {"fp32": fast_path, "bf16": fast_path, "fp16": False, "fp64": False}, path
             assert on["fused"] == {"fp32": True, "bf16": True, "fp16": False, "fp64": True}, path
-            assert not any(on["xla"].values()), path
-            assert record["xla"] == "XLA" and record["fused"].startswith("fused CPU kernel"), path
-            assert record["auto"] == record["fused" if fast else "xla"], path
-    monkeypatch.setenv(ops.ATTENTION_ENV, "fast")
-    with pytest.raises(ValueError, match=ops.ATTENTION_ENV):
-        ops.fused_attention_applies(Policy.get("fp32"))
+            assert not any(on["reference"].values()), path
+            assert record["reference"].startswith("XLA") and record["fused"].startswith("fused kernel"), path
+            assert record["auto"] == record["fused" if fast_path else "reference"], path
+    for bad in ("fast", "kernel"):
+        monkeypatch.setenv(plan.ATTENTION_ENV, bad)
+        with pytest.raises(PolicyError, match=plan.ATTENTION_ENV):
+            plan.make_plan("fp32")
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
 def test_jaxmodel_runs_the_fused_attention(tiny_dir, monkeypatch, request, policy):
     """A prefill's program calls the kernel once per layer (and XLA's attention with
-    LLAMA_PARITY_ATTENTION=xla); logits and the prompt's cache agree with XLA's attention to
+    LLAMA_PARITY_ATTENTION=reference); logits and the prompt's cache agree with XLA's attention to
     drift (fp32) / bf16 rounding of a few elements, and at fp32 greedy decoding after it gives
     the same tokens. B=2 with a left-padded row."""
     import jaxmodel.model as jm
@@ -173,16 +175,18 @@ def test_jaxmodel_runs_the_fused_attention(tiny_dir, monkeypatch, request, polic
     mask = np.ones_like(ids)
     ids[1, :6], mask[1, :6] = 0, 0
     out = {}
-    for choice in ("xla", "auto"):
-        monkeypatch.setenv(ops.ATTENTION_ENV, choice)
+    for choice in ("reference", "auto"):
+        monkeypatch.setenv(plan.ATTENTION_ENV, choice)
         jm.clear_programs()
         m = jaxmodel.from_weights(cfg, weights, policy)
         text = m.prefill_program_text(ids, mask, 48)
         logits, _ = m.prefill(ids, mask, 48)
         new = m.generate(ids, attention_mask=mask, max_new_tokens=6)
         out[choice] = (text.count(kernels.PREFIX + "attention"), np.asarray(logits, np.float64), np.asarray(new))
+    out["xla"] = out["reference"]
     assert out["xla"][0] == 0
-    if not ops.fused_attention_applies(Policy.get(policy)):     # the kernel's path below AVX2 (the baseline cap)
+    # not taken on a kernel path below AVX2 (the baseline cap)
+    if not plan.load(policy, "cpu", "fast")[1].fused_attention(Policy.get(policy)):
         assert out["auto"][0] == 0 and kernels.library().fo_isa() < fo.ISAS["avx2"]
         return
     assert out["auto"][0] >= cfg.num_hidden_layers

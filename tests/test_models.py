@@ -217,29 +217,27 @@ def test_weights_keep_checkpoint_names_shapes_and_param_dtype(framework, tiny_di
     else:
         from flax import nnx
 
-        from jaxmodel import ops
-        from jaxmodel.model import MatvecCopy, NativeCopy
+        from jaxmodel import fast, plan
         from llamaspec import fixed_order as fo
-        flat = [(p, np.asarray(v[...])) for p, v in nnx.to_flat_state(nnx.filter_state(m.state, nnx.Param))]
+        flat = [(p, v.get_value()) for p, v in nnx.to_flat_state(nnx.filter_state(m.state, nnx.Param))]
         got = {key(".".join(map(str, p))): tuple(v.shape) for p, v in flat}
-        # beside a widened matrix, on an AMX or AVX-512-BF16 CPU, its native bf16 copy (ops.native_dots):
-        # the same values
-        params, copies = dict(flat), nnx.to_flat_state(nnx.filter_state(m.state, NativeCopy))
-        for p, v in copies:
-            np.testing.assert_array_equal(np.asarray(v[...]), params[p[:-1] + ("weight",)].astype(ml_dtypes.bfloat16))
-        # and, where ops.kernel_matvecs, the same values packed for the one-row kernel
-        matvecs = nnx.to_flat_state(nnx.filter_state(m.state, MatvecCopy))
-        assert (len(matvecs) > 0) == ops.kernel_matvecs(m.policy)
-        for p, v in matvecs:
-            packed = fo.pack(params[p[:-1] + ("weight",)].astype(ml_dtypes.bfloat16)).reshape(-1)
-            np.testing.assert_array_equal(np.asarray(v[...]), packed)
-        assert len(flat) + len(copies) + len(matvecs) == len(nnx.to_flat_state(m.state))
-        # on the CPU a bf16 model keeps its matrices widened to f32 (ops.Widened): bf16 values, held exactly
-        wide = ops.widened_dtype(m.policy)
-        for p, v in flat:
-            assert v.dtype == ml_dtypes.bfloat16 or (v.dtype == wide and v.ndim == 2), (p, v.dtype)
-            assert np.array_equal(v.astype(ml_dtypes.bfloat16).astype(v.dtype), v), p
-        assert wide is None or any(v.dtype == wide for _, v in flat)
+        assert len(flat) == len(nnx.to_flat_state(m.state))     # every variable a parameter
+        # the fast backend keeps a bf16 model's matrices on the CPU as fast.Weight: bf16 values widened
+        # to f32 (exact), with a native bf16 copy where the plan's native products are on and a copy
+        # packed for the one-row kernel where its kernel_matvecs is
+        ops, bf16 = plan.backend_ops(m.plan), ml_dtypes.bfloat16
+        kept = [w for _, w in flat if isinstance(w, fast.Weight)]
+        for w in kept:
+            data = np.asarray(w.data)
+            assert data.dtype == ops.widened(m.policy) and np.array_equal(data.astype(bf16).astype(data.dtype), data)
+            if w.native is not None:
+                np.testing.assert_array_equal(np.asarray(w.native), data.astype(bf16))
+            if w.matvec is not None:
+                np.testing.assert_array_equal(np.asarray(w.matvec.data), fo.pack(data.astype(bf16)).reshape(-1))
+        assert bool(kept) == (ops.widened(m.policy) is not None)
+        assert any(w.native is not None for w in kept) == ops.native_products(m.policy)
+        assert any(w.matvec is not None for w in kept) == ops.kernel_matvecs(m.policy)
+        assert all(np.asarray(w).dtype == bf16 for _, w in flat if not isinstance(w, fast.Weight))
         assert all(w.dtype == ml_dtypes.bfloat16 for w in m.weights().values())
     assert got == want
 
@@ -372,7 +370,7 @@ def test_attention_scales_the_queries_first_only_where_no_bit_changes(framework,
 
 
 MIRRORED_CLASSES = ("Linear", "Embedding", "RMSNorm", "Attention", "MLP", "Block", "Llama", "LlamaModel", "LayerRunner")
-MIRRORED_FUNCTIONS = ("ops_for", "rope_tables", "head_logits", "causal_allowed", "checkpoint_key", "from_weights",
+MIRRORED_FUNCTIONS = ("rope_tables", "head_logits", "causal_allowed", "checkpoint_key", "from_weights",
                       "from_pretrained")
 CACHE_SEAMS = ("key_tables", "write_slots", "stored", "cache_allowed")
 
@@ -459,21 +457,17 @@ def test_torchref_query_blocks_read_the_keys_their_masks_allow(monkeypatch):
 
 
 def test_jaxmodel_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch, request):
-    """jaxmodel's attention over the causal mask it builds itself (Context.causal_from: forward,
-    capture, prefill, the streamed layers) takes QUERY_BLOCK queries at a time, each block over
-    the keys up to its causal bound (ops.causal_attention). With the block shrunk to 8 on a
-    42-token batch (one row left-padded: its first queries see no key), at fp64: forward, the
-    streamed layers, prefill + decode and every layer's attention output are the one-block ones
-    to float64 rounding, padding positions included; the program holds the blocks (attention's
-    products per layer); a mask changed through the cache_allowed seam (a planted leak: each
-    query also sees the next key) or an attention replaced by a control runs as one block over
-    every key, so the leak is honoured, not cut at the causal bound."""
-    import jax
-
+    """The fast backend's XLA attention over a causal mask (checked in the program: no query sees
+    a later slot; forward, capture, prefill, the streamed layers) takes QUERY_BLOCK queries at a
+    time, each block over the keys up to its causal bound (fast.Fast._causal_blocks). With the
+    block shrunk to 8 on a 42-token batch (one row left-padded: its first queries see no key), at
+    fp64: forward, the streamed layers, prefill + decode and every layer's attention output are
+    the one-block ones to float64 rounding, padding positions included; a mask changed through
+    the cache_allowed seam (a planted leak: each query also sees the next key) runs as one block
+    over every key, so the leak is honoured, not cut at the causal bound."""
     import jaxmodel
     import jaxmodel.model as jm
-    from compare.controls.prefill import Ops
-    from jaxmodel import ops
+    from jaxmodel import fast
     from llamaspec import load_weights
     request.addfinalizer(jm.clear_programs)
     folder = tiny_dir("gqa")
@@ -484,7 +478,7 @@ def test_jaxmodel_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch,
     real = mask.astype(bool)
 
     def run(block):
-        monkeypatch.setattr(ops, "QUERY_BLOCK", block)
+        monkeypatch.setattr(fast, "QUERY_BLOCK", block)
         jm.clear_programs()
         m = jaxmodel.from_weights(cfg, weights, "fp64")
         logits, acts = m.capture(ids, mask, taps=["layers.*.attn_ctx", "layers.*.out"])
@@ -505,7 +499,7 @@ def test_jaxmodel_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch,
         return m, np.asarray(logits), layers, np.stack(streamed), np.stack(steps, 1)
 
     _, one_block, acts1, _, steps1 = run(10 ** 6)
-    m8, blocked, acts8, streamed8, steps8 = run(8)
+    _, blocked, acts8, streamed8, steps8 = run(8)
     assert np.isfinite(blocked).all()
     for rows in (real, ~real):
         assert rel_l2(blocked[rows], one_block[rows]) <= 1e-13
@@ -514,26 +508,12 @@ def test_jaxmodel_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch,
         assert rel_l2(streamed8[:, rows], acts8["out"][:, rows]) <= 1e-13
     assert rel_l2(steps8, steps1) <= 1e-13 and rel_l2(steps8, blocked[:, 36:42]) <= 1e-12
 
-    positions = np.broadcast_to(np.arange(42), (2, 42))
-    allowed = jm.causal_allowed(mask, 42)
-
-    def products(module, causal_from):
-        jaxpr = jax.make_jaxpr(lambda i: module(i, positions, allowed, causal_from=causal_from)[0])(ids)
-        return sum(1 for e in jaxpr.eqns if e.primitive.name == "dot_general"
-                   and e.params["dimension_numbers"][1][0])      # attention's (batched) products
-    L, module = cfg.num_hidden_layers, m8.model
-    assert products(module, None) == 2 * L                   # no causal promise: one block
-    assert products(module, 0) == 2 * (6 + 1) * L            # 6 blocks and the blind query
-    attn = module.layers[0].self_attn
-    attn.ops = Ops(attn.ops, attention=lambda *a: ops.attention(*a))     # a control's attention
-    assert products(module, 0) == 2 * (6 + 1) * (L - 1) + 2
-
     def leak(self, allowed, index):
         return allowed.at[:, :, 1:].set(allowed[:, :, 1:] | allowed[:, :, :-1])
     monkeypatch.setattr(jm.Attention, "cache_allowed", leak)
     leaked = {}
     for block in (10 ** 6, 8):
-        monkeypatch.setattr(ops, "QUERY_BLOCK", block)
+        monkeypatch.setattr(fast, "QUERY_BLOCK", block)
         jm.clear_programs()
         out, _ = jaxmodel.from_weights(cfg, weights, "fp64").prefill(ids[:, :37], mask[:, :37], 44)
         leaked[block] = np.asarray(out)
@@ -543,31 +523,31 @@ def test_jaxmodel_attends_to_long_prompts_in_query_blocks(tiny_dir, monkeypatch,
 @pytest.mark.parametrize("reach", [1, 9])
 def test_jaxmodel_query_blocks_honour_a_mask_that_breaks_the_causal_promise(tiny_dir, monkeypatch, request, reach):
     """A bug planted in jaxmodel's own causal_allowed (each query also sees the key `reach`
-    slots after it) breaks the causal promise by which ops.causal_attention's blocks leave out
-    later keys. model.causal_promise reads the mask on the host and gives such a call no
-    promise, so its attention reads every key: with the blocks shrunk to 8 (42 tokens, fp64,
+    slots after it) breaks the causality by which the fast backend's query blocks leave out
+    later keys. The program checks the mask and runs such a call as one block over every key:
+    with the blocks shrunk to 8 (42 tokens, fp64,
     XLA's attention), the forward's, the prefill's and the streamed layers' outputs are the
     one-block ones to rounding, the leak included (reach 9 crosses a block's bound, so the
     blocks alone would have cut it for every query), and far from the honest model's. (The
     prefill's leak also reaches its empty cache slots, so it is held to its own one-block run.)"""
     import jaxmodel
     import jaxmodel.model as jm
-    from jaxmodel import ops
+    from jaxmodel import fast, plan
     from llamaspec import load_weights
     request.addfinalizer(jm.clear_programs)
-    monkeypatch.setenv(ops.ATTENTION_ENV, "xla")
+    monkeypatch.setenv(plan.ATTENTION_ENV, "reference")
     cfg, weights = load_weights(tiny_dir("gqa"))
     ids = tokens(B=2, T=42, seed=3)
     mask = np.ones_like(ids)
 
     def run(block):
-        monkeypatch.setattr(ops, "QUERY_BLOCK", block)
+        monkeypatch.setattr(fast, "QUERY_BLOCK", block)
         jm.clear_programs()
         m = jaxmodel.from_weights(cfg, weights, "fp64")
         return np.asarray(m(ids, mask)), np.asarray(m.prefill(ids, mask, 44)[0])
 
     def streamed(block):
-        monkeypatch.setattr(ops, "QUERY_BLOCK", block)
+        monkeypatch.setattr(fast, "QUERY_BLOCK", block)
         jm.clear_programs()
         runner = jm.LayerRunner(cfg, "fp64")
         runner.start(ids, mask)
@@ -595,12 +575,13 @@ def test_jaxmodel_query_blocks_honour_a_mask_that_breaks_the_causal_promise(tiny
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
 def test_jaxmodel_prefill_writes_the_prompt_to_its_cache_as_one_block(tiny_dir, monkeypatch, request, policy):
     """A prefill's keys and values go to the fresh cache one block per layer
-    (lax.dynamic_update_slice), not through a scatter, which XLA:CPU runs as a loop over every
-    token: the prefill program has no loop. The cache and the logits are bitwise the scatter's,
-    which a prefill still takes when write_slots is replaced on the class or on an instance (here
-    by wrappers returning the module's own slots: the program then has its loops again). B=2 with
-    a left-padded row, fp32 and bf16 (a cache widened to f32 on the CPU)."""
-    import functools
+    (lax.dynamic_update_slice; fast.write_cache: its slots are known while tracing), not through a
+    scatter, which XLA:CPU runs as a loop over every token: the prefill program has no loop. The
+    cache and the logits are bitwise the scatter's, which a prefill takes when write_slots,
+    replaced on the class or on an instance, gives slots known only in the program (here wrappers
+    returning the module's own slots as a jax array: the program then has its loops again). B=2
+    with a left-padded row, fp32 and bf16 (a cache widened to f32 on the CPU)."""
+    import jax.numpy as jnp
 
     import jaxmodel.model as jm
     request.addfinalizer(jm.clear_programs)
@@ -617,9 +598,10 @@ def test_jaxmodel_prefill_writes_the_prompt_to_its_cache_as_one_block(tiny_dir, 
     assert loops == 0
     own = jm.Attention.write_slots
     module = load("jaxmodel", tiny_dir("gqa"), policy).model
-    module.layers[1].self_attn.write_slots = functools.partial(own, module.layers[1].self_attn)
+    attn = module.layers[1].self_attn
+    attn.write_slots = lambda index, T, S: jnp.asarray(own(attn, index, T, S))
     on_instance = prefill(jm.LlamaModel(module))
-    monkeypatch.setattr(jm.Attention, "write_slots", lambda self, index, T, S: own(self, index, T, S))
+    monkeypatch.setattr(jm.Attention, "write_slots", lambda self, index, T, S: jnp.asarray(own(self, index, T, S)))
     jm.clear_programs()       # programs are kept per structure, and the class is not part of it
     for scattered in (on_instance, prefill(load("jaxmodel", tiny_dir("gqa"), policy))):
         assert scattered[0] > 0
@@ -722,6 +704,7 @@ def test_jaxmodel_widened_weights_change_no_bit(policy, config, tiny_dir, monkey
 
     import jaxmodel
     import jaxmodel.model as jm
+    from jaxmodel import fast, ops
     from llamaspec import load_weights
     if jax.default_backend() != "cpu":
         pytest.skip("the widened storage is the CPU path")
@@ -740,7 +723,9 @@ def test_jaxmodel_widened_weights_change_no_bit(policy, config, tiny_dir, monkey
     wide = jaxmodel.from_weights(cfg, w, policy)
     assert wide.model.layers[0].mlp.up_proj.weight[...].dtype == np.float32
     assert wide.weights()["model.layers.0.mlp.up_proj.weight"].dtype == jm.numpy_dtype(Policy.get(policy).param_dtype)
-    monkeypatch.setattr(jm, "_store", lambda ops, policy: None)
+    # the fast backend holding its matrices and cache in the param dtype (the reference's way)
+    monkeypatch.setattr(fast.Fast, "prepare", lambda self, w, policy, layout=None, one_row=True: w)
+    monkeypatch.setattr(fast.Fast, "kv_dtype", lambda self, policy: ops.kv_dtype(policy))
     narrow = jaxmodel.from_weights(cfg, w, policy)
     assert narrow.model.layers[0].mlp.up_proj.weight[...].dtype != np.float32
     a, b = run(wide), run(narrow)
@@ -753,7 +738,7 @@ def test_bf16_rope_rounds_each_op_once_to_bf16(framework):
     """apply_rope on bf16 queries is x * cos + rotate_half(x) * sin with cos, sin rounded to bf16
     and each product and the sum rounded to bf16 once, bit for bit, on every bf16 pattern (zeros,
     subnormals, infinities, NaN): jaxmodel computes it in f32 with rotate_half as a reversal and
-    the sign on sin (ops._bf16_rope), torchref as written. The reference is numpy's: a product or
+    the sign on sin (fast._bf16_rope), torchref as written. The reference is numpy's: a product or
     sum of two bf16 values in f32 rounded to bf16 is the correctly rounded bf16 result (f32's 24
     bits >= 2 * 8 + 2), so it does not depend on the CPU; for jaxmodel with XLA:CPU's flushing
     (subnormal operands and results are zero, on every x86 CPU), and also against XLA's own bf16
@@ -785,17 +770,13 @@ def test_bf16_rope_rounds_each_op_once_to_bf16(framework):
     if framework == "jaxmodel":
         import jax
 
-        from jaxmodel import ops
+        from jaxmodel import fast, ops
         from jaxmodel.dtypes import compiler_options
         if jax.default_backend() != "cpu":
             pytest.skip("the reference models XLA:CPU's flushing of subnormals")
-
-        def written(x, cos, sin):
-            cos, sin = cos.astype(x.dtype)[:, :, None, :], sin.astype(x.dtype)[:, :, None, :]
-            return x * cos + ops.rotate_half(x) * sin
-
+        # the fast backend's bf16 RoPE (a reversal in f32, each op rounded) is the reference's, bit for bit
         got, before = (np.asarray(jax.jit(f, compiler_options=compiler_options())(x, cos, sin))
-                       for f in (ops.apply_rope, written))
+                       for f in (fast.Fast.apply_rope, ops.apply_rope))
         np.testing.assert_array_equal(got.view(np.uint16)[~nan], before.view(np.uint16)[~nan])
     else:
         import torch
@@ -923,33 +904,37 @@ def test_jaxmodel_prefill_buckets_share_a_program_and_keep_the_function(tiny_dir
 
 @pytest.mark.parametrize("config", ["gqa", "tied"])
 def test_jaxmodel_native_bf16_dots_are_drift(config, tiny_dir, monkeypatch):
-    """Native bf16 dots (ops.native_dots: on by default with AMX or AVX-512-BF16, forced here on any
-    CPU) hold a bf16 copy of each widened matrix beside it and use it for products of NATIVE_MIN_ROWS rows
+    """Native bf16 dots (the fast backend's native_products: on by default with AMX or AVX-512-BF16,
+    forced here on any CPU; attention in XLA) hold a bf16 copy of each widened matrix beside it and
+    use it for products of NATIVE_MIN_ROWS rows
     or more: the same products summed in f32 in another order. The ladder against torchref calls
     that drift, as it does the widened path; weights() are the same bits; the program really
     multiplies bf16 operands, in attention's products too; capture and forward stay bitwise one
     run; prefill then decode (rows below the threshold: the widened copy) generates."""
     import jax
+    from flax import nnx
 
     import compare
     import jaxmodel
-    from jaxmodel import ops
-    from jaxmodel.model import NativeCopy, causal_allowed
+    from jaxmodel import fast, plan
+    from jaxmodel.model import causal_allowed
     from llamaspec import load_weights
     if jax.default_backend() != "cpu":
         pytest.skip("native vs widened bf16 dots is a CPU choice")
+    monkeypatch.setenv(plan.ATTENTION_ENV, "reference")   # attention's products in XLA, checked below
     folder = tiny_dir(config)
     cfg, w = load_weights(folder)
     ids, mask = np.random.default_rng(5).integers(3, 96, (2, 24)), np.ones((2, 24), np.int64)
     mask[1, :4] = 0
     models = {}
     for choice in ("widened", "native"):
-        monkeypatch.setenv(ops.BF16_DOTS_ENV, choice)
-        assert ops.native_dots(Policy.get("bf16")) == (choice == "native")
+        monkeypatch.setenv(plan.BF16_DOTS_ENV, choice)
+        assert plan.load("bf16", "cpu", "fast")[1].native_products(Policy.get("bf16")) == (choice == "native")
         models[choice] = m = jaxmodel.from_weights(cfg, w, "bf16")
-        copies = [v for _, v in nnx_variables(m, NativeCopy)]
+        copies = [v.get_value().native for _, v in nnx_variables(m, nnx.Param)
+                  if isinstance(v.get_value(), fast.Weight) and v.get_value().native is not None]
         assert (len(copies) > 0) == (choice == "native")
-        assert all(c[...].dtype == ml_dtypes.bfloat16 for c in copies)
+        assert all(c.dtype == ml_dtypes.bfloat16 for c in copies)
         report = compare.compare_models("torchref", "jaxmodel", folder, inputs=(ids, mask), policy="bf16")
         assert report.verdict in ("exact", "drift"), (choice, report.summary())
     wide, native = models["widened"], models["native"]
@@ -957,7 +942,6 @@ def test_jaxmodel_native_bf16_dots_are_drift(config, tiny_dir, monkeypatch):
         np.testing.assert_array_equal(native.weights()[key], value, err_msg=key)
     positions = np.broadcast_to(np.arange(24), (2, 24))
     for m, bf16_dots in ((native, True), (wide, False)):
-        monkeypatch.setenv(ops.BF16_DOTS_ENV, "native" if bf16_dots else "widened")   # read as it traces
         jaxpr = jax.make_jaxpr(lambda i, m=m: m.model(i, positions, causal_allowed(np.ones((2, 24)), 24))[0])(ids)
         dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
         assert any(e.invars[1].aval.dtype == ml_dtypes.bfloat16 for e in dots) == bf16_dots
@@ -979,29 +963,32 @@ def nnx_variables(m, kind):
 
 
 def test_native_bf16_dots_rule(monkeypatch):
-    """The rule is the CPU's features and the caps, never a timing: auto is on only with AMX-BF16
-    or AVX-512-BF16 and no XLA instruction-set cap below AVX512_BF16; bf16 only; a bad value
-    names the variable."""
-    from jaxmodel import ops
+    """The rule (plan.py, read once at load) is the CPU's features and the caps, never a timing: auto
+    is on only with AMX-BF16 or AVX-512-BF16 and no XLA instruction-set cap below AVX512_BF16; bf16
+    only; a bad value names the variable."""
+    from jaxmodel import plan
     from llamaspec import cpuinfo
     bf16, fp32, fp16 = (Policy.get(p) for p in ("bf16", "fp32", "fp16"))
+
+    def native(policy):
+        return plan.load(policy, "cpu", "fast")[1].native_products(policy)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    monkeypatch.setenv(ops.BF16_DOTS_ENV, "auto")
+    monkeypatch.setenv(plan.BF16_DOTS_ENV, "auto")
     for flags in ({"amx_bf16", "avx512_bf16"}, {"avx512_bf16"}, {"amx_bf16"}, {"avx512f", "avx2"}, set()):
         monkeypatch.setattr(cpuinfo, "has", lambda flag, flags=flags: flag in flags)
         hw = bool(flags & {"amx_bf16", "avx512_bf16"})
-        assert ops.native_dots(bf16) is hw, flags
-        assert not ops.native_dots(fp32) and not ops.native_dots(fp16)
+        assert native(bf16) is hw, flags
+        assert not native(fp32) and not native(fp16)
         for cap, on in (("AVX2", False), ("AVX512", False), ("AVX512_VNNI", False), ("avx512_bf16", True),
                         ("AMX", True), ("AMX_FP16", True), ("SSE4_2", False)):
             monkeypatch.setenv("XLA_FLAGS", f"--xla_cpu_max_isa={cap}")
-            assert ops.native_dots(bf16) is (hw and on), (flags, cap)
+            assert native(bf16) is (hw and on), (flags, cap)
         monkeypatch.delenv("XLA_FLAGS")
-    monkeypatch.setenv(ops.BF16_DOTS_ENV, "native")
-    assert ops.native_dots(bf16) and not ops.native_dots(fp32)
-    monkeypatch.setenv(ops.BF16_DOTS_ENV, "fast")
-    with pytest.raises(ValueError, match=ops.BF16_DOTS_ENV):
-        ops.native_dots(bf16)
+    monkeypatch.setenv(plan.BF16_DOTS_ENV, "native")
+    assert native(bf16) and not native(fp32)
+    monkeypatch.setenv(plan.BF16_DOTS_ENV, "fast")
+    with pytest.raises(ValueError, match=plan.BF16_DOTS_ENV):
+        native(bf16)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

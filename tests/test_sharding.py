@@ -127,10 +127,10 @@ def test_two_processes_match_one_process_bitwise(tmp_path):
 
 def test_fused_attention_on_a_mesh_is_bitwise_the_one_device_one(tmp_path):
     """jaxmodel's fused CPU attention on a mesh runs on each device's rows and heads
-    (sharding.fused_attention, a shard_map of the custom call, which XLA cannot partition); its
+    (sharding.per_shard_attention, a shard_map of the custom call, which XLA cannot partition); its
     result for a row and a KV head depends on nothing else, so TP 2, DP 2 and DP 2 x TP 2 give
     the one-device bits, at fp32 and bf16 (GQA: 8 query heads on 2 KV heads). The model's
-    prefill on a mesh calls it in every layer where ops.fused_attention_applies (an AVX2 or better
+    prefill on a mesh calls it in every layer where the plan's fused_attention says so (an AVX2 or better
     kernel path), else not at all."""
     ckpt = make_checkpoint(tmp_path / "gqa", num_key_value_heads=2, **SHARDED)
     meshes = [{"tensor": 2}, {"data": 2}, {"data": 2, "tensor": 2}]
