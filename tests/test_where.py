@@ -202,12 +202,12 @@ def test_a_cache_write_slot_that_depends_on_the_row_is_found_at_the_first_genera
 def test_decode_teacher_forcing_feeds_the_prompt_and_the_step(tiny, monkeypatch):
     """The write-slot bug in layer 1 only: at fp32 with torch's products layer 0's q_proj
     already differs in a batch (a [1 vs 4 rows] product: drift; the fixed-order kernel that
-    runs few-row products on x86-64 gives every row the same bits, so torch's are asked for
-    here), so layer 1's input differs and teacher forcing runs: B's prefill and step fed A's
+    runs few-row products on x86-64 gives every row the same bits, so the reference's are asked
+    for here), so layer 1's input differs and teacher forcing runs: B's prefill and step fed A's
     layer-1 input for the target row (its cached keys too); the layer still differs beyond
     drift, so this layer does it."""
-    from torchref import ops
-    monkeypatch.setenv(ops.PRODUCTS_ENV, "torch")
+    from torchref.plan import PRODUCTS_ENV
+    monkeypatch.setenv(PRODUCTS_ENV, "reference")
     model, twin = pair(tiny, "fp32", row_write_slot(layers={1}))
     r = probe_where(model, "decode", oracle=twin, batch_sizes=(4,), kinds=("mixed",))
     for c in r.comparisons:
