@@ -696,12 +696,16 @@ def describe(c: Choices, policy: Policy, device) -> dict[str, str]:
     if c.products == "reference":
         out["products"] = "reference"
     else:
-        kernel = [n for n in (1, FEW_ROWS, FEW_ROWS + 1) if kernel_products(c, compute, accum, compute, n, device)]
-        wide = _widens(c, compute, accum, compute, FEW_ROWS + 1, device)
-        out["products"] = ", ".join(filter(None, [
-            "fixed-order gemm for " + ("any rows" if FEW_ROWS + 1 in kernel else "few rows") if kernel else "",
-            "torch widened to f32" if wide and compute != accum else "torch",
-            "few f32 rows in weight-row blocks" if accum == torch.float32 and not kernel else ""]))
+        spans = {"1 row": 1, f"2-{WIDE_MIN_ROWS - 1} rows": 2, f"{WIDE_MIN_ROWS}-{FEW_ROWS} rows": WIDE_MIN_ROWS,
+                 f"{FEW_ROWS + 1}+ rows": FEW_ROWS + 1}
+        on = [span for span, n in spans.items() if kernel_products(c, compute, accum, compute, n, device)]
+        rest = [span for span in spans if span not in on]
+        torch_path = ("torch's" + (", widened to f32 from 8 rows" if compute != accum and _widens(
+            c, compute, accum, compute, FEW_ROWS + 1, device) else "")
+            + (f", up to {FEW_ROWS} f32 rows in weight-row blocks" if accum == torch.float32
+               and _products_plan(c, compute, accum, compute, 1, device).dtype == torch.float32 else ""))
+        out["products"] = "; ".join(filter(None, [f"fixed-order gemm ({', '.join(on)})" if on else "",
+                                                  f"{torch_path} ({', '.join(rest)})" if rest else ""]))
     if c.logits == "reference" and logits != compute:
         out["logits"] = "reference"
     else:

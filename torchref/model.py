@@ -36,11 +36,6 @@ from .dtypes import cast, check_matmul_settings, dt, from_numpy, to_numpy
 from .plan import make_backend
 
 
-def ops_for(batch_invariant: bool, policy: Policy | str = "fp32", device="cpu"):
-    """The op namespace every module calls by default: the fast backend's, or invariant.py."""
-    return make_backend(policy, device, "invariant" if batch_invariant else "fast")[1]
-
-
 def _weight(*shape) -> nn.Parameter:
     # Shape-only placeholder: real tensors are installed by Llama._load.
     return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
