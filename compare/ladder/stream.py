@@ -8,8 +8,8 @@ rounding its copy to its own dtype (the models' LayerRunner); the layer's taps a
 on the spot (verdicts.classify, context_for) and only numbers and the four hidden states
 are carried to the next layer. The embedding reads only the batch's rows; the lm_head
 goes in vocabulary chunks when its widest copy exceeds HEAD_CHUNK_BYTES. Memory does not
-grow with depth. The verdicts, local errors and logits metrics are the full ladder's
-(tests/test_stream.py holds the two to the same numbers).
+grow with depth (bench/stream_memory.py measures it). The verdicts, local errors and logits
+metrics are the full ladder's (tests/test_stream.py holds the two to the same numbers).
 
 CheckpointModel is what prepare() makes of "torchref" / "jaxmodel": the Implementation
 that loads its whole model only when asked for more than the ladder (capture, decode...).
@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import gc
 import importlib
 import time
 from pathlib import Path
@@ -62,26 +63,55 @@ def _libc():
 _LIBC = _libc()
 
 
+def _collect_young() -> None:
+    """Frees the reference cycles a call just made (Python's two young generations: well under a
+    millisecond). A framework may leave a layer's arrays in such a cycle (flax's nnx.merge keeps
+    the state it flattens in one: a recursive closure of traversals.flatten_to_sequence), and
+    Python runs its full collection by counts of objects, not bytes: left to it, several layers'
+    weights were held at once, and the peak grew with depth."""
+    gc.collect(1)
+
+
 class CheckpointModel(OurModel):
     """torchref or jaxmodel at a policy over a checkpoint folder, not loaded: the streamed
     ladder reads the folder layer by layer (runner()), and anything else (capture, decode,
-    generate) loads the whole model on first use. Its structure is checked at once."""
+    generate) loads the whole model on first use. Its structure is checked at once.
+    backend: llamaspec.plan.BACKENDS' name (None: from_pretrained's and LayerRunner's default);
+    the plan is its LayerRunner's, made without loading the model."""
 
-    def __init__(self, package: str, checkpoint, policy):
+    def __init__(self, package: str, checkpoint, policy, backend: str | None = None):
         if package not in ("torchref", "jaxmodel"):
             raise ValueError(f"unknown implementation '{package}' (torchref or jaxmodel)")
         self.package = self.name = package
+        self._backend = backend
+        if backend == "reference":     # the plain reference, said where it is not the default (as OurModel)
+            self.name += " (reference backend)"
         self.checkpoint = checkpoint
         self._policy = Policy.get(policy)
         self._cfg = check_checkpoint(checkpoint).config
         self.taps = tuple(tapnames.all_taps(self._cfg.num_hidden_layers))
-        self._model = None
+        self._model = self._plan = None
 
     @property
     def model(self):
         if self._model is None:
-            self._model = importlib.import_module(self.package).from_pretrained(self.checkpoint, policy=self._policy)
+            kw = {} if self.backend is None else {"backend": self.backend}
+            self._model = importlib.import_module(self.package).from_pretrained(self.checkpoint, policy=self._policy,
+                                                                                **kw)
         return self._model
+
+    @property
+    def backend(self) -> str | None:
+        """The backend asked for (None: the default); OurModel's reads the loaded model's plan."""
+        return self._backend
+
+    @property
+    def plan(self):
+        """The plan the streamed runs compute by (the LayerRunner's), for the report's environment:
+        asking it must not load the whole model (compare.environment.plan_of reads `plan` first)."""
+        if self._plan is None:
+            self._plan = getattr(self.runner(), "plan", None)
+        return self._plan
 
     @property
     def cfg(self) -> LlamaConfig:
@@ -98,15 +128,16 @@ class CheckpointModel(OurModel):
     def float64(self, rounded_weights: bool = False) -> OurModel:
         if rounded_weights:
             return super().float64(rounded_weights)
-        return CheckpointModel(self.package, self.checkpoint, "fp64")
+        return CheckpointModel(self.package, self.checkpoint, "fp64", self.backend)
 
     def runner(self):
-        """The model's LayerRunner at this policy."""
-        return importlib.import_module(f"{self.package}.model").LayerRunner(self._cfg, self._policy)
+        """The model's LayerRunner at this policy (and backend)."""
+        kw = {} if self.backend is None else {"backend": self.backend}
+        return importlib.import_module(f"{self.package}.model").LayerRunner(self._cfg, self._policy, **kw)
 
 
-def checkpoint_side(package: str, checkpoint, policy) -> Side:
-    at_policy = CheckpointModel(package, checkpoint, policy)
+def checkpoint_side(package: str, checkpoint, policy, backend: str | None = None) -> Side:
+    at_policy = CheckpointModel(package, checkpoint, policy, backend)
     return Side(package, at_policy, at_policy.float64(), False, at_policy.taps)
 
 
@@ -194,6 +225,7 @@ class _Run:
         try:
             return getattr(self.runner, method)(*args)
         finally:
+            _collect_young()
             self.seconds += time.perf_counter() - t
 
 
