@@ -51,8 +51,8 @@ def test_streamed_jaxmodel_with_native_bf16_dots_is_the_full_run_bit_for_bit(nam
     """With native bf16 products (forced here on any CPU; on by default with AMX or AVX-512-BF16) the
     full run's scan keeps its blocks on the widened path and its lm_head on the native copy: the streamed
     runner must do both the same way (LayerRunner.block, LayerRunner.logits)."""
-    from jaxmodel import ops
-    monkeypatch.setenv(ops.BF16_DOTS_ENV, "native")
+    from jaxmodel import plan
+    monkeypatch.setenv(plan.BF16_DOTS_ENV, "native")
     # wide enough (hidden 256) that the f32 sums' order shows in the last bit of a bf16 product
     folder = tiny_dir(name, hidden_size=256, intermediate_size=512)
     logits, full = jaxmodel.from_pretrained(folder, policy="bf16").capture(IDS, MASK, ["*"])
