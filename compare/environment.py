@@ -78,11 +78,10 @@ def _jax_settings() -> dict:
 def plan_of(impl):
     """The plan an implementation's model holds (a torchref or jaxmodel model, or an adapter around
     one), or None for another implementation (transformers, a port, a dump)."""
-    for obj in (impl, getattr(impl, "model", None)):
-        plan = getattr(obj, "plan", None)
-        if plan is not None and hasattr(plan, "record"):
-            return plan
-    return None
+    plan = getattr(impl, "plan", None)
+    if plan is None:   # an adapter around a model; asked only then: a streamed side loads its model when asked
+        plan = getattr(getattr(impl, "model", None), "plan", None)
+    return plan if plan is not None and hasattr(plan, "record") else None
 
 
 def default_plans(policy, uses_jax: bool) -> dict:
