@@ -176,9 +176,9 @@ class Fast:
         T = q.shape[1]
         if T > 1 and self.fused_attention(policy):
             if self.layout is None:
-                return _fused_attention(q, k, v, allowed, policy)
+                return fused(q, k, v, allowed, policy)
             from .sharding import per_shard_attention
-            return per_shard_attention(self.layout, functools.partial(_fused_attention, policy=policy),
+            return per_shard_attention(self.layout, functools.partial(fused, policy=policy),
                                        q, k, v, allowed)
         if T < 2 * QUERY_BLOCK:
             return self._attention(q, k, v, allowed, policy)
@@ -277,7 +277,7 @@ def _first_keys(x, n: int):
     return Weight(x.data[:, :n]) if isinstance(x, Weight) else x[:, :n]
 
 
-def _fused_attention(q, k, v, allowed, policy: Policy):
+def fused(q, k, v, allowed, policy: Policy):
     """ops.attention as one XLA:CPU custom call (attention.h's program, on llamaspec/fixed_order.h's
     tiles): per block of 16 queries and one KV head, the scores of the keys its queries may see,
     rounded and scaled as ops.attention does, softmax in f32 with probabilities rounded to

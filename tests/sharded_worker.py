@@ -78,7 +78,7 @@ if job.get("attention"):      # the fused attention kernel per shard (sharding.p
         pol = Policy.get(policy)
         q = jnp.asarray(rng.normal(size=(B, T, cfg.num_attention_heads, cfg.head_dim)), dtype)
         k, v = (jnp.asarray(rng.normal(size=(B, T, cfg.num_key_value_heads, cfg.head_dim)), dtype) for _ in "kv")
-        kernel = functools.partial(fast._fused_attention, policy=pol)
+        kernel = functools.partial(fast.fused, policy=pol)
         one = jax.jit(kernel)(q, k, v, allowed)
         out[f"attention|{policy}|none"] = np.asarray(one.astype(jnp.float32))
         for mesh in job["attention"]:

@@ -43,7 +43,7 @@ def masks(B, T, S, seed=0):
 
 
 def fused(q, k, v, allowed, policy):
-    return np.asarray(jax.jit(lambda *a: fast._fused_attention(*a, policy))(q, k, v, jnp.asarray(allowed)))
+    return np.asarray(jax.jit(lambda *a: fast.fused(*a, policy))(q, k, v, jnp.asarray(allowed)))
 
 
 @pytest.mark.parametrize("shape", [(2, 37, 37, 6, 2, 64), (1, 70, 100, 4, 4, 32), (2, 5, 130, 3, 1, 48)])
