@@ -102,10 +102,9 @@ class Linear(nnx.Module):
     array). split_in: the logical axis its input columns are split over on a mesh ("heads" for
     o_proj, "mlp" for down_proj; None: its output rows, or nothing, are)."""
 
-    def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy, split_in: str | None = None,
-                 one_row: bool = True):
+    def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy, split_in: str | None = None):
         layout = _layout_of(weights)
-        self.weight = nnx.Param(ops.prepare(_param(weights, key + ".weight", dtype), policy, layout, one_row))
+        self.weight = nnx.Param(ops.prepare(_param(weights, key + ".weight", dtype), policy, layout))
         self.bias = nnx.Param(_param(weights, key + ".bias", dtype)) if bias else None
         self.ops = ops
         # partial sums that cross tensor shards, added in shard order (sharding.row_parallel)

@@ -140,7 +140,8 @@ def _decide(policy: Policy, device: str, backend: str):
     if backend == "invariant":
         chosen = {"products": "fixed-order kernel (packed weights)", "logits": "fixed-order kernel (packed weights)",
                   "attention": f"fixed-order kernel, {invariant.KEY_BLOCK}-key blocks added in order",
-                  "rope": "reference", "norm": "fixed-order row sums", "mlp": "fixed-order exp (silu)",
+                  "rope": "reference (bf16: fast's form, the same bits)", "norm": "fixed-order row sums",
+                  "mlp": "fixed-order exp (silu)",
                   "cache": "block write where the slots are known"}
         return _plan(policy, device, backend, kern, read_settings((KERNEL_ISA_ENV,)), libraries, chosen), namespace
     return _plan(policy, device, backend, kern, read_settings(SETTINGS), libraries,
