@@ -38,7 +38,7 @@ def test_a_traced_prefill_is_charged_to_the_model_parts_that_built_its_ops(tiny_
     assert sum(p["wall_ms"] for p in r["parts"]) == pytest.approx(r["busy_wall_ms"])
     assert 0 < r["busy_wall_ms"] <= r["traced_wall_ms"] and r["thread_ms"] >= r["busy_wall_ms"] * 0.999
     for s in r["sites"]:
-        assert s["site"] == po.NO_STACK or re.fullmatch(r"(ops|model|kernels)\.[\w.]+:\d+", s["site"]), s["site"]
+        assert s["site"] == po.NO_STACK or re.fullmatch(r"(ops|model|kernels|fast)\.[\w.]+:\d+", s["site"]), s["site"]
     dots = {s["part"] for s in r["sites"] if any("dot" in k for k in s["kinds"])}
     assert {"Attention.__call__", "MLP.__call__"} <= dots
     # SiLU runs inside the fusion that multiplies it by up (and, at bf16, rounds the products)
