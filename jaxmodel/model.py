@@ -649,13 +649,10 @@ class LlamaModel:
     def _stacked(self):
         """The blocks' weights stacked on a layer axis for the forward's lax.scan (stack_layers):
         built on the first forward or capture and kept, so each call does not copy every layer
-        weight again (on SmolLM2 at bf16 that copy took 0.38 s of a 0.41 s forward). The layer
-        weights are then held twice. On a mesh the stack is built for each call and not kept: a
-        model is put on a mesh to spread its memory, and a probe holds several of them (`probe
-        where --circumstance sharding` on SmolLM2: 20.3 GB at its peak with the stacks kept,
-        over a 24 GiB machine's share when pytest holds its own; 15.2 GB before they were kept).
-        None when the blocks differ in structure (they then run one after the other,
-        Llama._loop_layers)."""
+        weight again (that copy cost about as much as the forward itself). The layer weights are
+        then held twice. On a mesh the stack is built for each call and not kept: a model is put
+        on a mesh to spread its memory, and a probe holds several of them. None when the blocks
+        differ in structure (they then run one after the other, Llama._loop_layers)."""
         state, stacked = self._stack
         if state is not self.state:
             stacked = _stack_state(self.graphdef, self.state) if self.model.same_blocks() else None
