@@ -11,6 +11,7 @@ CPUs) computes the reference's function. A planted bug in a backend's op shows t
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 import compare
-from compare.adapters import OurModel
+from compare.adapters import OurModel, Side
 from llamaspec.plan import BACKENDS, OPS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,15 +31,38 @@ def _tokens(vocab: int, B: int = 2, T: int = 40, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, vocab, (B, T))
 
 
-def _judged(package, folder, policy, backend, tokens, patch=None):
-    """The ladder's report: package at `backend` (candidate) against package's reference."""
+def _judged(package, folder, policy, backend, tokens, plant=None):
+    """The ladder's report: package at `backend` (candidate) against package's reference. plant: a
+    function that wraps a backend namespace, applied to the candidate and its float64 twin as they
+    load (a planted bug; the controls plant theirs in both too)."""
     mod = importlib.import_module(package)
     ref = OurModel(mod.from_pretrained(folder, policy=policy, backend="reference"), folder)
-    model = mod.from_pretrained(folder, policy=policy, backend=backend)
-    if patch is not None:
-        patch(model)
-    cand = OurModel(model, folder)
+    if plant is None:
+        cand = OurModel(mod.from_pretrained(folder, policy=policy, backend=backend), folder)
+    else:
+        with _planted(package, plant):
+            at_p, twin = (OurModel(mod.from_pretrained(folder, policy=p, backend=backend), folder)
+                          for p in (policy, "fp64"))
+        cand = Side(at_p.name + "+bug", at_p, twin, False, at_p.taps)
     return compare.compare_models(reference=ref, candidate=cand, checkpoint=folder, inputs=tokens, policy=policy)
+
+
+@contextlib.contextmanager
+def _planted(package, plant):
+    """While it lasts, every model of `package` loads with its backend namespace wrapped by plant
+    (torchref.model takes it from plan.make_backend, jaxmodel.model from plan.load)."""
+    owner, name = (importlib.import_module("torchref.model"), "make_backend") if package == "torchref" else \
+        (importlib.import_module("jaxmodel.plan"), "load")
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kw):
+        plan, ops = original(*args, **kw)
+        return plan, plant(ops)
+    setattr(owner, name, wrapped)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def _assert_clean(report, what: str) -> None:
@@ -80,29 +104,27 @@ def test_fast_backend_on_smollm2(package, policy, smollm2):
     _assert_clean(report, f"{package} fast on SmolLM2 at {policy}")
 
 
+class _TenfoldEps:
+    """A backend namespace whose rms_norm adds 1e4 times the epsilon: a planted bug."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def rms_norm(self, x, weight, eps, policy):
+        return self.base.rms_norm(x, weight, eps * 1e4, policy)
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_a_bug_planted_in_the_fast_backend_is_caught(package, tiny_dir):
-    """The check above can fail: the fast backend's norm with a tenfold epsilon on layer 1 is a
-    semantic difference at that layer's attn_norm."""
-    def patch(model):
-        net = model.model
-        layers = net.layers
-        norm = layers[1].input_layernorm
-        base = norm.ops
-
-        class Ops:
-            def __getattr__(self, name):
-                return getattr(base, name)
-
-            @staticmethod
-            def rms_norm(x, weight, eps, policy):
-                return base.rms_norm(x, weight, eps * 1e4, policy)
-        norm.ops = Ops()
-
+    """The check above can fail: the fast backend's norm with a far larger epsilon is a semantic
+    difference, first at layer 0's attn_norm."""
     folder = tiny_dir("gqa", rms_norm_eps=1e-2)
-    report = _judged(package, folder, "fp32", "fast", _tokens(96), patch=patch)
+    report = _judged(package, folder, "fp32", "fast", _tokens(96), plant=_TenfoldEps)
     assert report.verdict == "semantic", report.verdict
-    assert report.first_divergence.tap == "layers.1.attn_norm", report.first_divergence
+    assert report.first_divergence.tap == "layers.0.attn_norm", report.first_divergence
 
 
 @pytest.mark.parametrize("package", PACKAGES)

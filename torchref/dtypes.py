@@ -1,14 +1,10 @@
-"""Policy dtype names -> torch dtypes, and the torch matmul settings a policy implies."""
+"""Policy dtype names -> torch dtypes, and numpy <-> torch without a detour through float32."""
 
 from __future__ import annotations
-
-import contextlib
 
 import ml_dtypes
 import numpy as np
 import torch
-
-from llamaspec.errors import PolicyError
 
 TORCH = {"float64": torch.float64, "float32": torch.float32,
          "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,34 +38,3 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
-
-
-@contextlib.contextmanager
-def check_matmul_settings(policy, device):
-    """Runs a call after checking that torch's process-wide matmul settings realise the policy on
-    `device` (read at every call, never changed here: they belong to the user's process). A setting
-    that contradicts the policy is an error naming it and the value the policy needs.
-
-    CPUs have no TF32 (a tf32 policy is IEEE f32 there), and oneDNN's fp32_precision must leave
-    f32 products in f32 ("none" or "ieee"). On CUDA, PyTorch's default is IEEE f32 and JAX's TF32,
-    so the policy says which one; and cuBLAS' reduced-precision reductions (bf16/fp16 partial sums)
-    contradict a policy that sums 16-bit products in f32."""
-    device = torch.device(device)
-    wrong = []
-    cpu = torch.backends.mkldnn.matmul.fp32_precision
-    if cpu not in ("none", "ieee"):
-        wrong.append(("torch.backends.mkldnn.matmul.fp32_precision", cpu, "'ieee' (or 'none')"))
-    if device.type == "cuda":
-        mm = torch.backends.cuda.matmul
-        tf32 = mm.fp32_precision == "tf32" or (mm.fp32_precision == "none" and torch.backends.cuda.matmul.allow_tf32)
-        if tf32 != (policy.matmul == "tf32"):
-            wrong.append(("torch.backends.cuda.matmul.fp32_precision", mm.fp32_precision,
-                          "'tf32'" if policy.matmul == "tf32" else "'ieee'"))
-        low_accum = policy.accum_dtype in ("bfloat16", "float16")
-        for flag in ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction"):
-            if getattr(mm, flag) and not low_accum:
-                wrong.append((f"torch.backends.cuda.matmul.{flag}", True, "False"))
-    if wrong:
-        raise PolicyError(f"policy {policy.name!r} on {device}: " + "; ".join(
-            f"{name} is {value!r}, the policy needs {need}" for name, value, need in wrong))
-    yield

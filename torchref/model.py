@@ -32,8 +32,8 @@ from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill
 from llamaspec.plan import backend_name
 
 from . import invariant
-from .dtypes import cast, check_matmul_settings, dt, from_numpy, to_numpy
-from .plan import make_backend
+from .dtypes import cast, dt, from_numpy, to_numpy
+from .plan import check_matmul_settings, make_backend
 
 
 def _weight(*shape) -> nn.Parameter:

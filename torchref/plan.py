@@ -12,6 +12,7 @@ Plan record for reports; model.py holds both (model.plan, the network's ops name
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import warnings
@@ -138,3 +139,34 @@ def _libraries() -> tuple[tuple[str, str], ...]:
             ("onednn", "enabled" if torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
              else "off"),
             ("onednn fp32 precision", str(torch.backends.mkldnn.matmul.fp32_precision)))
+
+
+@contextlib.contextmanager
+def check_matmul_settings(policy, device):
+    """Runs a call after checking that torch's process-wide matmul settings realise the policy on
+    `device` (read at every call, never changed here: they belong to the user's process). A setting
+    that contradicts the policy is an error naming it and the value the policy needs.
+
+    CPUs have no TF32 (a tf32 policy is IEEE f32 there), and oneDNN's fp32_precision must leave
+    f32 products in f32 ("none" or "ieee"). On CUDA, PyTorch's default is IEEE f32 and JAX's TF32,
+    so the policy says which one; and cuBLAS' reduced-precision reductions (bf16/fp16 partial sums)
+    contradict a policy that sums 16-bit products in f32."""
+    device = torch.device(device)
+    wrong = []
+    cpu = torch.backends.mkldnn.matmul.fp32_precision
+    if cpu not in ("none", "ieee"):
+        wrong.append(("torch.backends.mkldnn.matmul.fp32_precision", cpu, "'ieee' (or 'none')"))
+    if device.type == "cuda":
+        mm = torch.backends.cuda.matmul
+        tf32 = mm.fp32_precision == "tf32" or (mm.fp32_precision == "none" and torch.backends.cuda.matmul.allow_tf32)
+        if tf32 != (policy.matmul == "tf32"):
+            wrong.append(("torch.backends.cuda.matmul.fp32_precision", mm.fp32_precision,
+                          "'tf32'" if policy.matmul == "tf32" else "'ieee'"))
+        low_accum = policy.accum_dtype in ("bfloat16", "float16")
+        for flag in ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction"):
+            if getattr(mm, flag) and not low_accum:
+                wrong.append((f"torch.backends.cuda.matmul.{flag}", True, "False"))
+    if wrong:
+        raise PolicyError(f"policy {policy.name!r} on {device}: " + "; ".join(
+            f"{name} is {value!r}, the policy needs {need}" for name, value, need in wrong))
+    yield
