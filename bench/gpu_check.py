@@ -60,6 +60,8 @@ def main(argv=None) -> int:
         out = {}
         for name, mod in (("torchref", torchref), ("jaxmodel", jaxmodel)):
             kw = {"device": device} if name == "torchref" else {}
+            if name == "torchref" and device == "cuda":
+                _cuda_settings_for(torch, policy)   # torchref checks them at each call, never sets them
             m = mod.from_pretrained(folder, policy=policy, **kw)
             t0 = time.perf_counter()
             logits = m(ids)
@@ -86,6 +88,17 @@ def main(argv=None) -> int:
                                                                 "rows": rows}, indent=1))
     print(f"checkpoint for the benchmark: {folder}")
     return 0 if ok else 1
+
+
+
+
+def _cuda_settings_for(torch, policy: str) -> None:
+    """This script's own process: torch's CUDA matmul settings as `policy` needs them (TF32 only for
+    tf32; no reduced-precision reductions: every policy here sums in f32 or wider)."""
+    mm = torch.backends.cuda.matmul
+    mm.fp32_precision = "tf32" if policy == "tf32" else "ieee"
+    mm.allow_bf16_reduced_precision_reduction = False
+    mm.allow_fp16_reduced_precision_reduction = False
 
 
 if __name__ == "__main__":

@@ -114,3 +114,40 @@ def test_mlp_taps_keep_their_values_when_the_activation_returns_its_input(tiny_d
     assert np.array_equal(up, np.asarray(own["layers.0.up"]))
     assert np.array_equal(np.asarray(ident["layers.0.act"]), gate * up)
     assert not np.array_equal(np.asarray(own["layers.0.act"]), gate * up)
+
+
+def test_matmul_settings_are_checked_at_each_call_and_never_changed(tiny_dir):
+    """torchref reads torch's process-wide matmul settings at each call and names the one that
+    contradicts the policy; it sets none of them (they belong to the user's process)."""
+    import torch
+
+    from llamaspec.errors import PolicyError
+    from torchref.plan import check_matmul_settings
+
+    m = torchref.from_pretrained(tiny_dir("gqa"), policy="fp32")
+    ids = np.arange(3, 11)[None]
+    mm, cpu = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+    names = ((mm, "fp32_precision"), (mm, "allow_bf16_reduced_precision_reduction"),
+             (mm, "allow_fp16_reduced_precision_reduction"), (cpu, "fp32_precision"))
+    before = [getattr(o, n) for o, n in names]
+    try:
+        m(ids)
+        assert [getattr(o, n) for o, n in names] == before
+        cpu.fp32_precision = "bf16"
+        with pytest.raises(PolicyError, match="mkldnn.matmul.fp32_precision"):
+            m(ids)
+        assert cpu.fp32_precision == "bf16"
+        cpu.fp32_precision = before[3]
+        m(ids)
+        # the CUDA rules read the flags only: checked here without a GPU
+        bf16 = Policy.get("bf16")
+        mm.fp32_precision, mm.allow_bf16_reduced_precision_reduction = "ieee", True
+        with pytest.raises(PolicyError, match="allow_bf16_reduced_precision_reduction"):
+            with check_matmul_settings(bf16, "cuda"):
+                pass
+        mm.allow_bf16_reduced_precision_reduction = mm.allow_fp16_reduced_precision_reduction = False
+        with check_matmul_settings(bf16, "cuda"):
+            pass
+    finally:
+        for (o, n), v in zip(names, before):
+            setattr(o, n, v)
