@@ -549,13 +549,13 @@ def block_attention(c: Choices, q, k, v, allowed, policy: Policy, fill_from: int
         scores[..., fill_from:].masked_fill_(hidden[..., fill_from:], lowest)
     else:
         scores.masked_fill_(hidden, lowest)
-    probs = _softmax(scores, **_into(scratch, "probs", scores.shape, soft, q.device)).view(B * Hkv, G * T, S)
+    probs = _softmax_into(scores, **_into(scratch, "probs", scores.shape, soft, q.device)).view(B * Hkv, G * T, S)
     probs = _rounded(probs, compute, scratch) if probs.dtype == wide else cast(probs, compute)
     ctx = torch.bmm(cast(probs, wide), cast(v.permute(0, 2, 1, 3), wide).reshape(B * Hkv, S, D))
     return _from_query_rows(cast(ctx, compute), B, T)
 
 
-def _softmax(s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _softmax_into(s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """ops.softmax into `out`."""
     if s.dtype in _HALF:
         e = torch.exp(s - s.amax(-1, keepdim=True))
