@@ -1,5 +1,5 @@
 """The layer-streamed comparison's memory: no whole model loaded, and a peak that does not grow
-with depth (bench/stream_memory.py; issue 57)."""
+with depth (bench/stream_memory.py)."""
 
 import json
 

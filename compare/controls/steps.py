@@ -1,4 +1,4 @@
-"""Steps computed below the policy's dtype for that step (positive controls, issue 21 part 1).
+"""Steps computed below the policy's dtype for that step (positive controls: precision findings).
 
 A policy prescribes a dtype per step (llamaspec.Policy: norm_dtype for the RMSNorm's
 mean(x^2) and rsqrt, softmax_dtype for the scores' softmax, rope_dtype for the RoPE angles,
