@@ -89,9 +89,13 @@ def _widens(c: Choices, compute, accum, out, rows: int, device: torch.device) ->
 
 
 def _pairs_of_few_rows(c: Choices, compute: torch.dtype, rows: int) -> bool:
-    """2 to FEW_ROWS rows of 16-bit operands that torch would multiply with oneDNN's AVX-512 pair
-    products (slow for so few rows) on a CPU without AMX tiles."""
-    return 1 < rows <= FEW_ROWS and compute in _HALF and c.dots_auto and c.hardware(compute) and not c.amx(compute)
+    """1 to FEW_ROWS rows of 16-bit operands that torch would multiply with oneDNN's AVX-512 pair
+    products (slow for so few rows) on a CPU without AMX tiles. One row only for bf16 where the
+    kernel runs its pair program in hardware (AVX-512-BF16): with its AVX2 path (pairs widened in
+    software) torch's one-row product was the faster (bench/results)."""
+    if rows == 1 and not (compute == torch.bfloat16 and _isa_at_least(c, "avx512_bf16")):
+        return False
+    return 1 <= rows <= FEW_ROWS and compute in _HALF and c.dots_auto and c.hardware(compute) and not c.amx(compute)
 
 
 def kernel_products(c: Choices, compute, accum, out, rows: int, device: torch.device) -> bool:
