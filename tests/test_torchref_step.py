@@ -151,3 +151,29 @@ def test_matmul_settings_are_checked_at_each_call_and_never_changed(tiny_dir):
     finally:
         for (o, n), v in zip(names, before):
             setattr(o, n, v)
+
+
+def test_one_block_finds_exactly_the_calls_written_as_one_block():
+    """fast.one_block against its definition, on slot arrays that are and are not one block (a
+    row off by one, a gap, out of the cache), small (Python's path) and large (numpy's)."""
+    import torch
+
+    from torchref.fast import one_block
+
+    def defined(s, S):
+        B, T = s.shape
+        start = int(s[0, 0])
+        block = np.arange(start, start + T)
+        return start if 0 <= start and start + T <= S and all((s[b] == block).all() for b in range(B)) else None
+
+    rng = np.random.default_rng(0)
+    for B, T in ((1, 1), (3, 1), (2, 5), (1, 128), (4, 40)):
+        for start in (0, 3, 60):
+            base = np.tile(np.arange(start, start + T), (B, 1))
+            cases = [base, base + 1]
+            bent = base.copy()
+            bent[rng.integers(B), rng.integers(T)] += 1
+            cases.append(bent)
+            for s in cases:
+                for S in (64, 200):
+                    assert one_block(torch.as_tensor(s), S) == defined(s, S), (B, T, start, S)
