@@ -85,12 +85,15 @@ def test_kernel_products_rule():
     if base.kernel_isa is None:
         pytest.skip("fixed-order kernels not available")
     paired = base._replace(products="auto", hardware_bf16=True, amx_bf16=False, dots_auto=True)
+    scalar = paired._replace(kernel_isa=fo.ISAS["scalar"], mkl_off_intel=True)   # auto leaves the scalar path
+    assert not any(fast.kernel_products(scalar, d, f32, d, rows, cpu) for d in (f32, bf16) for rows in (1, 8, 500))
     for isa, one_row in (("avx2", False), ("avx512", False), ("avx512_bf16", True)):
         assert fast.kernel_products(paired._replace(kernel_isa=fo.ISAS[isa]), bf16, f32, bf16, 1, cpu) is one_row, isa
         assert fast.kernel_products(paired._replace(kernel_isa=fo.ISAS[isa]), bf16, f32, bf16, 2, cpu), isa
+    # the rule as data, on the kernels' AVX-512-BF16 path whatever this machine's (make test-caps runs others)
     for hw, amx, off_intel in [(False, False, False), (True, False, False), (True, True, True)]:
         c = base._replace(products="auto", hardware_bf16=hw, hardware_fp16=hw, amx_bf16=amx, amx_fp16=amx,
-                          dots_auto=True, mkl_off_intel=off_intel)
+                          dots_auto=True, mkl_off_intel=off_intel, kernel_isa=fo.ISAS["avx512_bf16"])
         for rows in (1, 2, fast.WIDE_MIN_ROWS - 1, fast.WIDE_MIN_ROWS, fast.FEW_ROWS, fast.FEW_ROWS + 1, 500):
             few = rows <= fast.FEW_ROWS
             assert fast.kernel_products(c, f32, f32, f32, rows, cpu) is (few or off_intel), (hw, rows)
