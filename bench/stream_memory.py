@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--write", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        Path(args.child_out).write_text(json.dumps(_child(json.loads(args.child))))
+        from llamaspec.files import atomic_write  # a temp name, then renamed (as every file the project writes)
+        atomic_write(args.child_out, json.dumps(_child(json.loads(args.child))), "stream memory child result")
         return 0
     if args.write:
         write_checkpoint(Path(args.write[0]), int(args.write[1]), int(args.write[2]))
@@ -178,8 +179,10 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / \
         f"stream-memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "environment": env, "layer_shape": LAYER_SHAPE,
-                               "results": rows, "ratios": ratios, "limit": LIMIT}, indent=1))
+    from llamaspec.files import atomic_write
+    record = {"date": time.strftime("%Y-%m-%d"), "environment": env, "layer_shape": LAYER_SHAPE,
+              "results": rows, "ratios": ratios, "limit": LIMIT}
+    atomic_write(out, json.dumps(record, indent=1), "stream memory results")
     print(f"\nwrote {out}")
     return 0
 
