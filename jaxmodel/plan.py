@@ -1,7 +1,7 @@
 """jaxmodel's plan: the only module of the package that reads environment variables, CPU flags,
 XLA_FLAGS and the fixed-order kernels' build state. Computed once at load (from_pretrained,
 from_weights, LayerRunner); the model holds it as `model.plan` and computes with the namespace
-`backend_ops` builds from the same decisions (ops.py, fast.Fast or invariant.py).
+`load` builds from the same decisions (ops.py, fast.Fast or invariant.py).
 
     plan = make_plan("bf16", "cpu", "fast")
     plan.op("attention")     # e.g. "fused kernel (attention.h) for prompts; XLA for decode steps"
@@ -26,7 +26,7 @@ import jax
 from llamaspec import Policy, cpuinfo
 from llamaspec import fixed_order as fo
 from llamaspec.errors import InvarianceError, PolicyError
-from llamaspec.plan import BACKENDS, ISA_FLAGS, OPS, Plan, read_settings
+from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, read_settings
 
 from . import fast, invariant, ops
 
@@ -46,19 +46,13 @@ _BF16_ISAS = ("AVX512_BF16", "AMX")
 def make_plan(policy, device: str = "cpu", backend: str = "fast") -> Plan:
     """The plan for `policy` (a preset name or a Policy) on `device` ("cpu", "gpu", ...) with
     `backend` (one of llamaspec.plan.BACKENDS)."""
-    return _decide(Policy.get(policy), device, backend)[0]
-
-
-def backend_ops(plan: Plan, layout=None):
-    """The op namespace a model with this plan computes with (layout: its sharding.MeshLayout or
-    None): ops.py, invariant.py or a fast.Fast (the machine's choices are the plan's: not policy's)."""
-    return _with_layout(_namespace(plan.device, plan.backend, _Kernels()), layout)
+    return _decide(Policy.get(policy), device, backend_name(backend, False))[0]
 
 
 def load(policy, device: str | None, backend: str, layout=None):
     """(plan, op namespace) for a model being loaded (device None: JAX's default backend; layout:
     its sharding.MeshLayout or None)."""
-    plan, namespace = _decide(Policy.get(policy), device or jax.default_backend(), backend)
+    plan, namespace = _decide(Policy.get(policy), device or jax.default_backend(), backend_name(backend, False))
     return plan, _with_layout(namespace, layout)
 
 
@@ -118,8 +112,6 @@ def _warn_once(error: str) -> None:
 
 def _namespace(device: str, backend: str, kern: "_Kernels"):
     """The backend's op namespace for this machine (the kernels' state noted in kern)."""
-    if backend not in BACKENDS:
-        raise PolicyError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
     if backend == "reference":
         return ops
     if backend == "invariant":

@@ -217,7 +217,7 @@ def test_weights_keep_checkpoint_names_shapes_and_param_dtype(framework, tiny_di
     else:
         from flax import nnx
 
-        from jaxmodel import fast, plan
+        from jaxmodel import fast
         from llamaspec import fixed_order as fo
         flat = [(p, v.get_value()) for p, v in nnx.to_flat_state(nnx.filter_state(m.state, nnx.Param))]
         got = {key(".".join(map(str, p))): tuple(v.shape) for p, v in flat}
@@ -225,7 +225,7 @@ def test_weights_keep_checkpoint_names_shapes_and_param_dtype(framework, tiny_di
         # the fast backend keeps a bf16 model's matrices on the CPU as fast.Weight: bf16 values widened
         # to f32 (exact), with a native bf16 copy where the plan's native products are on and a copy
         # packed for the one-row kernel where its kernel_matvecs is
-        ops, bf16 = plan.backend_ops(m.plan), ml_dtypes.bfloat16
+        ops, bf16 = m.model.ops, ml_dtypes.bfloat16
         kept = [w for _, w in flat if isinstance(w, fast.Weight)]
         for w in kept:
             data = np.asarray(w.data)

@@ -74,7 +74,7 @@ def _kernel_isa(needed: bool, strict: bool) -> tuple[int | None, str | None]:
 
 def choices(policy: Policy, device: torch.device, env: dict) -> fast.Choices:
     """The fast backend's choices for `policy` on `device` from these settings and this machine."""
-    name, flags = cpuinfo.name_and_flags()
+    flags = cpuinfo.name_and_flags()[1]
     dots = cpuinfo.dots_choice(env.get(cpuinfo.BF16_DOTS_ENV))
     cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
     mkldnn = torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled)
@@ -129,7 +129,7 @@ def make_plan(policy: str | Policy, device="cpu", backend: str | None = "fast") 
 
 def _isa_name(isa: int) -> str:
     from llamaspec import fixed_order as fo
-    return {v: k for k, v in fo.ISAS.items()}[isa]
+    return fo.ISA_NAMES[isa]
 
 
 def _libraries() -> tuple[tuple[str, str], ...]:
