@@ -313,24 +313,63 @@ _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_weights(folder: str | Path, check_finite: bool = True
                  ) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    """Validates the whole tensor set against the config and returns lazy numpy views.
+    """The checkpoint validated (validated: tensor set, tied lm_head, NaN/Inf unless
+    check_finite=False) and its forward pass's tensors as lazy numpy views."""
+    ckpt = validated(folder, check_finite)
+    return ckpt.config, {k: ckpt.get(k) for k in expected_shapes(ckpt.config)}
 
-    Missing, unexpected and wrongly shaped tensors are all listed in one error, so a
-    broken conversion script is diagnosed in one run. NaN/Inf in any float tensor is
-    an error naming the tensor (check_finite=False skips the scan).
-    """
+
+# validated() reads tensors in row chunks of at most this many bytes (the streamed readers'
+# memory promise: validating never holds a whole embedding table).
+_SCAN_BYTES = 64 << 20
+
+
+def validated(folder: str | Path, check_finite: bool = True) -> Checkpoint:
+    """The one validation every reader of a checkpoint goes through (load_weights, so torchref's
+    and jaxmodel's from_pretrained; the streamed ladder's and `probe where`'s layer readers;
+    transformers' adapter): check_checkpoint's tensor set (missing, unexpected, wrongly shaped,
+    non-float tensors, all listed in one error); with tie_word_embeddings, an lm_head.weight
+    that is not the embedding refused; with check_finite, NaN/Inf in any tensor of the forward
+    pass refused, naming the file and tensor. Tensors are read in chunks (_SCAN_BYTES)."""
     ckpt = check_checkpoint(folder)
-    weights = {k: ckpt.get(k) for k in expected_shapes(ckpt.config)}
     if ckpt.config.tie_word_embeddings and "lm_head.weight" in ckpt.keys():
-        lm = ckpt.get("lm_head.weight")
-        if lm.shape != weights["model.embed_tokens.weight"].shape or not np.array_equal(
-                lm, weights["model.embed_tokens.weight"]):
-            raise CheckpointError(f"{ckpt.file_of('lm_head.weight')}: tie_word_embeddings is true "
-                                  "but lm_head.weight differs from model.embed_tokens.weight")
+        _check_tied(ckpt)
     if check_finite:
-        for k, w in weights.items():
-            check_finite_tensor(ckpt, k, w)
-    return ckpt.config, weights
+        for key in expected_shapes(ckpt.config):
+            bad = sum(int(np.size(rows) - np.isfinite(rows).sum()) for rows in _row_chunks(ckpt, key))
+            if bad:
+                raise CheckpointError(f"{ckpt.file_of(key)}: tensor '{key}' has {bad} NaN/Inf values")
+    return ckpt
+
+
+def _check_tied(ckpt: Checkpoint) -> None:
+    """A tied checkpoint may carry lm_head.weight (some exporters write it) only as a copy of
+    the embedding: a different one would be run by a reader that unties it and ignored by one
+    that ties it."""
+    lm, emb = "lm_head.weight", "model.embed_tokens.weight"
+    differs = (ckpt.shape(lm) != ckpt.shape(emb)
+               or ckpt.storage_dtype(lm) not in (_DTYPES[n] for n in FLOAT_STORAGE)
+               or not all(np.array_equal(a, b, equal_nan=True) for a, b in
+                          zip(_row_chunks(ckpt, lm, ckpt.storage_dtype(emb)),
+                              _row_chunks(ckpt, emb, ckpt.storage_dtype(lm)))))
+    if differs:
+        raise CheckpointError(f"{ckpt.file_of(lm)}: tie_word_embeddings is true but lm_head.weight "
+                              f"({list(ckpt.shape(lm))} x {ckpt.storage_dtype(lm)}) differs from {emb} "
+                              f"({list(ckpt.shape(emb))} x {ckpt.storage_dtype(emb)}); drop lm_head.weight "
+                              "or set tie_word_embeddings to false")
+
+
+def _row_chunks(ckpt: Checkpoint, key: str, like: np.dtype | None = None):
+    """A tensor's rows in chunks of at most _SCAN_BYTES (counted at the wider of its storage and
+    `like`, so that the chunks of two tensors of different storage line up)."""
+    shape = ckpt.shape(key)
+    if not shape:
+        yield ckpt.read_rows(key)
+        return
+    item = max(ckpt.storage_dtype(key).itemsize, like.itemsize if like is not None else 0)
+    per = max(1, _SCAN_BYTES // max(1, item * int(np.prod(shape[1:], dtype=np.int64))))
+    for start in range(0, shape[0], per):
+        yield ckpt.read_rows(key, start, start + per)
 
 
 def check_checkpoint(folder: str | Path) -> Checkpoint:
@@ -362,14 +401,6 @@ def check_checkpoint(folder: str | Path) -> Checkpoint:
         raise CheckpointError(f"{ckpt.folder}: checkpoint does not match config.json "
                               f"({cfg.num_hidden_layers} layers): " + " | ".join(problems))
     return ckpt
-
-
-def check_finite_tensor(ckpt: Checkpoint, key: str, w: np.ndarray) -> None:
-    """CheckpointError naming the file and tensor when w holds NaN or Inf."""
-    finite = np.isfinite(w)
-    if not finite.all():
-        raise CheckpointError(f"{ckpt.file_of(key)}: tensor '{key}' has {int(np.size(w) - finite.sum())} "
-                              "NaN/Inf values")
 
 
 def _natural(key: str):

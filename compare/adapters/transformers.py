@@ -188,8 +188,10 @@ class TransformersModel:
         dtype handling: f32 norm, RoPE and softmax inside a bf16 model)."""
         from transformers import LlamaForCausalLM
 
+        from llamaspec.checkpoint import validated
         from torchref.dtypes import dt
         policy = Policy.get(policy)
+        validated(folder)     # refused as torchref / jaxmodel / the streamed ladder refuse it (a tied lm_head...)
         model = LlamaForCausalLM.from_pretrained(str(folder), dtype=dt(policy.param_dtype),
                                                  attn_implementation=attn_implementation).eval()
         return cls(model, positions, checkpoint=folder)

@@ -29,7 +29,7 @@ import numpy as np
 
 from llamaspec import LlamaConfig, Policy, check_tokens, positions_from_mask
 from llamaspec import taps as tapnames
-from llamaspec.checkpoint import Checkpoint, check_checkpoint, check_finite_tensor
+from llamaspec.checkpoint import check_checkpoint, validated
 
 from ..adapters import OurModel, Side
 from ..metrics import logits_agreement, pair_metrics, rel_l2
@@ -159,12 +159,13 @@ class Streamed:
 
 
 class _Reader:
-    """The checkpoint folders of the runs, each layer's tensors read once per folder, as new
-    arrays (no memory map left resident) checked for NaN/Inf as they come."""
+    """The checkpoint folders of the runs, each validated first as from_pretrained validates it
+    (llamaspec.checkpoint.validated: tensor set, tied lm_head, NaN/Inf, read in chunks), then
+    each layer's tensors read once per folder, as new arrays (no memory map left resident)."""
 
     def __init__(self, folders):
-        self.ckpts = {f: Checkpoint(f) for f in dict.fromkeys(str(Path(f)) for f in folders)}
         self.seconds = 0.0
+        self.ckpts = self._timed(lambda: {f: validated(f) for f in dict.fromkeys(str(Path(f)) for f in folders)})
 
     def _timed(self, fn):
         t = time.perf_counter()
@@ -177,11 +178,7 @@ class _Reader:
         ckpt = self.ckpts[str(Path(folder))]
 
         def read():
-            out = {}
-            for k in keys:
-                out[k] = ckpt.read_rows(k)
-                check_finite_tensor(ckpt, k, out[k])
-            return out
+            return {k: ckpt.read_rows(k) for k in keys}
         return self._timed(read)
 
     def layer(self, folder, i: int) -> dict:
@@ -195,7 +192,6 @@ class _Reader:
         def read():
             used = np.unique(ids)
             table = np.stack([ckpt.read_rows(key, int(t), int(t) + 1)[0] for t in used])
-            check_finite_tensor(ckpt, key, table)
             return table[np.searchsorted(used, ids)]
         return self._timed(read)
 
@@ -204,9 +200,7 @@ class _Reader:
         key = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         ckpt = self.ckpts[str(Path(folder))]
         for start in range(0, cfg.vocab_size, rows_per_chunk):
-            rows = self._timed(lambda: ckpt.read_rows(key, start, start + rows_per_chunk))
-            check_finite_tensor(ckpt, key, rows)
-            yield start, rows
+            yield start, self._timed(lambda: ckpt.read_rows(key, start, start + rows_per_chunk))
 
 
 class _Run:

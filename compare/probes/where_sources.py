@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from llamaspec import taps as tapnames
-from llamaspec.checkpoint import Checkpoint, check_checkpoint, check_finite_tensor
+from llamaspec.checkpoint import validated
 from llamaspec.taps import input_tap
 
 from ..adapters import fp64_policy
@@ -72,8 +72,8 @@ class StreamSource(_Timed):
 
     def __init__(self, package: str, folder, policy, runs, rows_of: dict, patch=None):
         super().__init__()
-        self.cfg = check_checkpoint(folder).config
-        self.ckpt = Checkpoint(folder)
+        self.ckpt = validated(folder)      # as from_pretrained validates it: tensor set, tied lm_head, NaN/Inf
+        self.cfg = self.ckpt.config
         self.runs = {r.key: r for r in runs}
         self.rows_of = rows_of
         mod = importlib.import_module(f"{package}.model")
@@ -91,17 +91,13 @@ class StreamSource(_Timed):
 
     def _read(self, keys) -> dict:
         t = time.perf_counter()
-        out = {}
-        for k in keys:
-            out[k] = self.ckpt.read_rows(k)
-            check_finite_tensor(self.ckpt, k, out[k])
+        out = {k: self.ckpt.read_rows(k) for k in keys}
         self.read_seconds += time.perf_counter() - t
         return out
 
     def _embed_rows(self, ids) -> np.ndarray:
         key, used = "model.embed_tokens.weight", np.unique(ids)
         table = np.stack([self.ckpt.read_rows(key, int(t), int(t) + 1)[0] for t in used])
-        check_finite_tensor(self.ckpt, key, table)
         return table[np.searchsorted(used, ids)]
 
     def _rows(self, acts_by_run: dict) -> dict:
@@ -153,7 +149,6 @@ class StreamSource(_Timed):
     def _read_rows(self, key, start, stop):
         t = time.perf_counter()
         rows = self.ckpt.read_rows(key, start, stop)
-        check_finite_tensor(self.ckpt, key, rows)
         self.read_seconds += time.perf_counter() - t
         return rows
 

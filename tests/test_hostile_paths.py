@@ -1,0 +1,212 @@
+"""Hostile inputs that one way of reading took and another refused, or that were judged
+without naming their cause (issue 58, classes 3 and 7): every reader of a checkpoint refuses
+a bad one with the same error (llamaspec.checkpoint.validated), config fields that make NaN
+are named, a port that is not deterministic is named, refusals never echo file contents, and
+every JSON report is strict JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from llamaspec.checkpoint import Checkpoint
+from llamaspec.errors import CheckpointError
+from safetensors.numpy import save_file
+
+IDS = np.array([[5, 7, 9, 11, 13, 17]])
+MASK = np.ones_like(IDS)
+
+
+# ------------------------------------------------------------- class 3: one validation path
+
+def _tensors(folder) -> dict:
+    ck = Checkpoint(folder)
+    return {k: np.array(ck.get(k)) for k in ck.keys()}
+
+
+def _write(src: Path, dst: Path, change, config=None, shards=1) -> Path:
+    """dst: src's config (updated by `config`) and its tensors changed by change(tensors)."""
+    dst.mkdir(parents=True)
+    cfg = {**json.loads((src / "config.json").read_text()), **(config or {})}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = _tensors(src)
+    change(tensors)
+    if shards == 1:
+        _save(tensors, dst / "model.safetensors")
+    else:
+        keys, weight_map = list(tensors), {}
+        for s in range(shards):
+            name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            _save({k: tensors[k] for k in keys[s::shards]}, dst / name)
+            weight_map.update({k: name for k in keys[s::shards]})
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return dst
+
+
+def _save(tensors, path) -> None:
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path))
+
+
+def _set(key, index, value):
+    def change(t):
+        t[key] = np.array(t[key])
+        t[key][index] = value
+    return change
+
+
+def _lm_head_not_embedding(t):
+    t["lm_head.weight"] = t["model.embed_tokens.weight"] * 1.5
+
+
+def _lm_head_one_value_off(t):
+    t["lm_head.weight"] = np.array(t["model.embed_tokens.weight"])
+    t["lm_head.weight"][95, 31] += 1.0       # a row no input here uses, the last value
+
+
+def _lm_head_wrong_shape(t):
+    t["lm_head.weight"] = np.array(t["model.embed_tokens.weight"][:, :16])
+
+
+def _lm_head_int(t):
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].astype(np.int32)
+
+
+def _drop(key):
+    def change(t):
+        del t[key]
+    return change
+
+
+def _reshape(key, shape):
+    def change(t):
+        t[key] = np.zeros(shape, t[key].dtype)
+    return change
+
+
+def _as(key, dtype):
+    def change(t):
+        t[key] = t[key].astype(dtype)
+    return change
+
+
+# (id, base tiny config, config change, tensor change, shards, words the message must hold)
+BAD = [
+    ("tied-lm-head-differs", "gqa", {"tie_word_embeddings": True}, _lm_head_not_embedding, 1,
+     ["tie_word_embeddings is true", "lm_head.weight", "differs from model.embed_tokens.weight"]),
+    ("tied-lm-head-one-unused-value-off", "gqa", {"tie_word_embeddings": True}, _lm_head_one_value_off, 1,
+     ["tie_word_embeddings is true", "lm_head.weight", "differs"]),
+    ("tied-lm-head-other-shard", "gqa", {"tie_word_embeddings": True}, _lm_head_not_embedding, 3,
+     ["tie_word_embeddings is true", "lm_head.weight", "differs"]),
+    ("tied-lm-head-wrong-shape", "gqa", {"tie_word_embeddings": True}, _lm_head_wrong_shape, 1,
+     ["tie_word_embeddings is true", "[96, 16]", "differs"]),
+    ("tied-lm-head-int-storage", "gqa", {"tie_word_embeddings": True}, _lm_head_int, 1,
+     ["tie_word_embeddings is true", "int32", "differs"]),
+    ("missing-layer-tensor", "gqa", None, _drop("model.layers.1.self_attn.v_proj.weight"), 1,
+     ["missing tensors", "model.layers.1.self_attn.v_proj.weight"]),
+    ("missing-lm-head-untied", "gqa", None, _drop("lm_head.weight"), 1, ["missing tensors", "lm_head.weight"]),
+    ("wrong-shape", "gqa", None, _reshape("model.layers.0.mlp.up_proj.weight", (64, 16)), 1,
+     ["wrongly shaped", "model.layers.0.mlp.up_proj.weight", "expected [64, 32]", "[64, 16]"]),
+    ("nan-in-layer-weight", "gqa", None, _set("model.layers.1.mlp.down_proj.weight", (3, 4), np.nan), 1,
+     ["tensor 'model.layers.1.mlp.down_proj.weight' has 1 NaN/Inf"]),
+    ("inf-in-norm-weight", "gqa", None, _set("model.layers.0.input_layernorm.weight", 2, np.inf), 1,
+     ["tensor 'model.layers.0.input_layernorm.weight' has 1 NaN/Inf"]),
+    ("nan-in-lm-head", "gqa", None, _set("lm_head.weight", (90, 0), np.nan), 1,
+     ["tensor 'lm_head.weight' has 1 NaN/Inf"]),
+    # a row of the embedding no input here reads: the streamed runs read only the rows used
+    ("nan-in-unused-embedding-row", "gqa", None, _set("model.embed_tokens.weight", (90, 3), np.nan), 1,
+     ["tensor 'model.embed_tokens.weight' has 1 NaN/Inf"]),
+    ("nan-in-bf16-bias", "bias", None,
+     lambda t: (_as("model.layers.0.self_attn.k_proj.bias", ml_dtypes.bfloat16)(t),
+                _set("model.layers.0.self_attn.k_proj.bias", 1, np.nan)(t)), 1,
+     ["tensor 'model.layers.0.self_attn.k_proj.bias' has 1 NaN/Inf"]),
+    ("non-float-storage", "gqa", None, _as("model.layers.0.self_attn.q_proj.weight", np.int32), 1,
+     ["model.layers.0.self_attn.q_proj.weight", "storage dtype int32 is not a float type"]),
+]
+
+
+def _stream(package):
+    def read(folder):
+        from compare.ladder.stream import CheckpointModel, stream_capture
+        return stream_capture(CheckpointModel(package, folder, "fp32"), IDS, MASK)
+    return read
+
+
+def _compare(stream):
+    def read(folder):
+        from compare import compare_models
+        return compare_models("torchref", "jaxmodel", folder, inputs=(IDS, MASK), stream=stream,
+                              teacher_forcing=False)
+    return read
+
+
+def _where(package):
+    def read(folder):
+        from compare.probes.where import probe_where
+        return probe_where(package, "batch", checkpoint=folder, policy="fp32", batch_sizes=(2,), kinds=("equal",),
+                           length=6)
+    return read
+
+
+def _load_weights(folder):
+    from llamaspec import load_weights
+    return load_weights(folder)
+
+
+def _from_pretrained(package):
+    def read(folder):
+        import importlib
+        return importlib.import_module(package).from_pretrained(folder, policy="fp32")
+    return read
+
+
+def _transformers(folder):
+    pytest.importorskip("transformers")
+    from compare.adapters.transformers import TransformersModel
+    return TransformersModel.from_pretrained(folder)
+
+
+# Every way the project reads a checkpoint's weights (grep: validated, load_weights, from_pretrained, Checkpoint().
+READERS = {
+    "load_weights": _load_weights,
+    "torchref.from_pretrained": _from_pretrained("torchref"),
+    "jaxmodel.from_pretrained": _from_pretrained("jaxmodel"),
+    "stream-capture-torchref": _stream("torchref"),
+    "stream-capture-jaxmodel": _stream("jaxmodel"),
+    "compare-streamed": _compare(True),
+    "compare-whole": _compare(False),
+    "probe-where-streamed-torchref": _where("torchref"),
+    "transformers.from_pretrained": _transformers,
+}
+
+
+@pytest.fixture(scope="module")
+def bad_checkpoints(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    return {case[0]: _write(tiny_dir(case[1]), root / case[0], case[3], case[2], case[4]) for case in BAD}
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_every_reader_refuses_a_bad_checkpoint_with_the_same_error(case, bad_checkpoints):
+    name, *_, words = case
+    folder = bad_checkpoints[name]
+    messages = {}
+    for reader, read in READERS.items():
+        with pytest.raises(CheckpointError) as info:
+            read(folder)
+        messages[reader] = str(info.value)
+    for w in words:
+        assert w in messages["load_weights"], messages["load_weights"]
+    assert {r: m for r, m in messages.items() if m != messages["load_weights"]} == {}, messages["load_weights"]
+
+
+@pytest.mark.parametrize("reader", list(READERS), ids=list(READERS))
+def test_a_tied_checkpoint_with_its_embedding_copied_as_lm_head_is_read_by_every_reader(reader, tiny_dir,
+                                                                                         tmp_path):
+    """Some exporters write lm_head.weight beside a tied embedding: a bitwise copy is fine."""
+    folder = _write(tiny_dir("gqa"), tmp_path / "copy", lambda t: t.update(
+        {"lm_head.weight": np.array(t["model.embed_tokens.weight"])}), {"tie_word_embeddings": True})
+    READERS[reader](folder)
