@@ -193,7 +193,7 @@ def _parse(d: dict[str, Any], source: str, from_file: bool = False) -> LlamaConf
     bos, pad = d.get("bos_token_id"), d.get("pad_token_id")
 
     _reject_unknown(d, source)
-    return LlamaConfig(
+    return _check_numerics(source, LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=f.int("intermediate_size"),
@@ -210,7 +210,7 @@ def _parse(d: dict[str, Any], source: str, from_file: bool = False) -> LlamaConf
         bos_token_id=None if bos is None else f.token("bos_token_id", bos, vocab),
         eos_token_ids=tuple(f.token("eos_token_id", e, vocab) for e in eos_ids),
         pad_token_id=None if pad is None else f.token("pad_token_id", pad, vocab),
-    )
+    ))
 
 
 _PARSED = {
@@ -289,3 +289,34 @@ def _parse_rope(d: dict[str, Any], source: str, max_pos: int) -> RopeConfig:
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=None if orig is None else int(orig),
     )
+
+# Values that are valid numbers but make float32 arithmetic (the RoPE tables', a norm's) give
+# NaN/Inf or lose their meaning, refused here so that no comparison blames a precision for
+# them (issue 58). float32's largest and smallest normal numbers; positions up to 2**24 are
+# exact in float32, which the RoPE angles are computed in.
+_F32_MAX, _F32_TINY, _F32_EXACT_INTS = 3.4028234663852886e38, 1.1754943508222875e-38, 2 ** 24
+_MAX_ROPE_FACTOR = 2.0 ** 16
+
+
+def _check_numerics(source: str, cfg: LlamaConfig) -> LlamaConfig:
+    rope, problems = cfg.rope, []
+    if not 1.0 < rope.theta <= _F32_MAX:
+        problems.append(f"'rope_theta' = {rope.theta!r} must be above 1 and at most {_F32_MAX:.4g} (float32's "
+                        "largest): the RoPE frequencies theta^(-2i/d) are computed in float32, where a base at or "
+                        "below 1 turns a frequency into more than a radian per position, or into Inf (NaN angles)")
+    if rope.type != "default" and not 1.0 <= rope.factor <= _MAX_ROPE_FACTOR:
+        problems.append(f"rope factor ('rope_scaling' / 'rope_parameters' 'factor') = {rope.factor!r} must be in "
+                        f"[1, {_MAX_ROPE_FACTOR:g}] for rope type '{rope.type}': a smaller one multiplies the "
+                        "frequencies up to Inf in float32, a larger one cancels dynamic scaling's stretch to 0")
+    if cfg.rms_norm_eps < _F32_TINY:
+        problems.append(f"'rms_norm_eps' = {cfg.rms_norm_eps!r} must be at least {_F32_TINY:.4g} (float32's "
+                        "smallest normal number): below it the epsilon is 0 or subnormal in float32 and bfloat16, "
+                        "and a zero hidden row is divided by 0 (NaN)")
+    if cfg.max_position_embeddings > _F32_EXACT_INTS:
+        problems.append(f"'max_position_embeddings' = {cfg.max_position_embeddings} must be at most 2**24 = "
+                        f"{_F32_EXACT_INTS}: RoPE angles are position x frequency in float32, where larger "
+                        "positions are not all integers")
+    if problems:
+        raise ConfigError(f"{source}: field " + "; field ".join(problems))
+    return cfg
+

@@ -210,3 +210,55 @@ def test_a_tied_checkpoint_with_its_embedding_copied_as_lm_head_is_read_by_every
     folder = _write(tiny_dir("gqa"), tmp_path / "copy", lambda t: t.update(
         {"lm_head.weight": np.array(t["model.embed_tokens.weight"])}), {"tie_word_embeddings": True})
     READERS[reader](folder)
+
+
+# ------------------------------------------- class 7: config fields that make NaN / Inf are named
+
+def _cli(argv, capsys) -> tuple[int, str]:
+    from llama_parity.cli import main
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+# (id, config fields, words the refusal must hold): each made NaN/Inf (or lost the value) in the
+# float32 RoPE tables or norms before, and was judged "precision" on the candidate
+NUMERIC_FIELDS = [
+    ("rope-theta-tiny", {"rope_theta": 1e-300}, ["'rope_theta' = 1e-300", "above 1"]),
+    ("rope-theta-below-one", {"rope_theta": 0.5}, ["'rope_theta' = 0.5", "above 1"]),
+    ("rope-theta-beyond-float32", {"rope_theta": 1e39}, ["'rope_theta' = 1e+39", "float32"]),
+    ("rope-parameters-theta-tiny", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e-40}},
+     ["'rope_theta' = 1e-40"]),
+    ("linear-factor-tiny", {"rope_scaling": {"rope_type": "linear", "factor": 1e-300}}, ["factor", "1e-300", "linear"]),
+    ("dynamic-factor-huge", {"rope_scaling": {"rope_type": "dynamic", "factor": 1e300}}, ["factor", "1e+300",
+                                                                                         "dynamic"]),
+    ("llama3-factor-tiny", {"rope_scaling": {**LLAMA3, "factor": 1e-30}}, ["factor", "1e-30", "llama3"]),
+    ("rms-norm-eps-zero-in-float32", {"rms_norm_eps": 1e-300}, ["'rms_norm_eps' = 1e-300", "float32"]),
+    ("rms-norm-eps-subnormal", {"rms_norm_eps": 1e-40}, ["'rms_norm_eps' = 1e-40"]),
+    ("max-position-past-float32-integers", {"max_position_embeddings": 2 ** 24 + 1},
+     ["'max_position_embeddings' = 16777217", "2**24"]),
+    ("two-fields-at-once", {"rope_theta": 1e-300, "rms_norm_eps": 1e-300}, ["'rope_theta'", "'rms_norm_eps'"]),
+]
+
+
+@pytest.mark.parametrize("fields,words", [c[1:] for c in NUMERIC_FIELDS], ids=[c[0] for c in NUMERIC_FIELDS])
+def test_config_fields_that_make_nan_are_refused_by_name(fields, words, tiny_dir, tmp_path, capsys):
+    src = tiny_dir("gqa")
+    folder = _write(src, tmp_path / "ck", lambda t: None, fields)
+    rc, text = _cli(["compare", folder, "--random-tokens", "1x6", "--no-files", "--no-teacher-forcing"], capsys)
+    assert rc == 2, text
+    assert "config.json" in text and all(w in text for w in words), text
+
+
+@pytest.mark.parametrize("fields", [{"rope_theta": 1e6}, {"rope_theta": 1.5}, {"rms_norm_eps": 1e-12},
+                                    {"rope_scaling": {"rope_type": "linear", "factor": 1.0}},
+                                    {"rope_scaling": {**LLAMA3, "factor": 32.0}}, {"max_position_embeddings": 2 ** 24}],
+                         ids=["theta-1e6", "theta-1.5", "eps-1e-12", "linear-factor-1", "llama3-factor-32",
+                              "max-position-2**24"])
+def test_sane_numeric_fields_still_load(fields):
+    from llamaspec import LlamaConfig
+    from llamaspec.testing import TINY
+    LlamaConfig.from_dict({**TINY, **fields})
