@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -261,20 +258,10 @@ class KeptRuns:
 
 
 def write_json(path: Path, data: dict) -> Path:
-    """Through llamaspec.files' atomic writer (a temp file in the same folder, renamed), or the
-    same by hand where that module is absent."""
-    text = json.dumps(data, indent=1, default=str)
-    try:
-        from llamaspec.files import atomic_write
-    except ImportError:
-        atomic_write = None
-    if atomic_write is not None:
-        return atomic_write(path, text, "demo summary")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
+    """Strict JSON (llamaspec.files.json_text: a NaN margin or error as the string "nan"), through
+    the atomic writer (a temp file in the same folder, renamed)."""
+    from llamaspec.files import atomic_write, json_text
+    return atomic_write(path, json_text(data, indent=1, default=str), "demo summary")
 
 
 def _splits(say, tok, ref, cand, runs, ids, mask, policy, new_tokens, eos, clock) -> dict:

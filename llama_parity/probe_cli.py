@@ -258,9 +258,9 @@ def cmd_where(args) -> int:
     meta = {"checkpoint": folder, "target": how, "circumstance": args.circumstance, "argv": sys.argv[1:],
             "skipped": skipped, "environment": environment(policies[0])}
     if json_path:
-        from llamaspec.files import atomic_write
+        from llamaspec.files import atomic_write, json_text
         doc = {"meta": meta, "results": [r.to_dict() for r in results]}
-        print(f"JSON: {atomic_write(json_path, json.dumps(doc, indent=1, default=str), 'probe where JSON')}")
+        print(f"JSON: {atomic_write(json_path, json_text(doc, indent=1, default=str), 'probe where JSON')}")
     if html_path and results:
         print(f"HTML: {write_html(results[0], html_path, meta)}")
     if not results:

@@ -14,16 +14,23 @@ printable: an untrusted string with its control characters escaped, for the term
 
 refuse_inside: the one check that weights, dumps and checkpoints are never written into
 the llama-parity repository (they would get committed).
+
+json_text: the one way a report becomes JSON: strict (no NaN / Infinity tokens, which strict
+parsers reject), a non-finite float written as the string "nan", "inf" or "-inf".
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import math
 import os
 import re
 import stat
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+import numpy as np
 
 from .errors import LlamaParityError
 
@@ -135,3 +142,27 @@ def refuse_inside(path, what: str, where_instead: str, error=LlamaParityError) -
     synthetic checkpoints written there would get committed."""
     if inside_repo(path):
         raise error(f"{what} {path}: inside the llama-parity repository ({repo_root()}); {where_instead}")
+
+
+def json_safe(x):
+    """A JSON-safe copy of x: non-finite floats as the strings "nan", "inf", "-inf" (every
+    report's one rule; compare.report.page reads them back), numpy scalars and arrays as
+    Python numbers and lists, tuples as lists."""
+    if isinstance(x, (np.generic, np.ndarray)):
+        # ml_dtypes' floats (bfloat16, fp8) are numpy's kind "V": read as float64
+        return json_safe(np.asarray(x, np.float64).tolist() if x.dtype.kind == "V" else x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def json_text(obj, indent: int | None = None, default: Callable | None = None) -> str:
+    """obj as strict JSON (json.dumps with allow_nan=False after json_safe); default, as
+    json.dumps', turns other objects into JSON values (its results made safe too)."""
+    safe_default = None if default is None else (lambda o: json_safe(default(o)))
+    return json.dumps(json_safe(obj), indent=indent, default=safe_default, allow_nan=False)
+

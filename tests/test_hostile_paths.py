@@ -12,10 +12,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from llamaspec.checkpoint import Checkpoint
 from llamaspec.errors import CheckpointError
-from safetensors.numpy import save_file
 
 IDS = np.array([[5, 7, 9, 11, 13, 17]])
 MASK = np.ones_like(IDS)
@@ -262,3 +262,66 @@ def test_sane_numeric_fields_still_load(fields):
     from llamaspec import LlamaConfig
     from llamaspec.testing import TINY
     LlamaConfig.from_dict({**TINY, **fields})
+
+
+# --------------------------------------------------------- class 7: strict JSON in every report
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _strict(text: str):
+    def refuse(token):
+        raise AssertionError(f"non-standard JSON token {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _ladder_report(tmp):
+    from compare.ladder.engine import Report
+    r = Report("torchref", "jaxmodel", {"name": "fp32"}, "precision", None, [], [{"layer": 0, "cand_local": NAN}],
+               logits={"top1_agreement": NAN, "max_abs": np.float32(INF)}, run={"seconds": {"x": -INF}})
+    return r.to_json(tmp / "report.json")
+
+
+def _probe_result(tmp):
+    from compare.probes.invariance import ProbeResult
+    r = ProbeResult("batch", "torchref fp32 default", "torchref", "fp32", "default", "drift", "hint",
+                    NAN, INF, NAN, 0, NAN, np.float64(NAN), NAN, NAN, [], {"margin": NAN})
+    return r.to_json(tmp / "probe.json")
+
+
+def _probes_report(tmp):
+    from compare.report.probes import write_json
+    return write_json([{"probe": "batch", "verdict": "drift", "max_abs": NAN, "cases": [{"max_ulp": INF}]}],
+                      tmp / "probes.json", {"seconds": NAN})
+
+
+def _where_report(tmp):
+    from compare.report.where import write_json
+    return write_json({"verdict": "drift", "comparisons": [{"rel": NAN, "ratio": -INF}]}, tmp / "where.json",
+                      {"seconds": np.float32(NAN)})
+
+
+def _demo_summary(tmp):
+    from llama_parity.demo import write_json
+    return write_json(tmp / "demo.json", {"splits": [{"margin": NAN, "oracle_margin": INF}],
+                                          "seconds": [("ladder", NAN)], "tie": np.float32(NAN)})
+
+
+# every writer of a JSON report, fed a NaN and an Inf
+JSON_WRITERS = {"ladder-report": _ladder_report, "probe-result": _probe_result, "probes-report": _probes_report,
+                "where-report": _where_report, "demo-json": _demo_summary}
+
+
+@pytest.mark.parametrize("writer", list(JSON_WRITERS), ids=list(JSON_WRITERS))
+def test_every_json_report_is_strict_json_with_nan_and_inf_as_strings(writer, tmp_path):
+    text = Path(JSON_WRITERS[writer](tmp_path)).read_text()
+    assert "NaN" not in text and "Infinity" not in text, text
+    doc = _strict(text)
+    flat = json.dumps(doc)
+    assert '"nan"' in flat and ('"inf"' in flat or '"-inf"' in flat), flat
+
+
+def test_json_text_is_the_one_rule():
+    from llamaspec.files import json_text
+    assert _strict(json_text({"a": [NAN, -INF, np.float32(INF), np.array([1.0, NAN])], "b": (np.int64(2),)})) == \
+        {"a": ["nan", "-inf", "inf", [1.0, "nan"]], "b": [2]}

@@ -71,10 +71,10 @@ def to_document(results, meta: dict | None = None) -> dict:
 
 
 def write_json(results, path, meta: dict | None = None) -> Path:
-    from llamaspec.files import atomic_write
+    from llamaspec.files import atomic_write, json_text
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write(path, json.dumps(to_document(results, meta), indent=1), "JSON report")
+    return atomic_write(path, json_text(to_document(results, meta), indent=1), "JSON report")
 
 
 # ---------------------------------------------------------------- plots

@@ -8,7 +8,6 @@ the sentences come from compare.probes.where_text, through the dict's hint/expla
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -100,8 +99,8 @@ def to_document(result, meta: dict | None = None) -> dict:
 
 
 def write_json(result, path, meta: dict | None = None) -> Path:
-    from llamaspec.files import atomic_write
-    text = json.dumps(to_document(result, meta), indent=1, default=str)
+    from llamaspec.files import atomic_write, json_text
+    text = json_text(to_document(result, meta), indent=1, default=str)
     return atomic_write(Path(path), text, "probe where JSON")
 
 
