@@ -325,3 +325,120 @@ def test_json_text_is_the_one_rule():
     from llamaspec.files import json_text
     assert _strict(json_text({"a": [NAN, -INF, np.float32(INF), np.array([1.0, NAN])], "b": (np.int64(2),)})) == \
         {"a": ["nan", "-inf", "inf", [1.0, "nan"]], "b": [2]}
+
+
+# ------------------------------------------- class 7: a port that does not repeat itself is named
+
+class _Port:
+    """torchref behind the protocol; `spoil(call, tap, array)` changes what a call returns."""
+
+    def __init__(self, ck, policy="fp32", spoil=None, name="my-port"):
+        from compare.adapters.ours import OurModel
+        from llamaspec import Policy
+        self.m = OurModel.load("torchref", ck, Policy.get(policy))
+        self.ck, self.policy_name, self.spoil, self.name, self.taps = ck, policy, spoil, name, self.m.taps
+        self.calls = 0
+
+    def float64(self):
+        return _Port(self.ck, "fp64", None, self.name)
+
+    def capture(self, tokens, attention_mask, taps, inject=None):
+        self.calls += 1
+        logits, acts = self.m.capture(tokens, attention_mask, taps, inject=inject)
+        if self.spoil is None:
+            return logits, acts
+        acts = {t: self.spoil(self.calls, t, np.array(a)) for t, a in acts.items()}
+        return self.spoil(self.calls, "logits (returned)", np.array(logits)), acts
+
+
+def _noise_everywhere(call, tap, a):
+    """A different random perturbation at every call (threaded sums, an unseeded dropout)."""
+    return a + np.random.default_rng().standard_normal(a.shape).astype(a.dtype) * np.float32(1e-6) * np.abs(a).max()
+
+
+def _from(tap_kind):
+    def spoil(call, tap, a):
+        return a * np.float32(1 + 1e-6 * call) if tap.endswith(tap_kind) else a
+    return spoil
+
+
+def _padding_only(call, tap, a):
+    a = np.array(a)
+    if a.ndim >= 2 and a.shape[1] == 8:
+        a[1, -2:] = call          # slots the mask marks as padding
+    return a
+
+
+class _ReusesBuffers:
+    """Deterministic numbers, but the arrays of one call are overwritten by the next."""
+
+    def __init__(self, ck):
+        self.inner, self.kept = _Port(ck), {}
+        self.name, self.taps = "buffer-port", self.inner.taps
+
+    def float64(self):
+        return self.inner.float64()
+
+    def capture(self, tokens, attention_mask, taps, inject=None):
+        logits, acts = self.inner.capture(tokens, attention_mask, taps, inject=inject)
+        for t, a in acts.items():
+            buf = self.kept.setdefault(t, np.empty_like(a))
+            buf[...] = a + (np.float32(self.inner.calls) if t == "layers.1.mlp_out" else 0)
+        return logits, {t: self.kept[t] for t in acts}
+
+
+def _ids_with_padding():
+    ids = np.random.default_rng(1).integers(3, 96, (2, 8))
+    mask = np.ones_like(ids)
+    mask[1, -2:] = 0
+    return ids, mask
+
+
+# (id, side the port is on, the port, words the refusal holds)
+NOT_DETERMINISTIC = [
+    ("noise-at-every-call", "candidate", lambda ck: _Port(ck, spoil=_noise_everywhere),
+     ["my-port: not deterministic", "first at tap 'embed'"]),
+    ("from-a-later-layer", "candidate", lambda ck: _Port(ck, spoil=_from("layers.1.up")),
+     ["my-port: not deterministic", "first at tap 'layers.1.up'"]),
+    ("only-the-returned-logits", "candidate", lambda ck: _Port(ck, spoil=_from("logits (returned)")),
+     ["not deterministic", "first at tap 'logits (returned)'"]),
+    ("on-the-reference-side", "reference", lambda ck: _Port(ck, spoil=_from("attn_out"), name="ref-port"),
+     ["ref-port: not deterministic", "first at tap 'layers.0.attn_out'"]),
+    ("reuses-its-output-buffers", "candidate", _ReusesBuffers,
+     ["buffer-port: not deterministic", "reuses its output buffers", "'layers.1.mlp_out'"]),
+]
+
+
+@pytest.mark.parametrize("side,make,words", [c[1:] for c in NOT_DETERMINISTIC], ids=[c[0] for c in NOT_DETERMINISTIC])
+def test_a_port_that_does_not_repeat_itself_is_named_before_it_is_judged(side, make, words, tiny_dir):
+    from compare import compare_models
+    from compare.ladder.engine import NotDeterministic
+    ck = tiny_dir("gqa")
+    port = make(ck)
+    sides = {"reference": "torchref", "candidate": "torchref", side: port}
+    with pytest.raises(NotDeterministic) as info:
+        compare_models(sides["reference"], sides["candidate"], ck, inputs=_ids_with_padding(), policy="fp32",
+                       teacher_forcing=False)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+@pytest.mark.parametrize("make", [lambda ck: _Port(ck), lambda ck: _Port(ck, spoil=_padding_only)],
+                         ids=["deterministic", "differs-only-in-padding"])
+def test_a_port_that_repeats_itself_is_judged(make, tiny_dir):
+    from compare import compare_models
+    ck = tiny_dir("gqa")
+    port = make(ck)
+    rep = compare_models("torchref", port, ck, inputs=_ids_with_padding(), policy="fp32", teacher_forcing=False)
+    assert rep.verdict in ("exact", "drift") and port.calls >= 3    # policy, again, capture check
+
+
+def test_check_determinism_false_skips_the_extra_capture(tiny_dir):
+    from compare import compare_models
+    ck = tiny_dir("gqa")
+    port = _Port(ck, spoil=_from("layers.1.up"))
+    rep = compare_models("torchref", port, ck, inputs=_ids_with_padding(), policy="fp32", teacher_forcing=False,
+                         check_determinism=False)
+    assert rep.verdict in KINDS_JUDGED
+
+
+KINDS_JUDGED = ("exact", "drift", "precision", "semantic")

@@ -9,6 +9,7 @@ planted bugs and clean runs that calibrate both.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from pathlib import Path
 
@@ -17,7 +18,16 @@ import numpy as np
 from llamaspec import InputError, Policy
 from llamaspec import taps as tapnames
 
-from ..adapters import PACKAGES, InjectUnsupported, Side, config_differences, inject_support, resolve_side
+from ..adapters import (
+    PACKAGES,
+    Checked,
+    InjectUnsupported,
+    PortError,
+    Side,
+    config_differences,
+    inject_support,
+    resolve_side,
+)
 from ..environment import environment, sides_of
 from ..explain import ladder as explain
 from ..metrics import logits_agreement, pair_metrics
@@ -60,10 +70,12 @@ class Report(JsonResult):
 
 
 def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing=True,
-               progress=lambda msg: None, stream: bool | None = None) -> Report:
+               progress=lambda msg: None, stream: bool | None = None, check_determinism: bool = True) -> Report:
     """The ladder for two prepared Sides. stream: None streams when both sides can
     (stream.streamable: torchref / jaxmodel named by string, over checkpoint folders),
-    True insists, False captures whole runs."""
+    True insists, False captures whole runs. check_determinism: a user's port (adapters.Checked)
+    captures its first tap set twice before anything is judged (check_repeats; one more capture
+    per port); False skips that."""
     ref.needs_twin("reference", "the ladder (its float64 run is the oracle)")
     differences = config_differences(ref.at_policy, cand.at_policy)
     if stream or (stream is None and streamable(ref, cand)):
@@ -77,6 +89,10 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     progress(f"candidate {cand.name} at {policy.name}")
     c_logits, c = cand.at_policy.capture(ids, mask, taps)
     t0 = _lap(seconds, f"c ({cand.name} at {policy.name})", t0)
+    if check_determinism:
+        for side, first in ((ref, (r_logits, r)), (cand, (c_logits, c))):
+            check_repeats(side.at_policy, ids, mask, taps, first, progress)
+        t0 = _lap(seconds, "determinism check", t0)
     capture = capture_checks(ref, cand, ids, mask, taps, (r_logits, c_logits), progress)
     t0 = _lap(seconds, "capture check", t0)
     progress("oracle: reference at fp64")
@@ -110,6 +126,65 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
                   logits, environment(policy, uses_jax, sides_of(ref, cand)), differences, forcing, rung,
                   run={"path": "full", "seconds": seconds}, capture=capture)
+
+
+class NotDeterministic(PortError):
+    """A port whose capture, made again on the same inputs, returns other bits (or changes what
+    it returned before): its differences from the reference cannot be judged, since a rounding
+    and a bug would both hide in its own noise."""
+
+
+def check_repeats(impl, ids, mask, taps, first, progress=lambda msg: None) -> None:
+    """NotDeterministic unless a user's port (adapters.Checked; ours, transformers' and dumps are
+    not checked here) captures `taps` on (ids, mask) again bitwise as `first` (its (logits, taps)
+    of the same call), at the real positions (padding slots may hold anything), and leaves the
+    arrays it returned first untouched (a port that reuses its output buffers). The tap named
+    is the first in execution order that differs; the returned logits come last."""
+    if not isinstance(impl, Checked):
+        return
+    progress(f"determinism: {impl.name} captured again on the same inputs")
+    real = np.asarray(mask, bool)
+    before = _digests(first, taps, real)
+    again = impl.capture(ids, mask, taps)
+    after = _digests(first, taps, real)
+    reused = next((t for t in before if before[t] != after[t]), None)
+    differs = next((t for t in before if before[t] != _digests(again, taps, real).get(t)), None)
+    if reused is None and differs is None:
+        return
+    what = (f"changed the arrays it returned the first time when called again, first at tap '{reused}' (it "
+            "reuses its output buffers: return copies)" if reused is not None else
+            f"returned other numbers the second time, first at tap '{differs}'"
+            + _how_much(first, again, taps, differs, real))
+    raise NotDeterministic(f"{impl.name}: not deterministic: the same capture on the same inputs "
+                           f"({' x '.join(map(str, np.shape(ids)))} tokens) {what}; its differences from the "
+                           "reference cannot be judged against its own noise. Make it repeat itself (seeds, a fixed "
+                           "order of reductions), or pass check_determinism=False to judge it anyway")
+
+
+def _arrays(out, taps) -> dict:
+    logits, acts = out
+    return {**{t: acts[t] for t in taps}, **({} if logits is None else {"logits (returned)": logits})}
+
+
+def _digests(out, taps, real) -> dict:
+    """{tap: sha256 of its dtype, shape and bytes at the real positions}."""
+    digests = {}
+    for t, a in _arrays(out, taps).items():
+        a = np.asarray(a)
+        part = np.ascontiguousarray(a[real] if a.shape[:2] == real.shape else a)
+        digests[t] = hashlib.sha256(f"{part.dtype} {part.shape}".encode() + part.tobytes()).hexdigest()
+    return digests
+
+
+def _how_much(first, again, taps, tap, real) -> str:
+    a, b = (np.asarray(_arrays(x, taps)[tap]) for x in (first, again))
+    if a.shape != b.shape or a.shape[:2] != real.shape:
+        return f" (shape {list(a.shape)}, then {list(b.shape)})"
+    a, b = np.asarray(a[real], np.float64), np.asarray(b[real], np.float64)
+    differ = ~((a == b) | (np.isnan(a) & np.isnan(b)))
+    with np.errstate(invalid="ignore"):
+        big = float(np.nanmax(np.abs(a - b)[differ])) if differ.any() else 0.0
+    return f" ({int(differ.sum())} of {a.size} values differ, by up to {big:.3g})"
 
 
 def capture_checks(ref: Side, cand: Side, ids, mask, taps, captured, progress=lambda msg: None) -> dict:
@@ -306,14 +381,16 @@ def _side(spec, checkpoint, policy, mesh=None) -> Side:
 
 def compare_models(reference="torchref", candidate="jaxmodel", checkpoint=None, inputs=None,
                    policy=None, teacher_forcing=True, progress=lambda msg: None,
-                   stream: bool | None = None, mesh=None) -> Report:
+                   stream: bool | None = None, mesh=None, check_determinism: bool = True) -> Report:
     """Runs the ladder for `candidate` against `reference` on one checkpoint (the public API).
     stream: None (default) walks the checkpoint layer by layer when both sides are torchref /
     jaxmodel named by string, True insists on it, False runs whole captures (run_ladder).
     mesh: the side named "jaxmodel" runs sharded on this jax mesh ({"tensor": 4}, a Mesh;
-    jaxmodel/sharding.py), loaded whole."""
+    jaxmodel/sharding.py), loaded whole. check_determinism: a user's port captures twice on the
+    same inputs before it is judged, and one that does not repeat itself bitwise is refused
+    (NotDeterministic, naming the first tap that differs); False skips that one extra capture."""
     ref, cand, ids, mask, policy = prepare(reference, candidate, checkpoint, inputs, policy, progress, mesh)
-    return run_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress, stream)
+    return run_ladder(ref, cand, ids, mask, policy, teacher_forcing, progress, stream, check_determinism)
 
 
 def assert_parity(reference, candidate, checkpoint=None, policy=None, inputs=None, allow=("exact", "drift"),
