@@ -6,7 +6,9 @@ compiled programs from disk. LLAMA_PARITY_JAX_CACHE=0 turns it off; a cache fold
 by the user for JAX itself (JAX_COMPILATION_CACHE_DIR / jax.config) is left alone.
 
 The cached files are machine code that JAX loads, so the folder is made 0700 and used only
-when it belongs to this user and nobody else can write to it; and it is one folder per CPU
+when it and every folder above it up to the cache root belong to this user (or root), nobody
+else can write to them and none is a symlink (llamaspec.cache_trust: a sticky 1777 root may
+be shared; another user's jax-compile/ sends this user to jax-compile-uid<uid>/); and it is one folder per CPU
 (model and instruction-set flags), since XLA:CPU's cache key names the platform, not the CPU,
 and a program compiled for AMX must not be loaded on an AVX2 laptop sharing the same home
 folder. XLA_FLAGS (an --xla_cpu_max_isa cap included) are part of JAX's own key.
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import sys
 from pathlib import Path
 
@@ -38,19 +39,12 @@ def cpu_fingerprint() -> str:
 
 
 def cache_folder() -> Path:
-    """<cache root>/jax-compile/<cpu fingerprint>."""
+    """<cache root>/jax-compile/<cpu fingerprint> (jax-compile-uid<uid>/ when another user owns
+    jax-compile/ in a shared root), every folder from the root down checked by
+    llamaspec.cache_trust.private_folder; CacheError (UntrustedFolder) when one fails."""
     from llamaspec.cache import cache_root
-    return cache_root() / "jax-compile" / cpu_fingerprint()
-
-
-def _safe(folder: Path) -> str | None:
-    """Why the folder cannot hold code JAX will load, or None when it can."""
-    st = folder.stat()
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"{folder} belongs to uid {st.st_uid}, not to this user"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{folder} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
+    from llamaspec.cache_trust import private_folder
+    return private_folder(cache_root(), ["jax-compile", cpu_fingerprint()], per_user=True)
 
 
 def enable(jax_config=None) -> Path | None:
@@ -65,13 +59,13 @@ def enable(jax_config=None) -> Path | None:
         jax_config = jax.config
     if jax_config.jax_compilation_cache_dir:
         return None
-    folder = cache_folder()
+    from llamaspec.cache_trust import UntrustedFolder
+    from llamaspec.errors import CacheError
     try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        why = _safe(folder)
-    except OSError as e:
-        why = f"{folder}: {e.strerror or e}"
-    if why:
+        folder = cache_folder()
+    except CacheError as e:
+        why = f"{e} ({e.owner_and_mode()}), so a program in it could be someone else's" \
+            if isinstance(e, UntrustedFolder) else str(e)
         print(f"jaxmodel: compilation cache off: {why} (set {ENV}=0 to silence this)", file=sys.stderr)
         return None
     jax_config.update("jax_compilation_cache_dir", str(folder))

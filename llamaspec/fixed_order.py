@@ -32,14 +32,15 @@ import stat
 import struct
 import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 import numpy as np
 
 from .cache import cache_hint, cache_root
-from .errors import InvarianceError
+from .cache_trust import UntrustedFolder, private_folder
+from .errors import CacheError, InvarianceError
+from .interrupts import run_child, scratch_folder, sweep_scratch
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "fixed_order.cc"
@@ -63,36 +64,25 @@ def compiler() -> str:
 def kernel_dir() -> Path:
     """cache_root()/kernels, created 0700: only this user may put a library there. When that
     folder belongs to another user (two users sharing one LLAMA_PARITY_CACHE), this user's
-    libraries go to cache_root()/kernels-uid<uid> instead; neither user loads the other's."""
-    root = cache_root()
-    shared = root / "kernels"
+    libraries go to cache_root()/kernels-uid<uid> instead; neither user loads the other's.
+    Every folder from the cache root down is checked by llamaspec.cache_trust (owned by this
+    user or root, writable by nobody else, no symlink; a sticky 1777 root may be shared)."""
     try:
-        owner = shared.lstat().st_uid
-    except FileNotFoundError:
-        owner = os.geteuid()
-    except OSError as e:
-        raise InvarianceError(f"{shared}: cannot be read ({e.strerror or e}); " + cache_hint()) from None
-    folder = shared if owner == os.geteuid() else root / f"kernels-uid{os.geteuid()}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        folder.mkdir(mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise InvarianceError(f"{folder}: cannot create the kernel folder ({e.strerror or e}); "
+        return private_folder(cache_root(), ["kernels"], per_user=True)
+    except UntrustedFolder as e:
+        raise InvarianceError(f"{e}, so a library in it could be someone else's code; nothing is loaded from it "
+                              f"({e.owner_and_mode()}; remove it, or chmod go-w it if it is yours); "
                               + cache_hint()) from None
-    problem = _untrusted(folder.lstat(), "folder")
-    if problem:
-        raise InvarianceError(f"{folder}: {problem}, so a library in it could be someone else's code; nothing "
-                              "is loaded from it (remove it, or chmod go-w it if it is yours); " + cache_hint())
-    return folder
+    except CacheError as e:
+        raise InvarianceError(f"{e}; " + cache_hint()) from None
 
 
 def _untrusted(st: os.stat_result, what: str) -> str | None:
-    """Why a kernel folder or library (lstat / fstat) could hold code this user did not
-    build: not a real folder / regular file, another owner, or writable by group or others.
-    None when only this user (or root) can have written it."""
-    kind = stat.S_ISDIR if what == "folder" else stat.S_ISREG
-    if not kind(st.st_mode):
-        return f"is not a {'folder' if what == 'folder' else 'regular file'} (a symlink or a device)"
+    """Why a kernel library or its sidecar (lstat / fstat) could hold code this user did not
+    build: not a regular file, another owner, or writable by group or others. None when only
+    this user can have written it. (Folders: llamaspec.cache_trust.)"""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file (a symlink or a device)"
     if st.st_uid != os.geteuid():
         return f"the {what} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
     if st.st_mode & 0o022:
@@ -124,11 +114,13 @@ def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key
     # once per machine and version, seconds: say so, or a first call looks hung
     print(f"llama-parity: compiling {', '.join(p.name for p in sources)} into {target.parent} (once)",
           file=sys.stderr, flush=True)
+    # a build killed with -9 leaves its .build-<pid>@<host>-* folder: removed once its process is gone
+    sweep_scratch(target.parent, r"\.build-")
     try:
-        with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
+        with scratch_folder(target.parent, ".build-") as tmp:
             built = Path(tmp) / target.name
-            subprocess.run([cxx, *FLAGS, *extra_flags, "-I", str(HERE), *map(str, sources), "-o", str(built)],
-                           check=True, capture_output=True, text=True)
+            # in its own process group, ended whole (cc1plus, as, ld too) if this process is interrupted
+            run_child([cxx, *FLAGS, *extra_flags, "-I", str(HERE), *map(str, sources), "-o", str(built)], check=True)
             os.chmod(built, 0o700)
             sha = _sha256(built)
             (Path(tmp) / "sha").write_text(sha + "\n")
