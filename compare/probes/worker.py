@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,13 +34,15 @@ def main(argv=None) -> int:
 def run_job(module: str, job: dict, folder: Path, timeout: float, what: str) -> None:
     """Runs `python -m <module> JOB.json` in a fresh Python process with the repository first on
     its path; `job` is written to folder/job.json (temp name, rename). A failure is a
-    RuntimeError naming `what`, with the tail of the process's stderr."""
+    RuntimeError naming `what`, with the tail of the process's stderr; subprocess.TimeoutExpired
+    past `timeout`. The process (and any it started) ends when this one is interrupted."""
     from llamaspec.files import atomic_write
+    from llamaspec.interrupts import run_child
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     path = atomic_write(Path(folder) / "job.json", json.dumps(job), "probe job")
-    proc = subprocess.run([sys.executable, "-m", module, str(path)], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=timeout)
+    # its own process group, ended whole on Ctrl-C, SIGTERM or the timeout (llamaspec.interrupts)
+    proc = run_child([sys.executable, "-m", module, str(path)], timeout=timeout, env=env, cwd=root)
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
 
