@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 from llamaspec import LlamaConfig, Policy
 from llamaspec import taps as tapnames
 from llamaspec.files import atomic_write
+from llamaspec.interrupts import new_scratch, sweep_scratch
 
 from .adapters import PACKAGES, OurModel, as_implementation, inject_support
 from .adapters.dump import (
@@ -30,9 +30,15 @@ from .adapters.dump import (
     fingerprint,
     policy_differences,
 )
+from .adapters.generic import HandedOver, read_only
 from .environment import environment
 from .ladder.engine import parse_inputs
 from .ladder.stream import CheckpointModel, stream_capture
+
+# the private folders a capture writes in beside its --out (.<name>.capture-<pid>@<host>-*) and
+# the old dump's while it is replaced (.<name>.old-...): a kill -9 leaves them, the next capture
+# in that folder removes them (llamaspec.interrupts.sweep_scratch)
+SCRATCH_RE = r"\..+\.(?:capture|old)-"
 
 
 def _tool_version() -> str:
@@ -72,7 +78,7 @@ def _publish(staging: Path, out: Path, replace: bool) -> None:
     os.chmod(staging, 0o777 & ~_umask())
     trash = None
     if replace:
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        trash = new_scratch(out.parent, f".{out.name}.old-")
         os.rename(out, trash / "dump")
     try:
         os.rename(staging, out)
@@ -168,7 +174,9 @@ def _forced(side, folder, cfg, ids, mask, names, progress):
     want = tapnames.select([f"layers.*.{k}" for k in kinds], n, side.taps,
                            lambda pattern, t: f"{side.name} cannot capture '{t}' (asked for as '{pattern}')")
     progress(f"teacher forcing: {side.name} with every layer fed the oracle's input (the whole model loaded)")
-    _, forced = side.capture(ids, mask, want, inject=inject)
+    given = HandedOver(ids=ids, mask=mask)
+    with given.call(side.name):
+        _, forced = side.capture(given["ids"], given["mask"], want, inject=inject)
     return inject, {t: forced[t] for t in want}
 
 
@@ -187,8 +195,12 @@ def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, tap
     cfg_dict = json.loads((folder / "config.json").read_text())
     cfg = LlamaConfig.from_dict(cfg_dict, source=str(folder / "config.json"))
     ids, mask = parse_inputs(inputs, str(folder))
-    ids, mask = np.asarray(ids, np.int64), np.asarray(mask, np.int64)
+    # read-only copies: a port that writes into what it is given cannot change the caller's
+    # arrays or the inputs this dump records (it is named instead: generic.HandedOver)
+    ids, mask = read_only(np.asarray(ids, np.int64)), read_only(np.asarray(mask, np.int64))
     replace = _prepare_folder(out, force)
+    # the private folders of captures killed with -9 (their process gone, or untouched for an hour)
+    sweep_scratch(out.parent, SCRATCH_RE, say=progress)
     progress(f"loading {impl if isinstance(impl, str) else type(impl).__name__}")
     side, policy = _resolve(impl, str(folder), policy, batch_invariant)
     try:
@@ -199,11 +211,13 @@ def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, tap
     progress(f"capturing {len(names)} taps of {side.name} at {policy.name} on {ids.shape[0]} x {ids.shape[1]} tokens")
     t1 = time.perf_counter()
     # torchref / jaxmodel by name: one layer's weights in memory at a time (bitwise the whole model's capture)
-    _, acts = stream_capture(side, ids, mask, names) if isinstance(side, CheckpointModel) else \
-        side.capture(ids, mask, names)
+    given = HandedOver(ids=ids, mask=mask)
+    with given.call(side.name):
+        _, acts = stream_capture(side, given["ids"], given["mask"], names) if isinstance(side, CheckpointModel) \
+            else side.capture(given["ids"], given["mask"], names)
     seconds = time.perf_counter() - t1
     # written into a private folder beside `out`, renamed to `out` when complete (_publish)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.capture-", dir=out.parent))
+    staging = new_scratch(out.parent, f".{out.name}.capture-")
     try:
         manifest = _write_dump(staging, side, acts, names, cfg, ids, mask, folder, teacher_forcing, progress)
         manifest.update({

@@ -31,7 +31,7 @@ import numpy as np
 
 from llamaspec import ConfigError, LlamaConfig, LlamaParityError, Policy
 
-from .generic import HF_LLAMA_TAPS, JaxFunction, LinenModule, NnxModule, TorchModule
+from .generic import HF_LLAMA_TAPS, HandedOver, JaxFunction, LinenModule, NnxModule, TorchModule
 from .ours import PACKAGES, OurModel, fp64_policy, package_of
 
 
@@ -230,9 +230,11 @@ class Checked:
         return getattr(self.wrapped, key)
 
     def capture(self, tokens, attention_mask, taps, inject=None):
+        given = HandedOver(tokens=tokens, mask=attention_mask)    # read-only copies, checked after the call
         try:
-            out = (self.wrapped.capture(tokens, attention_mask, taps) if inject is None else
-                   self.wrapped.capture(tokens, attention_mask, taps, inject=inject))
+            with given.call(self.name):
+                out = (self.wrapped.capture(given["tokens"], given["mask"], taps) if inject is None else
+                       self.wrapped.capture(given["tokens"], given["mask"], taps, inject=inject))
         except (NotImplementedError, LlamaParityError):
             raise
         except Exception as e:  # noqa: BLE001 (a port's own failure: say whose)

@@ -32,6 +32,7 @@ keeps_f32=True: its float64 run keeps f32 steps, as transformers' does).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 
@@ -65,6 +66,66 @@ HF_LLAMA_TAPS = {
 
 _VALID = ("embed, layers.{i}.<" + "|".join(tapnames.LAYER_TAPS) + ">, final_norm, logits "
           "({i}: every layer, or a layer number)")
+
+
+# ----- what a port is handed -----------------------------------------------------------------
+
+def read_only(a) -> np.ndarray:
+    """A copy of `a` that cannot be written: a view of a frozen copy, so that even its
+    writeable flag cannot be set back (numpy refuses it on a view of a read-only base)."""
+    base = np.array(a, copy=True)
+    base.flags.writeable = False
+    return base.view()
+
+
+class HandedOver:
+    """A caller's arrays as a port receives them: read-only copies (the caller's own are never
+    handed over), and their values kept, so that `call` can name a port that changed them
+    anyway (through torch.from_numpy, ctypes, or by writing into a read-only array)."""
+
+    def __init__(self, **arrays):
+        self.arrays = {k: None if a is None else read_only(a) for k, a in arrays.items()}
+        self._kept = {k: None if a is None else a.copy() for k, a in self.arrays.items()}
+
+    def __getitem__(self, key):
+        return self.arrays[key]
+
+    @contextlib.contextmanager
+    def call(self, name: str):
+        """Runs a call of port `name`; a write into what it was handed (a ValueError from numpy
+        inside the port, or values changed after it) is a PortError naming the port."""
+        with refused_writes(name):
+            yield self
+        changed = [k for k, a in self.arrays.items() if a is not None and not np.array_equal(a, self._kept[k])]
+        if changed:
+            _wrote_into_inputs(name, f"changed {', '.join(changed)} in place")
+
+
+@contextlib.contextmanager
+def refused_writes(name: str):
+    """numpy's "read-only" ValueError raised inside port `name` -> PortError naming it."""
+    try:
+        yield
+    except ValueError as e:
+        if "read-only" not in str(e) and "WRITEABLE" not in str(e):
+            raise
+        _wrote_into_inputs(name, f"wrote into a read-only array ({e})")
+
+
+def _wrote_into_inputs(name: str, what: str):
+    from . import PortError
+    raise PortError(f"{name}: {what}: a port must not change the inputs it is given (the token ids, attention "
+                    "mask and positions are handed over read-only; copy them before changing them), or the "
+                    "other side of the comparison would be judged on different inputs") from None
+
+
+def unchanged_tensors(name: str, given: dict) -> None:
+    """{what: (torch tensor handed to port `name`, numpy values it was made from)}: a
+    PortError naming the port when it changed one in place."""
+    import torch
+    changed = [k for k, (t, a) in given.items() if not torch.equal(t.detach().cpu(), torch.from_numpy(a))]
+    if changed:
+        _wrote_into_inputs(name, f"changed {', '.join(changed)} in place")
 
 
 # ----- tap names ---------------------------------------------------------------------------
@@ -147,8 +208,8 @@ class _Port:
 
     def _inputs(self, tokens, attention_mask):
         vocab = self.vocab_size if self.vocab_size is not None else np.iinfo(np.int64).max
-        ids, mask = check_token_array(tokens, attention_mask, vocab)
-        return ids, mask, positions_from_mask(mask)
+        ids, mask = check_token_array(tokens, attention_mask, vocab)     # copies, never the caller's
+        return read_only(ids), read_only(mask), read_only(positions_from_mask(mask))
 
     def _inject(self, inject, ids) -> dict[int, np.ndarray]:
         if not inject:
@@ -371,19 +432,21 @@ class TorchModule(_Port):
 
         try:
             for i, h in forced.items():   # first, so the layer's own taps see the forced input
-                h = h if isinstance(h, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(h))
+                h = h.clone() if isinstance(h, torch.Tensor) else torch.from_numpy(np.array(h))   # the port's own
                 handles.append(self._layers[i].register_forward_pre_hook(forcing_hook(h), with_kwargs=True))
             for tap in wanted:
                 mod, when = self._targets[tap]
                 hook = record(tap, when)
                 handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True) if when == "pre"
                                else mod.register_forward_hook(hook, with_kwargs=True))
-            t = [torch.from_numpy(a.astype(np.int64)).to(dev) for a in (ids, mask, pos)]
-            with torch.no_grad():
+            given = [a.astype(np.int64) for a in (ids, mask, pos)]
+            t = [torch.from_numpy(a.copy()).to(dev) for a in given]     # fresh tensors: the port's own
+            with torch.no_grad(), refused_writes(self.name):
                 logits = self.forward(self.module, *t)
         finally:
             for h in handles:
                 h.remove()
+        unchanged_tensors(self.name, dict(zip(("input_ids", "attention_mask", "position_ids"), zip(t, given))))
         twice = {t: n for t, n in fired.items() if n > 1}
         if twice:
             raise RuntimeError(f"{self.name}: " + "; ".join(f"tap '{t}' ({self.paths[t]}) fired {n} times"
@@ -476,7 +539,9 @@ class JaxFunction(_Port):
                 import jax.numpy as jnp
                 kw["inject"] = {i: jnp.asarray(np.asarray(x).astype(np.float64) if self.x64 else x)
                                 for i, x in forced.items()}
-            logits, acts = self.fn(self.params, ids.astype(np.int32), mask.astype(np.int32), pos, **kw)
+            handed = HandedOver(ids=ids.astype(np.int32), mask=mask.astype(np.int32), positions=pos)
+            with handed.call(self.name):
+                logits, acts = self.fn(self.params, handed["ids"], handed["mask"], handed["positions"], **kw)
             return self._finish(logits, dict(acts), wanted)
 
     def float64(self) -> "JaxFunction":
@@ -573,9 +638,11 @@ class NnxModule(_Port):
                 import jax.numpy as jnp
                 kw["inject"] = {i: jnp.asarray(np.asarray(x).astype(np.float64) if self.x64 else x)
                                 for i, x in forced.items()}
-            run = nnx.capture(lambda m: self.forward(m, ids.astype(np.int32), mask.astype(np.int32), pos, **kw),
+            handed = HandedOver(ids=ids.astype(np.int32), mask=mask.astype(np.int32), positions=pos)
+            run = nnx.capture(lambda m: self.forward(m, handed["ids"], handed["mask"], handed["positions"], **kw),
                               nnx.Intermediate, method_outputs=nnx.Intermediate if outputs else None)
-            logits, state = run(self.module)
+            with handed.call(self.name):
+                logits, state = run(self.module)
             tree = nnx.to_pure_dict(state)
             acts = {}
             for tap in wanted:
@@ -648,8 +715,11 @@ class LinenModule(_Port):
                 import jax.numpy as jnp
                 kw["inject"] = {i: jnp.asarray(np.asarray(x).astype(np.float64) if self.x64 else x)
                                 for i, x in forced.items()}
-            logits, state = self.apply_fn(self.module, self.variables, ids.astype(np.int32), mask.astype(np.int32),
-                                          pos, capture_intermediates=True, mutable=["intermediates"], **kw)
+            handed = HandedOver(ids=ids.astype(np.int32), mask=mask.astype(np.int32), positions=pos)
+            with handed.call(self.name):
+                logits, state = self.apply_fn(self.module, self.variables, handed["ids"], handed["mask"],
+                                              handed["positions"], capture_intermediates=True,
+                                              mutable=["intermediates"], **kw)
             tree = state.get("intermediates", {})
             acts = {}
             for tap in wanted:
@@ -678,5 +748,5 @@ class LinenModule(_Port):
                            self.num_layers, self.head_dim, self.vocab_size, self.keeps_f32, x64=True)
 
 
-__all__ = ["HF_LLAMA_TAPS", "JaxFunction", "LinenModule", "NnxModule", "TorchModule", "default_torch_forward",
-           "expand_taps"]
+__all__ = ["HF_LLAMA_TAPS", "HandedOver", "JaxFunction", "LinenModule", "NnxModule", "TorchModule",
+           "default_torch_forward", "expand_taps", "read_only", "refused_writes"]
