@@ -442,3 +442,83 @@ def test_check_determinism_false_skips_the_extra_capture(tiny_dir):
 
 
 KINDS_JUDGED = ("exact", "drift", "precision", "semantic")
+
+
+# ------------------------------------ class 7: NaN/Inf in a comparison: the first tap and its cause
+
+def _zero_row_checkpoint(src: Path, dst: Path, **config) -> Path:
+    """src's weights with token 5's embedding all zeros (a pad token's often is), config changed."""
+    return _write(src, dst, _set("model.embed_tokens.weight", 5, 0.0), config)
+
+
+def _nan_from(tap_kind):
+    def spoil(call, tap, a):
+        if tap.endswith(tap_kind) or (tap_kind != "logits" and _after(tap, tap_kind)):
+            a = np.array(a)
+            a[0, 2] = np.nan
+        return a
+    return spoil
+
+
+def _after(tap, kind):
+    from llamaspec import taps as tapnames
+    order = [t for t in tapnames.all_taps(2)]
+    first = next(t for t in order if t.endswith(kind))
+    return tap in order and order.index(tap) > order.index(first)
+
+
+NAN_ROWS = [
+    # (id, stream, how the comparison is set up, words the summary holds, Report.nonfinite's cause or None)
+    ("eps-zero-in-float16-norm-streamed", True, "eps",
+     ["NaN/Inf first at layers.0.attn_norm", "rms_norm_eps = 1e-08", "is 0 in float16", "both sides"],
+     "config field 'rms_norm_eps'"),
+    ("eps-zero-in-float16-norm-whole", False, "eps", ["NaN/Inf first at layers.0.attn_norm", "rms_norm_eps"],
+     "config field 'rms_norm_eps'"),
+    ("port-nan-from-layer-1", False, "port", ["NaN/Inf first at layers.1.mlp_out", "in the candidate only",
+                                              "no config field explains it"], None),
+]
+
+
+@pytest.mark.parametrize("stream,how,words,cause", [c[1:] for c in NAN_ROWS], ids=[c[0] for c in NAN_ROWS])
+def test_nan_in_a_comparison_names_its_first_tap_and_the_config_field(stream, how, words, cause, tiny_dir, tmp_path):
+    from compare import compare_models
+    from llamaspec import Policy
+    ids = np.array([[7, 5, 9, 11, 13, 17]])
+    inputs = (ids, np.ones_like(ids))
+    if how == "eps":
+        ck = _zero_row_checkpoint(tiny_dir("gqa"), tmp_path / "ck", rms_norm_eps=1e-8)
+        rep = compare_models("torchref", "jaxmodel", ck, inputs=inputs, policy=Policy.get("fp32", norm_dtype="float16"),
+                             stream=stream, teacher_forcing=False)
+    else:
+        ck = tiny_dir("gqa")
+        rep = compare_models("torchref", _Port(ck, spoil=_nan_from("layers.1.mlp_out")), ck, inputs=inputs,
+                             policy="fp32", teacher_forcing=False, check_determinism=False)
+    text = rep.summary()
+    assert all(w in text for w in words), text
+    assert rep.nonfinite.get("cause") == cause and rep.nonfinite["tap"] in text
+    assert _strict(Path(rep.to_json(tmp_path / "r.json")).read_text())["nonfinite"]["tap"] == rep.nonfinite["tap"]
+
+
+# (id, tap, config fields, policy knobs, max position, the cause named or None)
+CAUSES = [
+    ("eps-zero-in-float16", "layers.3.mlp_norm", {"rms_norm_eps": 1e-9}, {"norm_dtype": "float16"}, 8,
+     "config field 'rms_norm_eps'"),
+    ("eps-fine-in-float32", "layers.0.attn_norm", {"rms_norm_eps": 1e-9}, {}, 8, None),
+    ("eps-at-a-later-tap-is-not-the-norm", "layers.0.q", {"rms_norm_eps": 1e-9}, {"norm_dtype": "float16"}, 8, None),
+    ("theta-inf-in-float16-rope", "layers.0.q_rope", {"rope_theta": 1e5}, {"rope_dtype": "float16"}, 8,
+     "config field 'rope_theta'"),
+    ("linear-factor-inf-in-float16", "layers.1.k_rope", {"rope_scaling": {"rope_type": "linear", "factor": 65536.0}},
+     {"rope_dtype": "float16"}, 8, "config field 'rope factor'"),
+    ("positions-past-float16", "layers.0.k_rope", {"max_position_embeddings": 131072}, {"rope_dtype": "float16"},
+     70000, "the input's positions"),
+    ("rope-fine-in-float32", "layers.0.q_rope", {"rope_theta": 1e5}, {}, 70000, None),
+]
+
+
+@pytest.mark.parametrize("tap,fields,knobs,pos,cause", [c[1:] for c in CAUSES], ids=[c[0] for c in CAUSES])
+def test_the_config_field_behind_a_nan_is_named(tap, fields, knobs, pos, cause):
+    from compare.ladder.verdicts import nonfinite_cause
+    from llamaspec import LlamaConfig, Policy
+    from llamaspec.testing import TINY
+    got = nonfinite_cause(tap, LlamaConfig.from_dict({**TINY, **fields}), Policy.get("fp32", **knobs), pos)
+    assert (got and got[0]) == cause, got

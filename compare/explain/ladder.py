@@ -342,6 +342,8 @@ def report_summary(r) -> str:
     if inherited:
         lines.append(f"{len(inherited)} later tap(s) inherit it (teacher forcing: nothing of their own), "
                      f"not findings: {inherited[0].tap} .. {inherited[-1].tap}")
+    if getattr(r, "nonfinite", None):
+        lines.append(r.nonfinite.get("note") or nonfinite_line(r.nonfinite))
     if r.config_differences:
         lines.append("the configs differ: " + "; ".join(r.config_differences))
     if r.teacher_forcing not in ("run", "off"):     # "not run: <why>"
@@ -350,6 +352,20 @@ def report_summary(r) -> str:
         lines.append(f"fp64 rung {r.semantic_rung}: verdicts judged at {r.policy['name']} by structure "
                      "alone, a lower-precision step and a small change in the math can look alike")
     return "\n".join(lines + rest)
+
+
+def nonfinite_line(n: dict) -> str:
+    """Report.nonfinite in a sentence: the first tap with NaN/Inf, whose, and the config field
+    (or the positions) that explains it, else that none does."""
+    r, c, c64 = n["reference"], n["candidate"], n["candidate_fp64"]
+    both = f"in both sides at the policy{' alike' if r == c else ''}, so not the candidate's doing alone"
+    whose = (both if r and c else "in the candidate only" if c else "in the reference only" if r else
+             "in the candidate's float64 run")
+    head = f"NaN/Inf first at {n['tap']}: {r} in the reference, {c} in the candidate, {c64} at fp64 ({whose})"
+    if "cause" in n:
+        return f"{head}; the {n['cause']} explains it: {n['why']}"
+    return f"{head}; no config field explains it (an overflow of the policy's dtypes, a fully masked softmax row or " \
+           "a division by zero in the implementation)"
 
 
 def parity_failure(r) -> str:

@@ -35,7 +35,7 @@ from ..results import JsonResult
 from .capture_check import CaptureCheck, capture_check, has_forward, not_checked, reason_not_to_check, streamed_check
 from .stream import checkpoint_side, streamable, streamed_ladder
 from .teacher import FINDINGS, ForcedRuns, amplification, inherit, local_errors, local_verdicts
-from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence
+from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, nonfinite_origin
 
 
 @dataclasses.dataclass
@@ -60,6 +60,10 @@ class Report(JsonResult):
     # {"reference", "candidate": compare.evidence.CaptureCheck}: does capturing the taps change
     # that side's logits at the policy? The verdict does not read it (capture_checks)
     capture: dict = dataclasses.field(default_factory=dict)
+    # where NaN/Inf first appears ({} when nowhere): {"tap", "reference", "candidate",
+    # "candidate_fp64": counts, "cause", "why" where the config explains it (verdicts.nonfinite_origin),
+    # "note": the sentence}
+    nonfinite: dict = dataclasses.field(default_factory=dict)
 
     def to_html(self, path) -> Path:
         from ..report.ladder import write_html
@@ -125,7 +129,23 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     rung = "run" if c64 is not None else f"not run: {cand.name} has no float64() (the same implementation at float64)"
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
                   logits, environment(policy, uses_jax, sides_of(ref, cand)), differences, forcing, rung,
-                  run={"path": "full", "seconds": seconds}, capture=capture)
+                  run={"path": "full", "seconds": seconds}, capture=capture,
+                  nonfinite=_nonfinite(verdicts, ref, cand, policy, mask))
+
+
+def _nonfinite(verdicts, ref: Side, cand: Side, policy: Policy, mask) -> dict:
+    """Report.nonfinite: verdicts.nonfinite_origin with its sentence (explain.nonfinite_line) as "note"."""
+    n = nonfinite_origin(verdicts, _config_of(ref, cand), policy, mask)
+    return {**n, "note": explain.nonfinite_line(n)} if n else n
+
+
+def _config_of(ref: Side, cand: Side):
+    """The llamaspec config one side computes by (ours and CheckpointModels have one; a port may not)."""
+    for side in (ref, cand):
+        cfg = getattr(side.at_policy, "cfg", None)
+        if cfg is not None and hasattr(cfg, "rope"):
+            return cfg
+    return None
 
 
 class NotDeterministic(PortError):
@@ -283,7 +303,8 @@ def _run_streamed(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forc
     uses_jax = "jaxmodel" in (ref.at_policy.package, cand.at_policy.package)
     return Report(ref.name, cand.name, policy.to_dict(), s.worst, s.divergence, s.verdicts, s.local, s.logits,
                   environment(policy, uses_jax, sides_of(ref, cand)), differences, "run" if teacher_forcing else "off",
-                  run={"path": "streamed", "seconds": s.seconds}, capture=capture)
+                  run={"path": "streamed", "seconds": s.seconds}, capture=capture,
+                  nonfinite=_nonfinite(s.verdicts, ref, cand, policy, mask))
 
 
 # The default input: one chat prompt of 258 tokens with SmolLM2's tokenizer, long enough for position-

@@ -608,3 +608,51 @@ def first_divergence(verdicts: list[TapVerdict]) -> tuple[str, Divergence | None
         return worst, None
     first = next(v for v in judged if v.kind == worst)
     return worst, Divergence(first.tap, first.layer, first.component, first.kind, "", record=first.record).explain()
+
+
+# ----- where NaN/Inf starts, and the config field that explains it ---------------------------
+
+_NORM_KINDS = ("attn_norm", "mlp_norm", "final_norm")
+
+
+def nonfinite_origin(verdicts: list[TapVerdict], cfg, policy: Policy, mask) -> dict:
+    """Report.nonfinite: {} when no tap holds NaN/Inf; else the first tap in execution order
+    that does, its counts per run, and (cause, why) where the config and the policy explain it
+    (nonfinite_cause). The nonfinite rung calls the tap precision or semantic, which alone
+    reads as the candidate's fault even where both sides compute the same NaN from the config."""
+    first = next((v for v in verdicts if v.record is not None and any(v.record.nonfinite)), None)
+    if first is None:
+        return {}
+    r, c, c64 = first.record.nonfinite
+    out = {"tap": first.tap, "reference": int(r), "candidate": int(c), "candidate_fp64": int(c64)}
+    cause = nonfinite_cause(first.tap, cfg, policy, int(positions_from_mask(np.asarray(mask)).max(initial=0)))
+    if cause is not None:
+        out["cause"], out["why"] = cause
+    return out
+
+
+def nonfinite_cause(tap: str, cfg, policy: Policy, max_position: int) -> tuple[str, str] | None:
+    """(what, why) when the tap's NaN/Inf follows from a config field (or the input's positions)
+    at the policy's dtypes: an rms_norm_eps that is 0 in the norm_dtype (a zero row divided by
+    0), a RoPE base or factor that is 0 or Inf in the rope_dtype, positions past the rope_dtype's
+    range (the angles, position x frequency, overflow); else None. cfg: a llamaspec LlamaConfig
+    (anything else: nothing to say)."""
+    from llamaspec.checkpoint import numpy_dtype
+    if cfg is None or not hasattr(cfg, "rope"):
+        return None
+    kind = tapnames.tap(tap).kind
+    if kind in _NORM_KINDS and float(numpy_dtype(policy.norm_dtype).type(cfg.rms_norm_eps)) == 0.0:
+        return "config field 'rms_norm_eps'", (f"rms_norm_eps = {cfg.rms_norm_eps:g} is 0 in {policy.norm_dtype} "
+                                               "(the policy's norm_dtype), so a row of zeros is divided by 0")
+    if kind in ("q_rope", "k_rope"):
+        dt = numpy_dtype(policy.rope_dtype)
+        with np.errstate(all="ignore"):
+            for field, value in (("rope_theta", cfg.rope.theta), ("rope factor", cfg.rope.factor)):
+                v = float(dt.type(value))
+                if v == 0.0 or not math.isfinite(v):
+                    return f"config field '{field}'", (f"{field} = {value:g} is {v:g} in {policy.rope_dtype} (the "
+                                                       "policy's rope_dtype), where the RoPE frequencies are computed")
+            if not math.isfinite(float(dt.type(max_position))):
+                return "the input's positions", (f"positions up to {max_position} are past {policy.rope_dtype}'s range "
+                                                 "(the policy's rope_dtype), where the RoPE angles are computed")
+    return None

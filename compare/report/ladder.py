@@ -323,6 +323,8 @@ def _divergence_block(r: dict, verdict: str) -> str:
 def _notes(r: dict, pname: str) -> list[str]:
     """What the reader must know beside the verdict: configs that differ, rungs not run."""
     notes = []
+    if isinstance(r.get("nonfinite"), dict) and r["nonfinite"].get("tap"):
+        notes.append(str(r["nonfinite"].get("note") or f"NaN/Inf first at {r['nonfinite']['tap']}"))
     if r.get("config_differences"):
         notes.append("The configs differ: " + "; ".join(map(str, r["config_differences"])))
     if r.get("teacher_forcing", "run") not in ("run", "off"):      # "not run: <why>"
