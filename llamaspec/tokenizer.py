@@ -4,21 +4,34 @@ Both model implementations and the comparison engine need the same token ids
 for the same prompt, so tokenization lives here, on top of the ``tokenizers``
 library and ``jinja2`` only (no transformers, no torch, no jax). Chat templates
 are rendered the way transformers renders them (same jinja settings, same
-helper functions, same variables), so ids match ``AutoTokenizer`` exactly.
+helper functions, same variables), so ids match ``AutoTokenizer`` exactly, but within
+bounds of time and size (llamaspec.chat_template).
+
+Every file read here is checkpoint data (docs/threat-model.md): opened without blocking
+(a FIFO never hangs us), refused unless a regular file (a symlink is followed, as the
+Hugging Face cache needs, but to a regular file only: not /dev/zero), and its size
+checked on the open descriptor before a byte is read (a symlink to a 1 TB sparse file
+is refused, not read). Errors are TokenizerErrors naming the file, never quoting it.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
+import os
+import re
+import stat
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from . import chat_template as templates
 from .errors import InputError, TokenizerError
 
 SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
+
+MAX_TOKENIZER_BYTES = 128 * 1024 * 1024   # tokenizer.json; the largest real ones (Gemma 3's 262k vocabulary) are ~33 MB
+MAX_JSON_BYTES = 16 * 1024 * 1024         # tokenizer_config.json and the rest; thousands of added tokens make ~2 MB
 
 
 class Tokenizer:
@@ -32,13 +45,16 @@ class Tokenizer:
         eos_ids: Sequence[int] = (),
         chat_template: str | None = None,
         source: str | None = None,
+        chat_template_file: str | None = None,
     ):
         """``backend`` is a ``tokenizers.Tokenizer``; ``special_tokens`` maps
-        'bos'/'eos'/'pad'/'unk' to token strings (None when the checkpoint has none)."""
+        'bos'/'eos'/'pad'/'unk' to token strings (None when the checkpoint has none);
+        ``chat_template_file`` names where the template came from, for its errors."""
         self.backend = backend
         self.special_tokens = {role: (special_tokens or {}).get(role) for role in SPECIAL_ROLES}
         self.chat_template = chat_template
         self.source = source
+        self.chat_template_file = chat_template_file or f"{source or 'this tokenizer'} (chat template)"
         ids = {role: self._id_of(token, role) for role, token in self.special_tokens.items()}
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = (ids[r] for r in SPECIAL_ROLES)
         # Every id that ends generation: the tokenizer's eos plus any the model config lists.
@@ -54,9 +70,10 @@ class Tokenizer:
 
         folder = Path(folder)
         path = folder / "tokenizer.json"
-        if not path.is_file():
+        text = read_text(path, MAX_TOKENIZER_BYTES, "MAX_TOKENIZER_BYTES")
+        if text is None:
             raise FileNotFoundError(f"no tokenizer in {folder}: {path} does not exist")
-        backend = _load_backend(Backend, path)
+        backend = _load_backend(Backend, path, text)
 
         tok_config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
@@ -68,21 +85,25 @@ class Tokenizer:
         config_eos: list[int] = []
         for role in SPECIAL_ROLES:
             special[role] = _token_string(tok_config, special_map, role, folder)
-            for config in (model_config, generation_config):
-                ids = _id_list(config.get(f"{role}_token_id"))
+            for config, name in ((model_config, "config.json"), (generation_config, "generation_config.json")):
+                where = f"{folder / name}: field {role}_token_id"
+                ids = _id_list(config.get(f"{role}_token_id"), where)
                 if role == "eos":
                     config_eos += ids
                 if special[role] is None and ids:
                     # Only a model config knows this token: take its string from the vocab.
-                    special[role] = backend.id_to_token(ids[0])
+                    in_vocab = 0 <= ids[0] < backend.get_vocab_size(with_added_tokens=True)
+                    special[role] = backend.id_to_token(ids[0]) if in_vocab else None
                     if special[role] is None:
-                        raise ValueError(f"{folder}: {role}_token_id {ids[0]} is outside the vocabulary")
+                        raise TokenizerError(f"{where}: {ids[0]} is outside the vocabulary")
+        template, template_file = _chat_template(folder, tok_config)
         return cls(
             backend,
             special_tokens=special,
             eos_ids=config_eos,
-            chat_template=_chat_template(folder, tok_config),
+            chat_template=template,
             source=str(folder),
+            chat_template_file=template_file,
         )
 
     def _id_of(self, token: str | None, role: str) -> int | None:
@@ -90,7 +111,7 @@ class Tokenizer:
             return None
         token_id = self.backend.token_to_id(token)
         if token_id is None:
-            raise ValueError(f"{self.source or 'tokenizer'}: {role}_token {token!r} is not in the vocabulary")
+            raise TokenizerError(f"{self.source or 'tokenizer'}: {role}_token {token!r} is not in the vocabulary")
         return token_id
 
     # ------------------------------------------------------------------ basic I/O
@@ -117,7 +138,8 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the checkpoint's template, as transformers would."""
+        """Render ``messages`` with the checkpoint's template, as transformers would, within
+        llamaspec.chat_template's bounds (a TokenizerError naming the template's file)."""
         if not self.chat_template:
             raise ValueError(f"{self.source or 'this tokenizer'} has no chat template")
         if not messages:
@@ -130,7 +152,9 @@ class Tokenizer:
         cleaned = [{k: v for k, v in m.items() if v is not None} for m in messages]
         # Like transformers, expose only the special tokens that exist.
         tokens = {f"{role}_token": tok for role, tok in self.special_tokens.items() if tok is not None}
-        return _compile(self.chat_template).render(
+        return templates.render(
+            self.chat_template,
+            self.chat_template_file,
             messages=cleaned,
             add_generation_prompt=add_generation_prompt,
             tools=None,
@@ -218,23 +242,19 @@ def _reject_empty(text: str) -> None:
         raise InputError("empty prompt: the prompt text is an empty string")
 
 
-def _load_backend(backend_cls, path: Path):
-    """tokenizers.Tokenizer.from_file, with its bare errors ("EOF while parsing ...")
-    turned into one naming the file and saying what is wrong with it."""
+def _load_backend(backend_cls, path: Path, text: str):
+    """tokenizers.Tokenizer.from_str on the text we read (bounded, see read_text), with its
+    bare errors ("EOF while parsing ...") turned into one naming the file and saying what is
+    wrong with it."""
     try:
-        return backend_cls.from_file(str(path))
+        return backend_cls.from_str(text)
     except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    size = path.stat().st_size
-    try:
-        json.loads(path.read_bytes())
-    except UnicodeDecodeError:
-        raise TokenizerError(f"{path}: not a tokenizer.json, not even text ({size} bytes; {reason})") from None
-    except json.JSONDecodeError as exc:
-        at_end = not exc.doc[exc.pos:].strip() or exc.msg.startswith("Unterminated string")
-        cut = " (cut short: the text ends mid-document)" if at_end else ""
-        raise TokenizerError(f"{path}: not valid JSON{cut}: {exc} ({size} bytes)") from None
-    raise TokenizerError(f"{path}: valid JSON, but the tokenizers library cannot load it: {reason}")
+    # serde quotes the values it could not use ("invalid type: string \"...\""): file contents, masked
+    reason = re.sub(r'"(?:[^"\\]|\\.)*"', '"..."', reason)[:200]
+    size = len(text.encode("utf-8"))
+    _parse_json(path, text)
+    raise TokenizerError(f"{path}: valid JSON, but the tokenizers library cannot load it: {reason} ({size} bytes)")
 
 
 def _check_vocab_fits(backend, path: Path, model_config: dict, config_path: Path) -> None:
@@ -251,16 +271,84 @@ def _check_vocab_fits(backend, path: Path, model_config: dict, config_path: Path
                              f"vocab_size {vocab_size}: a tokenizer of another model?")
 
 
-def _read_json(path: Path) -> dict:
-    """The file's JSON object, or {} when the file is absent."""
-    if not path.is_file():
-        return {}
+def read_bytes(path: Path, limit: int, limit_name: str) -> bytes | None:
+    """The bytes of the checkpoint file `path`, or None when it does not exist. Opened
+    non-blocking (a FIFO never hangs), then fstat on that descriptor: anything but a regular
+    file (a FIFO, a device such as /dev/zero, a folder, through a symlink or not) is refused,
+    and so is a file over `limit` bytes (named `limit_name`), before any byte is read; at most
+    limit + 1 bytes are ever read (a file that grows meanwhile is refused too)."""
+    path = Path(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    link = f" (a symlink to {os.readlink(path)})" if path.is_symlink() else ""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        if link:
+            raise TokenizerError(f"{path}: a broken symlink{link}") from None
+        return None
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot be opened ({e.strerror or e}){link}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+        os.close(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TokenizerError(f"{path}: not a regular file{link} ({_kind(info.st_mode)}); it is not read")
+        raise TokenizerError(f"{path}: {info.st_size:,} bytes{link}, over the limit of {limit:,} ({limit_name}); "
+                             "it is not read")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise TokenizerError(f"{path}: cannot be read ({e.strerror or e}){link}") from None
+    if len(data) > limit:
+        raise TokenizerError(f"{path}: more than {limit:,} bytes ({limit_name}); it is not read further")
+    return data
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def read_text(path: Path, limit: int, limit_name: str) -> str | None:
+    """read_bytes, decoded as UTF-8 (a TokenizerError naming the file if it is not)."""
+    data = read_bytes(path, limit, limit_name)
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{path}: not a {Path(path).name}, not even text (not UTF-8 at byte {e.start} of "
+                             f"{len(data)})") from None
+
+
+def _parse_json(path: Path, text: str):
+    """json.loads, every failure a TokenizerError naming the file (with the position, never
+    the text): nesting deeper than Python's recursion limit is a RecursionError there."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        at_end = not exc.doc[exc.pos:].strip() or exc.msg.startswith("Unterminated string")
+        cut = " (cut short: the text ends mid-document)" if at_end else ""
+        raise TokenizerError(f"{path}: not valid JSON{cut}: {exc.msg} at line {exc.lineno} column {exc.colno} "
+                             f"({len(text.encode('utf-8'))} bytes)") from None
+    except RecursionError:
+        raise TokenizerError(f"{path}: JSON nested too deeply to parse (RecursionError)") from None
+    except ValueError as exc:   # e.g. an integer of more than 4300 digits
+        raise TokenizerError(f"{path}: not JSON we can read ({type(exc).__name__})") from None
+
+
+def _read_json(path: Path) -> dict:
+    """The file's JSON object, or {} when the file is absent (bounded: read_bytes)."""
+    text = read_text(path, MAX_JSON_BYTES, "MAX_JSON_BYTES")
+    if text is None:
+        return {}
+    data = _parse_json(path, text)
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -276,66 +364,39 @@ def _token_string(tok_config: dict, special_map: dict, role: str, folder: Path) 
         if isinstance(value, dict):
             value = value.get("content")
         if not isinstance(value, str):
-            raise ValueError(f"{folder / name}: field {role}_token should be a string or {{'content': str}}")
+            raise TokenizerError(f"{folder / name}: field {role}_token should be a string or {{'content': str}}")
         return value
     return None
 
 
-def _id_list(value: Any) -> list[int]:
+def _id_list(value: Any, where: str) -> list[int]:
     # Configs store one id, a list of ids (several eos tokens), or null.
     if value is None:
         return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TokenizerError(f"{where}: not a token id or a list of token ids (a {type(value).__name__})")
+    return [int(v) for v in values]
 
 
-def _chat_template(folder: Path, tok_config: dict) -> str | None:
-    """chat_template.jinja wins (transformers loads it over the config field), then
-    tokenizer_config.json's chat_template (a string, or a list of named templates)."""
+def _chat_template(folder: Path, tok_config: dict) -> tuple[str | None, str | None]:
+    """(template, the file it came from): chat_template.jinja wins (transformers loads it
+    over the config field), then tokenizer_config.json's chat_template (a string, or a list
+    of named templates). The .jinja file is read bounded (read_bytes), the template's length
+    capped (chat_template.MAX_TEMPLATE_CHARS) when it is compiled."""
     jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+    limit = 4 * templates.MAX_TEMPLATE_CHARS   # bytes: up to 4 per character in UTF-8
+    text = read_text(jinja_file, limit, "4 x chat_template.MAX_TEMPLATE_CHARS")
+    if text is not None:
+        return text, str(jinja_file)
+    config_file = folder / "tokenizer_config.json"
+    where = f"{config_file} (field chat_template)"
     template = tok_config.get("chat_template")
     if template is None or isinstance(template, str):
-        return template or None
+        return (template or None), where
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" in named:
-            return named["default"]
-        raise ValueError(
-            f"{folder / 'tokenizer_config.json'}: chat_template lists templates {sorted(map(str, named))} "
-            "but none is named 'default'"
-        )
-    raise ValueError(f"{folder / 'tokenizer_config.json'}: chat_template should be a string or a list")
-
-
-_COMPILED: dict[str, Any] = {}
-
-
-def _compile(template: str):
-    """Compile a chat template in a sandbox, with the helpers transformers provides."""
-    if template in _COMPILED:
-        return _COMPILED[template]
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson escapes HTML characters, which would change the prompt text.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
-
-    # Templates are untrusted code from model repositories: the immutable sandbox
-    # stops them from touching Python internals or mutating our objects.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    compiled = env.from_string(template)
-    _COMPILED[template] = compiled
-    return compiled
+            return named["default"], f"{config_file} (field chat_template, template 'default')"
+        raise TokenizerError(f"{config_file}: chat_template lists {len(named)} templates but none is named 'default'")
+    raise TokenizerError(f"{config_file}: chat_template should be a string or a list, not a {type(template).__name__}")
