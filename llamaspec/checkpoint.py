@@ -52,8 +52,10 @@ class _SafetensorsFile:
                                           "no header)")
                 (n,) = struct.unpack("<Q", raw)
                 if n > _MAX_HEADER or 8 + n > size:
+                    # never the length itself: it is the file's first 8 bytes (a symlink's target's)
+                    beyond = "the end of the file" if n <= _MAX_HEADER else f"the {_MAX_HEADER}-byte limit"
                     raise CheckpointError(f"{path}: corrupt or truncated safetensors header "
-                                          f"(header length {n}, file size {size})")
+                                          f"(header length field beyond {beyond}, file size {size})")
                 header_bytes = f.read(n)
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read ({e})") from None
@@ -75,8 +77,8 @@ class _SafetensorsFile:
                 if not all(_is_count(v) for v in (*shape, begin, end)) or not isinstance(dtype_name, str):
                     raise TypeError
             except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: tensor '{key}' has a malformed header entry "
-                                      f"{info!r}") from None
+                raise CheckpointError(f"{path}: tensor '{key}' has a malformed header entry (it needs 'dtype', a "
+                                      "name, 'shape', a list of counts, and 'data_offsets', two counts)") from None
             if dtype_name not in _DTYPES:
                 raise CheckpointError(f"{path}: tensor '{key}' has unsupported dtype {dtype_name}")
             dtype = _DTYPES[dtype_name]

@@ -366,7 +366,8 @@ CASES = [
          r"model\.safetensors: truncated safetensors file \(0 bytes, no header\)"),
     Case("st-header-longer-than-file", "good",
          _edit_bytes(lambda raw: struct.pack("<Q", 2 * len(raw)) + raw[8:]), CheckpointError,
-         r"model\.safetensors: corrupt or truncated safetensors header \(header length \d+, file size \d+\)"),
+         r"model\.safetensors: corrupt or truncated safetensors header \(header length field beyond the end of the "
+         r"file, file size \d+\)"),
     Case("st-header-not-json", "good", _edit_bytes(_bad_json_header), CheckpointError,
          r"model\.safetensors: corrupt safetensors header, not JSON"),
     Case("st-unknown-dtype", "good", _edit_header(_retype("model.norm.weight", "F8_E9M9", [32])),

@@ -522,3 +522,71 @@ def test_the_config_field_behind_a_nan_is_named(tap, fields, knobs, pos, cause):
     from llamaspec.testing import TINY
     got = nonfinite_cause(tap, LlamaConfig.from_dict({**TINY, **fields}), Policy.get("fp32", **knobs), pos)
     assert (got and got[0]) == cause, got
+
+
+# -------------------------------------------- class 7: refusals never echo what a file holds
+
+SECRETS = {
+    "text": b"hunter2-SECRET-PASSPHRASE-0123456789\n" * 4,
+    "binary": b"PK\x03\x04\x14\x00\x08\x00SECRETBYTES\xff\xfe" * 8,
+    "json": json.dumps({"api_key": "hunter2-SECRET", "weight_map": "hunter2-SECRET", "nested": [1, 2]}).encode(),
+    "small-length": (40).to_bytes(8, "little") + b"hunter2-SECRET-IN-A-HEADER" * 4,   # a length inside the file
+}
+
+
+def _leaks(text: str, secret: bytes) -> list[str]:
+    """Traces of the secret: its words, its first bytes as the integers a header length would
+    print, their hex."""
+    first = secret[:8]
+    traces = ["hunter2", "SECRET", "api_key", first.hex(), str(int.from_bytes(first, "little")),
+              str(int.from_bytes(first, "big"))]
+    return [t for t in traces if t in text]
+
+
+def _plant(rel):
+    def plant(folder: Path, secret: Path) -> Path:
+        (folder / rel).unlink(missing_ok=True)
+        (folder / rel).symlink_to(secret)
+        return folder
+    return plant
+
+
+def _dump_folder(tiny_dir, tmp):
+    from compare import capture
+    ck = tiny_dir("gqa")
+    ids = np.random.default_rng(0).integers(3, 96, (1, 6))
+    return ck, Path(capture(ck, "torchref", "fp32", inputs=(ids, np.ones_like(ids)), out=tmp / "dump",
+                            taps=["embed", "layers.*.out", "logits"]))
+
+
+# (id, what is planted, how it is read: "compare", "compare-tokenizer", "dump", "capture")
+SYMLINKED = [
+    ("config-json", "config.json", "compare"),
+    ("weights", "model.safetensors", "compare"),
+    ("index", "model.safetensors.index.json", "compare"),
+    ("tokenizer", "tokenizer.json", "compare-tokenizer"),
+    ("weights-fingerprinted-by-capture", "model.safetensors", "capture"),
+    ("dump-manifest", "manifest.json", "dump"),
+    ("dump-tap-file", "layer-0001.safetensors", "dump"),
+]
+
+
+@pytest.mark.parametrize("secret", list(SECRETS), ids=list(SECRETS))
+@pytest.mark.parametrize("rel,how", [c[1:] for c in SYMLINKED], ids=[c[0] for c in SYMLINKED])
+def test_a_refused_file_is_named_and_its_contents_never_echoed(rel, how, secret, tiny_dir, tmp_path, capsys):
+    import shutil
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRETS[secret])
+    if how == "dump":
+        ck, dump = _dump_folder(tiny_dir, tmp_path)
+        _plant(rel)(dump, secret_file)
+        argv = ["compare", ck, "--candidate-dump", dump, "--no-files", "--no-teacher-forcing"]
+    else:
+        folder = Path(shutil.copytree(tiny_dir("gqa"), tmp_path / "ck"))
+        _plant(rel)(folder, secret_file)
+        argv = {"compare": ["compare", folder, "--random-tokens", "1x6", "--no-files", "--no-teacher-forcing"],
+                "compare-tokenizer": ["compare", folder, "--prompt", "hi", "--no-files", "--no-teacher-forcing"],
+                "capture": ["capture", folder, "--out", tmp_path / "out", "--random-tokens", "1x6"]}[how]
+    rc, text = _cli(argv, capsys)
+    assert rc == 2 and rel in text, text
+    assert _leaks(text, SECRETS[secret]) == [], text

@@ -87,7 +87,9 @@ def _file_fingerprint(path: Path) -> dict:
         raw = f.read(8)
         n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
         if n < 0 or 8 + n > size:
-            raise DumpError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+            # never the length itself: it is the file's first 8 bytes (a symlink's target's)
+            raise DumpError(f"{path}: not a safetensors file (header length field beyond the end of the file or "
+                            f"the header limit, file size {size})")
         header = f.read(n)
         try:
             entries = json.loads(header)
