@@ -355,10 +355,9 @@ def _check_tied(ckpt: Checkpoint) -> None:
                           zip(_row_chunks(ckpt, lm, ckpt.storage_dtype(emb)),
                               _row_chunks(ckpt, emb, ckpt.storage_dtype(lm)))))
     if differs:
-        raise CheckpointError(f"{ckpt.file_of(lm)}: tie_word_embeddings is true but lm_head.weight "
-                              f"({list(ckpt.shape(lm))} x {ckpt.storage_dtype(lm)}) differs from {emb} "
-                              f"({list(ckpt.shape(emb))} x {ckpt.storage_dtype(emb)}); drop lm_head.weight "
-                              "or set tie_word_embeddings to false")
+        raise CheckpointError(f"{ckpt.file_of(lm)}: tie_word_embeddings is true but lm_head.weight differs from "
+                              f"{emb} ({list(ckpt.shape(lm))} x {ckpt.storage_dtype(lm)}, {list(ckpt.shape(emb))} x "
+                              f"{ckpt.storage_dtype(emb)}); drop lm_head.weight or set tie_word_embeddings to false")
 
 
 def _row_chunks(ckpt: Checkpoint, key: str, like: np.dtype | None = None):
