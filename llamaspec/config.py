@@ -74,6 +74,8 @@ class LlamaConfig(Shape):
             raise ConfigError(f"{path}: config.json not found")
         try:
             d = json.loads(path.read_text())
+        except UnicodeDecodeError:      # its message would quote a byte of the file
+            raise ConfigError(f"{path}: not valid JSON (not UTF-8 text)") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return _parse(d, str(path), from_file=True)
