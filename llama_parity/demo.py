@@ -299,14 +299,14 @@ def demo_policy(say, tok, folder, prompts, ids, mask, policy_name, new_tokens, o
     float64 model of each implementation (KeptRuns), shared by every policy (run's docstring)."""
     from compare.ladder.engine import prepare, run_ladder
     from compare.probes import as_probe_model
-    from llamaspec.checkpoint import Checkpoint
+    from llamaspec.checkpoint import check_checkpoint
     say(f"=== policy {policy_name} ===")
     clock = Clock(say)
     ref, cand, ids, mask, policy = prepare("torchref", "jaxmodel", folder, (ids, mask), policy_name)
     ref, cand = (dataclasses.replace(side, at_fp64=fp64[side.name]) for side in (ref, cand))
     # the probes' fp64 twin computes over the weights as the policy rounds them: where it rounds
     # none, that is the shared float64 model (else the probes make their own, on first use)
-    twin = Checkpoint(folder).exact_in(policy.param_dtype)
+    twin = check_checkpoint(folder).exact_in(policy.param_dtype)
     eos = tuple(tok.eos_ids)
     runs = {impl: clock.run(f"{impl}: loaded, up to {new_tokens} greedy tokens x {len(ids)} prompts, in the batch "
                             "and each alone",

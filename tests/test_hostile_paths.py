@@ -590,3 +590,22 @@ def test_a_refused_file_is_named_and_its_contents_never_echoed(rel, how, secret,
     rc, text = _cli(argv, capsys)
     assert rc == 2 and rel in text, text
     assert _leaks(text, SECRETS[secret]) == [], text
+
+
+def test_no_reader_of_weights_goes_around_validated():
+    """The readers above are all there are: outside llamaspec/checkpoint.py no module opens a
+    Checkpoint itself, and every module that reads tensor rows got its Checkpoint from
+    validated() (check_checkpoint, which reads no tensor data, gives only config and storage)."""
+    import re
+    root = Path(__file__).resolve().parents[1]
+    opened, unvalidated = [], []
+    for pkg in ("llamaspec", "compare", "jaxmodel", "torchref", "llama_parity"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel, text = str(path.relative_to(root)), path.read_text()
+            if rel == "llamaspec/checkpoint.py":
+                continue
+            if re.search(r"\bCheckpoint\(", text):
+                opened.append(rel)
+            if ".read_rows(" in text and "validated(" not in text:
+                unvalidated.append(rel)
+    assert opened == [] and unvalidated == []
