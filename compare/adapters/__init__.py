@@ -31,6 +31,7 @@ import numpy as np
 
 from llamaspec import ConfigError, LlamaConfig, LlamaParityError, Policy
 
+from .errors import PortError
 from .generic import HF_LLAMA_TAPS, HandedOver, JaxFunction, LinenModule, NnxModule, TorchModule
 from .ours import PACKAGES, OurModel, fp64_policy, package_of
 
@@ -157,11 +158,6 @@ def resolve_side(spec, checkpoint, policy) -> Side:
 
 
 # ----- a port's promises, checked ----------------------------------------------------------
-
-class PortError(LlamaParityError, ValueError):
-    """A port's capture returned something other than what the protocol and its taps
-    promise, or raised; the message names the port, the tap, the expected and the actual."""
-
 
 class InjectUnsupported(Exception):
     """A port's capture raised NotImplementedError for inject: no teacher forcing for it."""

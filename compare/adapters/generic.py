@@ -42,6 +42,8 @@ from llamaspec import positions_from_mask
 from llamaspec import taps as tapnames
 from llamaspec.inputs import check_token_array
 
+from .errors import PortError
+
 # The module paths of a Hugging Face-layout Llama (transformers' LlamaForCausalLM, and the
 # Mistral/Qwen2-style models that share its names). q_rope/k_rope have no module boundary
 # there (RoPE is a function inside the attention's forward).
@@ -113,7 +115,6 @@ def refused_writes(name: str):
 
 
 def _wrote_into_inputs(name: str, what: str):
-    from . import PortError
     raise PortError(f"{name}: {what}: a port must not change the inputs it is given (the token ids, attention "
                     "mask and positions are handed over read-only; copy them before changing them), or the "
                     "other side of the comparison would be judged on different inputs") from None
