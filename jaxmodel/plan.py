@@ -25,8 +25,8 @@ import jax
 
 from llamaspec import Policy, cpuinfo
 from llamaspec import fixed_order as fo
-from llamaspec.errors import InvarianceError, PolicyError
-from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, read_settings
+from llamaspec.errors import InvarianceError
+from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, check_xla_flags, read_settings, setting
 
 from . import fast, invariant, ops
 
@@ -46,12 +46,14 @@ _BF16_ISAS = ("AVX512_BF16", "AMX")
 def make_plan(policy, device: str = "cpu", backend: str = "fast") -> Plan:
     """The plan for `policy` (a preset name or a Policy) on `device` ("cpu", "gpu", ...) with
     `backend` (one of llamaspec.plan.BACKENDS)."""
+    check_xla_flags()
     return _decide(Policy.get(policy), device, backend_name(backend, False))[0]
 
 
 def load(policy, device: str | None, backend: str, layout=None):
     """(plan, op namespace) for a model being loaded (device None: JAX's default backend; layout:
     its sharding.MeshLayout or None)."""
+    check_xla_flags()
     plan, namespace = _decide(Policy.get(policy), device or jax.default_backend(), backend_name(backend, False))
     return plan, _with_layout(namespace, layout)
 
@@ -61,12 +63,9 @@ def _with_layout(namespace, layout):
 
 
 def _choice(name: str, allowed: tuple[str, ...]) -> str:
-    choice = (os.environ.get(name) or "auto").strip().lower() or "auto"
-    if choice not in allowed:
-        extra = " (kernel is torchref's fixed-order attention; jaxmodel's kernel is fused)" if (
-            name == ATTENTION_ENV and choice == "kernel") else ""
-        raise PolicyError(f"{name}={choice!r}: jaxmodel takes {', '.join(allowed)}{extra}")
-    return choice
+    note = (" (kernel is torchref's fixed-order attention; jaxmodel's kernel is fused)"
+            if name == ATTENTION_ENV else "")
+    return setting(name, allowed, note=note)
 
 
 def _x86() -> bool:
@@ -90,7 +89,7 @@ class _Kernels:
         try:
             lib = kernels.library()
         except InvarianceError as e:
-            if required:
+            if required or isinstance(e, fo.KernelSettingError):    # a bad $LLAMA_PARITY_KERNEL_ISA is refused
                 raise
             self.error = str(e)
             _warn_once(str(e))

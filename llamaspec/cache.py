@@ -10,12 +10,19 @@ from .errors import CacheError
 
 
 def cache_root() -> Path:
-    """$LLAMA_PARITY_CACHE, else $XDG_CACHE_HOME/llama-parity, else ~/.cache/llama-parity."""
+    """$LLAMA_PARITY_CACHE, else $XDG_CACHE_HOME/llama-parity, else ~/.cache/llama-parity.
+    LLAMA_PARITY_CACHE must be an absolute path (after ~): a relative one would move with the
+    working directory, into a repository included; a relative XDG_CACHE_HOME is ignored, as
+    the XDG specification says."""
     explicit = os.environ.get("LLAMA_PARITY_CACHE")
     if explicit:
-        return Path(explicit).expanduser()
+        path = Path(explicit).expanduser()
+        if not path.is_absolute():
+            raise CacheError(f"LLAMA_PARITY_CACHE={explicit!r}: expected an absolute path (or unset: "
+                             "$XDG_CACHE_HOME/llama-parity, else ~/.cache/llama-parity)")
+        return path
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
     return base / "llama-parity"
 
 

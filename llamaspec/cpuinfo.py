@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import platform
 
 
@@ -53,8 +52,5 @@ BF16_DOTS_ENV = "LLAMA_PARITY_BF16_DOTS"
 def dots_choice(value: str | None = None) -> str:
     """$LLAMA_PARITY_BF16_DOTS (or `value`, its setting read already) as auto, native or
     widened (unset or empty: auto)."""
-    value = os.environ.get(BF16_DOTS_ENV) if value is None else value
-    choice = (value or "auto").strip().lower() or "auto"
-    if choice not in ("auto", "native", "widened"):
-        raise ValueError(f"{BF16_DOTS_ENV}={choice!r}: expected auto, native or widened")
-    return choice
+    from .plan import setting
+    return setting(BF16_DOTS_ENV, ("auto", "native", "widened"), value)

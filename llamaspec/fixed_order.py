@@ -265,12 +265,15 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+class KernelSettingError(InvarianceError, ValueError):
+    """$LLAMA_PARITY_KERNEL_ISA set to a code path that does not exist: a bad setting, never
+    "the kernels are not available" (the plans refuse it rather than run without them)."""
+
+
 def requested_isa() -> str:
     """$LLAMA_PARITY_KERNEL_ISA, checked ('auto' when unset)."""
-    isa = os.environ.get("LLAMA_PARITY_KERNEL_ISA", "auto").strip().lower() or "auto"
-    if isa != "auto" and isa not in ISAS:
-        raise InvarianceError(f"LLAMA_PARITY_KERNEL_ISA={isa!r}: expected auto, {', '.join(ISAS)}")
-    return isa
+    from .plan import setting
+    return setting("LLAMA_PARITY_KERNEL_ISA", ("auto", *ISAS), error=KernelSettingError)
 
 
 @functools.cache

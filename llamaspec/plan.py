@@ -16,8 +16,13 @@ fields in both models, written into every report (compare.environment).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
+import subprocess
+import sys
 
+from .budget import MAX_HOST_DEVICES
 from .errors import PolicyError
 
 # reference: the policy's arithmetic, one plain path per op. fast: every speed path (kernels and
@@ -45,6 +50,90 @@ def backend_name(backend: str | None, batch_invariant: bool) -> str:
     if batch_invariant and backend != "invariant":
         raise PolicyError(f"batch_invariant=True asks for the invariant backend, backend={backend!r} for another")
     return backend
+
+
+class SettingError(PolicyError):
+    """An environment variable set to a value outside the ones it takes (exit 2, naming both)."""
+
+
+def setting(name: str, allowed: tuple[str, ...], value: str | None = None, default: str = "auto",
+            error: type[Exception] = SettingError, note: str = "") -> str:
+    """$name (or `value`, its setting read already) as one of `allowed`: the one reader of every
+    LLAMA_PARITY_* choice. Case and surrounding blanks are ignored; unset or empty is `default`;
+    anything else is `error` naming the variable, the value and the values it takes (note: a
+    hint appended)."""
+    raw = os.environ.get(name) if value is None else value
+    choice = (raw or "").strip().lower() or default
+    if choice not in allowed:
+        raise error(f"{name}={raw!r}: expected {', '.join(allowed)}{note}")
+    return choice
+
+
+def check_xla_flags(flags: str | None = None) -> None:
+    """$XLA_FLAGS (or `flags`) checked before JAX starts its backends: XLA parses them then, and an
+    unknown flag, a value it cannot read or a value that is not a flag list (XLA reads it as the
+    name of a file of flags) ends the process with XLA's own exit code (1, which this tool's
+    callers read as "a finding"). Here each is a SettingError naming the flag: the form and the
+    host device count (a count up to llamaspec.budget.MAX_HOST_DEVICES) are checked here, the
+    other flags by XLA itself, once per value, in a child process (a fraction of a second). A
+    process whose backends have started has had its flags read already: nothing to check."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    if not flags or _backends_started():
+        return
+    if not flags.lstrip().startswith("--"):
+        problem = "it does not start with '--', so XLA would read it as the name of a file of flags"
+    else:
+        problem = _device_count_problem(flags)
+        others = _DEVICE_COUNT.sub("", flags).strip()
+        problem = problem or (_xla_verdict(others) if others else None)
+    if problem:
+        raise SettingError(f"XLA_FLAGS={flags!r}: {problem}; XLA would end the process (it takes flags "
+                           "'--xla_name=value' separated by blanks, the ones its build knows)")
+
+
+_DEVICE_COUNT = re.compile(r"(?<!\S)--xla_force_host_platform_device_count=(\S*)")
+
+
+def _backends_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()
+
+
+def _device_count_problem(flags: str) -> str | None:
+    """The host device count (the flag this tool sets itself, for meshes) checked here: a count
+    within MAX_HOST_DEVICES (10**8 devices abort XLA while it makes their threads)."""
+    for value in _DEVICE_COUNT.findall(flags):
+        if not re.fullmatch(r"[0-9]{1,12}", value):
+            return f"--xla_force_host_platform_device_count={value}: expected a count of devices"
+        if int(value) > MAX_HOST_DEVICES:
+            return (f"--xla_force_host_platform_device_count={value} asks for more host devices than "
+                    f"{MAX_HOST_DEVICES} (each has threads of its own)")
+    return None
+
+
+@functools.cache
+def _xla_verdict(flags: str) -> str | None:
+    """What XLA says of `flags` in a child process (None: it takes them)."""
+    code = "from jaxlib import xla_client; xla_client.make_cpu_client()"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "XLA_FLAGS": flags},
+                           capture_output=True, text=True, errors="replace", timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None         # cannot ask: JAX will judge them itself
+    if r.returncode == 0:
+        return None
+    said = r.stderr
+    said_as = ((r"Unknown flag in XLA_FLAGS: (\S+)", "unknown flag {0}"),
+               (r"Couldn't interpret value (.*) for flag (\S+?)\.?$", "--{1}: XLA cannot read the value {0}"),
+               (r"Could not open file", "XLA reads a value not starting with '--' as a file of flags"))
+    for pattern, what in said_as:
+        m = re.search(pattern, said, re.M)
+        if m:
+            return what.format(*m.groups())
+    last = [ln.strip() for ln in said.splitlines() if ln.strip()][-1:] or [f"exit code {r.returncode}"]
+    return f"XLA refuses them ({last[0][:300]})"
 
 
 def read_settings(names) -> tuple[tuple[str, str], ...]:

@@ -21,7 +21,8 @@ import torch
 
 from llamaspec import Policy, cpuinfo
 from llamaspec.errors import InvarianceError, PolicyError
-from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, read_settings
+from llamaspec.fixed_order import KernelSettingError
+from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, read_settings, setting
 
 from . import fast, invariant, ops
 
@@ -42,10 +43,7 @@ _HARDWARE_FLAGS = {"bfloat16": ("amx_bf16", "avx512_bf16"), "float16": ("amx_fp1
 
 
 def _choice(env: dict, name: str) -> str:
-    value = (env.get(name) or "auto").strip().lower() or "auto"
-    if value not in _CHOICES[name]:
-        raise PolicyError(f"{name}={value!r}: expected {', '.join(_CHOICES[name])}")
-    return value
+    return setting(name, _CHOICES[name], env.get(name, ""))
 
 
 def hardware_products(dtype: str, flags: frozenset, dots: str, cap: str, mkldnn: bool) -> bool:
@@ -65,7 +63,7 @@ def _kernel_isa(needed: bool, strict: bool) -> tuple[int | None, str | None]:
     try:
         return fast.fixed_order_kernels().fo_isa(), None
     except InvarianceError as e:
-        if strict:
+        if strict or isinstance(e, KernelSettingError):    # a bad $LLAMA_PARITY_KERNEL_ISA is refused
             raise
         warnings.warn(f"torchref's fixed-order kernels are not available ({e}); the fast backend runs "
                       "torch's ops in their place", RuntimeWarning, stacklevel=4)
