@@ -10,15 +10,17 @@ of the whole file.
 
 from __future__ import annotations
 
-import json
+import math
 import mmap
 import os
+import re
 import struct
 from pathlib import Path, PurePosixPath
 
 import ml_dtypes
 import numpy as np
 
+from .budget import MAX_HEADER_BYTES, load_json, parse_json
 from .config import LlamaConfig
 from .errors import CheckpointError
 
@@ -35,7 +37,6 @@ _DTYPES = {
     "BOOL": np.dtype(np.bool_),
 }
 FLOAT_STORAGE = ("F32", "BF16", "F16", "F64")
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 class _SafetensorsFile:
@@ -51,18 +52,17 @@ class _SafetensorsFile:
                     raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, "
                                           "no header)")
                 (n,) = struct.unpack("<Q", raw)
-                if n > _MAX_HEADER or 8 + n > size:
+                if n > MAX_HEADER_BYTES or 8 + n > size:
                     # never the length itself: it is the file's first 8 bytes (a symlink's target's)
-                    beyond = "the end of the file" if n <= _MAX_HEADER else f"the {_MAX_HEADER}-byte limit"
+                    beyond = "the end of the file" if n <= MAX_HEADER_BYTES else f"the {MAX_HEADER_BYTES}-byte limit"
                     raise CheckpointError(f"{path}: corrupt or truncated safetensors header "
                                           f"(header length field beyond {beyond}, file size {size})")
                 header_bytes = f.read(n)
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read ({e})") from None
         try:
-            header = json.loads(header_bytes, object_pairs_hook=_no_duplicate_keys)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header, not JSON ({e})") from None
+            header = parse_json(header_bytes, f"{path}: corrupt safetensors header", CheckpointError,
+                                _no_duplicate_keys, sep=", ", not_json="not JSON")
         except _DuplicateKey as e:
             raise CheckpointError(f"{path}: corrupt safetensors header, tensor '{e}' appears twice") from None
         if not isinstance(header, dict):
@@ -82,7 +82,7 @@ class _SafetensorsFile:
             if dtype_name not in _DTYPES:
                 raise CheckpointError(f"{path}: tensor '{key}' has unsupported dtype {dtype_name}")
             dtype = _DTYPES[dtype_name]
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            count = math.prod(shape)    # exact: numpy's int64 product wraps on hostile dimensions
             if not 0 <= begin <= end or end - begin != count * dtype.itemsize:
                 raise CheckpointError(f"{path}: tensor '{key}' byte range [{begin}, {end}) does not "
                                       f"match shape {list(shape)} x {dtype_name}")
@@ -149,6 +149,18 @@ class _SafetensorsFile:
         return out
 
 
+def storage_name(dtype: np.dtype) -> str:
+    """A numpy dtype as safetensors names it ("F32", "BF16", ...)."""
+    return next((name for name, d in _DTYPES.items() if d == dtype), str(dtype))
+
+
+def safetensors_file(path) -> _SafetensorsFile:
+    """One .safetensors file's header read and checked (bounded, offsets, dtypes, shapes against
+    byte spans, the payload tiled exactly, so the file's size is what its tensors need), no
+    tensor data read: for readers of safetensors files that are not a checkpoint's (dumps)."""
+    return _SafetensorsFile(Path(path))
+
+
 class _DuplicateKey(Exception):
     pass
 
@@ -209,10 +221,11 @@ class Checkpoint:
         return self._files[name]
 
     def _open_sharded(self, index: Path) -> None:
+        doc = load_json(index, CheckpointError, what="safetensors index")
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: malformed index, needs a 'weight_map' ({e})") from None
+            weight_map = doc["weight_map"]
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed index, needs a 'weight_map' ({type(e).__name__}: {e})") from None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object mapping tensor names "
                                   f"to shard files, got {type(weight_map).__name__}")
@@ -378,6 +391,7 @@ def check_checkpoint(folder: str | Path) -> Checkpoint:
     storage), reading no tensor data: every problem listed in one CheckpointError."""
     ckpt = Checkpoint(folder)
     cfg = ckpt.config
+    _check_depth(ckpt)      # before expected_shapes lists num_hidden_layers' tensors
     want = expected_shapes(cfg)
     have = {k for k in ckpt.keys() if not k.endswith(_IGNORABLE_SUFFIXES)}
     # A tied checkpoint may still carry lm_head.weight; it must then equal the embedding.
@@ -402,6 +416,21 @@ def check_checkpoint(folder: str | Path) -> Checkpoint:
         raise CheckpointError(f"{ckpt.folder}: checkpoint does not match config.json "
                               f"({cfg.num_hidden_layers} layers): " + " | ".join(problems))
     return ckpt
+
+
+def _check_depth(ckpt: Checkpoint) -> None:
+    """config.json's num_hidden_layers against the layers the weights hold (model.layers.<i>.*),
+    before anything is made per layer: a config claiming 10**9 layers over a 2-layer checkpoint
+    is named as such, not listed as 9 x 10**9 missing tensors."""
+    present = {int(m.group(1)) for k in ckpt.keys() if (m := _LAYER_KEY.match(k))}
+    n = ckpt.config.num_hidden_layers
+    if n > len(present):
+        holds = f"layers {min(present)}..{max(present)} ({len(present)} layers)" if present else "no layer"
+        raise CheckpointError(f"{ckpt.folder / 'config.json'}: field 'num_hidden_layers' = {n}, but the weights "
+                              f"hold {holds}")
+
+
+_LAYER_KEY = re.compile(r"model\.layers\.(\d{1,12})\.")
 
 
 def _natural(key: str):

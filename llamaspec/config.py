@@ -7,11 +7,11 @@ names it; nothing is silently ignored.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from .budget import MAX_LAYERS, MAX_SIZE_FIELD, check_count, load_json
 from .errors import ConfigError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
@@ -72,12 +72,7 @@ class LlamaConfig(Shape):
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"{path}: config.json not found")
-        try:
-            d = json.loads(path.read_text())
-        except UnicodeDecodeError:      # its message would quote a byte of the file
-            raise ConfigError(f"{path}: not valid JSON (not UTF-8 text)") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        d = load_json(path, ConfigError, what="config.json")    # bounded; every parser failure a ConfigError
         return _parse(d, str(path), from_file=True)
 
 
@@ -112,8 +107,9 @@ class _Fields:
     def fail(self, key: str, rule: str):
         raise ConfigError(f"{self.source}: field '{key}' = {self.d.get(key)!r} must be {rule}")
 
-    def int(self, key: str, default=None):
-        """A positive JSON integer (not a bool, not 32.9); default when absent or null."""
+    def int(self, key: str, default=None, limit: int = MAX_SIZE_FIELD):
+        """A positive JSON integer (not a bool, not 32.9) up to `limit` (a size: sane bounds, before
+        anything is allocated from it); default when absent or null."""
         v = self.d.get(key)
         if v is None:
             if default is None:
@@ -121,6 +117,7 @@ class _Fields:
             return default
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             self.fail(key, "a positive integer")
+        check_count(v, limit, f"{self.source}: field '{key}'", ConfigError, "a sanity bound on a model's sizes")
         return v
 
     def float(self, key: str, default=None, positive: bool = True, table: dict | None = None):
@@ -199,7 +196,7 @@ def _parse(d: dict[str, Any], source: str, from_file: bool = False) -> LlamaConf
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=f.int("intermediate_size"),
-        num_hidden_layers=f.int("num_hidden_layers"),
+        num_hidden_layers=f.int("num_hidden_layers", limit=MAX_LAYERS),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -291,6 +288,7 @@ def _parse_rope(d: dict[str, Any], source: str, max_pos: int) -> RopeConfig:
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=None if orig is None else int(orig),
     )
+
 
 # Values that are valid numbers but make float32 arithmetic (the RoPE tables', a norm's) give
 # NaN/Inf or lose their meaning, refused here so that no comparison blames a precision for

@@ -12,7 +12,6 @@ checkpoint when the dump names torchref or jaxmodel as its package.
 from __future__ import annotations
 
 import hashlib
-import json
 import mmap
 import os
 import struct
@@ -22,6 +21,8 @@ import numpy as np
 
 from llamaspec import LlamaConfig, LlamaParityError, Policy
 from llamaspec import taps as tapnames
+from llamaspec.budget import MAX_HEADER_BYTES, check_bytes, load_json, parse_json, read_bounded
+from llamaspec.checkpoint import safetensors_file, storage_name
 from llamaspec.files import printable
 
 from ..metrics import rel_l2, unit_roundoff
@@ -69,7 +70,8 @@ FINGERPRINT_METHOD = ("v1: sha256 of config.json and of model.safetensors.index.
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """sha256 of a JSON file of the checkpoint (config.json, the index), read within its bound."""
+    return hashlib.sha256(read_bounded(path, DumpError, what="JSON file")).hexdigest()
 
 
 def file_sha256(path: Path) -> str:
@@ -82,32 +84,50 @@ def file_sha256(path: Path) -> str:
 
 
 def _file_fingerprint(path: Path) -> dict:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-        if n < 0 or 8 + n > size:
-            # never the length itself: it is the file's first 8 bytes (a symlink's target's)
-            raise DumpError(f"{path}: not a safetensors file (header length field beyond the end of the file or "
-                            f"the header limit, file size {size})")
-        header = f.read(n)
-        try:
-            entries = json.loads(header)
-            spans = sorted((e["data_offsets"][0], e["data_offsets"][1])
-                           for k, e in entries.items() if k != "__metadata__")
-        except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise DumpError(f"{path}: corrupt safetensors header ({e})") from None
-        content, block = hashlib.sha256(), FINGERPRINT_BLOCK
-        if spans:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                start = 8 + n
-                for b, e in spans:
-                    if e - b <= 3 * block:
-                        content.update(data[start + b:start + e])
-                    else:
-                        for at in (b, b + (e - b - block) // 2, e - block):
-                            content.update(data[start + at:start + at + block])
+    """FINGERPRINT_METHOD for one *.safetensors file (any in the folder, stray ones included): its
+    header length bounded (MAX_HEADER_BYTES) before it is read, the header parsed as JSON with
+    every failure named, the sampled blocks read within the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if n < 0 or n > MAX_HEADER_BYTES or 8 + n > size:
+                # never the length itself: it is the file's first 8 bytes (a symlink's target's)
+                raise DumpError(f"{path}: not a safetensors file (header length field beyond the end of the file "
+                                f"or the limit, file size {size}; a header "
+                                f"holds at most {MAX_HEADER_BYTES} bytes)")
+            header = f.read(n)
+            entries = parse_json(header, f"{path}: corrupt safetensors header", DumpError, sep=", ",
+                                 not_json="not JSON")
+            spans = _spans(path, entries)
+            content, block = hashlib.sha256(), FINGERPRINT_BLOCK
+            if spans:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                    start = 8 + n
+                    for b, e in spans:
+                        if e - b <= 3 * block:
+                            content.update(data[start + b:start + e])
+                        else:
+                            for at in (b, b + (e - b - block) // 2, e - block):
+                                content.update(data[start + at:start + at + block])
+    except OSError as e:
+        raise DumpError(f"{path}: cannot read ({e.strerror or e})") from None
     return {"size": size, "header_sha256": hashlib.sha256(header).hexdigest(), "sampled_sha256": content.hexdigest()}
+
+
+def _spans(path: Path, entries) -> list[tuple[int, int]]:
+    """The tensors' [begin, end) data offsets, sorted: non-negative integers, begin <= end."""
+    try:
+        spans = sorted((e["data_offsets"][0], e["data_offsets"][1])
+                       for k, e in entries.items() if k != "__metadata__")
+    except (AttributeError, KeyError, TypeError, IndexError) as e:
+        raise DumpError(f"{path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for span in spans for v in span) or \
+            any(b > e for b, e in spans):
+        raise DumpError(f"{path}: corrupt safetensors header (data_offsets must be [begin, end] byte counts, "
+                        "begin <= end)")
+    return spans
 
 
 def fingerprint(checkpoint) -> dict:
@@ -208,12 +228,7 @@ class Dump:
         where = self.path / MANIFEST
         if not where.is_file():
             raise DumpError(f"dump {self.path}: no {MANIFEST} (not a llama-parity dump folder)")
-        try:
-            m = json.loads(where.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DumpError(f"{where}: not readable JSON ({e})") from None
-        except RecursionError:
-            raise DumpError(f"{where}: nested too deeply to be a manifest") from None
+        m = load_json(where, DumpError, what="manifest")     # bounded, every parser failure a DumpError
         if not isinstance(m, dict):
             raise DumpError(f"{where}: must hold a JSON object")
         if m.get("format") == FORMAT and m.get("format_version") == 1:
@@ -295,37 +310,44 @@ class Dump:
         return taps, file_of
 
     def _check_file(self, name: str, expect: dict, listed: str) -> None:
-        """expect: {tensor key: (shape, dtype or None for any float, how to say the dtype)}."""
-        from safetensors import safe_open
-        path = self._bound(name, f"{listed} for {', '.join(expect)[:200]}")
+        """expect: {tensor key: (shape, dtype or None for any float, how to say the dtype)}. The file's
+        header (bounded and checked by llamaspec's safetensors reader) against these shapes and
+        dtypes, and its size against what they need (no byte beyond them, all within this
+        machine's memory), before its sha256 is computed over it: a file that claims a terabyte
+        is refused by its size, not hashed."""
+        path = self._regular(name, f"{listed} for {', '.join(expect)[:200]}")
         B, T = self.inputs[0].shape
         try:
-            with safe_open(path, "np") as f:
-                keys = set(f.keys())
-                for key, (want, rule, said) in expect.items():
-                    if key not in keys:
-                        raise DumpError(f"{path}: no tensor '{key}' ({listed})")
-                    sl = f.get_slice(key)
-                    shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-                    if shape != want:
-                        raise DumpError(f"{path}: tensor '{key}' has shape {list(shape)}, expected {list(want)} "
-                                        f"for this config and inputs ([B, T, ...], B={B}, T={T})")
-                    if dtype not in FLOAT_DTYPES or (rule and FLOAT_DTYPES[dtype] != rule):
-                        raise DumpError(f"{path}: tensor '{key}' has dtype {dtype}, expected "
-                                        f"{said or 'a float dtype (F64, F32, F16, BF16)'}")
-        except DumpError:
-            raise
-        except Exception as e:  # noqa: BLE001 (safetensors' own errors: name the file)
-            raise DumpError(f"{path}: cannot read as safetensors ({e})") from None
+            st = safetensors_file(path)
+        except LlamaParityError as e:
+            raise DumpError(f"{e} ({listed})") from None
+        for key, (want, rule, said) in expect.items():
+            if key not in st.entries:
+                raise DumpError(f"{path}: no tensor '{key}' ({listed})")
+            dtype, shape, _, _ = st.entries[key]
+            if shape != want:
+                raise DumpError(f"{path}: tensor '{key}' has shape {list(shape)}, expected {list(want)} "
+                                f"for this config and inputs ([B, T, ...], B={B}, T={T})")
+            code = storage_name(dtype)
+            if code not in FLOAT_DTYPES or (rule and FLOAT_DTYPES[code] != rule):
+                raise DumpError(f"{path}: tensor '{key}' has dtype {code}, expected "
+                                f"{said or 'a float dtype (F64, F32, F16, BF16)'}")
+        need = sum(e - b for k, (_, _, b, e) in st.entries.items() if k in expect)
+        extra = sorted(k for k, (_, _, b, e) in st.entries.items() if k not in expect and e > b)
+        if extra:
+            raise DumpError(f"{path}: holds {st.size - st.data_start - need} bytes of tensors the manifest does "
+                            f"not list for it ({', '.join(extra[:5])}) ({listed})")
+        check_bytes(need, f"{path}: the taps the manifest lists in it ({listed})", DumpError)
+        self._check_sha256(name, path, listed)
 
     def _checksums(self, sums) -> dict:
         if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
             raise DumpError(f"{self.where}: field 'sha256' must be an object {{file name: sha256 hex}}")
         return sums
 
-    def _bound(self, name, listed: str) -> Path:
+    def _regular(self, name, listed: str) -> Path:
         """The dump's file `name`, checked: a plain file name in the dump's folder, a regular
-        file (no symlink, no device), with the sha256 the manifest records for it."""
+        file (no symlink, no device). Its content is checked by _check_file."""
         path = self.path / str(name)
         if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
             raise DumpError(f"{self.where}: {name!r} is a path, not a file name in the dump's folder ({listed}); "
@@ -337,6 +359,10 @@ class Dump:
             raise DumpError(f"{path}: tap file not found ({listed})")
         if not path.is_file():
             raise DumpError(f"{path}: not a regular file ({listed})")
+        return path
+
+    def _check_sha256(self, name: str, path: Path, listed: str) -> None:
+        """The file's sha256 against the one the manifest records for it."""
         want = self.sha256.get(name)
         if want is None:
             raise DumpError(f"{self.where}: field 'sha256' holds no checksum for {name} ({listed})")
@@ -344,7 +370,6 @@ class Dump:
         if got != want:
             raise DumpError(f"{path}: sha256 {got} differs from {want} in {MANIFEST}: the file was changed after "
                             "the capture (or belongs to another one); capture the dump again")
-        return path
 
     def _check_forced(self, forcing) -> None:
         """The optional teacher-forced capture: every layer fed the oracle's input (stored,
@@ -376,7 +401,7 @@ class Dump:
             raise DumpError(f"{self.where}: field 'checkpoint.fingerprint' is missing (compare.adapters.dump."
                             "fingerprint of the checkpoint the taps were captured from)")
         differ = fingerprint_differences(recorded, fingerprint(checkpoint))
-        here = json.loads((Path(checkpoint) / "config.json").read_text())
+        here = load_json(Path(checkpoint) / "config.json", DumpError, what="config.json")
         if not differ and self.manifest["config"] != here:    # the shapes were checked against the manifest's
             differ = ["the manifest's field 'config' is not the checkpoint's config.json"]
         if differ:
