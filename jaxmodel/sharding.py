@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import numpy as np
@@ -48,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from llamaspec import LlamaConfig, Policy
+from llamaspec.budget import MAX_HOST_DEVICES, check_count
 from llamaspec.errors import ConfigError, InputError
 
 from . import ops
@@ -115,24 +117,57 @@ def make_mesh(mesh) -> Mesh:
 def host_devices(n: int) -> None:
     """Asks XLA:CPU for n host devices (XLA_FLAGS --xla_force_host_platform_device_count), so that
     a mesh of n fits on one CPU: only before JAX has started its backends (the count is fixed
-    then) and only when the flag is not set already; GPUs and TPUs ignore it."""
+    then) and only when the flag is not set already; GPUs and TPUs ignore it. n is checked
+    against MAX_HOST_DEVICES and the user's XLA_FLAGS against XLA first (jaxmodel.plan)."""
     import os
 
     from jax._src import xla_bridge
+
+    from llamaspec.plan import check_xla_flags
+    check_count(n, MAX_HOST_DEVICES, "host devices asked of XLA:CPU for the mesh", ShardingError,
+                "each has threads of its own")
+    check_xla_flags()
     flags = os.environ.get("XLA_FLAGS", "")
     if n > 1 and not xla_bridge.backends_are_initialized() and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """"data=2,tensor=4" -> {"data": 2, "tensor": 4} (the CLI's --mesh)."""
-    sizes = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, eq, value = part.partition("=")
-        if not eq or not value.strip().isdigit():
-            raise ShardingError(f"--mesh {text!r}: each part is axis=size, e.g. data=2,tensor=4 (got {part!r})")
-        sizes[name.strip()] = int(value)
+def parse_mesh(text: str, what: str = "--mesh") -> dict[str, int]:
+    """"data=2,tensor=4" -> {"data": 2, "tensor": 4} (the CLI's --mesh): known axes, each once,
+    sizes positive integers within MAX_HOST_DEVICES (checked before any device is asked for;
+    check_mesh then checks them against a model)."""
+    sizes: dict[str, int] = {}
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise ShardingError(f"{what} {text!r}: give axis=size parts, e.g. data=2,tensor=4")
+    for part in parts:
+        name, eq, value = (x.strip() for x in part.partition("="))
+        if not eq or not re.fullmatch(r"[0-9]{1,12}", value):
+            raise ShardingError(f"{what} {text!r}: each part is axis=size, e.g. data=2,tensor=4 (got {part!r})")
+        if name not in AXES:
+            raise ShardingError(f"{what} {text!r}: unknown axis {name!r} (the axes are {' and '.join(AXES)})")
+        if name in sizes:
+            raise ShardingError(f"{what} {text!r}: axis {name!r} is given twice ({name}={sizes[name]} and "
+                                f"{part}); give each axis once")
+        if int(value) < 1:
+            raise ShardingError(f"{what} {text!r}: axis {name!r} has size {value}; sizes are at least 1")
+        sizes[name] = int(value)
+    check_count(math.prod(sizes.values()), MAX_HOST_DEVICES, f"{what} {text!r}: devices", ShardingError,
+                "a sanity bound on the devices of one mesh")
     return sizes
+
+
+def check_mesh(sizes: dict[str, int], cfg: LlamaConfig, what: str = "--mesh") -> None:
+    """A parsed mesh (parse_mesh: its device count bounded) checked against model `cfg` before any
+    device is asked for: the tensor size divides the heads and MLP columns (check_sizes' rules).
+    ShardingError naming the argument and the config fields otherwise."""
+    problems, _ = _size_problems(cfg, sizes.get("tensor", 1))
+    if problems:
+        raise ShardingError(f"{what} {mesh_text(sizes)} does not fit the model: " + "; ".join(problems))
+
+
+def mesh_text(sizes: dict[str, int]) -> str:
+    return ",".join(f"{a}={n}" for a, n in sizes.items())
 
 
 def check_batch(rows: int, data: int) -> None:
@@ -257,7 +292,17 @@ def layout_for(cfg: LlamaConfig, mesh, sums: str = "ordered") -> MeshLayout:
 def check_sizes(cfg: LlamaConfig, tensor: int) -> tuple[dict, int]:
     """(the rules for this model, copies kept of each KV head) at tensor size `tensor`, or
     ShardingError listing every size that does not divide (the module docstring's rules)."""
-    t, rules = tensor, dict(RULES)
+    problems, kv_repeat = _size_problems(cfg, tensor)
+    if problems:
+        raise ShardingError(f"tensor={tensor}: " + "; ".join(problems))
+    rules = dict(RULES)
+    if cfg.vocab_size % tensor:
+        rules["vocab"] = None
+    return rules, kv_repeat
+
+
+def _size_problems(cfg: LlamaConfig, t: int) -> tuple[list[str], int]:
+    """(each size of `cfg` that does not divide over tensor size t, copies kept of each KV head)."""
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     problems = []
     if heads % t:
@@ -272,11 +317,7 @@ def check_sizes(cfg: LlamaConfig, tensor: int) -> tuple[dict, int]:
                             "(KV heads are sharded, or each stored tensor / num_key_value_heads times)")
         else:
             kv_repeat = t // kv
-    if problems:
-        raise ShardingError(f"tensor={t}: " + "; ".join(problems))
-    if cfg.vocab_size % t:
-        rules["vocab"] = None
-    return rules, kv_repeat
+    return problems, kv_repeat
 
 
 def per_device_bytes(state) -> dict:

@@ -181,18 +181,8 @@ def check_target_folder(folder: Path, force: bool) -> None:
 
 
 def check_token_budget(batch: int, length: int, max_positions: int, vocab: int) -> None:
-    """--random-tokens BxT checked before anything is allocated: T within the model's
-    max_position_embeddings, and one float64 logits array [B, T, vocab] (the ladder holds
-    several) within this machine's memory."""
-    if length > max_positions:
-        raise UsageError(f"--random-tokens {batch}x{length}: {length} tokens, the model's max_position_embeddings "
-                         f"is {max_positions}")
-    import os
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    need = batch * length * vocab * 8
-    if need > memory:
-        raise UsageError(f"--random-tokens {batch}x{length}: one float64 logits array [{batch}, {length}, {vocab}] "
-                         f"is {need / 2**30:.1f} GiB, more than this machine's {memory / 2**30:.1f} GiB of memory")
+    """--random-tokens BxT checked before anything is allocated (llamaspec.budget.check_tokens: T
+    within the model's max_position_embeddings, one float64 logits array [B, T, vocab] within
+    this machine's memory)."""
+    from llamaspec.budget import check_tokens
+    check_tokens(batch, length, max_positions, vocab, f"--random-tokens {batch}x{length}", UsageError)

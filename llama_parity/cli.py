@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from llamaspec.files import printable, refuse_inside, safe_name
+from llamaspec.plan import check_xla_flags
 
 from .checks import (
     UsageError,
@@ -86,6 +87,7 @@ def cmd_make_checkpoint(args) -> int:
 
 def cmd_demo(args) -> int:
     """The problem and its explanation on the real model, with this machine's numbers (llama_parity.demo)."""
+    check_xla_flags()     # XLA would end the process on a bad flag: named here, exit 2
     from .demo import run as run_demo
     folder = checkpoint_folder(resolve_checkpoint(args.checkpoint), need_tokenizer="the demo's prompts need")
     out_dir = output_folder(args.out_dir, "--out-dir")
@@ -126,6 +128,27 @@ def _inputs(args, folder):
     return np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T))
 
 
+def _steps_budget(args, folder) -> None:
+    """--generate N and --decode N checked before the ladder runs: a generation of N new tokens
+    within max_position_embeddings (the rule greedy applies at its start), and the float64 KV
+    cache of a decode of N steps ([layers, 2, B, T + N, kv heads, head_dim]) within this
+    machine's memory (llamaspec.budget)."""
+    if not (args.decode or args.generate):
+        return
+    from llamaspec import LlamaConfig
+    from llamaspec.budget import check_bytes
+    cfg = LlamaConfig.from_file(Path(folder) / "config.json")
+    B, T = args.random_tokens or (len(args.prompt or DEFAULT_PROMPTS[:1]), 1)
+    if args.generate and args.generate > cfg.max_position_embeddings:
+        raise UsageError(f"--generate {args.generate}: more new tokens than the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings})")
+    if args.decode:
+        slots = B * (T + args.decode)
+        check_bytes(cfg.num_hidden_layers * 2 * slots * cfg.num_key_value_heads * cfg.head_dim * 8,
+                    f"--decode {args.decode}: the float64 KV cache of {B} rows x {T + args.decode} positions",
+                    UsageError)
+
+
 def _dumps(args):
     """--reference-dump / --candidate-dump opened (and checked), with what they exclude refused."""
     from compare.adapters.dump import Dump
@@ -143,6 +166,7 @@ def _dumps(args):
 
 
 def cmd_compare(args) -> int:
+    check_xla_flags()     # XLA would end the process on a bad flag: named here, exit 2
     from compare.adapters.dump import bind_dumps
     from compare.ladder.engine import prepare, run_ladder
     from compare.vocabulary import KINDS
@@ -153,10 +177,11 @@ def cmd_compare(args) -> int:
     folder = _input_folder(args, checkpoint) if not dumps else checkpoint_folder(checkpoint)
     ref_spec = dumps.get("reference") or args.reference or "torchref"
     cand_spec = dumps.get("candidate") or args.candidate or "jaxmodel"
-    mesh = _mesh(args.mesh, ref_spec, cand_spec)
+    mesh = _mesh(args.mesh, folder, ref_spec, cand_spec)
     # a dump fixes the inputs and the policy, and the checkpoint must match its fingerprint
     folder, inputs, policy = bind_dumps(ref_spec, cand_spec, folder, None, args.policy)
     inputs = inputs if dumps else _inputs(args, folder)
+    _steps_budget(args, folder)
     policy = Policy.get(policy or "fp32")
     args.reference, args.candidate, args.policy = _label(ref_spec), _label(cand_spec), policy.name
     _say_dumps(dumps)
@@ -205,17 +230,20 @@ def cmd_compare(args) -> int:
     return EXIT_FINDING if finding else EXIT_OK
 
 
-def _mesh(text, *specs):
-    """--mesh data=N,tensor=M as a dict (None without it), for a side named jaxmodel; on a CPU
-    it asks XLA for N x M host devices before JAX starts (jaxmodel/sharding.py)."""
-    if not text:
+def _mesh(text, folder, *specs):
+    """--mesh data=N,tensor=M as a dict (None without it), for a side named jaxmodel, checked
+    against the checkpoint's config; then, on a CPU, it asks XLA for N x M host devices before
+    JAX starts (jaxmodel/sharding.py)."""
+    if text is None:
         return None
     if "jaxmodel" not in specs:
         raise UsageError("--mesh shards jaxmodel: give it as the reference or the candidate")
     import math
 
-    from jaxmodel.sharding import host_devices, parse_mesh
+    from jaxmodel.sharding import check_mesh, host_devices, parse_mesh
+    from llamaspec import LlamaConfig
     sizes = parse_mesh(text)
+    check_mesh(sizes, LlamaConfig.from_file(Path(folder) / "config.json"))
     host_devices(math.prod(sizes.values()))
     return sizes
 
@@ -245,6 +273,7 @@ def _label(spec) -> str:
 
 def cmd_capture(args) -> int:
     """One implementation's taps on the given inputs, written as a dump (compare.capture)."""
+    check_xla_flags()     # XLA would end the process on a bad flag: named here, exit 2
     from compare.capturing import capture
     folder = _input_folder(args, args.checkpoint)
     out = Path(args.out)

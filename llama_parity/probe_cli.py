@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from llamaspec.budget import MAX_RUNS, check_count, check_tokens
+from llamaspec.plan import check_xla_flags
 
 from .checks import UsageError, checkpoint_folder, count, output_file, positive_int, positive_ints
 
@@ -101,7 +103,9 @@ def target_tokens(folder, prompt, length, seed):
         raise UsageError(f"checkpoint {folder}: no tokenizer.json, which --prompt needs; drop --prompt "
                          "(random tokens are used)")
     from llamaspec import LlamaConfig
-    vocab = LlamaConfig.from_file(Path(folder) / "config.json").vocab_size
+    cfg = LlamaConfig.from_file(Path(folder) / "config.json")
+    check_tokens(1, length, cfg.max_position_embeddings, cfg.vocab_size, f"--length {length}", UsageError)
+    vocab = cfg.vocab_size
     ids = np.random.default_rng(seed).integers(0, vocab, length)
     return ids.astype(np.int64), f"{length} random tokens (no tokenizer)"
 
@@ -138,8 +142,12 @@ def cmd_probe(args) -> int:
     from compare.report.probes import format_table, write_html, write_json
     from llamaspec import Policy
 
+    check_xla_flags()     # XLA would end the process on a bad flag: named here, exit 2
     if args.kind == WHERE:
         return cmd_where(args)
+    if args.mesh:
+        raise UsageError(f"--mesh {args.mesh[0]}: only probe where --circumstance sharding uses a mesh; probe "
+                         f"{args.kind} runs each model on one device")
     t0 = time.perf_counter()
     say = _log(t0)
     impls = _list(args.impl, "torchref,jaxmodel", IMPLS, "implementation")
@@ -154,6 +162,7 @@ def cmd_probe(args) -> int:
     html_path = output_file(args.html, "--html", args.force, say) if args.html else None
     folder = checkpoint_folder(resolve_checkpoint(args.checkpoint or args.checkpoint_pos, say))
     target, how = target_tokens(folder, args.prompt, args.length, args.seed)
+    _probe_budget(args, kinds, folder, target.size)
     say(f"checkpoint {folder}; target: {how}")
 
     results, skipped = [], []
@@ -187,6 +196,26 @@ def cmd_probe(args) -> int:
     return 1 if any(r.verdict == "semantic" for r in results) else 0
 
 
+def _probe_budget(args, kinds, folder, T) -> None:
+    """The counts of runs (--completions, --repeats, --processes) within MAX_RUNS, and the largest
+    forward call the probes asked for (rows x slots: --batch-sizes, --divergence-batch-sizes,
+    --new-tokens and the target's T tokens; companions up to 2T, padding up to 7 slots more)
+    within the memory budget of llamaspec.budget.check_tokens, before any model loads."""
+    from llamaspec import LlamaConfig
+    for flag in ("completions", "repeats", "processes"):
+        check_count(getattr(args, flag), MAX_RUNS, f"--{flag}", UsageError, "each is a model run")
+    cfg = LlamaConfig.from_file(Path(folder) / "config.json")
+    calls = {"batch": (max(args.batch_sizes), 2 * T, "--batch-sizes"), "padding": (2, T + 5, "the target"),
+             "determinism": (4, 2 * T, "the target"),
+             "divergence": (max(args.divergence_batch_sizes), 2 * T + 7 + args.new_tokens,
+                            "--divergence-batch-sizes, --new-tokens")}
+    for kind in kinds:
+        rows, width, flags = calls[kind]
+        check_tokens(rows, T, cfg.max_position_embeddings, cfg.vocab_size,
+                     f"probe {kind} ({flags}): a target of {T} tokens in calls of {rows} rows x {width} slots",
+                     UsageError, width=width)
+
+
 def _where_options(args) -> dict:
     c = args.circumstance
     if c in ("batch", "decode"):
@@ -196,9 +225,21 @@ def _where_options(args) -> dict:
     if c == "rerun":
         return {"repeats": args.repeats, "processes": args.processes}
     if c == "sharding" and args.mesh:
-        from jaxmodel.sharding import parse_mesh
-        return {"meshes": [parse_mesh(m) for m in args.mesh]}
+        return {"meshes": _meshes(args)}
     return {}
+
+
+def _meshes(args) -> list[dict]:
+    """--mesh, each parsed (jaxmodel.sharding.parse_mesh: known axes, each once, sizes bounded);
+    the same mesh twice is refused (it would run twice under one name)."""
+    from jaxmodel.sharding import parse_mesh
+    meshes = []
+    for text in args.mesh or ():
+        mesh = parse_mesh(text)
+        if any(m == mesh for m in meshes):
+            raise UsageError(f"--mesh {text}: the same mesh is given twice; give each once")
+        meshes.append(mesh)
+    return meshes
 
 
 def _where_one(impl, folder, policy, mode, target, args, say):
@@ -211,16 +252,37 @@ def _where_one(impl, folder, policy, mode, target, args, say):
                        attn_implementation=args.attn, hf_positions=args.hf_positions, **kw)
 
 
-def _sharding_devices(args, impls) -> None:
-    """probe where --circumstance sharding: jaxmodel only; on a CPU, as many host devices as the
-    largest mesh needs (8 by default), asked for before JAX starts."""
+def _sharding_devices(args, impls, folder) -> None:
+    """probe where --circumstance sharding: jaxmodel only; each --mesh checked against the
+    checkpoint's config; on a CPU, as many host devices as the largest mesh needs (8 by
+    default), asked for before JAX starts."""
     import math
 
-    from jaxmodel.sharding import host_devices, parse_mesh
+    from jaxmodel.sharding import check_mesh, host_devices
+    from llamaspec import LlamaConfig
     if impls != ["jaxmodel"]:
         raise UsageError("probe where --circumstance sharding compares jaxmodel on meshes with one device: "
                          "--impl jaxmodel")
-    host_devices(max([8] + [math.prod(parse_mesh(m).values()) for m in args.mesh or ()]))
+    meshes = _meshes(args)
+    cfg = LlamaConfig.from_file(Path(folder) / "config.json")
+    for mesh in meshes:
+        check_mesh(mesh, cfg)
+    host_devices(max([8] + [math.prod(m.values()) for m in meshes]))
+
+
+def _where_budget(args, folder, T) -> None:
+    """The largest forward call of the circumstance's plan (compare.probes.where_plan.check_budget)
+    within the budget of --random-tokens, before any model loads."""
+    from compare.probes.where_plan import check_budget
+    from llamaspec import LlamaConfig
+    cfg = LlamaConfig.from_file(Path(folder) / "config.json")
+    for flag in ("repeats", "processes"):
+        check_count(getattr(args, flag), MAX_RUNS, f"--{flag}", UsageError, "each is a model run")
+    options = {k: v for k, v in _where_options(args).items() if k != "meshes"}
+    flags = {"batch": " (--batch-sizes)", "decode": " (--batch-sizes)", "padding": " (--pad)"}.get(
+        args.circumstance, "")
+    check_budget(args.circumstance, T, cfg.max_position_embeddings, cfg.vocab_size, error=UsageError,
+                 what=f"probe where --circumstance {args.circumstance}{flags}", **options)
 
 
 def cmd_where(args) -> int:
@@ -231,8 +293,9 @@ def cmd_where(args) -> int:
 
     say = _log(time.perf_counter())
     impls = _list(args.impl, "jaxmodel" if args.circumstance == "sharding" else "torchref", IMPLS, "implementation")
-    if args.circumstance == "sharding":
-        _sharding_devices(args, impls)
+    if args.mesh and args.circumstance != "sharding":
+        raise UsageError(f"--mesh {args.mesh[0]}: only --circumstance sharding uses a mesh (this is "
+                         f"--circumstance {args.circumstance})")
     policies = [Policy.get(p).name for p in _list(args.policy, "fp32")]
     modes = _list(args.mode, "invariant" if args.batch_invariant else "default", ("default", "invariant"), "mode")
     if args.html and len(impls) * len(policies) * len(modes) > 1:
@@ -242,7 +305,10 @@ def cmd_where(args) -> int:
     json_path = output_file(args.json, "--json", args.force, say) if args.json else None
     html_path = output_file(args.html, "--html", args.force, say) if args.html else None
     folder = checkpoint_folder(resolve_checkpoint(args.checkpoint or args.checkpoint_pos, say))
+    if args.circumstance == "sharding":
+        _sharding_devices(args, impls, folder)
     target, how = target_tokens(folder, args.prompt, args.length, args.seed)
+    _where_budget(args, folder, target.size)
     results, skipped = [], []
     for impl in impls:
         for policy in policies:

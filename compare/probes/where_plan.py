@@ -246,6 +246,34 @@ def plan_sharding(target, rng, vocab, pad_id, meshes=(), batch=4):
     return runs, pairs
 
 
+def largest_call(circumstance: str, T: int, batch_sizes=(2, 8), pad: int = 5, appended=(1, 8), batch: int = 4,
+                 **_) -> tuple[int, int]:
+    """(rows, slots) that bound every forward call plan() makes for a target of T tokens with
+    these options, computed without making them: companions of mixed lengths are at most 2T
+    slots (a decode run one step more), padding T + pad (its B=2 readout), appended T + the
+    most appended."""
+    if circumstance in ("batch", "decode"):
+        return max(batch_sizes, default=2), 2 * T + (circumstance == "decode")
+    if circumstance == "padding":
+        return 2, T + pad
+    if circumstance == "append":
+        return 1, T + max(appended, default=0)
+    return batch, 2 * T       # rerun, invariant-mode, sharding: one mixed batch
+
+
+def check_budget(circumstance: str, T: int, max_positions: int, vocab_size: int, error=None, what: str = "",
+                 **options) -> None:
+    """The plan's largest call (largest_call) within the budget `--random-tokens` has
+    (llamaspec.budget.check_tokens: T within max_position_embeddings, one float64 logits array
+    of the call within this machine's memory), before any array of the plan is made."""
+    from llamaspec.budget import check_tokens
+    from llamaspec.errors import InputError
+    rows, width = largest_call(circumstance, T, **options)
+    what = what or f"probe where, {circumstance}"
+    check_tokens(rows, T, max_positions, vocab_size, f"{what}: a target of {T} tokens in calls of up to {rows} rows "
+                 f"x {width} slots", error or InputError, width=width)
+
+
 def plan(circumstance: str, target, vocab_size: int, pad_id: int = 0, seed: int = 0, **options):
     """(runs, pairs) of one circumstance; options: batch_sizes, kinds, side (batch); pad
     (padding); appended (append); batch_sizes, kinds, token (decode); batch, repeats,
