@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -68,9 +69,11 @@ def checkpoint_folder(path, need_tokenizer: str | None = None) -> str:
     if not p.is_dir():
         raise UsageError(f"checkpoint {p}: is a file, not a folder (give the folder that holds "
                          "config.json and the .safetensors files)")
-    if not (p / "config.json").is_file():
+    # lexists, not is_file: a FIFO, a device or a dangling link is present, and its reader
+    # names it ("not a regular file") instead of this check calling it absent
+    if not os.path.lexists(p / "config.json"):
         raise UsageError(f"checkpoint {p}: no config.json in this folder (not a Hugging Face model folder)")
-    if need_tokenizer and not (p / "tokenizer.json").is_file():
+    if need_tokenizer and not os.path.lexists(p / "tokenizer.json"):
         raise UsageError(f"checkpoint {p}: no tokenizer.json, which {need_tokenizer}")
     return str(p)
 

@@ -307,12 +307,13 @@ def _ensure_chat_template(tokenizer, folder: Path) -> None:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or (folder / "chat_template.jinja").exists():
         return
+    from llamaspec.tokenizer import MAX_JSON_BYTES, read_text
     try:
-        saved = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
+        saved = json.loads(read_text(folder / "tokenizer_config.json", MAX_JSON_BYTES, "MAX_JSON_BYTES") or "{}")
+    except (OSError, ValueError, RecursionError, LlamaParityError):
         saved = {}
-    if not saved.get("chat_template"):
-        (folder / "chat_template.jinja").write_text(template)
+    if not isinstance(saved, dict) or not saved.get("chat_template"):
+        atomic_write(folder / "chat_template.jinja", template, "chat template")
 
 
 def _sanity_check(folder: Path) -> None:

@@ -80,25 +80,49 @@ def check_tokens(rows: int, length: int, max_positions: int, vocab: int, what: s
     check_bytes(rows * width * vocab * 8, f"{what}: one float64 logits array [{rows}, {width}, {vocab}]", error)
 
 
-def read_bounded(path, error, limit: int = MAX_JSON_BYTES, what: str = "file") -> bytes:
-    """A file's bytes, refused (error naming the file) when it is not a regular file or is larger
-    than `limit`: its size is checked before reading, and at most limit + 1 bytes are read, so
-    a file that grows, or a symlink to a device, cannot make the read unbounded."""
+def read_bounded(path, error, limit: int = MAX_JSON_BYTES, what: str = "file", limit_name: str | None = None,
+                 missing_ok: bool = False) -> bytes | None:
+    """A file's bytes, refused (`error` naming the file, never quoting it) when it is not a regular
+    file (a FIFO, a device, a folder; through a symlink or not) or is larger than `limit` (named
+    `limit_name` where a constant sets it). Opened non-blocking (a FIFO never hangs), its size
+    checked by fstat on that descriptor before any byte is read, and at most limit + 1 bytes read,
+    so a file that grows meanwhile is refused too. Symlinks to regular files are followed (the
+    Hugging Face cache links every file to a blob). missing_ok: None for a file that is not there
+    (a broken symlink is still an error)."""
     path = Path(path)
+    link = f" (a symlink to {os.readlink(path)})" if path.is_symlink() else ""
+    bound = f"{limit:,} bytes" + (f", {limit_name}" if limit_name else "")
     try:
-        # O_NONBLOCK: a FIFO in the file's place must not block the open (regular files ignore it)
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise error(f"{path}: not a regular file, so not a {what}")
-            if st.st_size > limit:
-                raise error(f"{path}: {st.st_size} bytes, more than a {what} may hold ({limit} bytes)")
-            data = f.read(limit + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if link:
+            raise error(f"{path}: a broken symlink{link}") from None
+        if missing_ok:
+            return None
+        raise error(f"{path}: no such file") from None
     except OSError as e:
-        raise error(f"{path}: cannot read ({e.strerror or e})") from None
+        raise error(f"{path}: cannot be opened ({e.strerror or e}){link}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: not a regular file{link} ({_kind(st.st_mode)}), so not a {what}; it is not read")
+        if st.st_size > limit:
+            raise error(f"{path}: {st.st_size} bytes{link}, more than a {what} may hold ({bound}); it is not read")
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise error(f"{path}: cannot be read ({e.strerror or e}){link}") from None
     if len(data) > limit:
-        raise error(f"{path}: more than a {what} may hold ({limit} bytes)")
+        raise error(f"{path}: more than a {what} may hold ({bound}); it grew while read and is not read further")
     return data
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
 
 
 def parse_json(data: bytes | str, where: str, error, object_pairs_hook=None, sep: str = ": ",

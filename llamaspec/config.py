@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ class LlamaConfig(Shape):
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
+        if not os.path.lexists(path):     # present but not a file (a FIFO, /dev/zero): load_json names it
             raise ConfigError(f"{path}: config.json not found")
         d = load_json(path, ConfigError, what="config.json")    # bounded; every parser failure a ConfigError
         return _parse(d, str(path), from_file=True)

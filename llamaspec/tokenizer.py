@@ -17,15 +17,14 @@ is refused, not read). Errors are TokenizerErrors naming the file, never quoting
 from __future__ import annotations
 
 import json
-import os
 import re
-import stat
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from . import chat_template as templates
+from .budget import read_bounded
 from .errors import InputError, TokenizerError
 
 SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
@@ -272,45 +271,9 @@ def _check_vocab_fits(backend, path: Path, model_config: dict, config_path: Path
 
 
 def read_bytes(path: Path, limit: int, limit_name: str) -> bytes | None:
-    """The bytes of the checkpoint file `path`, or None when it does not exist. Opened
-    non-blocking (a FIFO never hangs), then fstat on that descriptor: anything but a regular
-    file (a FIFO, a device such as /dev/zero, a folder, through a symlink or not) is refused,
-    and so is a file over `limit` bytes (named `limit_name`), before any byte is read; at most
-    limit + 1 bytes are ever read (a file that grows meanwhile is refused too)."""
-    path = Path(path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    link = f" (a symlink to {os.readlink(path)})" if path.is_symlink() else ""
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        if link:
-            raise TokenizerError(f"{path}: a broken symlink{link}") from None
-        return None
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot be opened ({e.strerror or e}){link}") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
-        os.close(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise TokenizerError(f"{path}: not a regular file{link} ({_kind(info.st_mode)}); it is not read")
-        raise TokenizerError(f"{path}: {info.st_size:,} bytes{link}, over the limit of {limit:,} ({limit_name}); "
-                             "it is not read")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            data = f.read(limit + 1)
-        except OSError as e:
-            raise TokenizerError(f"{path}: cannot be read ({e.strerror or e}){link}") from None
-    if len(data) > limit:
-        raise TokenizerError(f"{path}: more than {limit:,} bytes ({limit_name}); it is not read further")
-    return data
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a plain file"
+    """The bytes of the checkpoint file `path`, or None when it does not exist: the one bounded
+    reader (llamaspec.budget.read_bounded), its refusals TokenizerErrors."""
+    return read_bounded(path, TokenizerError, limit, Path(path).name, limit_name, missing_ok=True)
 
 
 def read_text(path: Path, limit: int, limit_name: str) -> str | None:

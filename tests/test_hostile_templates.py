@@ -322,10 +322,11 @@ def test_hostile_tokenizer_file_is_refused_unread(tmp_path, name, plant, words):
     assert MARK not in message
 
 
-# (A FIFO or /dev/zero as tokenizer.json is refused by the CLI's own is_file() check before
-# the tokenizer is read: "no tokenizer.json", exit 2; the rows above hold the reader itself.)
+# The CLI's presence check (os.path.lexists) leaves a FIFO or a device to the reader, which names
+# it "not a regular file" (an is_file() check called it absent: "no tokenizer.json").
 CLI_FILES = {"symlink-to-sparse-terabyte": lambda p, t: _symlink_to_sparse(p, t, 1 << 40),
-             "oversize": _oversize("MAX_TOKENIZER_BYTES"), "nested-bomb": _json_bomb}
+             "oversize": _oversize("MAX_TOKENIZER_BYTES"), "nested-bomb": _json_bomb,
+             "fifo": _fifo, "dev-zero": _dev_zero}
 
 
 @pytest.mark.parametrize("plant", list(CLI_FILES))
@@ -339,6 +340,8 @@ def test_cli_exit_2_for_a_hostile_tokenizer_json(tmp_path, tiny_dir, capsys, pla
     err = capsys.readouterr().err
     assert code == 2, err
     assert str(path) in err and "internal error" not in err, err
+    if plant in ("fifo", "dev-zero"):
+        assert "not a regular file" in err, err
 
 
 def test_symlinked_regular_files_are_read_as_the_hub_cache_needs(tmp_path):
