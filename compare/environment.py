@@ -66,6 +66,8 @@ def _torch_settings() -> dict:
 
 
 def _jax_settings() -> dict:
+    from llamaspec.plan import check_xla_flags
+    check_xla_flags()       # before JAX starts: XLA ends the process on a flag it does not know
     import jax
 
     from jaxmodel.dtypes import compiler_options

@@ -17,7 +17,6 @@ folder. XLA_FLAGS (an --xla_cpu_max_isa cap included) are part of JAX's own key.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from pathlib import Path
 
@@ -52,7 +51,8 @@ def enable(jax_config=None) -> Path | None:
     program, however small or quick to compile. Returns the folder, or None when it is off
     (LLAMA_PARITY_JAX_CACHE=0, a cache dir the user set for JAX, or an unusable folder: then
     a one-line warning on stderr and JAX compiles as without it)."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    from llamaspec.plan import setting
+    if setting(ENV, ("1", "on", "true", "yes", "0", "off", "false", "no"), default="1") in ("0", "off", "false", "no"):
         return None
     if jax_config is None:
         import jax

@@ -10,7 +10,8 @@ examples, one per verb (`llama-parity VERB --help`: its flags and more examples)
 
 Exit codes: 0 exact or drift; 1 a precision or semantic finding; 2 a usage error or bad
 input (one line naming the argument, file or field; checked before any model loads);
-3 an internal error (one line; rerun with --debug for the traceback); 130 interrupted.
+3 an internal error (one line; rerun with --debug for the traceback); 130 interrupted (Ctrl-C);
+143 ended by SIGTERM (cleaned up as after Ctrl-C).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from llama_parity.cli import main
 from llamaspec import LlamaConfig
 from llamaspec import fixed_order as fo
 from llamaspec.checkpoint import Checkpoint, load_weights
-from llamaspec.errors import CheckpointError, InvarianceError, LlamaParityError
+from llamaspec.errors import CheckpointError, InputError, InvarianceError, LlamaParityError
 from llamaspec.plan import SettingError, setting
 from llamaspec.testing import make_checkpoint
 
@@ -456,3 +456,13 @@ def test_budget_bounds_hold_for_real_models():
     cfg = LlamaConfig.from_dict(big)
     assert cfg.num_hidden_layers <= MAX_LAYERS and cfg.vocab_size <= MAX_SIZE_FIELD
     assert MAX_HOST_DEVICES >= 512
+
+
+@pytest.mark.parametrize("options", [dict(length=1_000_000), dict(length=8, batch_sizes=(2, 10**9))],
+                         ids=["length-beyond-positions", "batch-sizes-huge"])
+def test_probe_where_library_call_checks_the_budget(tiny_dir, options):
+    """probe_where as a library call: the same budget the CLI checks, before the plan's arrays."""
+    from compare.probes.where import probe_where
+    with pytest.raises(InputError) as info:
+        probe_where("torchref", "batch", checkpoint=tiny_dir("gqa"), policy="fp32", **options)
+    assert "probe where, batch" in str(info.value), info.value

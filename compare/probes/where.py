@@ -54,7 +54,7 @@ from llamaspec.taps import input_tap
 from ..metrics import max_ulp, nonfinite
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
-from .where_plan import CIRCUMSTANCES, Pair, mesh_label, plan
+from .where_plan import CIRCUMSTANCES, Pair, check_budget, mesh_label, plan
 from .where_sources import ReplayDiffers, stage_taps, stages
 
 BEYOND = ("precision", "semantic")
@@ -622,6 +622,9 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
     if circumstance == "sharding":
         options["meshes"] = _sharded(setup, options.get("meshes"), progress)
     target = _target(setup.cfg, ids, length, seed)
+    # the CLI checks this before loading (probe_cli._where_budget); here for callers of the library
+    check_budget(circumstance, target.shape[-1], int(setup.cfg.max_position_embeddings), int(setup.cfg.vocab_size),
+                 **{k: v for k, v in options.items() if k != "meshes"})
     pad = getattr(setup.cfg, "pad_token_id", None)
     runs, pairs = plan(circumstance, target, int(setup.cfg.vocab_size), 0 if pad is None else int(pad), seed,
                        **options)
