@@ -278,6 +278,51 @@ def test_port_cannot_change_what_it_is_handed(case: Port):
     assert ids.flags.writeable and mask.flags.writeable, "the caller's own arrays were frozen"
 
 
+class _StepPort:
+    """A port with the decode protocol (prefill, decode_capture) that writes into one input."""
+    taps = ("layers.0.out",)
+
+    def __init__(self, writes: str | None):
+        self.writes, self.name = writes, f"step-port-{writes}"
+
+    def capture(self, tokens, attention_mask, taps, inject=None):
+        B, T = np.shape(tokens)
+        return np.zeros((B, T, 96), np.float32), {t: np.zeros((B, T, 32), np.float32) for t in taps}
+
+    def prefill(self, ids, mask, total_len, inject=None):
+        if self.writes == "prefill-ids":
+            ids[:, 0] = 1
+        if self.writes == "prefill-mask":
+            mask[:, 0] = 0
+        return {"length": ids.shape[1]}, np.zeros((*ids.shape, 96), np.float32)
+
+    def decode_capture(self, cache, next_ids, taps, inject=None):
+        if self.writes == "decode-next-ids":
+            next_ids[0] = 1
+        cache["length"] += 1      # the cache is the port's own: it may change it
+        B = len(next_ids)
+        return cache, np.zeros((B, 1, 96), np.float32), {t: np.zeros((B, 1, 32), np.float32) for t in taps}
+
+
+@pytest.mark.parametrize("writes", ["prefill-ids", "prefill-mask", "decode-next-ids", None])
+def test_decode_protocol_calls_hand_over_read_only_inputs(writes):
+    """prefill / decode_capture get read-only copies as capture does; the port's cache stays its own."""
+    ids, mask, step = np.full((2, 4), 7), np.ones((2, 4), np.int64), np.array([5, 6])
+    before = ids.copy(), mask.copy(), step.copy()
+    port = resolve_side(_StepPort(writes), None, "fp32").at_policy
+
+    def run():
+        cache, _ = port.prefill(ids, mask, 8)
+        cache, _, _ = port.decode_capture(cache, step, ("layers.0.out",))
+        return cache
+    if writes is None:
+        assert run() == {"length": 5}
+    else:
+        with pytest.raises(PortError, match=rf"step-port-{writes}: wrote into a read-only array"):
+            run()
+    assert all(np.array_equal(a, b) for a, b in zip((ids, mask, step), before)), "the caller's arrays changed"
+
+
 @pytest.mark.parametrize("change", ["ids", "mask"])
 def test_capture_and_compare_name_a_port_that_writes_its_inputs(change, tiny_dir, tmp_path):
     """The issue's case end to end: a candidate that writes into the token array it receives

@@ -21,6 +21,7 @@ forced_capture), which the report says.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 from collections.abc import Mapping
@@ -219,6 +220,9 @@ class Checked:
         self.name, self.taps = str(impl.name), tuple(impl.taps)
         if callable(getattr(impl, "float64", None)):
             self.float64 = lambda: checked_with(impl.float64(), cfg)
+        for method in _STEPS:   # the decode protocol's calls, where the port has them (never added)
+            if callable(getattr(impl, method, None)):
+                setattr(self, method, _handed_read_only(self.name, getattr(impl, method)))
 
     def __getattr__(self, key):
         if key in ("wrapped", "cfg_checked"):
@@ -237,6 +241,38 @@ class Checked:
             raise PortError(f"{self.name}: capture raised {type(e).__name__}: {e}") from e
         B, T = np.shape(tokens)[:2]
         return check_capture(self.name, out, list(taps), B, T, self.cfg_checked)
+
+
+# The decode protocol's calls: their token ids and masks (numpy arrays) are handed over as
+# capture's are, read-only copies checked after the call; the cache is the port's own object.
+_STEPS = ("prefill", "prefill_capture", "decode", "decode_capture")
+
+
+def _handed_read_only(name: str, method):
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):
+        signature = None
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        bound = None
+        if signature is not None:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                bound = None
+        if bound is None:       # a signature we cannot read: the call as given, its arrays guarded by position
+            given = HandedOver(**{f"argument {i}": a for i, a in enumerate(args) if isinstance(a, np.ndarray)})
+            args = tuple(given[f"argument {i}"] if isinstance(a, np.ndarray) else a for i, a in enumerate(args))
+        else:
+            given = HandedOver(**{k: a for k, a in bound.arguments.items() if isinstance(a, np.ndarray)})
+            for k in given.arrays:
+                bound.arguments[k] = given[k]
+            args, kwargs = bound.args, bound.kwargs
+        with given.call(name):
+            return method(*args, **kwargs)
+    return call
 
 
 def checked_with(impl, cfg):
