@@ -203,6 +203,25 @@ def test_every_reader_refuses_a_bad_checkpoint_with_the_same_error(case, bad_che
     assert {r: m for r, m in messages.items() if m != messages["load_weights"]} == {}, messages["load_weights"]
 
 
+CLI_BAD = ["tied-lm-head-differs", "nan-in-unused-embedding-row", "wrong-shape"]
+
+
+@pytest.mark.parametrize("stream", [[], ["--no-stream"]], ids=["streamed", "whole"])
+@pytest.mark.parametrize("name", CLI_BAD)
+def test_the_cli_refuses_a_bad_checkpoint_with_exit_2_streamed_or_whole(name, stream, bad_checkpoints, capsys):
+    """The same checkpoints through `compare` (streamed by default, and --no-stream): exit 2 and
+    the validated() message, never a verdict (the streamed path said 'drift', exit 0, for the
+    first row)."""
+    from llama_parity.cli import main
+    words = next(c[-1] for c in BAD if c[0] == name)
+    capsys.readouterr()
+    rc = main(["compare", str(bad_checkpoints[name]), "--random-tokens", "1x6", "--no-files",
+               "--no-teacher-forcing", *stream])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert all(w in err for w in words) and "internal error" not in err, err
+
+
 @pytest.mark.parametrize("reader", list(READERS), ids=list(READERS))
 def test_a_tied_checkpoint_with_its_embedding_copied_as_lm_head_is_read_by_every_reader(reader, tiny_dir,
                                                                                          tmp_path):
