@@ -102,12 +102,13 @@ def read_bounded(path, error, limit: int = MAX_JSON_BYTES, what: str = "file", l
         raise error(f"{path}: no such file") from None
     except OSError as e:
         raise error(f"{path}: cannot be opened ({e.strerror or e}){link}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+        os.close(fd)     # (before fdopen, which refuses a folder's descriptor with an OSError of its own)
         if not stat.S_ISREG(st.st_mode):
             raise error(f"{path}: not a regular file{link} ({_kind(st.st_mode)}), so not a {what}; it is not read")
-        if st.st_size > limit:
-            raise error(f"{path}: {st.st_size} bytes{link}, more than a {what} may hold ({bound}); it is not read")
+        raise error(f"{path}: {st.st_size} bytes{link}, more than a {what} may hold ({bound}); it is not read")
+    with os.fdopen(fd, "rb") as f:
         try:
             data = f.read(limit + 1)
         except OSError as e:
