@@ -19,12 +19,18 @@ FP64_MATH = "fp64_math"                 # the fp64 runs differ beyond rounding, 
 PRECISION = "precision"                 # the working rung: err(cand) > M err(ref) + floor
 DRIFT = "drift"                         # within the drift bound
 NO_TWIN_SEMANTIC = "no_twin_semantic"   # no float64 twin: structure or size says math
-NO_TWIN_PRECISION = "no_twin_precision"
+NO_TWIN_PRECISION = "no_twin_precision"   # no twin: within the rounding of the policy's own dtypes
+# no twin, no structure, beyond any rounding of the policy's declared dtypes but within what a step in a
+# narrower dtype could make: the evidence cannot tell a lower-precision step from a change in the math
+NO_TWIN_UNDECIDED = "no_twin_undecided"
 NO_TWIN_DRIFT = "no_twin_drift"
 NO_TWIN_NONFINITE = "no_twin_nonfinite"
 ONSET = "decode_onset"                  # decode: dtype noise that starts at a later step
 POOLED_DRIFT = "decode_pooled_drift"    # decode: one step over the bound, all steps under it
 POOLED_NO_STRUCTURE = "decode_pooled_no_structure"  # decode: a pattern one step shows, all steps not
+# A difference a convention explains (kind "convention": reported apart from findings, standing as drift)
+SHIFT_INVARIANT = "shift_invariant"     # logits: a per-position constant shift, which changes no probability
+LAYOUT_CONVENTION = "layout_convention"     # q/k: features permuted within each head, undone by attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +83,40 @@ class Noise:
 
 
 @dataclasses.dataclass(frozen=True)
+class Declared:
+    """No twin: the error measured against the rounding the candidate's declared policy makes.
+    dtype: the coarsest dtype the policy names for any step (compute, accum, norm, softmax, RoPE,
+    residual, logits, params); units: the candidate's rel error in that dtype's unit roundoffs;
+    narrower: the dtypes narrower than it whose one rounding (NOISE_BAND) the error's size fits;
+    held: a narrower dtype that holds every value of the candidate's tap (a step whose output was
+    rounded to it: a named narrower dtype), None when none does."""
+    dtype: str
+    units: float
+    narrower: tuple = ()
+    held: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Convention:
+    """A difference that a convention explains, not a finding (kind "convention"):
+    what      "logit_shift": the logits differ by a constant per position (softmax-invariant);
+              "feature_permutation": q/k features permuted within each head (a RoPE pair layout)
+    raw       the tap's own record before the convention was removed (its kind: what it read as)
+    removed   the record of the same rung on the difference with the convention removed
+              (logits minus their per-position mean; the candidate's features put back in place)
+    numbers   plain values: logit_shift {"kl", "max_logprob_diff", "shift_min", "shift_max"};
+              feature_permutation {"perm", "pattern", "head_dim"}
+    confirmed feature_permutation: the first tap of its layer after the attention (attn_ctx on,
+              `confirmed_by`) is exact or drift (verdicts.settle_conventions); None until settled"""
+    what: str
+    raw: "Evidence"
+    removed: "Evidence"
+    numbers: dict = dataclasses.field(default_factory=dict)
+    confirmed: bool | None = None
+    confirmed_by: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Pooled:
     """Decode: a rung judged over every step at once (ratio and span, or the pooled kind)."""
     steps: int
@@ -105,10 +145,17 @@ class Evidence:
     hidden_by_policy: bool = False  # bitwise equal at the policy although the fp64 runs differ
     nonfinite: tuple = (0, 0, 0)    # NaN/Inf counts: reference, candidate, candidate at fp64
     too_big_for_rounding: bool = False   # no twin: larger than NOISE_BAND[1] bf16 roundings
+    declared: Declared | None = None     # no twin: the error against the declared policy's rounding
+    convention: Convention | None = None     # kind "convention": what explains the difference
     step: int | None = None         # decode: this step, and the step where the tap agreed before
     agreed_step: int | None = None
     pooled: Pooled | None = None
     looks_like: str | None = None   # decode onset: the dtype whose rounding the difference resembles
+
+    @property
+    def undecided(self) -> bool:
+        """No twin and coarse evidence: a lower-precision step and a change in the math both fit."""
+        return self.reason == NO_TWIN_UNDECIDED
 
     @property
     def unstructured(self) -> bool:

@@ -12,11 +12,15 @@ from .metrics import unit_roundoff
 
 KINDS = ("exact", "drift", "precision", "semantic")   # in order of severity
 # A tap after the first divergence that carries its difference (teacher forcing: nothing of its
-# own) is "inherited": a tap state, never a verdict (Report.verdict is one of KINDS).
-TAP_KINDS = ("exact", "drift", "inherited", "precision", "semantic")
-KIND_HEX = {"exact": "#8a8a8a", "drift": "#2e9d3a", "inherited": "#b8a27a", "precision": "#e07b00",
-            "semantic": "#d0312d"}
-KIND_ANSI = {"exact": "90", "drift": "32", "inherited": "2;33", "precision": "33", "semantic": "31"}  # terminal colours
+# own) is "inherited": a tap state, never a verdict (Report.verdict is one of KINDS). A tap whose
+# difference a convention explains that changes no prediction (logits shifted by a constant per
+# position; q/k features permuted in a layout the attention undoes: evidence.Convention) is
+# "convention": reported apart from the findings, it stands as drift in the overall verdict.
+TAP_KINDS = ("exact", "drift", "convention", "inherited", "precision", "semantic")
+KIND_HEX = {"exact": "#8a8a8a", "drift": "#2e9d3a", "convention": "#4f8fc0", "inherited": "#b8a27a",
+            "precision": "#e07b00", "semantic": "#d0312d"}
+KIND_ANSI = {"exact": "90", "drift": "32", "convention": "36", "inherited": "2;33", "precision": "33",
+             "semantic": "31"}  # terminal colours
 
 
 def kind_hex(kind) -> str:

@@ -52,9 +52,20 @@ def _permutation_name(d) -> str:
 
 
 def _rope_what(d) -> str:
+    """The frequencies as measured: one ratio (linear scaling); two implied thetas where one theta
+    for the other explains every pair; else the ratio from the highest frequencies to the lowest
+    (a schedule that keeps some bands and scales others: llama3-style scaling), never two thetas
+    that the frequencies do not follow."""
     if d["constant_ratio"]:
         return f"all frequencies scaled by {d['ratio_first']:.6g} (linear position scaling)"
-    return f"implied theta {d['theta_cand']:.6g} (candidate) vs {d['theta_ref']:.6g} (reference)"
+    first, last = d["ratio_first"], d.get("ratio_last", d["ratio_min"])
+    ratio = (f"frequency ratio (candidate / reference) from {first:.3g} at the highest frequencies to {last:.3g} "
+             f"at the lowest (range {d['ratio_min']:.3g} .. {d['ratio_max']:.3g})")
+    if d.get("one_theta", True):
+        return f"implied theta {d['theta_cand']:.6g} (candidate) vs {d['theta_ref']:.6g} (reference); {ratio}"
+    scaled, factor = ("the candidate", 1 / last) if last < 1 else ("the reference", last)
+    return (f"{ratio}, not one theta for another: a scaled RoPE in {scaled} (llama3-style band scaling, "
+            f"factor {factor:.3g}?)")
 
 
 def _norm_convention(d) -> str:

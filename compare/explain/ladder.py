@@ -137,14 +137,65 @@ def _no_twin_semantic(tap, e):
     return f"{_no_twin_base(e)}: most likely a difference in the math: {why}"
 
 
+def _declared_size(e) -> str:
+    d = e.declared
+    return f"{d.units:.3g} {d.dtype} unit roundoffs ({d.dtype}: the coarsest dtype {e.policy} declares)"
+
+
 def _no_twin_precision(tap, e):
     angle = e.span.highest_frequencies
     step = PRECISION_STEP.get(tapnames.tap(tap).kind, "a step computed in lower precision")
     if angle:
         step += ("; the excess sits in the highest-frequency pairs, where the angle (position x frequency) is "
                  "largest")
-    return (f"{_no_twin_base(e)}: no structure of different math{'' if angle else ' and rounding-sized'}, most "
+    d, n = e.declared, e.noise
+    size = ("" if angle or d is None else
+            f"; {_part_of(tap)} computes at about {n.dtype} precision: every value here is exact in {n.dtype}, "
+            f"narrower than {d.dtype} (this step's output was rounded to {n.dtype}, and {n.size:.2g} {n.dtype} unit "
+            "roundoffs is that rounding's size)"
+            if n is not None and n.inherited_from is None else
+            f"; it carries the {n.dtype} rounding of {n.inherited_from} (at most {NOISE_BAND[1]:g} {n.dtype} unit "
+            f"roundoffs: {e.err_cand / unit_roundoff(n.dtype):.2g})" if n is not None else
+            f" and rounding-sized for its policy ({_declared_size(e)})")
+    return (f"{_no_twin_base(e)}: no structure of different math{size}, most "
             f"likely precision: {step} (a small change in the math can look the same without the twin)")
+
+
+def _no_twin_undecided(tap, e):
+    d = e.declared
+    fits = (f"; one rounding to {' or '.join(d.narrower)} would be this size" if d.narrower else
+            "; smaller than one rounding to a narrower dtype, unless damped by the steps after it")
+    return (f"departs at {tap}: {e.ratio:.3g}x the drift bound over the {span(e.span)} (the candidate's error "
+            f"{e.err_cand:.1e} against the reference's {e.err_ref:.1e}), {_declared_size(e)}: far beyond any "
+            f"rounding of the dtypes its policy declares{fits}. No structure found; without a float64 twin or finer "
+            "taps the tool cannot tell rounding from math (a step computed in a narrower dtype than declared, or a "
+            "change in the math): counted as semantic; a float64() twin, or taps inside the layer (attn_norm, q, "
+            "attn_ctx, ...), decide it")
+
+
+_PERMUTATION = {"to_interleaved": "interleaved vs half-split RoPE pairs",
+                "to_half_split": "half-split vs interleaved RoPE pairs"}
+
+
+def _shift_invariant(tap, e):
+    c = e.convention
+    n = c.numbers
+    return (f"changes no probability: the logits differ by a constant per position (from {n['shift_min']:.3g} to "
+            f"{n['shift_max']:.3g}; as returned they read as {c.raw.kind}, rel L2 {c.raw.err_cand:.1e}), and with "
+            f"each position's mean removed they are {c.removed.kind} ({c.removed.err_cand:.1e} vs the reference's "
+            f"{c.removed.err_ref:.1e}); softmax is invariant to such a shift: mean KL {n['kl']:.1e}, max "
+            f"|log-softmax difference| {n['max_logprob_diff']:.1e} (a convention such as centred unembedding, "
+            "not a bug; a consumer of the raw logits sees the shift)")
+
+
+def _layout_convention(tap, e):
+    c = e.convention
+    name = _PERMUTATION.get(c.numbers.get("pattern"), "a fixed permutation of each head's features")
+    undone = (f"; the attention undoes it: {c.confirmed_by} is within rounding" if c.confirmed else
+              "; not yet confirmed by a later tap of the layer")
+    return (f"layout convention (features permuted: {name}): with each head's {c.numbers['head_dim']} features "
+            f"put back in the reference's order the tap is {c.removed.kind} ({c.removed.err_cand:.1e} vs the "
+            f"reference's {c.removed.err_ref:.1e}; as returned it reads as {c.raw.kind}){undone}")
 
 
 def _no_twin_drift(tap, e):
@@ -181,6 +232,8 @@ def _pooled_no_structure(tap, e):
 _TAP = {ev.NONFINITE: _nonfinite, ev.EXACT: lambda tap, e: "bitwise equal", ev.FP64_NOISE: _fp64_noise,
         ev.FP64_MATH: _fp64_math, ev.PRECISION: _precision, ev.DRIFT: _drift,
         ev.NO_TWIN_SEMANTIC: _no_twin_semantic, ev.NO_TWIN_PRECISION: _no_twin_precision,
+        ev.NO_TWIN_UNDECIDED: _no_twin_undecided, ev.SHIFT_INVARIANT: _shift_invariant,
+        ev.LAYOUT_CONVENTION: _layout_convention,
         ev.NO_TWIN_DRIFT: _no_twin_drift, ev.NO_TWIN_NONFINITE: _no_twin_nonfinite,
         ev.ONSET: _onset, ev.POOLED_DRIFT: _pooled_drift, ev.POOLED_NO_STRUCTURE: _pooled_no_structure}
 
@@ -342,6 +395,7 @@ def report_summary(r) -> str:
     if inherited:
         lines.append(f"{len(inherited)} later tap(s) inherit it (teacher forcing: nothing of their own), "
                      f"not findings: {inherited[0].tap} .. {inherited[-1].tap}")
+    lines += convention_lines(r.taps)
     if getattr(r, "nonfinite", None):
         lines.append(r.nonfinite.get("note") or nonfinite_line(r.nonfinite))
     if r.config_differences:
@@ -352,6 +406,22 @@ def report_summary(r) -> str:
         lines.append(f"fp64 rung {r.semantic_rung}: verdicts judged at {r.policy['name']} by structure "
                      "alone, a lower-precision step and a small change in the math can look alike")
     return "\n".join(lines + rest)
+
+
+def convention_lines(taps) -> list[str]:
+    """Taps whose difference a convention explains (kind "convention"), apart from the findings:
+    one line naming them and what the first of each reason is, or none."""
+    conv = [v for v in taps if v.kind == "convention"]
+    if not conv:
+        return []
+    seen, parts = set(), []
+    for v in conv:
+        if v.record.reason not in seen:
+            seen.add(v.record.reason)
+            parts.append(f"{v.tap}: {v.hint}")
+    return [f"{len(conv)} tap(s) differ by a convention that changes no prediction (not findings; the verdict "
+            f"counts them as {', '.join(sorted({v.record.convention.removed.kind for v in conv}))}): "
+            + "; ".join(parts)]
 
 
 def nonfinite_line(n: dict) -> str:

@@ -473,6 +473,32 @@ def _permutation(t: _Tap) -> Finding | None:
     return max(found, key=lambda f: f.score) if found else None
 
 
+def head_permutation(cand, ref, mask=None) -> tuple[np.ndarray, str | None] | None:
+    """At a per-head tap ([B, T, H, D]: q, k, q_rope, k_rope): the one permutation of the
+    head_dim features, the same in every head, with cand[..., j] ≈ ref[..., perm[j]], found by
+    matching columns (cos > PERM_COS over every row and head, explaining EXPLAINED of the
+    difference: _perm_on), and its name (to_interleaved: half-split pairs (i, i + D/2) written
+    as interleaved ones (2i, 2i + 1), as a q/k weight permutation for interleaved RoPE makes);
+    None when no such permutation exists. Whether cand with its features put back is within
+    rounding of ref is the caller's to judge (verdicts._convention)."""
+    c, r = as64(cand), as64(ref)
+    if c.ndim != 4 or c.shape != r.shape:
+        return None
+    m = np.ones(c.shape[:2], bool) if mask is None else np.asarray(mask, bool)
+    D = c.shape[-1]
+    X, Y = c[m].reshape(-1, D), r[m].reshape(-1, D)
+    rr = float((Y * Y).sum())
+    if not rr or not np.isfinite(X).all() or float(((X - Y) ** 2).sum()) < PERM_MIN_ERR ** 2 * rr:
+        return None
+    found = _perm_on(X, Y, "head_dim")
+    if found is None:
+        return None
+    perm = np.asarray(found.data["perm"])
+    if not np.array_equal(np.sort(perm), np.arange(D)):
+        return None     # two columns matched to one: not a permutation
+    return perm, found.data["pattern"]
+
+
 # --- sign bias --------------------------------------------------------------------------
 
 def _sign_bias(t: _Tap) -> Finding | None:
@@ -638,9 +664,16 @@ def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     linear = float(np.median(np.abs(wrap(dphi - pred)))) <= ROPE_LINEAR_TOL * typical
     tc, tr = _implied_theta(fc), _implied_theta(fr)
     const = bool(np.allclose(ratio, ratio[0], rtol=ROPE_CONST_RATIO))
+    # One theta for the other: log ratio_k = -(2k/D) log(theta_c/theta_r), a line through 0 in k
+    # (to ROPE_CONST_RATIO); a schedule that keeps some bands and scales others (llama3) is not.
+    k = np.arange(len(ratio), dtype=np.float64)
+    logr = np.log(np.where(ratio > 0, ratio, np.nan))
+    slope = float(np.nansum(k * logr) / np.sum(k * k)) if len(k) > 1 else 0.0
+    one_theta = bool(np.all(np.isfinite(logr))) and float(np.max(np.abs(logr - slope * k))) <= ROPE_CONST_RATIO
     return Finding("rope_frequency", 1.0, size,
                    dict(layout=lay, ratio_min=float(ratio.min()), ratio_max=float(ratio.max()), linear=linear,
-                        constant_ratio=const, ratio_first=float(ratio[0]), theta_cand=tc, theta_ref=tr))
+                        constant_ratio=const, ratio_first=float(ratio[0]), ratio_last=float(ratio[-1]),
+                        one_theta=one_theta, theta_cand=tc, theta_ref=tr))
 
 
 # --- RMSNorm epsilon ------------------------------------------------------------------------

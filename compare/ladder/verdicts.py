@@ -25,19 +25,26 @@ import numpy as np
 
 from llamaspec import Policy, positions_from_mask
 from llamaspec import taps as tapnames
+from llamaspec.checkpoint import numpy_dtype
 
 from ..evidence import (
     DRIFT,
     EXACT,
     FP64_MATH,
     FP64_NOISE,
+    LAYOUT_CONVENTION,
     NO_TWIN_DRIFT,
     NO_TWIN_NONFINITE,
     NO_TWIN_PRECISION,
     NO_TWIN_SEMANTIC,
+    NO_TWIN_UNDECIDED,
     NONFINITE,
     PRECISION,
+    SAME_LAYER,
+    SHIFT_INVARIANT,
     WHOLE_TAP,
+    Convention,
+    Declared,
     DecodePath,
     Evidence,
     Forcing,
@@ -67,7 +74,7 @@ from ..vocabulary import (
     precision_floor,
 )
 from .conventions import explain_attention
-from .structure import analyse, spearman, tap_inputs
+from .structure import analyse, head_permutation, spearman, tap_inputs
 
 _F32_STEP_KINDS = ("position_trend", "head_confinement", "half_confinement", "sign_bias")
 
@@ -509,9 +516,54 @@ def _working_rung(t: _Tap, hidden, noise: Noise | None) -> Evidence:
     return t.evidence("drift", DRIFT, ratio=ratio, span=where, noise=noise)
 
 
-def _no_twin_rung(t: _Tap, hidden, context) -> Evidence:
+def declared_dtype(policy: Policy) -> str:
+    """The coarsest dtype `policy` names for any step (params, compute, accumulation, norm,
+    softmax, RoPE, residual, logits): the largest rounding the declared policy itself makes."""
+    dtypes = [getattr(policy, f.name) for f in dataclasses.fields(policy) if f.name.endswith("_dtype")]
+    return max(dtypes, key=unit_roundoff)
+
+
+# A tap "held in" a narrower dtype: every nonzero finite value of the candidate's tap is exact in
+# it, over at least HELD_DISTINCT distinct values. A float32 value that is not a rounded bf16 or
+# fp16 one fits them by chance with probability 2**-16 or 2**-13, so 16 distinct values that all
+# fit are no accident (2**-200 at most): the step that made the tap rounded its output to it.
+HELD_DISTINCT = 16
+
+
+def held_in(values, wider_than: str) -> str | None:
+    """The narrowest of NOISE_DTYPES, narrower than `wider_than`, that holds every nonzero finite
+    value of `values` exactly (HELD_DISTINCT distinct ones at least); None when none does."""
+    v = np.asarray(values)
+    v = v[np.isfinite(v) & (v != 0)].astype(np.float64)
+    if np.unique(v).size < HELD_DISTINCT:
+        return None
+    for dt in sorted(NOISE_DTYPES, key=unit_roundoff, reverse=True):
+        if unit_roundoff(dt) <= unit_roundoff(wider_than):
+            break
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.array_equal(v.astype(numpy_dtype(dt)).astype(np.float64), v):
+                return dt
+    return None
+
+
+def _declared(err: float, policy: Policy, cand) -> Declared:
+    """err against the declared policy's rounding (evidence.Declared): in units of its coarsest
+    dtype, the narrower dtypes whose one rounding (NOISE_BAND) fits its size, and the narrower
+    dtype the candidate's own values at this tap are held in (held_in), if any."""
+    coarse = declared_dtype(policy)
+    u = unit_roundoff(coarse)
+    narrower = tuple(dt for dt in NOISE_DTYPES if unit_roundoff(dt) > u
+                     and NOISE_BAND[0] <= err / unit_roundoff(dt) <= NOISE_BAND[1])
+    return Declared(coarse, err / u, narrower, held_in(cand, coarse))
+
+
+def _no_twin_rung(t: _Tap, hidden, context, noise_from: TapVerdict | None = None) -> Evidence:
     """Beyond the bound without a twin: semantic when the difference has a structure rounding
-    does not make, or is larger than a bf16 step could make; precision otherwise."""
+    does not make, or is larger than a bf16 step could make; precision when its size is the
+    rounding of the dtypes the candidate's policy declares (or a rounded RoPE angle's, in the
+    highest frequencies); otherwise undecided, counted semantic: larger than any rounding of
+    the declared dtypes, a step in a narrower dtype and a change in the math both fit, and
+    without a twin or finer taps nothing here tells them apart (docs/method.md)."""
     ratio, where = t.working_ratio(hidden)
     if ratio <= 1:
         return t.evidence("drift", NO_TWIN_DRIFT, ratio=ratio, span=where)
@@ -521,25 +573,46 @@ def _no_twin_rung(t: _Tap, hidden, context) -> Evidence:
                                   {k: v for k, v in (context or {}).items() if k != "pre"})
              if f.kind not in ROUNDING_PATTERNS]
     e = t.evidence("", "", ratio=ratio, span=where, findings=found)
+    declared = _declared(e.err_cand, t.policy, t.c)
+    e = dataclasses.replace(e, declared=declared)
     # A rounded RoPE angle is the one step whose rounding is not bounded by a few roundings
     # of the values: its error is position x frequency x u, largest in the top pairs.
-    big = e.err_cand > NOISE_BAND[1] * unit_roundoff("bfloat16") and not where.highest_frequencies
+    angle = where.highest_frequencies
+    big = e.err_cand > NOISE_BAND[1] * unit_roundoff("bfloat16") and not angle
     if found or big:
         return dataclasses.replace(e, kind="semantic", reason=NO_TWIN_SEMANTIC, too_big_for_rounding=big)
-    return dataclasses.replace(e, kind="precision", reason=NO_TWIN_PRECISION)
+    # Rounding-sized: for a dtype the policy declares, or for a named narrower dtype: the one that
+    # holds the candidate's values here (this step rounded its output to it), or, carried, the one
+    # an earlier tap was held in (noise_from: its rounding reaches the taps after it).
+    if declared.held is not None and e.err_cand <= NOISE_BAND[1] * unit_roundoff(declared.held):
+        noise = Noise(declared.held, e.err_cand / unit_roundoff(declared.held), step="output")
+        return dataclasses.replace(e, kind="precision", reason=NO_TWIN_PRECISION, noise=noise)
+    carried = noise_from is not None and e.err_cand <= NOISE_BAND[1] * unit_roundoff(noise_from.noise_dtype)
+    if carried:
+        return dataclasses.replace(e, kind="precision", reason=NO_TWIN_PRECISION,
+                                   noise=Noise(noise_from.noise_dtype, None, noise_from.tap, step="carried"))
+    if declared.units <= NOISE_BAND[1] or angle:
+        return dataclasses.replace(e, kind="precision", reason=NO_TWIN_PRECISION)
+    return dataclasses.replace(e, kind="semantic", reason=NO_TWIN_UNDECIDED)
 
 
 def classify_without_twin(tap, ref, cand, oracle, mask, policy: Policy, context=None,
-                          hidden: int | None = None) -> TapVerdict:
+                          hidden: int | None = None, noise_from: TapVerdict | None = None) -> TapVerdict:
     """The ladder for one tap when the candidate has no float64 twin (a port without
     float64(), a dump from another engine): judged at the policy alone, by size and
     structure (docs/method.md, "Without a float64 twin"). context: context_for(tap,
-    cand at P, oracle), the candidate's own pre-RoPE q/k standing in for its twin's."""
+    cand at P, oracle), the candidate's own pre-RoPE q/k standing in for its twin's.
+    noise_from: the earlier tap whose values were held in a narrower dtype (its record's noise),
+    whose rounding the later taps carry."""
+    ev = _without_twin(tap, ref, cand, oracle, mask, policy, context, hidden, noise_from)
+    return TapVerdict.of(tap, _convention(tap, ref, cand, oracle, None, mask, policy, False, hidden, ev) or ev)
+
+
+def _without_twin(tap, ref, cand, oracle, mask, policy, context, hidden, noise_from=None) -> Evidence:
     t = _Tap.of(tap, ref, cand, oracle, None, mask, policy)
-    ev = (_nonfinite_rung(t, twin=False)
-          or (t.evidence("exact", EXACT) if np.array_equal(t.r, t.c) else None)
-          or _no_twin_rung(t, hidden, context))
-    return TapVerdict.of(tap, ev)
+    return (_nonfinite_rung(t, twin=False)
+            or (t.evidence("exact", EXACT) if np.array_equal(t.r, t.c) else None)
+            or _no_twin_rung(t, hidden, context, noise_from))
 
 
 def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bool,
@@ -555,9 +628,17 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
 
     The rungs, in order: NaN/Inf; the fp64 rung (first even where the policy's values are
     bitwise equal: a difference in the math that the policy rounds away here is localised
-    where it starts); exact; the working rung (precision or drift)."""
+    where it starts); exact; the working rung (precision or drift). A finding that a
+    convention explains (the logits shifted by a constant per position; q/k features permuted
+    within each head) is kind "convention" (_convention)."""
     if cand64 is None:
-        return classify_without_twin(tap, ref, cand, oracle, mask, policy, context, hidden)
+        return classify_without_twin(tap, ref, cand, oracle, mask, policy, context, hidden, noise_from)
+    ev = _with_twin(tap, ref, cand, oracle, cand64, mask, policy, keeps_f32, context, hidden, noise_from)
+    return TapVerdict.of(tap, _convention(tap, ref, cand, oracle, cand64, mask, policy, keeps_f32, hidden, ev)
+                         or ev)
+
+
+def _with_twin(tap, ref, cand, oracle, cand64, mask, policy, keeps_f32, context, hidden, noise_from) -> Evidence:
     t = _Tap.of(tap, ref, cand, oracle, cand64, mask, policy)
     ev = _nonfinite_rung(t, twin=True)
     if ev is None:
@@ -565,7 +646,126 @@ def classify(tap, ref, cand, oracle, cand64, mask, policy: Policy, keeps_f32: bo
         ev, noise = _fp64_rung(t, keeps_f32, context or {}, noise_from, equal)
         if ev is None:
             ev = t.evidence("exact", EXACT, noise=noise) if equal else _working_rung(t, hidden, noise)
-    return TapVerdict.of(tap, ev)
+    return ev
+
+
+# ----- differences a convention explains: they change no prediction ------------------------------
+
+FINDINGS = ("precision", "semantic")
+# Taps whose values depend on the order of each head's features (the RoPE pair layout): a port
+# may permute q/k's head_dim features (torchtune: interleaved pairs) where its attention undoes it.
+LAYOUT_TAPS = ("q", "k", "q_rope", "k_rope")
+# The taps of a layer that the attention has already consumed q and k for: a permutation that
+# the attention undoes leaves them within rounding.
+AFTER_ATTENTION = ("attn_ctx", "attn_out", "resid_mid", "mlp_norm", "gate", "up", "act", "mlp_out", "out")
+
+
+def _convention(tap, ref, cand, oracle, cand64, mask, policy, keeps_f32, hidden, raw: Evidence) -> Evidence | None:
+    """A finding (raw) that a convention explains, as a "convention" record; else None. The same
+    rungs judge the tap again with the convention removed from every side, and it is a convention
+    only when that judgement is exact or drift:
+    - logits: each position's logits minus their mean (a constant shift per position changes no
+      probability: softmax is invariant to it);
+    - q, k, q_rope, k_rope: the candidate's head_dim features put back in the reference's order by
+      the one permutation, the same in every head, that matches its columns to the oracle's
+      (structure.head_permutation); whether the attention undoes it is settled across taps
+      (settle_conventions: the next tap of the layer that does not depend on the layout)."""
+    if raw.kind not in FINDINGS or raw.reason in (NONFINITE, NO_TWIN_NONFINITE):
+        return None
+    kind = tapnames.tap(tap).kind
+    twin = cand64 is not None
+
+    def judged(r, c, o, c64):
+        return (_with_twin(tap, r, c, o, c64, mask, policy, keeps_f32, None, hidden, None) if twin
+                else _without_twin(tap, r, c, o, mask, policy, None, hidden))
+    if kind == "logits":
+        removed = judged(*(None if a is None else _centred(a) for a in (ref, cand, oracle, cand64)))
+        if removed.kind not in ("exact", "drift"):
+            return None
+        conv = Convention("logit_shift", raw, removed, _shift_numbers(ref, cand, mask))
+        return dataclasses.replace(removed, kind="convention", reason=SHIFT_INVARIANT, convention=conv)
+    if kind in LAYOUT_TAPS:
+        perm = head_permutation(cand64 if twin else cand, oracle, mask)
+        if perm is None:
+            return None
+        back = np.argsort(perm[0])
+        removed = judged(ref, np.asarray(cand)[..., back], oracle, None if not twin else np.asarray(cand64)[..., back])
+        if removed.kind not in ("exact", "drift"):
+            return None
+        conv = Convention("feature_permutation", raw, removed,
+                          {"perm": [int(k) for k in perm[0]], "pattern": perm[1], "head_dim": len(perm[0])})
+        return dataclasses.replace(removed, kind="convention", reason=LAYOUT_CONVENTION, convention=conv)
+    return None
+
+
+def _centred(a) -> np.ndarray:
+    """Each position's values minus their mean, in float64 (the logits' per-position shift removed)."""
+    a = np.asarray(a, np.float64)
+    return a - a.mean(-1, keepdims=True)
+
+
+def _shift_numbers(ref, cand, mask) -> dict:
+    """What proves a shift changes no probability, between the two sides at the policy (real
+    positions, float64): the mean KL(reference || candidate) of the next-token distributions,
+    the largest |log-softmax difference|, and the per-position shift's range."""
+    r, c = (np.asarray(_real(a, mask), np.float64) for a in (ref, cand))
+    r, c = r.reshape(len(r), -1), c.reshape(len(c), -1)
+    lr, lc = (x - _logsumexp(x) for x in (r, c))
+    kl = float(np.mean(np.sum(np.exp(lr) * (lr - lc), axis=-1)))
+    shift = (c - r).mean(-1)
+    return {"kl": max(kl, 0.0), "max_logprob_diff": float(np.max(np.abs(lc - lr))),
+            "shift_min": float(shift.min()), "shift_max": float(shift.max())}
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    top = x.max(-1, keepdims=True)
+    return top + np.log(np.exp(x - top).sum(-1, keepdims=True))
+
+
+def _refresh(v: TapVerdict, ev: Evidence) -> None:
+    """v judged by another record (its metrics, inherited and local kept)."""
+    fresh = TapVerdict.of(v.tap, ev)
+    for f in ("kind", "err_ref", "err_cand", "err_fp64", "nonfinite", "hint", "precision_ratio", "noise_dtype",
+              "record"):
+        setattr(v, f, getattr(fresh, f))
+
+
+def settle_conventions(verdicts: list[TapVerdict]) -> None:
+    """A q/k feature permutation is a layout convention only where the attention undoes it: the
+    first tap of its layer after the attention (attn_ctx, or the first later one the port exposes:
+    AFTER_ATTENTION) is exact or drift. Confirmed, its record says by which tap; otherwise (that tap
+    is a finding, inherited, or the layer has none) the tap gets its own record back (the
+    permutation finding stays in it). Idempotent: first_divergence calls it."""
+    reverted = False
+    for i, v in enumerate(verdicts):
+        conv = v.record.convention if v.kind == "convention" and v.record is not None else None
+        if conv is None or conv.what != "feature_permutation" or conv.confirmed is not None:
+            continue
+        after = next((w for w in verdicts[i + 1:] if w.layer == v.layer
+                      and tapnames.tap(w.tap).kind in AFTER_ATTENTION), None)
+        if after is not None and after.kind in ("exact", "drift"):
+            _refresh(v, dataclasses.replace(v.record, convention=dataclasses.replace(
+                conv, confirmed=True, confirmed_by=after.tap)))
+        else:
+            _refresh(v, conv.raw)
+            reverted = True
+    if reverted and any(v.inherited is not None for v in verdicts):
+        _inherit_in_layer(verdicts)
+
+
+def _inherit_in_layer(verdicts: list[TapVerdict]) -> None:
+    """teacher.inherit's same-layer rule, for a first finding that settling moved earlier (a tap
+    that was a convention until its layer said otherwise, after inherit had picked a later origin):
+    the findings after it inside its layer, no more severe, carry its difference (SAME_LAYER)."""
+    origin = next((v for v in verdicts if v.inherited is None and v.kind in FINDINGS), None)
+    if origin is None:
+        return
+    for v in verdicts[verdicts.index(origin) + 1:]:
+        if (v.inherited is None and v.kind in FINDINGS and v.layer == origin.layer
+                and KINDS.index(v.kind) <= KINDS.index(origin.kind)):
+            v.inherited = Inherited(origin.tap, SAME_LAYER, v.kind)
+            v.kind = "inherited"
+            v.hint = explain.inherited_hint(v.inherited, v.local)
 
 
 def context_for(tap, c64, o) -> dict:
@@ -591,22 +791,34 @@ def context_for(tap, c64, o) -> dict:
 
 
 def _standing(v: TapVerdict) -> str:
-    """What an inherited tap counts for in the overall verdict: what teacher forcing says it adds
-    on its own (drift or exact), or, inside the origin's layer, drift unless bitwise equal."""
+    """What an inherited or convention tap counts for in the overall verdict: an inherited one, what
+    teacher forcing says it adds on its own (drift or exact), or, inside the origin's layer, drift
+    unless bitwise equal; a convention, the kind of its judgement with the convention removed."""
+    if v.kind == "convention":
+        return v.record.convention.removed.kind
     if v.local is not None:
         return v.local.kind
     return "exact" if v.metrics.get("max_ulp") == 0 else "drift"
 
 
 def first_divergence(verdicts: list[TapVerdict]) -> tuple[str, Divergence | None]:
-    """The overall verdict (the worst tap's kind; inherited taps are not findings) and, for
-    precision or semantic, the earliest tap of that kind as a Divergence."""
-    judged = [v for v in verdicts if v.inherited is None]
-    worst = max([v.kind for v in judged] + [_standing(v) for v in verdicts if v.inherited is not None],
-                key=KINDS.index)
+    """The overall verdict and, for precision or semantic, the first departure as a Divergence.
+
+    The first departure is the earliest tap, in execution order, whose error leaves the drift
+    envelope (a precision or semantic finding of its own: not inherited, not a convention),
+    whatever its class; its class is the one decided there (a no-twin tap whose evidence cannot
+    tell rounding from math says so: evidence.NO_TWIN_UNDECIDED). The overall verdict is the
+    worst kind over the taps (inherited and convention taps by their standing, _standing): a
+    later semantic finding that teacher forcing does not attribute to the first keeps the
+    verdict semantic, while the report points at where the numbers first part. Conventions are
+    settled first (settle_conventions)."""
+    settle_conventions(verdicts)
+    own = [v for v in verdicts if v.inherited is None and v.kind != "convention"]
+    worst = max([v.kind for v in own] + [_standing(v) for v in verdicts if v.inherited is not None
+                                         or v.kind == "convention"], key=KINDS.index)
     if worst in ("exact", "drift"):
         return worst, None
-    first = next(v for v in judged if v.kind == worst)
+    first = next(v for v in own if v.kind in FINDINGS)
     return worst, Divergence(first.tap, first.layer, first.component, first.kind, "", record=first.record).explain()
 
 
@@ -637,7 +849,6 @@ def nonfinite_cause(tap: str, cfg, policy: Policy, max_position: int) -> tuple[s
     0), a RoPE base or factor that is 0 or Inf in the rope_dtype, positions past the rope_dtype's
     range (the angles, position x frequency, overflow); else None. cfg: a llamaspec LlamaConfig
     (anything else: nothing to say)."""
-    from llamaspec.checkpoint import numpy_dtype
     if cfg is None or not hasattr(cfg, "rope"):
         return None
     kind = tapnames.tap(tap).kind

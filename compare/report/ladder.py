@@ -287,12 +287,16 @@ def _tap_table(taps: list[dict]) -> str:
     if len(taps) <= COLLAPSE_AFTER:
         return f"<table>{_TAP_HEAD}{''.join(_tap_row(t) for t in taps)}</table>"
     loud = [t for t in taps if t.get("kind") in ("precision", "semantic")]
-    quiet = [t for t in taps if t.get("kind") not in ("precision", "semantic")]
+    conv = [t for t in taps if t.get("kind") == "convention"]
+    quiet = [t for t in taps if t.get("kind") not in ("precision", "semantic", "convention")]
     out = []
     if loud:
         out.append(f"<p>{len(loud)} tap(s) with a precision or semantic finding:</p>"
                    f"<table>{_TAP_HEAD}{''.join(_tap_row(t) for t in loud)}</table>")
-    out.append(f"<details><summary>{'All other' if loud else 'All'} {len(quiet)} taps "
+    if conv:
+        out.append(f"<p>{len(conv)} tap(s) differ by a convention that changes no prediction (not findings):</p>"
+                   f"<table>{_TAP_HEAD}{''.join(_tap_row(t) for t in conv)}</table>")
+    out.append(f"<details><summary>{'All other' if loud or conv else 'All'} {len(quiet)} taps "
                f"(exact/drift/inherited), in execution order</summary>"
                f"<table>{_TAP_HEAD}{''.join(_tap_row(t) for t in quiet)}</table></details>")
     return "".join(out)
@@ -301,7 +305,7 @@ def _tap_table(taps: list[dict]) -> str:
 def _counts(taps: list[dict]) -> str:
     n = {k: sum(t.get("kind") == k for t in taps) for k in TAP_KINDS}
     return ", ".join(f"<span style='color:{kind_hex(k)};font-weight:600'>{n[k]} {k}</span>"
-                     for k in TAP_KINDS if k != "inherited" or n[k])
+                     for k in TAP_KINDS if k not in ("inherited", "convention") or n[k])
 
 
 def _divergence_block(r: dict, verdict: str) -> str:
