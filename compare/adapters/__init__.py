@@ -5,8 +5,11 @@ The Implementation protocol: an object with
     name: str
     taps: tuple[str, ...]                         # the tap names it can return
     capture(tokens, attention_mask, taps, inject=None) -> (logits, {tap: array})   # numpy
-    float64() -> Implementation                   # optional: the same thing at float64
+    float64() -> Implementation                   # optional: the same thing at float64 (the
+                                                  # checkpoint's weights, float64 arithmetic; a
+                                                  # `checkpoint` keyword is handed the folder)
     keeps_f32: bool                               # optional: its float64 run keeps f32 steps
+                                                  # (else inferred from the twin's numbers)
     supports_inject: bool                         # optional: False says "no teacher forcing" up front
 
 The optional parts and their defaults are listed in docs/ports.md; the engine reads nothing
@@ -133,7 +136,8 @@ class Side:
     name: str
     at_policy: Implementation
     at_fp64: Implementation | None
-    keeps_f32: bool     # its float64 run keeps f32 steps (transformers does)
+    keeps_f32: bool     # its float64 run keeps f32 steps (transformers does); the ladder also
+                        # infers it from the twin's numbers (compare.ladder.twins)
     taps: tuple[str, ...]
 
     @classmethod
@@ -207,7 +211,18 @@ def checked(impl, checkpoint=None):
             cfg = LlamaConfig.from_file(Path(checkpoint) / "config.json")
         except (LlamaParityError, OSError, ValueError):
             cfg = None
-    return checked_with(impl, cfg)
+    return checked_with(impl, cfg, checkpoint)
+
+
+def _twin_of(impl, checkpoint):
+    """impl.float64(), handed the checkpoint folder when its float64 takes a `checkpoint` keyword
+    (TorchModule's does: the twin then reads the checkpoint's weights at float64 instead of
+    casting rounded working weights; docs/ports.md, the twin's contract)."""
+    try:
+        takes = "checkpoint" in inspect.signature(impl.float64).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return impl.float64(checkpoint=checkpoint) if takes and checkpoint is not None else impl.float64()
 
 
 class Checked:
@@ -215,11 +230,11 @@ class Checked:
     tap present, each numpy-convertible, of a float dtype, shaped [B, T, ...] (the
     checkpoint's shape for the tap when a config is known). Other attributes are the port's."""
 
-    def __init__(self, impl, cfg: LlamaConfig | None = None):
+    def __init__(self, impl, cfg: LlamaConfig | None = None, checkpoint=None):
         self.wrapped, self.cfg_checked = impl, cfg
         self.name, self.taps = str(impl.name), tuple(impl.taps)
         if callable(getattr(impl, "float64", None)):
-            self.float64 = lambda: checked_with(impl.float64(), cfg)
+            self.float64 = lambda: checked_with(_twin_of(impl, checkpoint), cfg)
         for method in _STEPS:   # the decode protocol's calls, where the port has them (never added)
             if callable(getattr(impl, method, None)):
                 setattr(self, method, _handed_read_only(self.name, getattr(impl, method)))
@@ -275,8 +290,8 @@ def _handed_read_only(name: str, method):
     return call
 
 
-def checked_with(impl, cfg):
-    return (CheckedCallable if callable(impl) else Checked)(impl, cfg)
+def checked_with(impl, cfg, checkpoint=None):
+    return (CheckedCallable if callable(impl) else Checked)(impl, cfg, checkpoint)
 
 
 class CheckedCallable(Checked):

@@ -25,9 +25,13 @@ takes an `inject` keyword. `supports_inject` says which; capture(..., inject=...
 adapter without it is a NotImplementedError naming the way to add it.
 
 float64(): the same port computing in float64 where the framework allows: a deep copy of
-the torch module cast with .to(torch.float64); JAX params cast to float64 and every call
-run under jax.enable_x64(True). Code that hard-codes a narrower dtype keeps it (say so with
-keeps_f32=True: its float64 run keeps f32 steps, as transformers' does).
+the torch module cast with .to(torch.float64) (with the checkpoint's own weights at float64
+when the module holds them rounded to bf16/fp16 and the checkpoint is known:
+checkpoint_weights); JAX params cast to float64 and every call run under
+jax.enable_x64(True) (a JAX port's params are cast as they are: bf16 params stay rounded,
+which the ladder finds by the embed tap and says). Code that hard-codes a narrower dtype
+keeps it (say so with keeps_f32=True: its float64 run keeps f32 steps, as transformers'
+does; the ladder infers it from the twin's numbers otherwise, compare.ladder.twins).
 """
 
 from __future__ import annotations
@@ -378,13 +382,15 @@ class TorchModule(_Port):
     module's device). num_layers: counted from the container that "{i}" indexes, or the
     module's config. inject_map: the decoder layer path ("model.layers.{i}") whose first
     input inject replaces; by default the path of "layers.{i}.out". head_dim reshapes
-    per-head taps (default: the module's config).
+    per-head taps (default: the module's config). checkpoint: the folder the module was
+    loaded from, for float64() to read the weights at full precision (see there).
     """
 
     def __init__(self, module, taps_map: dict, name: str | None = None, forward=None, num_layers: int | None = None,
                  inject_map: str | None = None, head_dim: int | None = None, vocab_size: int | None = None,
-                 keeps_f32: bool = False):
+                 keeps_f32: bool = False, checkpoint=None):
         self.module = module
+        self.checkpoint = checkpoint
         self.taps_map = dict(taps_map)
         self.name = name or type(module).__name__
         self.forward = forward or default_torch_forward
@@ -455,15 +461,50 @@ class TorchModule(_Port):
                                + " in one forward: map a module called once per forward")
         return self._finish(_torch_numpy(first_tensor(logits, "logits")), acts, wanted, self.paths)
 
-    def float64(self) -> "TorchModule":
+    def float64(self, checkpoint=None) -> "TorchModule":
         """A deep copy cast to float64 (the module is left as given); same maps. Hooks the
-        user registered on the module are copied with it."""
+        user registered on the module are copied with it.
+
+        The twin's contract is the checkpoint's weights at float64. A bf16/fp16 module holds
+        them rounded, and a cast keeps the rounding; so when a checkpoint folder is known (this
+        argument, the constructor's, or the ladder's: compare.adapters.Checked hands it over)
+        and every floating parameter is the checkpoint's tensor of the same name rounded to the
+        module's dtype, the twin gets the checkpoint's values instead. A module whose names are
+        not the checkpoint's keys, or whose weights were changed, keeps its own (the ladder then
+        finds a twin of rounded weights by its embed tap and runs without it)."""
         import torch
         twin = copy.deepcopy(self.module).to(torch.float64)
         if getattr(getattr(twin, "config", None), "dtype", None) is not None:
             twin.config.dtype = torch.float64
+        checkpoint = checkpoint if checkpoint is not None else self.checkpoint
+        if checkpoint is not None:
+            checkpoint_weights(twin, self.module, checkpoint)
         return TorchModule(twin, self.taps_map, self.name, self.forward, self.num_layers, self.inject_map,
-                           self.head_dim, self.vocab_size, self.keeps_f32)
+                           self.head_dim, self.vocab_size, self.keeps_f32, checkpoint)
+
+
+def checkpoint_weights(twin, module, checkpoint) -> bool:
+    """Gives `twin` (module's float64 copy) the checkpoint's weights at float64 when `module`
+    holds them rounded to bf16/fp16: every floating parameter named as a checkpoint key, of its
+    shape, equal to that tensor rounded to the parameter's dtype. True when it did; False (twin
+    untouched) for a module already at float32 or wider, or one that does not hold exactly the
+    checkpoint's rounded tensors (its own names or changes: it keeps its weights)."""
+    import torch
+
+    from llamaspec import load_weights
+    params = dict(module.named_parameters())
+    if not params or not any(p.dtype in (torch.bfloat16, torch.float16) for p in params.values()):
+        return False
+    _, weights = load_weights(checkpoint, check_finite=False)
+    for name, p in params.items():
+        w = weights.get(name)
+        if w is None or tuple(w.shape) != tuple(p.shape) or not torch.equal(
+                torch.from_numpy(np.array(w, np.float32)).to(p.dtype), p.detach().cpu()):
+            return False
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            p.copy_(torch.from_numpy(np.array(weights[name], np.float64)))
+    return True
 
 
 # ----- JAX ----------------------------------------------------------------------------------

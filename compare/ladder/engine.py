@@ -35,6 +35,7 @@ from ..results import JsonResult
 from .capture_check import CaptureCheck, capture_check, has_forward, not_checked, reason_not_to_check, streamed_check
 from .stream import checkpoint_side, streamable, streamed_ladder
 from .teacher import FINDINGS, ForcedRuns, amplification, inherit, local_errors, local_verdicts
+from .twins import NO_TWIN, TwinCheck, applied, check_twin
 from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, nonfinite_origin
 
 
@@ -64,6 +65,9 @@ class Report(JsonResult):
     # "candidate_fp64": counts, "cause", "why" where the config explains it (verdicts.nonfinite_origin),
     # "note": the sentence}
     nonfinite: dict = dataclasses.field(default_factory=dict)
+    # the candidate's float64 twin as checked before it was trusted (twins.check_twin): its
+    # weights, its arithmetic, and what the ladder did (accepted, keeps_f32 inferred, refused)
+    twin: TwinCheck | None = None
 
     def to_html(self, path) -> Path:
         from ..report.ladder import write_html
@@ -102,13 +106,10 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     progress("oracle: reference at fp64")
     _, o = ref.at_fp64.capture(ids, mask, ref.taps)   # all of them: context for the hints
     t0 = _lap(seconds, f"o ({ref.name} at fp64)", t0)
-    if cand.at_fp64 is not None:
-        progress("candidate at fp64 (semantic rung)")
-        _, c64 = cand.at_fp64.capture(ids, mask, taps)
+    has_twin = cand.at_fp64 is not None
+    c64, twin, cand = _twin(cand, ids, mask, taps, o, real, policy, progress)
+    if has_twin:
         t0 = _lap(seconds, f"c64 ({cand.name} at fp64)", t0)
-    else:       # judged by structure alone (verdicts.classify_without_twin)
-        progress(f"candidate at fp64: not run ({cand.name} has no float64())")
-        c64 = None
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
     verdicts = judge_taps(taps, r, c, o, c64, real, policy, keeps_f32)
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
@@ -126,11 +127,28 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
             _lap(seconds, "teacher forcing", t0)
             amplification(local, verdicts)
     uses_jax = any(getattr(side.at_policy, "package", None) == "jaxmodel" for side in (ref, cand))
-    rung = "run" if c64 is not None else f"not run: {cand.name} has no float64() (the same implementation at float64)"
+    rung = ("run" if c64 is not None else f"not run: {twin.note}" if twin.refused else
+            f"not run: {cand.name} has no float64() (the same implementation at float64)")
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
                   logits, environment(policy, uses_jax, sides_of(ref, cand)), differences, forcing, rung,
                   run={"path": "full", "seconds": seconds}, capture=capture,
-                  nonfinite=_nonfinite(verdicts, ref, cand, policy, mask))
+                  nonfinite=_nonfinite(verdicts, ref, cand, policy, mask), twin=twin)
+
+
+def _twin(cand: Side, ids, mask, taps, o, real, policy: Policy, progress):
+    """(c64, TwinCheck, cand as the ladder runs it): the candidate's float64 twin captured and
+    checked before it is trusted (twins.check_twin); c64 None without a twin or when refused
+    (judged by structure alone, verdicts.classify_without_twin)."""
+    if cand.at_fp64 is None:
+        progress(f"candidate at fp64: not run ({cand.name} has no float64())")
+        return None, TwinCheck(NO_TWIN), cand
+    progress("candidate at fp64 (semantic rung)")
+    _, c64 = cand.at_fp64.capture(ids, mask, taps)
+    twin = check_twin(cand.name, c64, o, taps, real, cand.keeps_f32, policy.param_dtype)
+    if twin.note:
+        progress(twin.note)
+    cand = applied(cand, twin)
+    return (None if twin.refused else c64), twin, cand
 
 
 def _nonfinite(verdicts, ref: Side, cand: Side, policy: Policy, mask) -> dict:
