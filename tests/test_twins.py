@@ -206,6 +206,11 @@ def test_twin_keeping_f32_steps_gets_keeps_f32_inferred_and_a_correct_model_is_d
     assert {k for k, f in t.narrow.items() if f == twins.PRODUCT} >= {"layers.0.attn_norm", "final_norm"}
     assert "keeps_f32 inferred" in t.note and "q_rope" in t.note
     assert report.verdict in ("exact", "drift") and report.semantic_rung == "run", report.summary()
+    assert t.note in report.summary(), report.summary()       # the user reads it in the summary and the page
+    from html import escape
+
+    from compare.report.ladder import _notes
+    assert any(escape(t.note) in n for n in _notes(report.to_dict(), "fp32")), report.to_dict()["twin"]
 
 
 def test_without_the_check_the_f32_keeping_twin_is_a_false_semantic(folder, monkeypatch):

@@ -405,6 +405,9 @@ def report_summary(r) -> str:
     if r.semantic_rung != "run":
         lines.append(f"fp64 rung {r.semantic_rung}: verdicts judged at {r.policy['name']} by structure "
                      "alone, a lower-precision step and a small change in the math can look alike")
+    twin = getattr(r, "twin", None)     # a refused twin's note is in the fp64 rung's line above
+    if twin is not None and twin.note and not twin.refused:
+        lines.append(twin.note)
     return "\n".join(lines + rest)
 
 

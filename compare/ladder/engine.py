@@ -36,7 +36,15 @@ from .capture_check import CaptureCheck, capture_check, has_forward, not_checked
 from .stream import checkpoint_side, streamable, streamed_ladder
 from .teacher import FINDINGS, ForcedRuns, amplification, inherit, local_errors, local_verdicts
 from .twins import NO_TWIN, TwinCheck, applied, check_twin
-from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, nonfinite_origin
+from .verdicts import (
+    Divergence,
+    TapVerdict,
+    classify,
+    context_for,
+    first_divergence,
+    nonfinite_origin,
+    settle_conventions,
+)
 
 
 @dataclasses.dataclass
@@ -112,6 +120,7 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
         t0 = _lap(seconds, f"c64 ({cand.name} at fp64)", t0)
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
     verdicts = judge_taps(taps, r, c, o, c64, real, policy, keeps_f32)
+    settle_conventions(verdicts)     # before inherit picks the first finding
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
               if "logits" in taps else {})
     t0 = _lap(seconds, "judging", t0)
@@ -138,12 +147,17 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
 def _twin(cand: Side, ids, mask, taps, o, real, policy: Policy, progress):
     """(c64, TwinCheck, cand as the ladder runs it): the candidate's float64 twin captured and
     checked before it is trusted (twins.check_twin); c64 None without a twin or when refused
-    (judged by structure alone, verdicts.classify_without_twin)."""
+    (judged by structure alone, verdicts.classify_without_twin); TwinCheck None for a twin this
+    project builds (not a user's port: adapters.Checked)."""
     if cand.at_fp64 is None:
         progress(f"candidate at fp64: not run ({cand.name} has no float64())")
         return None, TwinCheck(NO_TWIN), cand
     progress("candidate at fp64 (semantic rung)")
     _, c64 = cand.at_fp64.capture(ids, mask, taps)
+    if not isinstance(cand.at_fp64, Checked):
+        # ours, transformers' and a CheckpointModel's twins are built here from the checkpoint's
+        # weights at float64 (the streamed ladder's too, which has no whole-run taps to check)
+        return c64, None, cand
     twin = check_twin(cand.name, c64, o, taps, real, cand.keeps_f32, policy.param_dtype)
     if twin.note:
         progress(twin.note)

@@ -35,7 +35,7 @@ from ..adapters import OurModel, Side
 from ..metrics import logits_agreement, pair_metrics, rel_l2
 from ..vocabulary import drift_factor, precision_floor
 from .teacher import amplification, confirm_divergence, forced_taps, fp64_rule, inherit, judge_forced, suspects
-from .verdicts import classify, context_for, first_divergence, precision_ratio
+from .verdicts import classify, context_for, first_divergence, precision_ratio, settle_conventions
 
 # The lm_head is multiplied in one piece when its widest copy (float64 for the oracle)
 # fits in this many bytes, else in vocabulary chunks that do. One piece is bitwise the
@@ -299,6 +299,7 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
     rows, last_o, last_forced = _layers(runs, reader, judge, cfg.num_hidden_layers, real, teacher_forcing, progress)
     agreement, captured, o_final = _head(runs, reader, judge, cfg, real, "logits" in taps, last_o, progress)
     verdicts = judge.verdicts
+    settle_conventions(verdicts)     # before inherit picks the first finding
     if teacher_forcing:
         _final_local(runs, reader, judge, cfg, last_forced, {**last_o, "final_norm": o_final}, progress)
         inherit(verdicts, judge.local)

@@ -40,7 +40,6 @@ from ..evidence import (
     NO_TWIN_UNDECIDED,
     NONFINITE,
     PRECISION,
-    SAME_LAYER,
     SHIFT_INVARIANT,
     WHOLE_TAP,
     Convention,
@@ -735,8 +734,9 @@ def settle_conventions(verdicts: list[TapVerdict]) -> None:
     first tap of its layer after the attention (attn_ctx, or the first later one the port exposes:
     AFTER_ATTENTION) is exact or drift. Confirmed, its record says by which tap; otherwise (that tap
     is a finding, inherited, or the layer has none) the tap gets its own record back (the
-    permutation finding stays in it). Idempotent: first_divergence calls it."""
-    reverted = False
+    permutation finding stays in it). Before teacher.inherit, which picks the first finding as the
+    origin (the engine and the streamed ladder call it there); idempotent: first_divergence calls
+    it too."""
     for i, v in enumerate(verdicts):
         conv = v.record.convention if v.kind == "convention" and v.record is not None else None
         if conv is None or conv.what != "feature_permutation" or conv.confirmed is not None:
@@ -748,24 +748,6 @@ def settle_conventions(verdicts: list[TapVerdict]) -> None:
                 conv, confirmed=True, confirmed_by=after.tap)))
         else:
             _refresh(v, conv.raw)
-            reverted = True
-    if reverted and any(v.inherited is not None for v in verdicts):
-        _inherit_in_layer(verdicts)
-
-
-def _inherit_in_layer(verdicts: list[TapVerdict]) -> None:
-    """teacher.inherit's same-layer rule, for a first finding that settling moved earlier (a tap
-    that was a convention until its layer said otherwise, after inherit had picked a later origin):
-    the findings after it inside its layer, no more severe, carry its difference (SAME_LAYER)."""
-    origin = next((v for v in verdicts if v.inherited is None and v.kind in FINDINGS), None)
-    if origin is None:
-        return
-    for v in verdicts[verdicts.index(origin) + 1:]:
-        if (v.inherited is None and v.kind in FINDINGS and v.layer == origin.layer
-                and KINDS.index(v.kind) <= KINDS.index(origin.kind)):
-            v.inherited = Inherited(origin.tap, SAME_LAYER, v.kind)
-            v.kind = "inherited"
-            v.hint = explain.inherited_hint(v.inherited, v.local)
 
 
 def context_for(tap, c64, o) -> dict:

@@ -336,6 +336,9 @@ def _notes(r: dict, pname: str) -> list[str]:
     if r.get("semantic_rung", "run") != "run":
         notes.append(f"fp64 rung {r['semantic_rung']}: the candidate's taps are judged at {pname} by structure "
                      "alone; a lower-precision step and a small change in the math can look alike")
+    twin = r.get("twin")                # a refused twin's note is in the fp64 rung's line above
+    if isinstance(twin, dict) and twin.get("note") and twin.get("status") != "refused":
+        notes.append(str(twin["note"]))
     if not notes:
         return []
     return ["<div class='div' style='border-color:#555555'>" + "<br>".join(escape(n) for n in notes) + "</div>"]
