@@ -255,7 +255,12 @@ class Checked:
         except Exception as e:  # noqa: BLE001 (a port's own failure: say whose)
             raise PortError(f"{self.name}: capture raised {type(e).__name__}: {e}") from e
         B, T = np.shape(tokens)[:2]
-        return check_capture(self.name, out, list(taps), B, T, self.cfg_checked)
+        logits, arrays = check_capture(self.name, out, list(taps), B, T, self.cfg_checked)
+        if "logits" in arrays and logits is not None:
+            # the logits tap is what the model returns: whatever follows the lm_head's product (a
+            # final soft-cap, a scaling) is judged, whichever module the port's tap was read from
+            arrays["logits"] = logits
+        return logits, arrays
 
 
 # The decode protocol's calls: their token ids and masks (numpy arrays) are handed over as

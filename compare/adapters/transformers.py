@@ -269,8 +269,10 @@ class TransformersModel:
             def keep(mod, args, kwargs, layer=layer):
                 tables[layer] = kwargs["position_embeddings"]
             plan.append((m.model.layers[layer].self_attn, "tables", None, keep))
+        # logits: what the model returns (after whatever follows the lm_head's product: a final
+        # soft-cap, a scaling), read from the model's own output, not from the lm_head module
         top = {"embed": (m.model.embed_tokens, "post"), "final_norm": (m.model.norm, "post"),
-               "logits": (m.lm_head, "post")}
+               "logits": (m, "returned")}
         for tap in wanted:
             layer, kind = tapnames.parse(tap)
             if layer is None:
@@ -348,7 +350,10 @@ class TransformersModel:
             def pre(module, args, kwargs):
                 x = first_input(args, kwargs, tap)
                 acts[tap] = _to_numpy(transform(x) if transform else x)
-            return pre, post
+
+            def returned(module, args, kwargs, output):
+                acts[tap] = _to_numpy(output.logits)
+            return pre, post, returned
 
         try:
             for i, h in forced.items():
@@ -359,9 +364,10 @@ class TransformersModel:
                 if when == "tables":   # self_attn's cos/sin, read before its q/k projections run
                     handles.append(module.register_forward_pre_hook(transform, with_kwargs=True))
                     continue
-                pre, post = record(tap, transform)
+                pre, post, returned = record(tap, transform)
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True) if when == "pre"
-                               else module.register_forward_hook(post, with_kwargs=True))
+                               else module.register_forward_hook(returned if when == "returned" else post,
+                                                                 with_kwargs=True))
             result = call()
         finally:
             for h in handles:
