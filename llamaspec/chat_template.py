@@ -325,13 +325,19 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
         raise _Bound(f"asks tojson for an indent of {pad:,}, over the limit of {MAX_JSON_INDENT} (MAX_JSON_INDENT)")
     _checked(x, "a tojson input")
     encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return _joined(encoder.iterencode(x), "a tojson output")
+
+
+def _joined(pieces, what: str) -> str:
+    """The pieces of a text made piece by piece, refused past MAX_TEXT as they come (the deadline
+    checked at each)."""
     out, size = [], 0
-    for chunk in encoder.iterencode(x):
-        size += len(chunk)
+    for piece in pieces:
+        size += len(piece)
         if size > MAX_TEXT:
-            raise _too_big(size, "a tojson output")
+            raise _too_big(size, what)
         _tick()
-        out.append(chunk)
+        out.append(piece)
     return "".join(out)
 
 
@@ -516,15 +522,8 @@ def render(source: str, where: str, **variables) -> str:
     template = compile_template(source, where)
     _state.deadline = time.monotonic() + MAX_RENDER_SECONDS
     _state.weights = {}
-    out, size = [], 0
     try:
-        for piece in template.generate(**variables):
-            size += len(piece)
-            if size > MAX_TEXT:
-                raise _too_big(size, "an output")
-            _tick()
-            out.append(piece)
-        return "".join(out)
+        return _joined(template.generate(**variables), "an output")
     except Exception as exc:  # noqa: BLE001 - whatever the template raised, it is the template's doing
         raise _refusal(where, exc, "when rendered") from None
     finally:
