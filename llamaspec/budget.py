@@ -137,8 +137,10 @@ def parse_json(data: bytes | str, where: str, error, object_pairs_hook=None, sep
         raise
     except UnicodeDecodeError:
         raise error(f"{where}{sep}not UTF-8 text, so {not_json}") from None
-    except json.JSONDecodeError as e:
-        raise error(f"{where}{sep}{not_json} ({e})") from None
+    except json.JSONDecodeError as e:    # where, never the text
+        cut = (" (cut short: the text ends mid-document)" if not e.doc[e.pos:].strip()
+               or e.msg.startswith("Unterminated string") else "")
+        raise error(f"{where}{sep}{not_json}{cut} ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
         raise error(f"{where}{sep}nested too deeply to be read as JSON") from None
     except MemoryError:

@@ -16,7 +16,6 @@ is refused, not read). Errors are TokenizerErrors naming the file, never quoting
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -24,7 +23,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from . import chat_template as templates
-from .budget import read_bounded
+from .budget import parse_json, read_bounded
 from .errors import InputError, TokenizerError
 
 SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
@@ -289,19 +288,8 @@ def read_text(path: Path, limit: int, limit_name: str) -> str | None:
 
 
 def _parse_json(path: Path, text: str):
-    """json.loads, every failure a TokenizerError naming the file (with the position, never
-    the text): nesting deeper than Python's recursion limit is a RecursionError there."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        at_end = not exc.doc[exc.pos:].strip() or exc.msg.startswith("Unterminated string")
-        cut = " (cut short: the text ends mid-document)" if at_end else ""
-        raise TokenizerError(f"{path}: not valid JSON{cut}: {exc.msg} at line {exc.lineno} column {exc.colno} "
-                             f"({len(text.encode('utf-8'))} bytes)") from None
-    except RecursionError:
-        raise TokenizerError(f"{path}: JSON nested too deeply to parse (RecursionError)") from None
-    except ValueError as exc:   # e.g. an integer of more than 4300 digits
-        raise TokenizerError(f"{path}: not JSON we can read ({type(exc).__name__})") from None
+    """json.loads, every failure a TokenizerError naming the file (llamaspec.budget.parse_json)."""
+    return parse_json(text, str(path), TokenizerError)
 
 
 def _read_json(path: Path) -> dict:

@@ -16,6 +16,7 @@ from safetensors.numpy import save_file
 
 from llamaspec.checkpoint import Checkpoint
 from llamaspec.errors import CheckpointError
+from llamaspec.files import atomic_write
 
 IDS = np.array([[5, 7, 9, 11, 13, 17]])
 MASK = np.ones_like(IDS)
@@ -32,7 +33,7 @@ def _write(src: Path, dst: Path, change, config=None, shards=1) -> Path:
     """dst: src's config (updated by `config`) and its tensors changed by change(tensors)."""
     dst.mkdir(parents=True)
     cfg = {**json.loads((src / "config.json").read_text()), **(config or {})}
-    (dst / "config.json").write_text(json.dumps(cfg))
+    atomic_write(dst / "config.json", json.dumps(cfg))
     tensors = _tensors(src)
     change(tensors)
     if shards == 1:
@@ -43,7 +44,7 @@ def _write(src: Path, dst: Path, change, config=None, shards=1) -> Path:
             name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
             _save({k: tensors[k] for k in keys[s::shards]}, dst / name)
             weight_map.update({k: name for k in keys[s::shards]})
-        (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        atomic_write(dst / "model.safetensors.index.json", json.dumps({"weight_map": weight_map}))
     return dst
 
 
@@ -596,7 +597,7 @@ SYMLINKED = [
 def test_a_refused_file_is_named_and_its_contents_never_echoed(rel, how, secret, tiny_dir, tmp_path, capsys):
     import shutil
     secret_file = tmp_path / "secret"
-    secret_file.write_bytes(SECRETS[secret])
+    atomic_write(secret_file, SECRETS[secret])
     if how == "dump":
         ck, dump = _dump_folder(tiny_dir, tmp_path)
         _plant(rel)(dump, secret_file)

@@ -29,6 +29,7 @@ from llamaspec import LlamaConfig
 from llamaspec import fixed_order as fo
 from llamaspec.checkpoint import Checkpoint, load_weights
 from llamaspec.errors import CheckpointError, InputError, InvarianceError, LlamaParityError
+from llamaspec.files import atomic_write
 from llamaspec.plan import SettingError, setting
 from llamaspec.testing import make_checkpoint
 
@@ -83,7 +84,7 @@ def _tiny(tmp, request, **config) -> Path:
 def _edit_config(ck: Path, **fields) -> Path:
     cfg = json.loads((ck / "config.json").read_text())
     cfg.update(fields)
-    (ck / "config.json").write_text(json.dumps(cfg))
+    atomic_write(ck / "config.json", json.dumps(cfg))
     return ck
 
 

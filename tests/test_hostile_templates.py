@@ -290,7 +290,7 @@ HOSTILE_FILES = [
      lambda p, t: _symlink_to_sparse(p, t, 1 << 40), ["MAX_JSON_BYTES"]),
     ("tokenizer-config-oversize", "tokenizer_config.json", _oversize("MAX_JSON_BYTES"), ["MAX_JSON_BYTES"]),
     ("tokenizer-config-nested-bomb", "tokenizer_config.json", _dict_bomb, ["nested too deeply"]),
-    ("tokenizer-config-long-integer", "tokenizer_config.json", _long_integer, ["not JSON we can read"]),
+    ("tokenizer-config-long-integer", "tokenizer_config.json", _long_integer, ["not readable as JSON"]),
     ("special-tokens-map-fifo", "special_tokens_map.json", _fifo, ["not a regular file"]),
     ("special-tokens-map-nested-bomb", "special_tokens_map.json", _json_bomb, ["nested too deeply"]),
     ("chat-template-jinja-fifo", "chat_template.jinja", _fifo, ["not a regular file"]),
