@@ -53,7 +53,7 @@ from ..evidence import (
     Trend,
 )
 from ..explain import ladder as explain
-from ..metrics import nonfinite, rel_from_squares, unit_roundoff
+from ..metrics import kl_per_position, log_softmax, nonfinite, rel_from_squares, unit_roundoff
 from ..vocabulary import (
     F32_STEPS_FLOOR,
     FP64_FLOOR,
@@ -709,16 +709,10 @@ def _shift_numbers(ref, cand, mask) -> dict:
     the largest |log-softmax difference|, and the per-position shift's range."""
     r, c = (np.asarray(_real(a, mask), np.float64) for a in (ref, cand))
     r, c = r.reshape(len(r), -1), c.reshape(len(c), -1)
-    lr, lc = (x - _logsumexp(x) for x in (r, c))
-    kl = float(np.mean(np.sum(np.exp(lr) * (lr - lc), axis=-1)))
     shift = (c - r).mean(-1)
-    return {"kl": max(kl, 0.0), "max_logprob_diff": float(np.max(np.abs(lc - lr))),
+    return {"kl": float(np.mean(kl_per_position(r, c))),
+            "max_logprob_diff": float(np.max(np.abs(log_softmax(c) - log_softmax(r)))),
             "shift_min": float(shift.min()), "shift_max": float(shift.max())}
-
-
-def _logsumexp(x: np.ndarray) -> np.ndarray:
-    top = x.max(-1, keepdims=True)
-    return top + np.log(np.exp(x - top).sum(-1, keepdims=True))
 
 
 def _refresh(v: TapVerdict, ev: Evidence) -> None:
