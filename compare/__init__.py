@@ -22,7 +22,7 @@ from .ladder.decode import DecodeReport, compare_decode
 from .ladder.engine import Report, assert_parity, compare_models
 from .ladder.greedy import GreedyReport, compare_greedy
 from .ladder.layers import Row, layer_summary
-from .ladder.structure import Finding, analyse, hint
+from .judge.structure import Finding, analyse, hint
 from .metrics import (
     cosine,
     frac_beyond,

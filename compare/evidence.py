@@ -1,6 +1,6 @@
 """The ladder's evidence as data: what each rung measured and decided for one tap.
 
-A rung (compare.ladder.verdicts) returns an Evidence record; decode and greedy pool records,
+A rung (compare.judge.verdicts) returns an Evidence record; decode and greedy pool records,
 they never edit sentences; compare.explain renders every sentence a user reads from these
 records, last. No decision reads a formatted string (tests/test_imports.py checks it).
 """

@@ -538,7 +538,7 @@ CAUSES = [
 
 @pytest.mark.parametrize("tap,fields,knobs,pos,cause", [c[1:] for c in CAUSES], ids=[c[0] for c in CAUSES])
 def test_the_config_field_behind_a_nan_is_named(tap, fields, knobs, pos, cause):
-    from compare.ladder.verdicts import nonfinite_cause
+    from compare.judge.verdicts import nonfinite_cause
     from llamaspec import LlamaConfig, Policy
     from llamaspec.testing import TINY
     got = nonfinite_cause(tap, LlamaConfig.from_dict({**TINY, **fields}), Policy.get("fp32", **knobs), pos)

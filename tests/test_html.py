@@ -7,7 +7,7 @@ import re
 import pytest
 
 from compare.ladder.engine import Report
-from compare.ladder.verdicts import Divergence, TapVerdict
+from compare.judge.verdicts import Divergence, TapVerdict
 from compare.report.ladder import render_html, write_html
 from llamaspec import taps as tapnames
 

@@ -16,8 +16,10 @@ LEVEL = {"llamaspec": 0, "jaxmodel": 1, "torchref": 1, "compare": 2, "llama_pari
 # toolkit above it, the two products on top (and neither imports the other).
 ROOMS = {"compare.vocabulary": 0, "compare.metrics": 0, "compare.environment": 0, "compare.results": 0,
          "compare.evidence": 0, "compare.explain": 1,   # typed records, and the sentences made from them
-         "compare.adapters": 1, "compare.report": 1, "compare.ladder": 2, "compare.probes": 2,
-         "compare.controls": 3}   # the planted-bug catalogue: calibrates the engine, never imported by it
+         "compare.adapters": 1, "compare.report": 1,
+         "compare.judge": 2,      # the one judge of a tap, shared by the ladder and the probes
+         "compare.ladder": 3, "compare.probes": 3,
+         "compare.controls": 4}   # the planted-bug catalogue: calibrates the engine, never imported by it
 
 
 def _module_name(path: Path) -> str:
@@ -162,7 +164,7 @@ def test_the_checker_sees_what_it_checks():
 # ----- the models' private names, and the controls room ---------------------------------------
 
 MODEL_PACKAGES = ("torchref", "jaxmodel")
-ENGINE_ROOMS = ("compare.ladder", "compare.adapters", "compare.probes", "compare.report")
+ENGINE_ROOMS = ("compare.judge", "compare.ladder", "compare.adapters", "compare.probes", "compare.report")
 
 
 def _private_names_defined(paths) -> set[str]:

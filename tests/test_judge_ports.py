@@ -29,8 +29,8 @@ from compare.evidence import (
     Evidence,
 )
 from compare.explain import findings as explain_findings
-from compare.ladder import structure
-from compare.ladder.verdicts import TapVerdict, classify_without_twin, first_divergence
+from compare.judge import structure
+from compare.judge.verdicts import TapVerdict, classify_without_twin, first_divergence
 from llamaspec import Policy
 from llamaspec import taps as tapnames
 from llamaspec.checkpoint import load_weights, numpy_dtype

@@ -1,4 +1,4 @@
-"""compare.metrics (exact cases) and compare.ladder.structure (noise never fires; each planted
+"""compare.metrics (exact cases) and compare.judge.structure (noise never fires; each planted
 pattern fires its own detector first). Pure numpy, fast."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 
 from compare import metrics as M
 from compare.explain import findings as E
-from compare.ladder import structure as S
+from compare.judge import structure as S
 
 DTYPES = [np.float64, np.float32, ml_dtypes.bfloat16, np.float16]
 UINT = {8: np.uint64, 4: np.uint32, 2: np.uint16}
@@ -371,6 +371,6 @@ def test_ulps_are_counted_in_the_taps_own_dtype():
 def test_an_exact_agreement_is_no_dtype_noise():
     """A relative error of 0 (the RoPE angles of two runs agree exactly while the values do not)
     fits no dtype's rounding; it used to raise a math domain error inside the ladder."""
-    from compare.ladder.verdicts import _fitted_noise
+    from compare.judge.verdicts import _fitted_noise
     assert _fitted_noise(0.0, False, "angles") is None
     assert _fitted_noise(2.0 ** -24, False, "angles").dtype == "float32"

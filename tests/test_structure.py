@@ -1,4 +1,4 @@
-"""compare.ladder.structure's tests on a step's own inputs (partial rotary,
+"""compare.judge.structure's tests on a step's own inputs (partial rotary,
 the activation, a transposed square projection, a missing or doubled residual, q/k swapped),
 each with rounding that must not fire it, and the findings' sentences (compare.explain)."""
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from compare.explain import findings as E
-from compare.ladder import structure as S
+from compare.judge import structure as S
 
 RNG = np.random.default_rng(21)
 

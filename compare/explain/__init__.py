@@ -1,3 +1,3 @@
 """Sentences, made last from typed records: findings.py says what a structure Finding
-(compare.ladder.structure, conventions) found, ladder.py what a rung's Evidence record
+(compare.judge.structure, conventions) found, ladder.py what a rung's Evidence record
 (compare.evidence) decided. Nothing decides on what is written here."""

@@ -1,6 +1,6 @@
 """What a structure Finding says, in words: one explainer for every finding kind.
 
-A Finding (compare.ladder.structure) is data: kind, score, size and `data`, the plain
+A Finding (compare.judge.structure) is data: kind, score, size and `data`, the plain
 numbers, indices and names behind it. `detail(f)` gives the numbers as a sentence,
 `cause(f)` the likely cause, `hint(findings)` the one line a report shows. Nothing
 decides on these strings: a caller asks the data (`findings == []`, `f.kind`, `f.data`).

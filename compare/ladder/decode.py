@@ -74,7 +74,7 @@ from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, TAP_KINDS, drift_factor, precision_floor
 from .engine import prepare
 from .teacher import inherit, suspects
-from .verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, precision_ratio
+from ..judge.verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, precision_ratio
 
 
 @dataclasses.dataclass

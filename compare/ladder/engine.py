@@ -36,7 +36,7 @@ from .capture_check import CaptureCheck, capture_check, has_forward, not_checked
 from .stream import checkpoint_side, streamable, streamed_ladder
 from .teacher import FINDINGS, ForcedRuns, amplification, inherit, local_errors, local_verdicts
 from .twins import NO_TWIN, TwinCheck, applied, check_twin
-from .verdicts import (
+from ..judge.verdicts import (
     Divergence,
     TapVerdict,
     classify,

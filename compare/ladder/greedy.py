@@ -70,7 +70,7 @@ from ..metrics import rel_l2
 from ..results import JsonResult
 from ..vocabulary import drift_factor, precision_floor
 from .engine import Report, prepare, run_ladder
-from .verdicts import Divergence
+from ..judge.verdicts import Divergence
 
 # In order of severity. "unexplained": the generations part although the ladder says
 # drift and the captured logits cannot split (see the module docstring): a finding, since

@@ -18,7 +18,7 @@ from ..evidence import FORCED, FP64_NOISE, SAME_LAYER, Forcing, Inherited
 from ..explain import ladder as explain
 from ..metrics import rel_l2
 from ..vocabulary import FP64_FLOOR, KINDS, STRUCT_F32_FLOOR, drift_factor, precision_floor
-from .verdicts import ROUNDING_PATTERNS, Divergence, TapVerdict, classify, context_for, precision_ratio
+from ..judge.verdicts import ROUNDING_PATTERNS, Divergence, TapVerdict, classify, context_for, precision_ratio
 
 FINDINGS = ("precision", "semantic")
 
