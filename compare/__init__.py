@@ -18,11 +18,11 @@ Rooms (docs/layout.md has the map):
 from .adapters import Implementation, as_implementation
 from .adapters.dump import Dump, DumpError, fingerprint
 from .capturing import capture
+from .judge.structure import Finding, analyse, hint
 from .ladder.decode import DecodeReport, compare_decode
 from .ladder.engine import Report, assert_parity, compare_models
 from .ladder.greedy import GreedyReport, compare_greedy
 from .ladder.layers import Row, layer_summary
-from .judge.structure import Finding, analyse, hint
 from .metrics import (
     cosine,
     frac_beyond,

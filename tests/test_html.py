@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from compare.ladder.engine import Report
 from compare.judge.verdicts import Divergence, TapVerdict
+from compare.ladder.engine import Report
 from compare.report.ladder import render_html, write_html
 from llamaspec import taps as tapnames
 

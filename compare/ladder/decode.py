@@ -69,12 +69,12 @@ from ..adapters import OurModel, Side, config_differences, inject_support
 from ..environment import environment, sides_of
 from ..evidence import ONSET, POOLED_DRIFT, POOLED_NO_STRUCTURE, DecodePath, Pooled
 from ..explain import ladder as explain
+from ..judge.verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, precision_ratio
 from ..metrics import pair_metrics, rel_l2
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, TAP_KINDS, drift_factor, precision_floor
 from .engine import prepare
 from .teacher import inherit, suspects
-from ..judge.verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, precision_ratio
 
 
 @dataclasses.dataclass

@@ -30,12 +30,6 @@ from ..adapters import (
 )
 from ..environment import environment, sides_of
 from ..explain import ladder as explain
-from ..metrics import logits_agreement, pair_metrics
-from ..results import JsonResult
-from .capture_check import CaptureCheck, capture_check, has_forward, not_checked, reason_not_to_check, streamed_check
-from .stream import checkpoint_side, streamable, streamed_ladder
-from .teacher import FINDINGS, ForcedRuns, amplification, inherit, local_errors, local_verdicts
-from .twins import NO_TWIN, TwinCheck, applied, check_twin
 from ..judge.verdicts import (
     Divergence,
     TapVerdict,
@@ -45,6 +39,12 @@ from ..judge.verdicts import (
     nonfinite_origin,
     settle_conventions,
 )
+from ..metrics import logits_agreement, pair_metrics
+from ..results import JsonResult
+from .capture_check import CaptureCheck, capture_check, has_forward, not_checked, reason_not_to_check, streamed_check
+from .stream import checkpoint_side, streamable, streamed_ladder
+from .teacher import FINDINGS, ForcedRuns, amplification, inherit, local_errors, local_verdicts
+from .twins import NO_TWIN, TwinCheck, applied, check_twin
 
 
 @dataclasses.dataclass

@@ -66,11 +66,11 @@ from llamaspec.inputs import left_align
 from ..adapters import Side
 from ..environment import environment, sides_of
 from ..explain import ladder as explain
+from ..judge.verdicts import Divergence
 from ..metrics import rel_l2
 from ..results import JsonResult
 from ..vocabulary import drift_factor, precision_floor
 from .engine import Report, prepare, run_ladder
-from ..judge.verdicts import Divergence
 
 # In order of severity. "unexplained": the generations part although the ladder says
 # drift and the captured logits cannot split (see the module docstring): a finding, since

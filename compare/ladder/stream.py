@@ -32,10 +32,10 @@ from llamaspec import taps as tapnames
 from llamaspec.checkpoint import check_checkpoint, validated
 
 from ..adapters import OurModel, Side
+from ..judge.verdicts import classify, context_for, first_divergence, precision_ratio, settle_conventions
 from ..metrics import logits_agreement, pair_metrics, rel_l2
 from ..vocabulary import drift_factor, precision_floor
 from .teacher import amplification, confirm_divergence, forced_taps, fp64_rule, inherit, judge_forced, suspects
-from ..judge.verdicts import classify, context_for, first_divergence, precision_ratio, settle_conventions
 
 # The lm_head is multiplied in one piece when its widest copy (float64 for the oracle)
 # fits in this many bytes, else in vocabulary chunks that do. One piece is bitwise the

@@ -16,9 +16,9 @@ from llamaspec import taps as tapnames
 from ..adapters import Side, forced_capture
 from ..evidence import FORCED, FP64_NOISE, SAME_LAYER, Forcing, Inherited
 from ..explain import ladder as explain
+from ..judge.verdicts import ROUNDING_PATTERNS, Divergence, TapVerdict, classify, context_for, precision_ratio
 from ..metrics import rel_l2
 from ..vocabulary import FP64_FLOOR, KINDS, STRUCT_F32_FLOOR, drift_factor, precision_floor
-from ..judge.verdicts import ROUNDING_PATTERNS, Divergence, TapVerdict, classify, context_for, precision_ratio
 
 FINDINGS = ("precision", "semantic")
 
