@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import sys
 import time
@@ -20,15 +21,24 @@ from pathlib import Path
 
 import numpy as np
 
+from compare.environment import environment
+from compare.probes import IMPLS, load_model, probe_cross_greedy, probe_where, run_probe
+from compare.probes.where_plan import CIRCUMSTANCES, check_budget, circumstance
+from compare.report import probes as probes_report
+from compare.report import where as where_report
+from llamaspec import LlamaConfig, Policy
 from llamaspec.budget import MAX_RUNS, check_count, check_tokens
+from llamaspec.files import atomic_write, json_text
 from llamaspec.plan import check_xla_flags
+from llamaspec.tokenizer import Tokenizer
 
 from .checks import UsageError, checkpoint_folder, count, output_file, positive_int, positive_ints
+from .fetch import resolve_checkpoint
 
 PROBE_KINDS = ("batch", "padding", "determinism", "divergence", "all")
 WHERE = "where"   # the layerwise circumstance comparison (cmd_where), not part of "all"
-CIRCUMSTANCES = ("batch", "padding", "append", "decode", "rerun", "invariant-mode", "sharding")
-IMPLS = ("torchref", "jaxmodel", "transformers")
+# The flags that set a plan option shaping probe where's largest call (named in the budget's message).
+SIZE_FLAGS = {"batch_sizes": "--batch-sizes", "pad": "--pad"}
 DEFAULT_PROMPT = "What is the capital of France?"
 
 
@@ -74,7 +84,8 @@ def add_parser(sub, common) -> None:
     p.add_argument("--force", action="store_true", help="overwrite --json/--html files llama-parity did not write")
     p.add_argument("--no-colour", action="store_true")
     w = p.add_argument_group("probe where (layer by layer: the first tap where two circumstances part)")
-    w.add_argument("--circumstance", default="batch", choices=CIRCUMSTANCES)
+    w.add_argument("--circumstance", default="batch", choices=tuple(CIRCUMSTANCES),
+                   help="; ".join(f"{c.name}: {c.help}" for c in CIRCUMSTANCES.values()))
     w.add_argument("--attn", default="eager", choices=("eager", "sdpa"), help="transformers' attention")
     w.add_argument("--hf-positions", default="mask", choices=("mask", "default"),
                    help="transformers' position ids: from the mask, or its own default (arange: left padding shifts)")
@@ -95,7 +106,6 @@ def _log(t0):
 def target_tokens(folder, prompt, length, seed):
     """Token ids of the target and how they were made."""
     if os.path.lexists(Path(folder) / "tokenizer.json"):   # present: its reader refuses what is not a file
-        from llamaspec.tokenizer import Tokenizer
         tok = Tokenizer.from_pretrained(folder)
         text = prompt or DEFAULT_PROMPT
         ids = tok.encode_chat(text) if tok.has_chat_template else tok.encode_prompt(text)
@@ -103,7 +113,6 @@ def target_tokens(folder, prompt, length, seed):
     if prompt:
         raise UsageError(f"checkpoint {folder}: no tokenizer.json, which --prompt needs; drop --prompt "
                          "(random tokens are used)")
-    from llamaspec import LlamaConfig
     cfg = LlamaConfig.from_file(Path(folder) / "config.json")
     check_tokens(1, length, cfg.max_position_embeddings, cfg.vocab_size, f"--length {length}", UsageError)
     vocab = cfg.vocab_size
@@ -113,7 +122,6 @@ def target_tokens(folder, prompt, length, seed):
 
 def run_probes(kinds, models, target, args, say) -> list:
     """Runs the probes on each loaded model; cross-framework greedy when both ours are there."""
-    from compare import probes
     sizes, dsizes = args.batch_sizes, args.divergence_batch_sizes
     out = []
     for pm in models:
@@ -125,24 +133,19 @@ def run_probes(kinds, models, target, args, say) -> list:
                 kw.update(repeats=args.repeats, processes=args.processes)
             elif kind == "divergence":
                 kw.update(completions=args.completions, new_tokens=args.new_tokens, batch_sizes=dsizes)
-            r = probes.run_probe(kind, pm, ids=target, **kw)
+            r = run_probe(kind, pm, ids=target, **kw)
             say(f"{r.probe} [{r.model}]: {r.verdict}")
             out.append(r)
     by_impl = {pm.impl: pm for pm in models}
     if "divergence" in kinds and not args.no_cross and {"jaxmodel", "torchref"} <= set(by_impl):
-        r = probes.probe_cross_greedy(by_impl["jaxmodel"], by_impl["torchref"], new_tokens=args.new_tokens,
-                                      seed=args.seed, progress=say)
+        r = probe_cross_greedy(by_impl["jaxmodel"], by_impl["torchref"], new_tokens=args.new_tokens,
+                               seed=args.seed, progress=say)
         say(f"{r.probe} [{r.model}]: {r.verdict}")
         out.append(r)
     return out
 
 
 def cmd_probe(args) -> int:
-    from compare.environment import environment
-    from compare.probes import load_model
-    from compare.report.probes import format_table, write_html, write_json
-    from llamaspec import Policy
-
     check_xla_flags()     # XLA would end the process on a bad flag: named here, exit 2
     if args.kind == WHERE:
         return cmd_where(args)
@@ -158,7 +161,6 @@ def cmd_probe(args) -> int:
     if args.batch_invariant and "invariant" not in modes:
         modes.append("invariant")
     kinds = list(PROBE_KINDS[:-1]) if args.kind == "all" else [args.kind]
-    from .fetch import resolve_checkpoint
     json_path = output_file(args.json, "--json", args.force, say) if args.json else None
     html_path = output_file(args.html, "--html", args.force, say) if args.html else None
     folder = checkpoint_folder(resolve_checkpoint(args.checkpoint or args.checkpoint_pos, say))
@@ -181,15 +183,15 @@ def cmd_probe(args) -> int:
             del models
             gc.collect()
 
-    print(format_table(results, colour=sys.stdout.isatty() and not args.no_colour))
+    print(probes_report.format_table(results, colour=sys.stdout.isatty() and not args.no_colour))
     for s in skipped:
         print(f"skipped {s}")
     meta = {"checkpoint": folder, "target": how, "probes": kinds, "impls": impls, "policies": policies,
             "modes": modes, "skipped": skipped, "argv": sys.argv[1:], "environment": environment(policies[0])}
     if json_path:
-        print(f"JSON: {write_json(results, json_path, meta)}")
+        print(f"JSON: {probes_report.write_json(results, json_path, meta)}")
     if html_path:
-        print(f"HTML: {write_html(results, html_path, meta)}")
+        print(f"HTML: {probes_report.write_html(results, html_path, meta)}")
     say(f"done: {len(results)} results")
     if not results:
         print("llama-parity probe: nothing ran (every implementation/mode was skipped)", file=sys.stderr)
@@ -202,7 +204,6 @@ def _probe_budget(args, kinds, folder, T) -> None:
     forward call the probes asked for (rows x slots: --batch-sizes, --divergence-batch-sizes,
     --new-tokens and the target's T tokens; companions up to 2T, padding up to 7 slots more)
     within the memory budget of llamaspec.budget.check_tokens, before any model loads."""
-    from llamaspec import LlamaConfig
     for flag in ("completions", "repeats", "processes"):
         check_count(getattr(args, flag), MAX_RUNS, f"--{flag}", UsageError, "each is a model run")
     cfg = LlamaConfig.from_file(Path(folder) / "config.json")
@@ -217,22 +218,21 @@ def _probe_budget(args, kinds, folder, T) -> None:
                      UsageError, width=width)
 
 
-def _where_options(args) -> dict:
-    c = args.circumstance
-    if c in ("batch", "decode"):
-        return {"batch_sizes": tuple(b for b in args.batch_sizes if b > 1)[:3] or (2,)}
-    if c == "padding":
-        return {"pad": args.pad}
-    if c == "rerun":
-        return {"repeats": args.repeats, "processes": args.processes}
-    if c == "sharding" and args.mesh:
-        return {"meshes": _meshes(args)}
-    return {}
+def where_options(args) -> dict:
+    """The options of --circumstance's plan (where_plan.Circumstance.options) that flags set:
+    --batch-sizes, --pad, --repeats, --processes, --mesh."""
+    options = circumstance(args.circumstance).options
+    given = {"batch_sizes": tuple(b for b in args.batch_sizes if b > 1)[:3] or (2,), "pad": args.pad,
+             "repeats": args.repeats, "processes": args.processes}
+    if args.mesh and "meshes" in options:
+        given["meshes"] = _meshes(args)
+    return {k: v for k, v in given.items() if k in options}
 
 
 def _meshes(args) -> list[dict]:
     """--mesh, each parsed (jaxmodel.sharding.parse_mesh: known axes, each once, sizes bounded);
     the same mesh twice is refused (it would run twice under one name)."""
+    # jax: heavy to import; only the sharding circumstance parses meshes
     from jaxmodel.sharding import parse_mesh
     meshes = []
     for text in args.mesh or ():
@@ -244,9 +244,7 @@ def _meshes(args) -> list[dict]:
 
 
 def _where_one(impl, folder, policy, mode, target, args, say):
-    from compare.probes import load_model
-    from compare.probes.where import probe_where
-    kw = dict(circumstance=args.circumstance, ids=target, seed=args.seed, progress=say, **_where_options(args))
+    kw = dict(circumstance=args.circumstance, ids=target, seed=args.seed, progress=say, **where_options(args))
     if mode == "invariant":
         return probe_where(load_model(impl, folder, policy, batch_invariant=True), **kw)
     return probe_where(impl, checkpoint=folder, policy=policy, stream=False if args.no_stream else None,
@@ -257,10 +255,8 @@ def _sharding_devices(args, impls, folder) -> None:
     """probe where --circumstance sharding: jaxmodel only; each --mesh checked against the
     checkpoint's config; on a CPU, as many host devices as the largest mesh needs (8 by
     default), asked for before JAX starts."""
-    import math
-
+    # jax: heavy to import; only the sharding circumstance needs it
     from jaxmodel.sharding import check_mesh, host_devices
-    from llamaspec import LlamaConfig
     if impls != ["jaxmodel"]:
         raise UsageError("probe where --circumstance sharding compares jaxmodel on meshes with one device: "
                          "--impl jaxmodel")
@@ -274,27 +270,22 @@ def _sharding_devices(args, impls, folder) -> None:
 def _where_budget(args, folder, T) -> None:
     """The largest forward call of the circumstance's plan (compare.probes.where_plan.check_budget)
     within the budget of --random-tokens, before any model loads."""
-    from compare.probes.where_plan import check_budget
-    from llamaspec import LlamaConfig
     cfg = LlamaConfig.from_file(Path(folder) / "config.json")
     for flag in ("repeats", "processes"):
         check_count(getattr(args, flag), MAX_RUNS, f"--{flag}", UsageError, "each is a model run")
-    options = {k: v for k, v in _where_options(args).items() if k != "meshes"}
-    flags = {"batch": " (--batch-sizes)", "decode": " (--batch-sizes)", "padding": " (--pad)"}.get(
-        args.circumstance, "")
+    options = {k: v for k, v in where_options(args).items() if k != "meshes"}
+    sized = [flag for k, flag in SIZE_FLAGS.items() if k in circumstance(args.circumstance).options]
+    flags = f" ({', '.join(sized)})" if sized else ""
     check_budget(args.circumstance, T, cfg.max_position_embeddings, cfg.vocab_size, error=UsageError,
                  what=f"probe where --circumstance {args.circumstance}{flags}", **options)
 
 
 def cmd_where(args) -> int:
     """`probe where`: per implementation x policy x mode, the table; --json all, --html one."""
-    from compare.environment import environment
-    from compare.report.where import format_table, write_html
-    from llamaspec import Policy
-
     say = _log(time.perf_counter())
-    impls = _list(args.impl, "jaxmodel" if args.circumstance == "sharding" else "torchref", IMPLS, "implementation")
-    if args.mesh and args.circumstance != "sharding":
+    sharded = circumstance(args.circumstance).sharded
+    impls = _list(args.impl, "jaxmodel" if sharded else "torchref", IMPLS, "implementation")
+    if args.mesh and not sharded:
         raise UsageError(f"--mesh {args.mesh[0]}: only --circumstance sharding uses a mesh (this is "
                          f"--circumstance {args.circumstance})")
     policies = [Policy.get(p).name for p in _list(args.policy, "fp32")]
@@ -302,11 +293,10 @@ def cmd_where(args) -> int:
     if args.html and len(impls) * len(policies) * len(modes) > 1:
         raise UsageError("probe where --html draws one result: give one --impl, --policy and --mode (--json "
                          "takes several)")
-    from .fetch import resolve_checkpoint
     json_path = output_file(args.json, "--json", args.force, say) if args.json else None
     html_path = output_file(args.html, "--html", args.force, say) if args.html else None
     folder = checkpoint_folder(resolve_checkpoint(args.checkpoint or args.checkpoint_pos, say))
-    if args.circumstance == "sharding":
+    if sharded:
         _sharding_devices(args, impls, folder)
     target, how = target_tokens(folder, args.prompt, args.length, args.seed)
     _where_budget(args, folder, target.size)
@@ -321,15 +311,14 @@ def cmd_where(args) -> int:
                     skipped.append(f"{impl} {policy} {mode}: {e}")
                     print(f"skipped {skipped[-1]}")
                     continue
-                print(format_table(results[-1], colour=sys.stdout.isatty() and not args.no_colour))
+                print(where_report.format_table(results[-1], colour=sys.stdout.isatty() and not args.no_colour))
     meta = {"checkpoint": folder, "target": how, "circumstance": args.circumstance, "argv": sys.argv[1:],
             "skipped": skipped, "environment": environment(policies[0])}
     if json_path:
-        from llamaspec.files import atomic_write, json_text
         doc = {"meta": meta, "results": [r.to_dict() for r in results]}
         print(f"JSON: {atomic_write(json_path, json_text(doc, indent=1, default=str), 'probe where JSON')}")
     if html_path and results:
-        print(f"HTML: {write_html(results[0], html_path, meta)}")
+        print(f"HTML: {where_report.write_html(results[0], html_path, meta)}")
     if not results:
         return 2
     return 1 if any(r.verdict == "semantic" for r in results) else 0

@@ -13,16 +13,28 @@ real prompt slots and the step, in the prompt + step layout of the layer inputs)
 Pair compares sample A with sample B; own_twin says whether B's circumstance gets its own
 float64 twin run (batch, padding, append, sharding: the twin run in B's circumstance is the
 fp64 rung of the comparison) or is judged against A's (rerun, invariant-mode: same input).
+
+CIRCUMSTANCES is the one registry of circumstances: each a Circumstance record (its plan,
+the bound on its largest call, how it is run, its help line); a new circumstance is one
+entry there, and the CLI, the budget check and probe_where read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
-CIRCUMSTANCES = ("batch", "padding", "append", "decode", "rerun", "invariant-mode", "sharding")
+from llamaspec.budget import check_tokens
+from llamaspec.errors import InputError
+
 ALONE = "alone"
+# The plans' defaults, shared by the plans and the bounds on their largest calls.
+BATCH_SIZES = (2, 8)    # batch, decode
+PAD = 5                 # padding: pad slots
+APPENDED = (1, 8)       # append: tokens appended
+BATCH = 4               # rerun, invariant-mode, sharding: the rows of the one mixed batch
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -109,7 +121,7 @@ def _batches(target, rng, vocab, pad_id, batch_sizes, kinds, side):
             yield (kind, B, rows, *pack(seqs, side, pad_id=pad_id))
 
 
-def plan_batch(target, rng, vocab, pad_id, batch_sizes=(2, 8), kinds=("equal", "mixed"), side="right"):
+def plan_batch(target, rng, vocab, pad_id, batch_sizes=BATCH_SIZES, kinds=("equal", "mixed"), side="right"):
     """The target alone vs inside batches: companions of its length (equal) or of random
     lengths T/4..2T padded on `side` (mixed); the target at the first, middle and last row."""
     run_a, a = _alone(target)
@@ -122,7 +134,7 @@ def plan_batch(target, rng, vocab, pad_id, batch_sizes=(2, 8), kinds=("equal", "
     return runs, pairs
 
 
-def plan_padding(target, rng, vocab, pad_id, pad=5):
+def plan_padding(target, rng, vocab, pad_id, pad=PAD):
     """Unpadded vs right padding (random pad tokens), left padding (pad id, then random pad
     tokens: if these two differ, pad content reaches real positions) and interior padding
     (pad slots in the middle of the row), each B=1, and left padding in a B=2 batch whose
@@ -151,8 +163,9 @@ def plan_padding(target, rng, vocab, pad_id, pad=5):
     return runs, pairs
 
 
-def plan_append(target, rng, vocab, appended=(1, 8)):
-    """A sequence vs the same sequence with tokens appended: positions < T must not change."""
+def plan_append(target, rng, vocab, pad_id, appended=APPENDED):
+    """A sequence vs the same sequence with tokens appended: positions < T must not change
+    (no padding: pad_id is not used)."""
     run_a, a = _alone(target)
     T = target.shape[1]
     runs, pairs = [run_a], []
@@ -164,7 +177,7 @@ def plan_append(target, rng, vocab, appended=(1, 8)):
     return runs, pairs
 
 
-def plan_decode(target, rng, vocab, pad_id, batch_sizes=(2, 8), kinds=("equal", "mixed"), token=None):
+def plan_decode(target, rng, vocab, pad_id, batch_sizes=BATCH_SIZES, kinds=("equal", "mixed"), token=None):
     """The first generated step ("compare the layerwise features of first generated step for
     both settings"): the target prefilled alone and decoded one step, vs the same inside
     batches (companions of its length, or of random lengths T/4..2T left-padded, as a KV
@@ -192,7 +205,7 @@ def _mixed_batch(target, rng, vocab, pad_id, batch):
     return pack(seqs, "right", pad_id=pad_id)
 
 
-def plan_rerun(target, rng, vocab, pad_id, batch=4, repeats=1, processes=1):
+def plan_rerun(target, rng, vocab, pad_id, batch=BATCH, repeats=1, processes=1):
     """One batch (the target at row 0, companions of mixed lengths) run again in this
     process `repeats` times and once in each of `processes` fresh processes."""
     ids, mask = _mixed_batch(target, rng, vocab, pad_id, batch)
@@ -209,7 +222,7 @@ def plan_rerun(target, rng, vocab, pad_id, batch=4, repeats=1, processes=1):
     return runs, pairs
 
 
-def plan_invariant_mode(target, rng, vocab, pad_id, batch=4):
+def plan_invariant_mode(target, rng, vocab, pad_id, batch=BATCH):
     """Default vs batch-invariant mode on the same input: the target alone and in a batch."""
     run_a, a = _alone(target)
     ids, mask = _mixed_batch(target, rng, vocab, pad_id, batch)
@@ -228,7 +241,7 @@ def mesh_label(mesh: dict) -> str:
     return ",".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "one device"
 
 
-def plan_sharding(target, rng, vocab, pad_id, meshes=(), batch=4):
+def plan_sharding(target, rng, vocab, pad_id, meshes=(), batch=BATCH):
     """One batch (the target at row 0, companions of mixed lengths) on one device vs the same
     batch on each mesh (jaxmodel sharded: tensor-parallel, data-parallel); the sharded runs have
     their own float64 twin, sharded alike, so that a sharding bug is in the fp64 rung."""
@@ -246,51 +259,88 @@ def plan_sharding(target, rng, vocab, pad_id, meshes=(), batch=4):
     return runs, pairs
 
 
-def largest_call(circumstance: str, T: int, batch_sizes=(2, 8), pad: int = 5, appended=(1, 8), batch: int = 4,
-                 **_) -> tuple[int, int]:
+# ----- the bounds on each plan's largest forward call: (rows, slots) for a target of T tokens --------
+# (companions of mixed lengths are at most 2T slots, a decode run one step more)
+
+def _batches_call(T, batch_sizes=BATCH_SIZES, **_):
+    return max(batch_sizes, default=2), 2 * T
+
+
+def _decode_call(T, batch_sizes=BATCH_SIZES, **_):
+    return max(batch_sizes, default=2), 2 * T + 1
+
+
+def _padding_call(T, pad=PAD, **_):
+    return 2, T + pad       # its B=2 readout
+
+
+def _append_call(T, appended=APPENDED, **_):
+    return 1, T + max(appended, default=0)
+
+
+def _mixed_call(T, batch=BATCH, **_):
+    return batch, 2 * T     # one mixed batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Circumstance:
+    """One circumstance of `probe where`. plan(target, rng, vocab, pad_id, **options) -> (runs,
+    pairs); largest_call(T, **options) -> (rows, slots) bounding every call the plan makes,
+    computed without making them; options: the plan's keyword options (the CLI fills those it
+    has flags for)."""
+    name: str
+    plan: Callable
+    largest_call: Callable
+    options: tuple[str, ...]
+    help: str
+    streamed: bool = False      # our models walk it layer by layer (compare.adapters.streaming)
+    needs_other: bool = False   # a second model: the same one in batch-invariant mode
+    sharded: bool = False       # its other runs are jaxmodel on meshes
+
+
+CIRCUMSTANCES: dict[str, Circumstance] = {c.name: c for c in (
+    Circumstance("batch", plan_batch, _batches_call, ("batch_sizes", "kinds", "side"),
+                 "the target alone vs inside batches of equal and mixed lengths", streamed=True),
+    Circumstance("padding", plan_padding, _padding_call, ("pad",),
+                 "unpadded vs right, left and interior padding", streamed=True),
+    Circumstance("append", plan_append, _append_call, ("appended",),
+                 "a sequence vs the same with tokens appended", streamed=True),
+    Circumstance("decode", plan_decode, _decode_call, ("batch_sizes", "kinds", "token"),
+                 "the first generated step, alone vs inside batches"),
+    Circumstance("rerun", plan_rerun, _mixed_call, ("batch", "repeats", "processes"),
+                 "one batch again in this process and in fresh processes"),
+    Circumstance("invariant-mode", plan_invariant_mode, _mixed_call, ("batch",),
+                 "default vs batch-invariant mode on the same input", needs_other=True),
+    Circumstance("sharding", plan_sharding, _mixed_call, ("meshes", "batch"),
+                 "one device vs meshes (jaxmodel only)", sharded=True),
+)}
+
+
+def circumstance(name: str) -> Circumstance:
+    """The registry's entry; an unknown name is a ValueError that lists the known ones."""
+    if name not in CIRCUMSTANCES:
+        raise ValueError(f"unknown circumstance '{name}' (one of {', '.join(CIRCUMSTANCES)})")
+    return CIRCUMSTANCES[name]
+
+
+def largest_call(name: str, T: int, **options) -> tuple[int, int]:
     """(rows, slots) that bound every forward call plan() makes for a target of T tokens with
-    these options, computed without making them: companions of mixed lengths are at most 2T
-    slots (a decode run one step more), padding T + pad (its B=2 readout), appended T + the
-    most appended."""
-    if circumstance in ("batch", "decode"):
-        return max(batch_sizes, default=2), 2 * T + (circumstance == "decode")
-    if circumstance == "padding":
-        return 2, T + pad
-    if circumstance == "append":
-        return 1, T + max(appended, default=0)
-    return batch, 2 * T       # rerun, invariant-mode, sharding: one mixed batch
+    these options, computed without making them (the circumstance's largest_call)."""
+    return circumstance(name).largest_call(T, **options)
 
 
-def check_budget(circumstance: str, T: int, max_positions: int, vocab_size: int, error=None, what: str = "",
+def check_budget(name: str, T: int, max_positions: int, vocab_size: int, error=None, what: str = "",
                  **options) -> None:
     """The plan's largest call (largest_call) within the budget `--random-tokens` has
     (llamaspec.budget.check_tokens: T within max_position_embeddings, one float64 logits array
     of the call within this machine's memory), before any array of the plan is made."""
-    from llamaspec.budget import check_tokens
-    from llamaspec.errors import InputError
-    rows, width = largest_call(circumstance, T, **options)
-    what = what or f"probe where, {circumstance}"
+    rows, width = largest_call(name, T, **options)
+    what = what or f"probe where, {name}"
     check_tokens(rows, T, max_positions, vocab_size, f"{what}: a target of {T} tokens in calls of up to {rows} rows "
                  f"x {width} slots", error or InputError, width=width)
 
 
-def plan(circumstance: str, target, vocab_size: int, pad_id: int = 0, seed: int = 0, **options):
-    """(runs, pairs) of one circumstance; options: batch_sizes, kinds, side (batch); pad
-    (padding); appended (append); batch_sizes, kinds, token (decode); batch, repeats,
-    processes (rerun); batch (invariant-mode); meshes, batch (sharding)."""
-    rng = np.random.default_rng(seed + 11)
-    if circumstance == "batch":
-        return plan_batch(target, rng, vocab_size, pad_id, **options)
-    if circumstance == "padding":
-        return plan_padding(target, rng, vocab_size, pad_id, **options)
-    if circumstance == "append":
-        return plan_append(target, rng, vocab_size, **options)
-    if circumstance == "decode":
-        return plan_decode(target, rng, vocab_size, pad_id, **options)
-    if circumstance == "rerun":
-        return plan_rerun(target, rng, vocab_size, pad_id, **options)
-    if circumstance == "invariant-mode":
-        return plan_invariant_mode(target, rng, vocab_size, pad_id, **options)
-    if circumstance == "sharding":
-        return plan_sharding(target, rng, vocab_size, pad_id, **options)
-    raise ValueError(f"unknown circumstance '{circumstance}' (one of {', '.join(CIRCUMSTANCES)})")
+def plan(name: str, target, vocab_size: int, pad_id: int = 0, seed: int = 0, **options):
+    """(runs, pairs) of one circumstance (by name, from CIRCUMSTANCES); options: the entry's
+    options (batch_sizes, kinds, side for batch; pad for padding; ...)."""
+    return circumstance(name).plan(target, np.random.default_rng(seed + 11), vocab_size, pad_id, **options)
