@@ -1,10 +1,10 @@
 """Where `probe where` gets its activations: stage by stage (embed, each layer, final norm
 and logits), the target rows of every run, at the policy and from the float64 twin.
 
-StreamSource walks torchref / jaxmodel over a checkpoint folder with the models' public
-LayerRunner (start, embed, block, final_norm, logits), as compare.ladder.stream does: each
-layer's tensors are read once and handed to every run; only the runs' hidden states and
-the target rows of the current stage are held, so memory does not grow with depth.
+StreamSource walks torchref / jaxmodel over a checkpoint folder on the layer streamer that
+compare.ladder.stream walks too (compare.adapters.streaming): each layer's tensors are read
+once and handed to every run; only the runs' hidden states and the target rows of the
+current stage are held, so memory does not grow with depth.
 CaptureSource runs anything under the Implementation protocol (ours loaded, transformers,
 a port, the batch-invariant mode) one whole capture per run, keeping the target rows and
 the layer inputs of the runs that teacher forcing may need.
@@ -25,15 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from llamaspec import taps as tapnames
-from llamaspec.checkpoint import validated
 from llamaspec.taps import input_tap
 
-from ..adapters import fp64_policy
+from ..adapters import fp64_policy, inject_support
+from ..adapters.streaming import HEAD_CHUNK_BYTES, LayerReader, LayerRun, lm_head, malloc_trim
 from ..metrics import resolve_dtype
 from .worker import run_job
-
-# The lm_head is multiplied in chunks of at most this many bytes of float64 weights.
-HEAD_CHUNK_BYTES = 256 << 20
 
 
 def stages(num_layers: int) -> list:
@@ -64,41 +61,41 @@ class _Timed:
             self.seconds[what] = self.seconds.get(what, 0.0) + time.perf_counter() - t
 
 
-class StreamSource(_Timed):
+class StreamSource:
     """torchref / jaxmodel (package) at `policy` over `folder`, layer by layer, for every run
-    and its float64 twin (the same rounded weights computing in float64). patch(runner),
-    when given, is applied to each LayerRunner at the policy (a planted op on its modules'
-    .ops namespace)."""
+    and its float64 twin (the same rounded weights computing in float64), on the one layer
+    streamer (compare.adapters.streaming: LayerReader, LayerRun, lm_head; the lm_head in
+    chunks of head_chunk_bytes). patch(runner), when given, is applied to each LayerRunner at
+    the policy (a planted op on its modules' .ops namespace) before it starts. seconds: each
+    run's (LayerRun.seconds: teacher forcing on it included, as in the streamed ladder)."""
 
-    def __init__(self, package: str, folder, policy, runs, rows_of: dict, patch=None):
-        super().__init__()
-        self.ckpt = validated(folder)      # as from_pretrained validates it: tensor set, tied lm_head, NaN/Inf
-        self.cfg = self.ckpt.config
+    def __init__(self, package: str, folder, policy, runs, rows_of: dict, patch=None,
+                 head_chunk_bytes: int = HEAD_CHUNK_BYTES):
+        self.reader = LayerReader([folder], head_chunk_bytes)
+        self.validate_seconds = self.reader.seconds
+        self.folder, self.cfg = folder, self.reader.config(folder)
         self.runs = {r.key: r for r in runs}
         self.rows_of = rows_of
         mod = importlib.import_module(f"{package}.model")
-        self.runners, self.h, self.h_in = {}, {}, {}
+        self.layer_runs, self.h_in = {}, {}
         for r in runs:
             for twin in ((False, True) if r.twin else (False,)):
                 runner = mod.LayerRunner(self.cfg, fp64_policy(policy) if twin else policy)
                 if patch is not None and not twin:
                     patch(runner)
-                runner.start(r.ids, r.mask)
-                self.runners[(r.key, twin)] = runner
+                self.layer_runs[(r.key, twin)] = LayerRun(runner, folder, r.ids, r.mask, _label((r.key, twin)))
         self.taps = tuple(tapnames.all_taps(self.cfg.num_hidden_layers))
         self.weights: dict = {}
-        self.read_seconds = 0.0
 
-    def _read(self, keys) -> dict:
-        t = time.perf_counter()
-        out = {k: self.ckpt.read_rows(k) for k in keys}
-        self.read_seconds += time.perf_counter() - t
-        return out
+    @property
+    def seconds(self) -> dict:
+        return {run.label: run.seconds for run in self.layer_runs.values()}
 
-    def _embed_rows(self, ids) -> np.ndarray:
-        key, used = "model.embed_tokens.weight", np.unique(ids)
-        table = np.stack([self.ckpt.read_rows(key, int(t), int(t) + 1)[0] for t in used])
-        return table[np.searchsorted(used, ids)]
+    @property
+    def read_seconds(self) -> float:
+        """Seconds spent reading tensors after the folder's validation (probe_where counts
+        these inside its walk)."""
+        return self.reader.seconds - self.validate_seconds
 
     def _rows(self, acts_by_run: dict) -> dict:
         out = {}
@@ -110,57 +107,43 @@ class StreamSource(_Timed):
     def rows(self, stage) -> dict:
         acts = {}
         if stage == "embed":
-            for k, runner in self.runners.items():
-                h = self.timed(_label(k), runner.embed, self._embed_rows(self.runs[k[0]].ids))
-                self.h[k] = h
-                acts[k] = {"embed": h}
+            for k, run in self.layer_runs.items():
+                run.h = run("embed", self.reader.embedding(self.folder, run.ids))
+                acts[k] = {"embed": run.h}
         elif stage == "final":
             return self._final()
         else:
-            prefix = f"model.layers.{stage}."
-            self.weights = self._read([k for k in self.ckpt.keys() if k.startswith(prefix)])
+            self.weights = self.reader.layer(self.folder, stage)
             names = stage_taps(stage, self.taps)
-            for k, runner in self.runners.items():
-                self.h_in[k] = self.h[k]
-                acts[k] = self.timed(_label(k), runner.block, stage, self.weights, self.h[k], names)
-                self.h[k] = acts[k][f"layers.{stage}.out"]
+            for k, run in self.layer_runs.items():
+                self.h_in[k] = run.h
+                acts[k] = run("block", stage, self.weights, run.h, names)
+                run.h = acts[k][f"layers.{stage}.out"]
+            malloc_trim()
         return self._rows(acts)
 
     def _final(self) -> dict:
         self.weights = {}
-        norm = self._read(["model.norm.weight"])["model.norm.weight"]
-        xs = {k: self.timed(_label(k), r.final_norm, norm, self.h[k]) for k, r in self.runners.items()}
-        self.h = {}
-        key = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
-        step = max(1, min(self.cfg.vocab_size, HEAD_CHUNK_BYTES // (8 * self.cfg.hidden_size)))
-        parts = {k: [] for k in self.runners}
-        for start in range(0, self.cfg.vocab_size, step):
-            head = self._read_rows(key, start, start + step)
-            for k, r in self.runners.items():
-                rows = self.rows_of[k[0]]
-                parts[k].append(self.timed(_label(k), r.logits, xs[k][rows], head))
+        norm = self.reader.norm(self.folder)
+        xs = {k: run("final_norm", norm, run.h) for k, run in self.layer_runs.items()}
+        for run in self.layer_runs.values():
+            run.h = None
+        logits = lm_head(self.layer_runs, {k: xs[k][self.rows_of[k[0]]] for k in self.layer_runs}, self.reader)
         out = {}
-        for k in self.runners:
-            logits = np.concatenate(parts[k], -1)
+        for k in self.layer_runs:
             for j, row in enumerate(self.rows_of[k[0]]):
-                out[(k[0], k[1], row)] = {"final_norm": xs[k][row], "logits": logits[j]}
+                out[(k[0], k[1], row)] = {"final_norm": xs[k][row], "logits": logits[k][j]}
         return out
-
-    def _read_rows(self, key, start, stop):
-        t = time.perf_counter()
-        rows = self.ckpt.read_rows(key, start, stop)
-        self.read_seconds += time.perf_counter() - t
-        return rows
 
     def layer_input(self, key, twin, layer) -> np.ndarray:
         return self.h_in[(key, twin)]
 
     def force(self, key, twin, layer, h) -> dict:
         names = stage_taps(layer, self.taps)
-        return self.timed("teacher forcing", self.runners[(key, twin)].block, layer, self.weights, h, names)
+        return self.layer_runs[(key, twin)]("block", layer, self.weights, h, names)
 
     def can_force(self, key, twin) -> bool:
-        return (key, twin) in self.runners
+        return (key, twin) in self.layer_runs
 
 
 def _label(k) -> str:
@@ -318,7 +301,6 @@ class DecodeSource(_Timed):
         return np.concatenate([self.prompt[(key, twin)][tap].astype(step.dtype), step], 1)
 
     def can_force(self, key, twin) -> bool:
-        from ..adapters import inject_support
         r = self.runs[key]
         return (key, twin) in self.steps and input_tap(0) in self.steps[(key, twin)] and \
             inject_support(self._impl(r, twin), ("capture", "prefill", "decode_capture")) is None
