@@ -342,7 +342,7 @@ def test_clean_jaxmodel_default_mode_is_drift_at_most(tiny, circumstance):
 def test_judge_tap_kinds_follow_the_two_rungs():
     from compare.probes.where import Yardstick
     rng = np.random.default_rng(0)
-    o = rng.standard_normal((6, 8))
+    o = rng.standard_normal((6, 2, 4))     # [slots, heads, head_dim], as a q tap comes
     yard = Yardstick.of(Policy.get("fp32"), 8, False)
     a = (o + 1e-7 * rng.standard_normal(o.shape)).astype(np.float32)
     b = (o + 1e-7 * rng.standard_normal(o.shape)).astype(np.float32)
@@ -351,9 +351,13 @@ def test_judge_tap_kinds_follow_the_two_rungs():
     assert judge_tap("layers.0.q", a, b, o, o + 1e-6, yard).kind == "semantic"      # the twin moved
     assert judge_tap("layers.0.q", a, (o * 1.01).astype(np.float32), o, o, yard).kind == "precision"
     assert judge_tap("layers.0.q", a, (o * 1.01).astype(np.float32), o, None, yard).kind == "semantic"
-    nan = b.copy()
-    nan[0, 0] = np.nan
-    assert judge_tap("layers.0.q", a, nan, o, o, yard).kind == "semantic"
+    # NaN/Inf: the ladder's rule (one judge): where the twin in B stays finite it is the policy's
+    # overflow (precision), where the twin has it too, the math (semantic)
+    nan, o_nan = b.copy(), o.copy()
+    nan[0, 0] = o_nan[0, 0] = np.nan
+    assert judge_tap("layers.0.q", a, nan, o, o, yard).kind == "precision"
+    assert judge_tap("layers.0.q", a, nan, o, o_nan, yard).kind == "semantic"
+    assert judge_tap("layers.0.q", a, nan, o, o, yard).reason == "nonfinite"
 
 
 def test_pad_fit_tells_attended_pads_from_masked_ones():
@@ -470,3 +474,48 @@ def test_smollm2_torchref_bf16_batch_and_padding_are_drift_at_most(smollm2, circ
     r = probe_where("torchref", circumstance, checkpoint=smollm2, policy="bf16", **opts)
     print(f"\nMEASURED smollm2 where {circumstance}: {explain_where(r).splitlines()[0]}")
     assert r.streamed and r.verdict in ("exact", "drift"), explain_where(r)
+
+
+# ----- a twin that never sees B's circumstance -------------------------------------------------
+
+def _hf_with_pads_attended(folder):
+    """A transformers Llama whose attention ignores the padding mask (causal order only: pad keys
+    before a real query are attended), registered as its attention implementation, so that its
+    float64 copy carries the same code. That copy captures padded batches row by row on the real
+    tokens (TransformersModel.unpadded_rows), so it never runs the bug."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kw):
+        T, S = query.shape[-2], key.shape[-2]
+        causal = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
+        keep = torch.zeros((), dtype=query.dtype)
+        blocked = torch.tensor(torch.finfo(query.dtype).min, dtype=query.dtype)
+        return eager_attention_forward(module, query, key, value, torch.where(causal, keep, blocked)[None, None],
+                                       **kw)
+    AttentionInterface.register("pads_attended", attention)
+    AttentionMaskInterface.register("pads_attended", eager_mask)
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                          attn_implementation="pads_attended")
+    return model.eval()
+
+
+def test_a_padding_bug_the_twin_cannot_see_is_semantic_not_precision(tiny):
+    """The twin's run of a padded batch is not the padded computation (it runs each row alone):
+    B is judged as a port without a twin, by size and structure, and attending pad keys is far
+    beyond any rounding of float32: semantic at layer 0's attention, not "precision" (the twin
+    agreeing with A would otherwise make every excess a precision loss)."""
+    from compare.adapters.transformers import TransformersModel
+    model = TransformersModel(_hf_with_pads_attended(tiny), checkpoint=tiny)
+    assert model.float64().unpadded_rows
+    r = probe_where(model, "padding", policy="fp32")
+    assert r.verdict == "semantic", explain_where(r)
+    c = by_name(r, "left padding (+5, pad id)")
+    fb = c.first_beyond
+    assert (fb.tap, fb.kind) == ("layers.0.attn_ctx", "semantic"), explain_where(r)
+    d = next(d for d in c.taps if d.tap == fb.tap)
+    assert d.twin_rel is None and d.reason.startswith("no_twin"), d
+    # right padding sits after every real query: causal order alone masks it
+    assert by_name(r, "right padding (+5, random pad tokens)").first_beyond is None

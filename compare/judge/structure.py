@@ -23,6 +23,7 @@ import math
 
 import numpy as np
 
+from llamaspec import taps as tapnames
 from llamaspec.inputs import positions_from_mask
 
 from ..explain import findings as explain_findings
@@ -967,7 +968,6 @@ def tap_inputs(tap: str, cand_taps, ref_taps) -> dict:
     """{name: (cand's, ref's)} of the taps feeding `tap` that analyse(inputs=...) tests
     against: gate/up at act, the projection input at q and attn_out, residual/branch at
     resid_mid and out, the other projection at q / k. Taps either side lacks are left out."""
-    from llamaspec import taps as tapnames
     t = tapnames.tap(tap)
     if t.layer is None:
         return {}

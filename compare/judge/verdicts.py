@@ -766,10 +766,13 @@ def context_for(tap, c64, o) -> dict:
     return out
 
 
-def _standing(v: TapVerdict) -> str:
-    """What an inherited or convention tap counts for in the overall verdict: an inherited one, what
-    teacher forcing says it adds on its own (drift or exact), or, inside the origin's layer, drift
-    unless bitwise equal; a convention, the kind of its judgement with the convention removed."""
+def standing(v: TapVerdict) -> str:
+    """What a tap counts for in the overall verdict: its kind (one of KINDS), except for an
+    inherited tap (what teacher forcing says it adds on its own, drift or exact, or, inside the
+    origin's layer, drift unless bitwise equal) and a convention (the kind of its judgement with
+    the convention removed)."""
+    if v.kind != "convention" and v.inherited is None:
+        return v.kind
     if v.kind == "convention":
         return v.record.convention.removed.kind
     if v.local is not None:
@@ -784,14 +787,13 @@ def first_divergence(verdicts: list[TapVerdict]) -> tuple[str, Divergence | None
     envelope (a precision or semantic finding of its own: not inherited, not a convention),
     whatever its class; its class is the one decided there (a no-twin tap whose evidence cannot
     tell rounding from math says so: evidence.NO_TWIN_UNDECIDED). The overall verdict is the
-    worst kind over the taps (inherited and convention taps by their standing, _standing): a
+    worst kind over the taps (inherited and convention taps by their standing): a
     later semantic finding that teacher forcing does not attribute to the first keeps the
     verdict semantic, while the report points at where the numbers first part. Conventions are
     settled first (settle_conventions)."""
     settle_conventions(verdicts)
     own = [v for v in verdicts if v.inherited is None and v.kind != "convention"]
-    worst = max([v.kind for v in own] + [_standing(v) for v in verdicts if v.inherited is not None
-                                         or v.kind == "convention"], key=KINDS.index)
+    worst = max((standing(v) for v in verdicts), key=KINDS.index)
     if worst in ("exact", "drift"):
         return worst, None
     first = next(v for v in own if v.kind in FINDINGS)

@@ -17,17 +17,20 @@ import numpy as np
 
 from llamaspec import InputError, Policy
 from llamaspec import taps as tapnames
+from llamaspec.tokenizer import Tokenizer
 
 from ..adapters import (
     PACKAGES,
     Checked,
     InjectUnsupported,
+    OurModel,
     PortError,
     Side,
     config_differences,
     inject_support,
     resolve_side,
 )
+from ..adapters.dump import bind_dumps
 from ..environment import environment, sides_of
 from ..explain import ladder as explain
 from ..judge.verdicts import (
@@ -40,7 +43,9 @@ from ..judge.verdicts import (
     settle_conventions,
 )
 from ..metrics import logits_agreement, pair_metrics
+from ..report.ladder import write_html
 from ..results import JsonResult
+from ..vocabulary import KINDS
 from .capture_check import CaptureCheck, capture_check, has_forward, not_checked, reason_not_to_check, streamed_check
 from .stream import checkpoint_side, streamable, streamed_ladder
 from .teacher import FINDINGS, ForcedRuns, amplification, inherit, local_errors, local_verdicts
@@ -78,7 +83,6 @@ class Report(JsonResult):
     twin: TwinCheck | None = None
 
     def to_html(self, path) -> Path:
-        from ..report.ladder import write_html
         return write_html(self, path)
 
     def summary(self) -> str:
@@ -370,7 +374,6 @@ def parse_inputs(inputs, checkpoint):
     if isinstance(inputs, str):
         inputs = [inputs]
     if inputs is None or (isinstance(inputs, (list, tuple)) and inputs and all(isinstance(x, str) for x in inputs)):
-        from llamaspec.tokenizer import Tokenizer
         tok = Tokenizer.from_pretrained(checkpoint)
         return tok.batch_encode(list(inputs or BUILTIN_PROMPTS), chat=True, padding_side="right")
     if isinstance(inputs, tuple) and len(inputs) == 2:
@@ -404,7 +407,6 @@ def prepare(reference, candidate, checkpoint, inputs, policy, progress=lambda ms
     the decode comparison. A Dump on either side fixes the inputs and the policy (None takes
     the dump's) and supplies its recorded checkpoint, whose fingerprint must match. mesh: a
     side named "jaxmodel" is loaded whole on it (jaxmodel/sharding.py), not streamed."""
-    from ..adapters.dump import bind_dumps
     checkpoint, inputs, policy = bind_dumps(reference, candidate, checkpoint, inputs, policy)
     policy = "fp32" if policy is None else policy
     if checkpoint is None:
@@ -425,7 +427,6 @@ def _side(spec, checkpoint, policy, mesh=None) -> Side:
     for what needs the whole model), "jaxmodel" on a mesh loaded whole and sharded, anything
     else as adapters.resolve_side makes it."""
     if spec == "jaxmodel" and mesh is not None:
-        from ..adapters import OurModel
         return Side.of(OurModel.load("jaxmodel", checkpoint, policy, mesh=mesh))
     if isinstance(spec, str) and spec in PACKAGES:
         return checkpoint_side(spec, checkpoint, policy)
@@ -460,7 +461,6 @@ def assert_parity(reference, candidate, checkpoint=None, policy=None, inputs=Non
 def _check_parity_args(checkpoint, allow) -> None:
     """assert_parity's own arguments, named: a checkpoint folder path, and `allow` a
     collection of verdict kinds."""
-    from ..vocabulary import KINDS
     if checkpoint is not None and not isinstance(checkpoint, (str, Path)):
         raise TypeError(f"assert_parity: checkpoint must be a folder path (str or Path), got "
                         f"{type(checkpoint).__name__} {checkpoint!r}")

@@ -35,9 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
+from llamaspec import Policy
 from llamaspec.generate import until_eos
 from llamaspec.inputs import left_align
 
+from ..judge.verdicts import classify, standing
 from ..metrics import max_ulp, nonfinite, rel_l2, unit_roundoff
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M
@@ -59,7 +61,7 @@ class Case:
     name: str                   # e.g. "B=8 equal lengths, row 4"
     group: str                  # series: equal, mixed, right, left, append, cls-left, ...
     batch_size: int | None
-    kind: str                   # exact | drift | semantic
+    kind: str                   # exact | drift | precision | semantic (compare_case: the one judge's)
     bitwise_equal: bool
     max_abs: float
     max_ulp: float
@@ -68,6 +70,8 @@ class Case:
     first_diff_step: int | None = None  # greedy: first step whose token differs
     margin: float | None = None         # greedy: reference top-1 minus top-2 logit there
     note: str = ""
+    reason: str = ""                    # the judge's reason code (compare.evidence)
+    ratio: float | None = None          # the judge's err / bound (the worst of the whole and its quarters)
 
 
 @dataclasses.dataclass
@@ -77,7 +81,7 @@ class ProbeResult(JsonResult):
     impl: str
     policy: str
     mode: str                   # default | invariant
-    verdict: str                # exact | drift | semantic
+    verdict: str                # exact | drift | precision | semantic
     hint: str
     bitwise_equal_frac: float   # fraction of cases bitwise equal to their reference
     max_ulp: float
@@ -123,17 +127,25 @@ def _g(x) -> str:
 
 @dataclasses.dataclass
 class Judge:
-    """Rounding scale of one model on one target, and the drift thresholds from it.
+    """One model on one target: what the one judge (compare.judge.verdicts.classify) needs to
+    decide a case (the policy, the model's float64 twin's logits), and the model's own rounding
+    error that the hints and the greedy margins quote.
 
-    Two statistics, both measured the same way on the model's own rounding error: the
-    largest absolute difference (catches a change confined to a few positions) and the
-    relative L2 difference (catches a change spread thinly over all of them). A case
-    is drift while both stay within M x the model's own + the floor."""
+    A case (the target's logits in a circumstance, the candidate) is judged against the same
+    logits alone (the reference) and the twin's (the oracle), by the ladder's rungs for a
+    candidate without a twin of its own (the circumstance's twin run is not made): drift within
+    M x the model's own error + the floor (the whole tap and each quarter of its positions);
+    beyond it, semantic when the difference has a structure rounding does not make or is
+    larger than any rounding of the declared dtypes, precision when it is rounding-sized."""
     rounding_error: float       # max |model - twin| on the target alone
     rounding_rel: float         # ||model - twin|| / ||twin||
     rel_floor: float            # FLOOR_ULPS unit roundoffs (fp64: the engine's floors)
     scale: float                # max |logit|, turns the relative floor into an absolute one
     note: str = ""
+    policy: Policy | None = None
+    keeps_f32: bool = False
+    hidden: int | None = None
+    oracle: np.ndarray | None = None    # the twin's logits on the target alone [T, V] (None: no twin)
 
     @property
     def threshold(self) -> float:
@@ -144,7 +156,11 @@ class Judge:
         return M * self.rounding_rel + self.rel_floor
 
     def ratio(self, case: "Case") -> float:
-        """How far beyond drift a case is (> 1: beyond)."""
+        """How far beyond drift a case is (> 1: beyond): the judge's ratio where it measured
+        one, else the max-abs and relative thresholds'."""
+        if case.ratio is not None and math.isfinite(case.ratio):
+            return case.ratio
+
         def r(x, t):
             return 0.0 if x == 0 else (x / t if t > 0 else math.inf)
         return max(r(case.max_abs, self.threshold), r(case.rel_l2, self.threshold_rel))
@@ -159,14 +175,17 @@ def make_judge(pm: ProbeModel, ids, ref_logits) -> Judge:
     rel = FLOOR_ULPS * unit_roundoff(pm.compute_dtype)
     if pm.compute_dtype == "float64":
         rel = max(rel, F32_STEPS_FLOOR if pm.keeps_f32 else FP64_FLOOR)
+    hidden = getattr(pm.cfg, "hidden_size", None)
+    known = {"policy": Policy.get(pm.policy), "keeps_f32": pm.keeps_f32,
+             "hidden": None if hidden is None else int(hidden)}
     twin = pm.oracle()
     if twin is None:
-        return Judge(0.0, 0.0, rel, top, "no fp64 twin: the thresholds are the floor only")
+        return Judge(0.0, 0.0, rel, top, "no fp64 twin: the thresholds are the floor only", **known)
     o = np.asarray(logits_of(twin, ids, np.ones(ids.shape, np.int64)), np.float64).reshape(ref.shape)
     err = np.abs(ref - o)
     if not np.isfinite(err).all():
-        return Judge(math.nan, math.nan, rel, top, "NaN/Inf in the model or its fp64 twin")
-    judge = Judge(float(err.max()), rel_l2(ref, o), rel, top)
+        return Judge(math.nan, math.nan, rel, top, "NaN/Inf in the model or its fp64 twin", **known, oracle=o)
+    judge = Judge(float(err.max()), rel_l2(ref, o), rel, top, **known, oracle=o)
     if judge.rounding_rel > TWIN_SUSPECT_UNITS * unit_roundoff(pm.compute_dtype):
         judge.note = (f"the model differs from its fp64 twin by {judge.rounding_rel:.1e} relative, "
                       f"more than {TWIN_SUSPECT_UNITS} unit roundoffs: if the twin is not the same "
@@ -174,8 +193,10 @@ def make_judge(pm: ProbeModel, ids, ref_logits) -> Judge:
     return judge
 
 
-def compare_case(name, group, batch_size, out, ref, judge: Judge, note="") -> Case:
-    """out vs ref (same shape, real positions only): exact, drift or semantic."""
+def compare_case(name, group, batch_size, out, ref, judge: Judge, note="", oracle=None) -> Case:
+    """out vs ref (same shape, real positions only): exact, drift, precision or semantic, by the
+    one judge (Judge). oracle: the twin's logits at ref's positions (default: the target alone's,
+    judge.oracle; without a twin the reference itself, so that the bound is the floor alone)."""
     out, ref = np.asarray(out), np.asarray(ref)
     bad = nonfinite(out)
     equal = bool(np.array_equal(out, ref)) and not bad
@@ -188,7 +209,14 @@ def compare_case(name, group, batch_size, out, ref, judge: Judge, note="") -> Ca
         else math.nan
     case = Case(name, group, batch_size, "exact", equal, d, ulp, 0, rel_l2(out, ref), note=note)
     if not equal:
-        case.kind = "drift" if judge.ratio(case) <= 1 else "semantic"
+        o = judge.oracle if oracle is None else oracle
+        o = ref if o is None or not np.isfinite(o).all() else np.asarray(o)
+        if o.shape != ref.shape:
+            raise ValueError(f"compare_case '{name}': the twin's logits {o.shape} are not at the reference's "
+                             f"positions {ref.shape}: pass oracle= for them")
+        v = classify("logits", ref[None], out[None], o[None], None, np.ones((1, len(ref)), bool), judge.policy,
+                     judge.keeps_f32, hidden=judge.hidden)
+        case.kind, case.reason, case.ratio = standing(v), v.record.reason, v.record.ratio
     return case
 
 
@@ -206,7 +234,7 @@ def _result(probe, pm: ProbeModel, cases: list[Case], judge: Judge, hint_fn, det
         nonfinite=sum(c.nonfinite for c in cases), rounding_error=judge.rounding_error,
         threshold=judge.threshold, rounding_rel=judge.rounding_rel, threshold_rel=judge.threshold_rel,
         cases=cases, details=dict(details or {}))
-    res.hint = hint_fn(worst, judge, res)
+    res.hint = _precision_hint(worst, judge) if verdict == "precision" else hint_fn(worst, judge, res)
     if judge.note:
         res.hint += f" ({judge.note})"
     if verdict != "exact" and probe in WHERE_CIRCUMSTANCE:
@@ -231,6 +259,15 @@ def _drift_hint(res: ProbeResult, judge: Judge, what: str) -> str:
             f"error ({judge.rounding_error:.1e} max abs, {judge.rounding_rel:.1e} relative) + floor: "
             "summation order (kernels sum in another order for other shapes or companions), "
             "not a bug")
+
+
+def _precision_hint(case: Case, judge: Judge) -> str:
+    if case.nonfinite:
+        return f"NaN/Inf at the policy where the float64 twin has none ({case.name}): an overflow of the policy's dtype"
+    return (f"{case.name}: {case.max_abs:.1e} max abs, {case.rel_l2:.1e} relative, {judge.ratio(case):.1f}x the "
+            f"drift bound (the model's own rounding error: {judge.rounding_rel:.1e} relative) but rounding-sized "
+            "for the policy's dtypes: the circumstance changes how the model rounds (a kernel that sums in another "
+            "order or a narrower dtype for this shape), not its math")
 
 
 def _semantic_lead(case: Case, judge: Judge, what: str) -> str:
@@ -357,11 +394,13 @@ def probe_padding(model, ids=None, *, pad=5, length=DEFAULT_LENGTH, seed=0, orac
     judge = make_judge(pm, target, ref)
     cases = []
 
-    def run(group, name, b_ids, b_mask, row=0, sl=None, want=ref, B=1, note=""):
+    def run(group, name, b_ids, b_mask, row=0, sl=None, want=slice(None), B=1, note=""):
+        """want: the target alone's positions the case compares (and the twin's there)."""
         _say(progress, f"padding [{pm.name}]: {name}")
         out = pm.logits(b_ids, b_mask)
         got = out[row][b_mask[row].astype(bool)] if sl is None else out[row][sl]
-        cases.append(compare_case(name, group, B, got, want, judge, note))
+        cases.append(compare_case(name, group, B, got, ref[want], judge, note,
+                                  None if judge.oracle is None else judge.oracle[want]))
         return out
 
     noise = _random_tokens(rng, pm, pad)
@@ -373,7 +412,8 @@ def probe_padding(model, ids=None, *, pad=5, length=DEFAULT_LENGTH, seed=0, orac
     l2_ids = l_ids.copy()
     l2_ids[0, :pad] = noise
     left2 = run("left", f"left padding (+{pad}, random pad tokens)", l2_ids, l_mask)
-    leak = compare_case("", "", 1, left2[0, pad:], left[0, pad:], judge).kind == "semantic"
+    # pad content alone: the pad-id run is the yardstick (no twin of a padded run: the bound is the floor)
+    leak = compare_case("", "", 1, left2[0, pad:], left[0, pad:], judge, oracle=left[0, pad:]).kind == "semantic"
 
     extra = _random_tokens(rng, pm, 1)
     a_ids = np.concatenate([target, extra[None]], axis=1)
@@ -384,7 +424,7 @@ def probe_padding(model, ids=None, *, pad=5, length=DEFAULT_LENGTH, seed=0, orac
         c_ids, c_mask = _pack([target[0], other], side, pad_id=pm.pad_id)
         last = (T + pad - 1) if side == "left" else T - 1
         run(f"cls-{side}", f"last-token readout, {side} padding (B=2, +{pad})", c_ids, c_mask,
-            sl=slice(last, last + 1), want=ref[T - 1:T], B=2)
+            sl=slice(last, last + 1), want=slice(T - 1, T), B=2)
 
     f_ids = np.concatenate([target, np.full_like(target, pm.pad_id)])
     f_mask = np.concatenate([ones, np.zeros_like(target)])
@@ -454,11 +494,14 @@ def probe_determinism(model, ids=None, *, repeats=3, processes=2, batch=4, lengt
     _say(progress, f"determinism [{pm.name}]: first run (B={batch})")
     first = pm.logits(b_ids, b_mask)
     judge = make_judge(pm, target, first[0][real[0]])
+    # the cases compare every real position of the batch: the twin's logits there
+    twin = pm.oracle() if judge.oracle is not None else None
+    o_batch = None if twin is None else np.asarray(logits_of(twin, b_ids, b_mask), np.float64)[real]
     cases = []
     for i in range(repeats):
         _say(progress, f"determinism [{pm.name}]: repeat {i + 1}/{repeats}")
         cases.append(compare_case(f"repeat {i + 1} in this process", "repeat", batch,
-                                  pm.logits(b_ids, b_mask)[real], first[real], judge))
+                                  pm.logits(b_ids, b_mask)[real], first[real], judge, oracle=o_batch))
     skipped = None
     if processes and spec is None:
         skipped = "no ModelSpec (load the model with load_model to run fresh processes)"
@@ -466,7 +509,7 @@ def probe_determinism(model, ids=None, *, repeats=3, processes=2, batch=4, lengt
         for i, out in enumerate(run_fresh(spec, b_ids, b_mask, processes, timeout, progress)):
             # the worker saves 16-bit logits widened to float32 (lossless): narrow them back
             cases.append(compare_case(f"fresh process {i + 1}", "fresh", batch,
-                                      np.asarray(out).astype(first.dtype)[real], first[real], judge))
+                                      np.asarray(out).astype(first.dtype)[real], first[real], judge, oracle=o_batch))
 
     def hint(worst, judge, res):
         if res.verdict != "semantic":
@@ -680,7 +723,7 @@ def probe_cross_greedy(model_a, model_b, ids=None, mask=None, *, new_tokens=16, 
     ja = make_judge(a, first, a.logits(first, np.ones_like(first))[0])
     jb = make_judge(b, first, b.logits(first, np.ones_like(first))[0])
     judge = Judge(ja.rounding_error + jb.rounding_error, ja.rounding_rel + jb.rounding_rel,
-                  max(ja.rel_floor, jb.rel_floor), max(ja.scale, jb.scale), ja.note or jb.note)
+                  max(ja.rel_floor, jb.rel_floor), max(ja.scale, jb.scale), ja.note or jb.note, jb.policy)
     _say(progress, f"cross-framework greedy: {a.name} ({ids.shape[0]} prompts, {new_tokens} tokens)")
     ta = greedy_trace(a, ids, mask, new_tokens)
     _say(progress, f"cross-framework greedy: {b.name}")

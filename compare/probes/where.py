@@ -12,25 +12,27 @@ The target row is captured at every tap in circumstance A (alone, unpadded, with
 appended tokens, the first run, default mode) and in circumstance B (inside a batch,
 padded, with tokens appended, a rerun, invariant mode); only A's positions are compared.
 Per tap, with a = A, b = B, oa and ob the model's own float64 twin (the same rounded
-weights computing in float64) in A's and in B's circumstance:
+weights computing in float64) in A's and in B's circumstance, the one judge of the project
+(compare.judge.verdicts.classify, the ladder's rungs) decides, with a as the reference, b as
+the candidate, oa as the oracle and ob as the candidate's twin:
 
     exact      b is bitwise equal to a;
-    semantic   NaN/Inf, or the fp64 rung differs: rel_l2(ob, oa) > the fp64 floor (1e-12; a
-               model that keeps f32 steps in its float64 run: F32_STEPS_FLOOR). In float64
-               another summation order moves a result by ~1e-16; a difference the twin keeps
-               is a difference in the math (pads attended, a position shift, a cache slot,
-               a leak from another row);
-    precision  the twin agrees, but err_b = rel_l2(b, ob) > m err_a + floor, err_a =
-               rel_l2(a, oa): in B the model loses more precision than in A (bf16 partials
-               chosen by batch shape);
+    semantic   NaN/Inf in b, or the fp64 rung differs: ob departs from oa by more than the fp64
+               floor with no dtype-noise explanation (in float64 another summation order moves a
+               result by ~1e-16; a difference the twin keeps is a difference in the math: pads
+               attended, a position shift, a cache slot, a leak from another row);
+    precision  the twin agrees, but b's error against it is beyond m err_a + floor (the worst of
+               the whole tap and its quarters of positions): in B the model loses more precision
+               than in A (bf16 partials chosen by batch shape);
     drift      anything else: b is as close to the exact result as a is.
 
-m and floor are the ladder's (compare.vocabulary.drift_factor, precision_floor): they hold
-err(cand) <= m err(ref) + floor for two independent correct implementations of one
-policy, which differ by more than two summation orders of one implementation do. Both
-errors include what earlier taps handed on, so the bound follows the depth. Without an own
-twin for B (rerun, invariant-mode: B has A's input) ob is oa and a working-rung excess is
-semantic.
+Without a twin of B's circumstance (rerun and invariant-mode give B A's input; a twin that runs
+a padded batch row by row on the real tokens, as transformers' float64 copy does, never sees
+the padding) the no-twin rungs decide, as they do for a port without float64(): beyond the
+bound, semantic when the difference has a structure rounding does not make or is larger than
+any rounding of the declared dtypes, precision when it is rounding-sized. A difference the
+softmax cancels (a constant per position of the logits) is drift with reason
+"shift_invariant" (the judge's convention rung).
 
 StreamSource walks our models layer by layer (memory does not grow with depth); anything
 else is captured whole (CaptureSource). Teacher forcing: at the layer of the first parting,
@@ -49,13 +51,19 @@ import numpy as np
 
 from llamaspec import Policy
 from llamaspec import taps as tapnames
+from llamaspec.checkpoint import check_checkpoint
 from llamaspec.taps import input_tap
 
+from ..adapters import OurModel, as_implementation, fp64_policy
+from ..judge.verdicts import TapVerdict, classify, context_for, settle_conventions, standing
 from ..metrics import max_ulp, nonfinite
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
-from .where_plan import CIRCUMSTANCES, Pair, check_budget, mesh_label, plan
-from .where_sources import ReplayDiffers, stage_taps, stages
+from .models import ModelSpec, ProbeModel, fp64_twin
+from .where_plan import Pair, check_budget, mesh_label, plan
+from .where_plan import circumstance as circumstance_of
+from .where_sources import CaptureSource, DecodeSource, ReplayDiffers, StreamSource, impl_key, stage_taps, stages
+from .where_text import explain_where, hint
 
 BEYOND = ("precision", "semantic")
 
@@ -78,7 +86,8 @@ class TapDiff:
     layer: int | None
     component: str
     name: str               # the tap's kind within its layer: q, attn_ctx, ... or embed, logits
-    kind: str               # exact | drift | precision | semantic
+    kind: str               # exact | drift | precision | semantic (the one judge's, a convention by its standing)
+    reason: str             # the judge's reason code (compare.evidence: fp64_math, precision, no_twin_semantic, ...)
     bitwise_equal: bool
     max_ulp: float          # in the tap's dtype
     max_abs: float
@@ -86,17 +95,14 @@ class TapDiff:
     err_a: float            # rel_l2(a, twin in A)
     err_b: float            # rel_l2(b, twin in B, or in A without an own twin)
     bound: float            # m err_a + floor
-    twin_rel: float | None  # rel_l2(twin in B, twin in A); None without an own twin
+    twin_rel: float | None  # rel_l2(twin in B, twin in A); None without a twin of B's circumstance
     twin_floor: float
     nonfinite: int
+    ratio: float = 0.0      # the judge's err_b / bound, the worst of the whole tap and its quarters
     first_position: int | None = None   # first compared position that differs
     worst_position: int | None = None   # position with the largest relative difference
     pad_fit: float | None = None        # attn_ctx: dist(b, pads attended) / dist(b, pads masked)
     equal_fraction: float = 1.0         # the fraction of compared values bitwise equal in A and B
-
-    @property
-    def ratio(self) -> float:
-        return self.err_b / self.bound if self.bound > 0 else (0.0 if self.err_b == 0 else math.inf)
 
 
 @dataclasses.dataclass
@@ -174,7 +180,6 @@ class WhereResult(JsonResult):
         return max(self.comparisons, key=_severity)
 
     def to_dict(self) -> dict:
-        from .where_text import explain_where, hint
         return {**super().to_dict(), "hint": hint(self), "explanation": explain_where(self)}
 
 
@@ -211,14 +216,18 @@ def op_of(tap: str, cfg) -> Op:
 
 @dataclasses.dataclass(frozen=True)
 class Yardstick:
+    """What the judge needs besides the arrays (policy, hidden size, keeps_f32), and the bound's
+    numbers the result reports (m, floor, the fp64 rung's floor)."""
     policy: Policy
+    hidden: int
+    keeps_f32: bool
     m: float
     floor: float
     twin_floor: float
 
     @classmethod
     def of(cls, policy: Policy, hidden: int, keeps_f32: bool) -> "Yardstick":
-        return cls(policy, drift_factor(policy), precision_floor(policy, hidden),
+        return cls(policy, hidden, keeps_f32, drift_factor(policy), precision_floor(policy, hidden),
                    F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR)
 
 
@@ -245,30 +254,42 @@ def rel(cand, ref) -> float:
     return num / den if den else num
 
 
-def judge_tap(tap: str, a, b, oa, ob, yard: Yardstick) -> TapDiff:
-    """B (b) vs A (a) at one tap, against the twin in A (oa) and in B (ob, or None)."""
+def verdict(tap: str, a, b, oa, ob, yard: Yardstick, context: dict | None = None) -> TapVerdict:
+    """The one judge (compare.judge.verdicts.classify) on B (b) vs A (a) at one tap ([slots, ...]
+    rows of the target: one row of real positions), against the twin in A (oa) and in B (ob, or
+    None). context: the twins' taps of the layer, {"c64": ..., "o": ...} (context_for: what the
+    structure analysis reads)."""
+    real = np.ones((1, len(a)), bool)
+    ctx = context_for(tap, context["c64"], context["o"]) if context else None
+    return classify(tap, np.asarray(a)[None], np.asarray(b)[None], np.asarray(oa)[None],
+                    None if ob is None else np.asarray(ob)[None], real, yard.policy, yard.keeps_f32, ctx, yard.hidden)
+
+
+def tap_diff(v: TapVerdict, a, b, has_twin: bool, yard: Yardstick) -> TapDiff:
+    """The probe's record of one judged tap (v), with what the judge does not measure: bits, ULPs,
+    where in the row the difference starts and peaks."""
     a, b = np.asarray(a), np.asarray(b)
-    t = tapnames.tap(tap)
+    t = tapnames.tap(v.tap)
     bad = nonfinite(b) + nonfinite(a)
     equal = bool(np.array_equal(a, b)) and not bad
-    err_a = rel(a, oa)
-    err_b = rel(b, oa if ob is None else ob)
-    twin_rel = None if ob is None else rel(ob, oa)
-    ulp = max_ulp(b, a, tapnames.dtype_of(tap, yard.policy)) if not bad else math.nan
-    diff = TapDiff(tap, t.layer, t.component, t.kind, "exact", equal, ulp,
+    ev = v.record
+    ratio = ev.ratio if math.isfinite(ev.ratio) else (0.0 if equal else math.inf)
+    diff = TapDiff(v.tap, t.layer, t.component, t.kind, standing(v), ev.reason, equal,
+                   max_ulp(b, a, tapnames.dtype_of(v.tap, yard.policy)) if not bad else math.nan,
                    float(np.abs(b.astype(np.float64) - a.astype(np.float64)).max()) if not bad else math.nan,
-                   rel(b, a), err_a, err_b, yard.m * err_a + yard.floor, twin_rel, yard.twin_floor, bad)
-    if equal:
-        return diff
-    diff.equal_fraction = equal_fraction(a, b)
-    diff.first_position, diff.worst_position = _positions(a, b) if not bad else (None, None)
-    if bad or (twin_rel is not None and not twin_rel <= yard.twin_floor):
-        diff.kind = "semantic"
-    elif not diff.err_b <= diff.bound:
-        diff.kind = "precision" if twin_rel is not None else "semantic"
-    else:
-        diff.kind = "drift"
+                   rel(b, a), v.err_ref, v.err_cand, yard.m * v.err_ref + yard.floor,
+                   v.err_fp64 if has_twin else None, yard.twin_floor, bad, ratio)
+    if not equal:
+        diff.equal_fraction = equal_fraction(a, b)
+        diff.first_position, diff.worst_position = _positions(a, b) if not bad else (None, None)
     return diff
+
+
+def judge_tap(tap: str, a, b, oa, ob, yard: Yardstick) -> TapDiff:
+    """One tap judged alone (no other tap of its layer to settle a layout convention with)."""
+    v = verdict(tap, a, b, oa, ob, yard)
+    settle_conventions([v])
+    return tap_diff(v, a, b, ob is not None, yard)
 
 
 def equal_fraction(a: np.ndarray, b: np.ndarray) -> float:
@@ -305,6 +326,7 @@ class _Pairing:
     pair: Pair
     comparison: Comparison
     mask_row: np.ndarray         # B's row of its mask (the pad recompute's key slots)
+    b_twin: bool                 # B is judged against its own twin run: the pair has one and it computes B
     last_exact: bool = True
 
 
@@ -318,16 +340,27 @@ def _rows(got: dict, s, twin: bool):
     return got.get((s.run, twin, s.row))
 
 
+def _sliced(rows: dict, s) -> dict:
+    """A sample's compared slots of every tap of a stage, as one batch row ([1, slots, ...])."""
+    return {t: np.asarray(x)[s.slots][None] for t, x in rows.items()}
+
+
 def _judge_stage(p: _Pairing, stage, got: dict, yard: Yardstick, available) -> list[TapDiff]:
     a, b = p.pair.a, p.pair.b
     ra, rb, oa = _rows(got, a, False), _rows(got, b, False), _rows(got, a, True)
-    ob = _rows(got, b, True) if p.pair.own_twin else None
+    ob = _rows(got, b, True) if p.b_twin else None
     if oa is None:
         raise ValueError(f"where: no float64 twin run for '{a.run}': the probe judges against the model's own twin")
+    # what the structure analysis reads besides the tap: the candidate's twin (without one, the
+    # candidate) and the oracle, as the ladder hands them (engine.judge_taps)
+    context = {"c64": _sliced(rb if ob is None else ob, b), "o": _sliced(oa, a)}
+    taps = list(stage_taps(stage, available))
+    verdicts = [verdict(t, ra[t][a.slots], rb[t][b.slots], oa[t][a.slots], None if ob is None else ob[t][b.slots],
+                        yard, context) for t in taps]
+    settle_conventions(verdicts)
     out = []
-    for tap in stage_taps(stage, available):
-        d = judge_tap(tap, ra[tap][a.slots], rb[tap][b.slots], oa[tap][a.slots],
-                      None if ob is None else ob[tap][b.slots], yard)
+    for tap, v in zip(taps, verdicts):
+        d = tap_diff(v, ra[tap][a.slots], rb[tap][b.slots], ob is not None, yard)
         # the pad recompute needs every key slot's k_rope and v: not at a decode step (one slot)
         if d.name == "attn_ctx" and d.kind in BEYOND and p.comparison.b_padded and not p.comparison.step and all(
                 f"layers.{d.layer}.{n}" in rb for n in ("q_rope", "k_rope", "v")):
@@ -373,7 +406,7 @@ def _force(p: _Pairing, part: Parting, source, prev: dict, got: dict, yard: Yard
 
     try:
         fb = forced(False, _rows(prev, a, False))
-        twin_too = p.pair.own_twin and source.can_force(b.run, True) and (not decode or source.can_force(a.run, True))
+        twin_too = p.b_twin and source.can_force(b.run, True) and (not decode or source.can_force(a.run, True))
         fob = forced(True, _rows(prev, a, True)) if twin_too else None
     except NotImplementedError:
         return Forced(part.layer, False, "no_inject")
@@ -452,7 +485,6 @@ def findings(c: Comparison) -> list[str]:
 
 # ----------------------------------------------------------------- the probe
 
-STREAMED = ("batch", "padding", "append")   # circumstances our models walk layer by layer
 PACKAGES = ("torchref", "jaxmodel")
 
 
@@ -480,25 +512,21 @@ def _policy_of(impl, policy) -> Policy:
 
 
 def _load(spec):
-    from ..adapters import as_implementation
     return as_implementation(spec.load(), spec.checkpoint)
 
 
 def _by_name(name, circumstance, checkpoint, policy, stream, other, hf):
-    from llamaspec.checkpoint import check_checkpoint
-
-    from .models import ModelSpec
     if checkpoint is None:
         raise ValueError(f"probe where '{name}': checkpoint= (a Hugging Face folder) is needed to load it")
     pol = Policy.get(policy or "fp32")
     spec = ModelSpec(name, str(checkpoint), pol.name, **(hf if name == "transformers" else {}))
-    if name in PACKAGES and circumstance in STREAMED and stream is not False:
+    if name in PACKAGES and circumstance_of(circumstance).streamed and stream is not False:
         cfg = check_checkpoint(checkpoint).config
         return _Setup(f"{name} {pol.name} default", name, pol, "default", False, cfg, {},
                       tuple(tapnames.all_taps(cfg.num_hidden_layers)), name, str(checkpoint), spec)
     main = _load(spec)
     impls = {"main": main, "twin": main.float64(rounded_weights=True)}
-    if circumstance == "invariant-mode":
+    if circumstance_of(circumstance).needs_other:
         impls["other"] = other if other is not None else _load(dataclasses.replace(spec, batch_invariant=True))
     cfg = getattr(main, "config", None) or main.cfg
     return _Setup(f"{getattr(main, 'name', name)} {pol.name} default", name, pol, "default",
@@ -506,8 +534,6 @@ def _by_name(name, circumstance, checkpoint, policy, stream, other, hf):
 
 
 def _of_object(model, circumstance, checkpoint, policy, oracle, other):
-    from ..adapters import as_implementation
-    from .models import ProbeModel, fp64_twin
     spec = name = None
     if isinstance(model, ProbeModel):
         spec, name, oracle = model.spec, model.name, oracle or model.oracle()
@@ -518,9 +544,9 @@ def _of_object(model, circumstance, checkpoint, policy, oracle, other):
         raise TypeError(f"{getattr(impl, 'name', type(model).__name__)}: probe where needs the model's float64 twin "
                         "(the same implementation computing in float64): pass oracle=")
     impls = {"main": impl, "twin": as_implementation(twin)}
-    if circumstance == "invariant-mode":
+    if circumstance_of(circumstance).needs_other:
         if other is None:
-            raise TypeError("probe where, invariant-mode: pass other= (the same model in batch-invariant mode)")
+            raise TypeError(f"probe where, {circumstance}: pass other= (the same model in batch-invariant mode)")
         impls["other"] = as_implementation(other)
     pol = _policy_of(impl, policy)
     mode = "invariant" if getattr(impl, "batch_invariant", False) else "default"
@@ -554,8 +580,6 @@ def _sharded(setup: _Setup, meshes, progress) -> list[dict]:
     import jaxmodel
     from jaxmodel.sharding import make_mesh
 
-    from ..adapters import OurModel
-    from ..adapters.ours import fp64_policy
     main = setup.impls["main"]
     if getattr(main, "package", None) != "jaxmodel" or getattr(main, "mesh", None) is not None:
         raise ValueError(f"probe where, sharding: the model must be jaxmodel on one device, not "
@@ -581,6 +605,15 @@ def _sharded(setup: _Setup, meshes, progress) -> list[dict]:
     return meshes
 
 
+def twin_computes(setup: _Setup, run) -> bool:
+    """Whether the float64 twin's run of `run` computes run's circumstance: not where the twin
+    captures a padded batch row by row on the real tokens (TransformersModel.unpadded_rows, so
+    that eager attention cannot turn left padding into NaN), which never sees the padding; such a
+    pair is judged without B's twin (the no-twin rungs), as a port without float64() is."""
+    twin = setup.impls.get(impl_key(run.model, True))
+    return not (getattr(twin, "unpadded_rows", False) and not np.asarray(run.mask).all())
+
+
 def _target(cfg, ids, length: int, seed: int) -> np.ndarray:
     if ids is None:
         return np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, length)).astype(np.int64)
@@ -589,7 +622,6 @@ def _target(cfg, ids, length: int, seed: int) -> np.ndarray:
 
 
 def _source(setup: _Setup, runs, pairs, rows_of, progress):
-    from .where_sources import CaptureSource, DecodeSource, StreamSource
     if any(r.step is not None for r in runs):
         return DecodeSource(setup.impls, runs, rows_of, setup.taps, progress)
     if setup.package is not None:
@@ -611,15 +643,14 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
     model; transformers by name: attn_implementation=, hf_positions= "mask" | "default",
     see adapters/transformers.py). options go to where_plan.plan (batch_sizes, kinds, side, pad, appended, token,
     batch, repeats, processes)."""
-    if circumstance not in CIRCUMSTANCES:
-        raise ValueError(f"unknown circumstance '{circumstance}' (one of {', '.join(CIRCUMSTANCES)})")
+    circ = circumstance_of(circumstance)       # an unknown name: ValueError with the list
     t0 = time.perf_counter()
     if isinstance(model, str):
         setup = _by_name(model, circumstance, checkpoint, policy, stream, other,
                          {"attn_implementation": attn_implementation, "positions": hf_positions})
     else:
         setup = _of_object(model, circumstance, checkpoint, policy, oracle, other)
-    if circumstance == "sharding":
+    if circ.sharded:
         options["meshes"] = _sharded(setup, options.get("meshes"), progress)
     target = _target(setup.cfg, ids, length, seed)
     # the CLI checks this before loading (probe_cli._where_budget); here for callers of the library
@@ -632,7 +663,8 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
     rows_of = {r.key: sorted({s.row for p in pairs for s in (p.a, p.b) if s.run == r.key}) for r in runs}
     source = _source(setup, runs, pairs, rows_of, progress)
     yard = Yardstick.of(setup.policy, int(setup.cfg.hidden_size), setup.keeps_f32)
-    pairings = [_Pairing(p, _comparison(p, by_key), by_key[p.b.run].mask[p.b.row]) for p in pairs]
+    pairings = [_Pairing(p, _comparison(p, by_key), by_key[p.b.run].mask[p.b.row],
+                         p.own_twin and twin_computes(setup, by_key[p.b.run])) for p in pairs]
     t_walk, ran_before = time.perf_counter(), sum(source.seconds.values())
     _walk(source, pairings, by_key, setup.cfg, yard, setup.taps, progress)
     comps = [p.comparison for p in pairings]
