@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 import compare  # noqa: E402
-from compare.adapters import HF_LLAMA_TAPS, TorchModule  # noqa: E402
+from compare.adapters import HF_LLAMA_TAPS, PortError, TorchModule  # noqa: E402
 from compare.ladder import engine, twins  # noqa: E402
 from llamaspec import load_weights  # noqa: E402
 
@@ -345,3 +345,65 @@ def test_embedding_rounded_below_the_policys_weights_is_the_ports_own_rounding_n
     policys = twins.check_twin("p", c64, oracle, list(c64), real, False, "bfloat16")
     assert (own.status, own.weights) == (twins.ACCEPTED, "rounded to bfloat16") and "own rounding" in own.note
     assert policys.status == twins.REFUSED and policys.refused_for == (twins.WEIGHTS,), policys
+
+
+# ----- the decode comparison checks the twin too -----------------------------------------------
+
+class _DecodingPort:
+    """A user's port with the decode protocol (torchref underneath, reached through its public
+    calls only); float64() is the port's twin: `rounded` builds it from the working precision's
+    rounded weights (the mistake), else from the checkpoint's weights at float64."""
+
+    def __init__(self, impl, rounded: bool):
+        self.impl, self.rounded = impl, rounded
+        self.name, self.taps, self.cfg = "decoding port", impl.taps, impl.cfg
+
+    def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
+        return self.impl.capture(tokens, attention_mask, taps, inject)
+
+    def prefill_capture(self, ids, mask, total_len, taps, inject=None):
+        return self.impl.prefill_capture(ids, mask, total_len, taps, inject)
+
+    def decode_capture(self, cache, next_ids, taps, inject=None):
+        return self.impl.decode_capture(cache, next_ids, taps, inject)
+
+    def prefill(self, ids, mask, total_len, inject=None):
+        return self.impl.prefill(ids, mask, total_len, inject)
+
+    def decode(self, cache, next_ids):
+        return self.impl.decode(cache, next_ids)
+
+    def float64(self):
+        return _DecodingPort(self.impl.float64(rounded_weights=self.rounded), self.rounded)
+
+
+def _decoding_port(folder, rounded: bool):
+    from compare.adapters import OurModel
+    return _DecodingPort(OurModel.load("torchref", folder, "bf16"), rounded)
+
+
+def test_decode_comparison_refuses_a_twin_of_rounded_weights_and_accepts_a_true_one(folder):
+    """compare_decode judges each step against the candidate's float64 decode: a twin whose
+    weights are the policy's bf16 rounding would make every step's fp64 rung a difference in the
+    math; it is found and refused with the reason (a PortError: the decode comparison has no rung
+    without it), as the prefill ladder refuses it. The same port with a true twin is accepted."""
+    ids = IDS[:, :12]
+    inputs = (ids, np.ones_like(ids))
+    with pytest.raises(PortError, match="weights rounded to bfloat16"):
+        compare.compare_decode("torchref", _decoding_port(folder, rounded=True), folder, inputs=inputs, steps=2,
+                               policy="bf16")
+    report = compare.compare_decode("torchref", _decoding_port(folder, rounded=False), folder, inputs=inputs, steps=2,
+                                    policy="bf16")
+    assert report.twin is not None and not report.twin.refused and report.twin.weights == twins.CHECKPOINT
+    assert report.verdict in ("exact", "drift"), report.summary()
+
+
+def test_without_the_check_the_rounded_twin_makes_a_correct_decode_semantic(folder, monkeypatch):
+    """The mechanism is real: the same rounded twin trusted as the semantic rung calls a correct
+    bf16 decode semantic."""
+    from compare.ladder import decode
+    monkeypatch.setattr(decode, "_checked_twin", lambda cand, runs, taps, policy, progress: (None, cand))
+    ids = IDS[:, :12]
+    report = compare.compare_decode("torchref", _decoding_port(folder, rounded=True), folder,
+                                    inputs=(ids, np.ones_like(ids)), steps=2, policy="bf16")
+    assert report.verdict == "semantic"

@@ -65,7 +65,7 @@ from llamaspec import InputError, Policy
 from llamaspec import taps as tapnames
 from llamaspec.inputs import left_align
 
-from ..adapters import OurModel, Side, config_differences, inject_support
+from ..adapters import Checked, OurModel, PortError, Side, config_differences, inject_support
 from ..environment import environment, sides_of
 from ..evidence import ONSET, POOLED_DRIFT, POOLED_NO_STRUCTURE, DecodePath, Pooled
 from ..explain import ladder as explain
@@ -75,6 +75,7 @@ from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, TAP_KINDS, drift_factor, precision_floor
 from .engine import prepare
 from .teacher import inherit, suspects
+from .twins import TwinCheck, applied, check_twin
 
 
 @dataclasses.dataclass
@@ -116,6 +117,9 @@ class DecodeReport(JsonResult):
     config_differences: list = dataclasses.field(default_factory=list)
     oracle: str = "reference at fp64, full recompute without a cache"   # or _oracle_kind's other answer
     teacher_forcing: str = "not needed"     # "run" | "not needed" | "not run: <why>" (_inherit_steps)
+    # the candidate's float64 twin as checked before its decode was trusted as the semantic rung
+    # (twins.check_twin, on the decoded steps' taps); None for a twin this project builds
+    twin: TwinCheck | None = None
 
     def summary(self) -> str:
         return explain.decode_summary(self, FULL_RECOMPUTE)
@@ -413,6 +417,7 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
         timing[name], clock[0] = round(now - clock[0], 3), now
 
     runs = _run_sides(ref, cand, ids, mask, taps, policy, steps, tokens, slack, progress, lap)
+    twin, cand = _checked_twin(cand, runs, taps, policy, progress)
 
     @functools.cache
     def own_full():
@@ -429,8 +434,26 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
         lap("teacher_forcing")
     judged = [(judge.step(s, v), v) for s, v in enumerate(verdicts)]
     report = _decode_report(ref, cand, policy, runs, ids.shape[1], judged, timing)
-    report.teacher_forcing = forcing
+    report.teacher_forcing, report.twin = forcing, twin
     return report
+
+
+def _checked_twin(cand: Side, runs: _Runs, taps, policy: Policy, progress) -> tuple[TwinCheck | None, Side]:
+    """A user's port's float64 decode read before it is trusted as the semantic rung, as the
+    prefill ladder reads its twin (twins.check_twin: its weights, its arithmetic), on the decoded
+    steps' taps: keeps_f32 inferred where it keeps float32 steps; refused (a PortError: the
+    decode comparison has no rung without it) where its weights are the policy's rounding or no
+    tap is float64. (None, cand) for a twin this project builds."""
+    if not isinstance(cand.at_fp64, Checked):
+        return None, cand
+    twin = check_twin(cand.name, runs.c64, runs.o, taps, np.ones(runs.fed.shape, bool), cand.keeps_f32,
+                      policy.param_dtype)
+    if twin.refused:
+        raise PortError(f"the decode comparison judges each step against the candidate's float64 decode, and "
+                        f"{twin.note}")
+    if twin.note:
+        progress(twin.note)
+    return twin, applied(cand, twin)
 
 
 def _inherit_steps(ref: Side, cand: Side, ids, mask, runs: _Runs, taps, verdicts: list[list[TapVerdict]],
