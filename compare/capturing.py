@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from llamaspec import LlamaConfig, Policy
 from llamaspec import taps as tapnames
@@ -140,7 +141,6 @@ def _write_taps(out: Path, side, acts, names, cfg, shape, prefix: str, progress)
 
 def _save(folder: Path, name: str, tensors: dict) -> None:
     """One tap file in the (private) staging folder; a full disk names the file."""
-    from safetensors.numpy import save_file
     try:
         save_file(tensors, str(folder / name), metadata={"format": FORMAT})
     except OSError as e:

@@ -15,7 +15,9 @@ import os
 import platform
 from importlib.metadata import PackageNotFoundError, version
 
-from llamaspec.plan import ISA_FLAGS
+from llamaspec import Policy, fixed_order
+from llamaspec.cpuinfo import name_and_flags, vendor
+from llamaspec.plan import ISA_FLAGS, check_xla_flags
 
 PACKAGES = ("numpy", "torch", "jax", "jaxlib", "flax", "ml_dtypes", "transformers")
 # Variables that cap the libraries' instruction sets (docs/invariance.md: one machine, many CPUs).
@@ -33,7 +35,6 @@ def _version(pkg: str) -> str:
 def cpu() -> dict:
     """The CPU (model name, its ISA extensions that matter), the caps set on the libraries,
     and the code paths they report using; the GPU when there is one."""
-    from llamaspec.cpuinfo import name_and_flags, vendor
     name, flags = name_and_flags()
     caps = [f"{k}={os.environ[k]}" for k in ISA_CAPS if k in os.environ]
     # XLA's cap is one flag among XLA_FLAGS (recorded whole elsewhere in the environment)
@@ -42,12 +43,11 @@ def cpu() -> dict:
            "cpu isa": " ".join(f for f in ISA_FLAGS if f in flags) or "unknown",
            "isa caps": ", ".join(caps) or "none"}
     try:
-        import torch
+        import torch  # torch: slow import, and optional here (`import compare` must not load it)
         out["torch cpu capability"] = torch.backends.cpu.get_cpu_capability()
         out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     except ImportError:
         pass
-    from llamaspec import fixed_order
     out["fixed-order kernels"] = fixed_order.state()
     return out
 
@@ -55,7 +55,7 @@ def cpu() -> dict:
 def _torch_settings() -> dict:
     """torch's threads and the process's matmul settings (torchref checks them against the policy
     at each call and never changes them)."""
-    import torch
+    import torch  # torch: slow import; `import compare` must not load it
     mm, cpu_mm = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
     return {"torch threads": torch.get_num_threads(),
             "torch cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
@@ -66,8 +66,8 @@ def _torch_settings() -> dict:
 
 
 def _jax_settings() -> dict:
-    from llamaspec.plan import check_xla_flags
     check_xla_flags()       # before JAX starts: XLA ends the process on a flag it does not know
+    # jax, jaxmodel: slow imports, and only after the flags are checked
     import jax
 
     from jaxmodel.dtypes import compiler_options
@@ -89,7 +89,7 @@ def plan_of(impl):
 def default_plans(policy, uses_jax: bool) -> dict:
     """{framework: plan} of the default backend at `policy` on the CPU, for a record made without
     the models at hand (the demo, the benchmarks): what from_pretrained would choose here."""
-    from torchref.plan import make_plan
+    from torchref.plan import make_plan  # torchref imports torch, jaxmodel jax: slow, and only for these plans
     plans = {"torchref": make_plan(policy, "cpu", "fast")}
     if uses_jax:
         from jaxmodel.plan import make_plan as make_jax_plan
@@ -102,7 +102,6 @@ def environment(policy, uses_jax: bool = True, sides: dict | None = None) -> dic
     sides: {role ("reference", "candidate", ...): implementation}; each one's plan is recorded
     under "<role> plan ..." (implementations without a plan, as transformers, record none).
     Without sides, the plans from_pretrained would make here by default."""
-    from llamaspec import Policy
     policy = Policy.get(policy)
     env = {"python": platform.python_version(), "platform": platform.platform(),
            "cpu count": os.cpu_count(), **cpu()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from llamaspec.files import json_safe, json_text
+from llamaspec.files import atomic_write, json_safe, json_text
 
 
 def jsonable(x):
@@ -22,5 +22,4 @@ class JsonResult:
         return jsonable(dataclasses.asdict(self))
 
     def to_json(self, path) -> Path:
-        from llamaspec.files import atomic_write
         return atomic_write(Path(path), json_text(self.to_dict(), indent=1), "JSON report")

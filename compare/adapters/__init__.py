@@ -35,6 +35,7 @@ import numpy as np
 
 from llamaspec import ConfigError, LlamaConfig, LlamaParityError, Policy
 
+from .dump import expected_shape
 from .errors import PortError
 from .generic import HF_LLAMA_TAPS, HandedOver, JaxFunction, LinenModule, NnxModule, TorchModule
 from .ours import PACKAGES, OurModel, fp64_policy, package_of
@@ -51,7 +52,7 @@ def __getattr__(name):
     # TransformersModel imports torch: loaded when first asked for, so that `import compare`
     # stays light for users who compare JAX ports.
     if name == "TransformersModel":
-        from .transformers import TransformersModel
+        from .transformers import TransformersModel  # lazy: imports torch
         return TransformersModel
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -70,7 +71,7 @@ def as_implementation(obj, checkpoint=None) -> Implementation:
     if package_of(obj) is not None:
         return OurModel(obj, checkpoint)
     if is_transformers_llama(obj):
-        from .transformers import TransformersModel
+        from .transformers import TransformersModel  # lazy: imports torch (transformers' is loaded)
         return TransformersModel(obj, checkpoint=checkpoint)
     if isinstance(obj, Implementation):
         return obj
@@ -337,7 +338,6 @@ def _port_array(name: str, tap: str, x, batch: int, length: int, cfg) -> np.ndar
         raise PortError(f"{name}: tap '{tap}' has dtype {a.dtype}; expected a float dtype ({', '.join(_FLOATS)})")
     want = None
     if cfg is not None:
-        from .dump import expected_shape
         want = expected_shape(tap, cfg, batch, length)
     if (want is not None and a.shape != want) or a.ndim < 3 or a.shape[:2] != (batch, length):
         said = list(want) if want is not None else f"[{batch}, {length}, ...]"

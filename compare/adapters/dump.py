@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
 
 from llamaspec import LlamaConfig, LlamaParityError, Policy
 from llamaspec import taps as tapnames
@@ -448,7 +449,6 @@ class Dump:
         return out.get("logits"), {t: out[t] for t in names}   # logits whenever stored, as live models do
 
     def _read(self, names, file_of) -> dict:
-        from safetensors import safe_open
         out = {}
         for name in dict.fromkeys(file_of[t] for t in names):
             with safe_open(self.path / name, "np") as f:

@@ -42,7 +42,7 @@ import inspect
 
 import numpy as np
 
-from llamaspec import positions_from_mask
+from llamaspec import load_weights, positions_from_mask
 from llamaspec import taps as tapnames
 from llamaspec.inputs import check_token_array
 
@@ -127,7 +127,7 @@ def _wrote_into_inputs(name: str, what: str):
 def unchanged_tensors(name: str, given: dict) -> None:
     """{what: (torch tensor handed to port `name`, numpy values it was made from)}: a
     PortError naming the port when it changed one in place."""
-    import torch
+    import torch  # torch: slow import; JAX ports never load it
     changed = [k for k, (t, a) in given.items() if not torch.equal(t.detach().cpu(), torch.from_numpy(a))]
     if changed:
         _wrote_into_inputs(name, f"changed {', '.join(changed)} in place")
@@ -307,7 +307,7 @@ def _children(obj) -> list[str]:
 
 def first_tensor(x, what):
     """A module's output (or input): the tensor itself or element 0 of (nested) tuples."""
-    import torch
+    import torch  # torch: slow import; JAX ports never load it
     while isinstance(x, (tuple, list)) and x:
         x = x[0]
     if not isinstance(x, torch.Tensor):
@@ -317,7 +317,7 @@ def first_tensor(x, what):
 
 def first_input(args, kwargs, what):
     """The first positional input, else the first tensor keyword, of a hooked call."""
-    import torch
+    import torch  # torch: slow import; JAX ports never load it
     if args:
         return first_tensor(args[0], what)
     for v in kwargs.values():
@@ -327,14 +327,14 @@ def first_input(args, kwargs, what):
 
 
 def _torch_numpy(t):
-    from torchref.dtypes import to_numpy
+    from torchref.dtypes import to_numpy  # torchref imports torch (loaded: t is a tensor)
     return to_numpy(t).copy()
 
 
 def forcing_hook(h):
     """Forward pre-hook (with_kwargs): the layer's hidden-state input, positional or the
     keyword hidden_states (else the first tensor keyword), becomes h in its dtype/device."""
-    import torch
+    import torch  # torch: slow import; JAX ports never load it
 
     def pre(module, args, kwargs):
         if args:
@@ -419,7 +419,7 @@ class TorchModule(_Port):
         return p.device if p is not None else "cpu"
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
-        import torch
+        import torch  # torch: slow import; JAX ports never load it
 
         wanted = self.resolve(taps)
         ids, mask, pos = self._inputs(tokens, attention_mask)
@@ -472,7 +472,7 @@ class TorchModule(_Port):
         module's dtype, the twin gets the checkpoint's values instead. A module whose names are
         not the checkpoint's keys, or whose weights were changed, keeps its own (the ladder then
         finds a twin of rounded weights by its embed tap and runs without it)."""
-        import torch
+        import torch  # torch: slow import; JAX ports never load it
         twin = copy.deepcopy(self.module).to(torch.float64)
         if getattr(getattr(twin, "config", None), "dtype", None) is not None:
             twin.config.dtype = torch.float64
@@ -489,9 +489,7 @@ def checkpoint_weights(twin, module, checkpoint) -> bool:
     shape, equal to that tensor rounded to the parameter's dtype. True when it did; False (twin
     untouched) for a module already at float32 or wider, or one that does not hold exactly the
     checkpoint's rounded tensors (its own names or changes: it keeps its weights)."""
-    import torch
-
-    from llamaspec import load_weights
+    import torch  # torch: slow import; JAX ports never load it
     params = dict(module.named_parameters())
     if not params or not any(p.dtype in (torch.bfloat16, torch.float16) for p in params.values()):
         return False
@@ -514,6 +512,7 @@ def _x64_leaf(x):
     if dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact) or str(dtype) == "bfloat16":
         if len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1:
             # a sharded jax array stays sharded alike (no gathered host copy): cast where it lies
+            # jax: slow import, after XLA_FLAGS are set; torch ports never load it
             import jax
             import jax.numpy as jnp
             with jax.enable_x64(True):
@@ -525,7 +524,7 @@ def _x64_leaf(x):
 def _x64(tree):
     """Floating leaves of a pytree as float64 numpy (jax turns them into float64 arrays
     when called under jax.enable_x64)."""
-    import jax
+    import jax  # jax: slow import, after XLA_FLAGS are set; torch ports never load it
     return jax.tree_util.tree_map(_x64_leaf, tree)
 
 
@@ -537,7 +536,7 @@ class _X64:
 
     def __enter__(self):
         if self.on:
-            import jax
+            import jax  # jax: slow import, after XLA_FLAGS are set; torch ports never load it
             self._ctx = jax.enable_x64(True)
             self._ctx.__enter__()
 
@@ -578,7 +577,7 @@ class JaxFunction(_Port):
         kw = {"taps": wanted} if self._takes_taps else {}
         with _X64(self.x64):
             if forced:
-                import jax.numpy as jnp
+                import jax.numpy as jnp  # jax: slow import, after XLA_FLAGS are set; torch ports never load it
                 kw["inject"] = {i: jnp.asarray(np.asarray(x).astype(np.float64) if self.x64 else x)
                                 for i, x in forced.items()}
             handed = HandedOver(ids=ids.astype(np.int32), mask=mask.astype(np.int32), positions=pos)
@@ -668,7 +667,7 @@ class NnxModule(_Port):
                 _walk(module, path, tap)
 
     def capture(self, tokens, attention_mask=None, taps=("layers.*.out",), inject=None):
-        from flax import nnx
+        from flax import nnx  # flax (jax): slow import; only NNX ports load it
 
         wanted = self.resolve(taps)
         ids, mask, pos = self._inputs(tokens, attention_mask)
@@ -707,7 +706,7 @@ class NnxModule(_Port):
             return self._finish(logits, acts, wanted, self.paths)
 
     def float64(self) -> "NnxModule":
-        from flax import nnx
+        from flax import nnx  # flax (jax): slow import; only NNX ports load it
         graphdef, state = nnx.split(self.module)
         with _X64(True):
             twin = nnx.merge(graphdef, _x64(state))
@@ -754,7 +753,7 @@ class LinenModule(_Port):
         kw = {}
         with _X64(self.x64):
             if forced:
-                import jax.numpy as jnp
+                import jax.numpy as jnp  # jax: slow import, after XLA_FLAGS are set; torch ports never load it
                 kw["inject"] = {i: jnp.asarray(np.asarray(x).astype(np.float64) if self.x64 else x)
                                 for i, x in forced.items()}
             handed = HandedOver(ids=ids.astype(np.int32), mask=mask.astype(np.int32), positions=pos)

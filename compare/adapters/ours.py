@@ -22,7 +22,7 @@ def host_array(x) -> np.ndarray:
     (np.asarray refuses a tensor on a GPU, and numpy has no bf16 of torch's), anything else (a
     jax array, numpy) through np.asarray."""
     if type(x).__module__.startswith("torch"):
-        from torchref.dtypes import to_numpy
+        from torchref.dtypes import to_numpy  # torchref imports torch: x is a tensor, torch is loaded
         return to_numpy(x)
     return np.asarray(x)
 

@@ -62,8 +62,9 @@ import torch
 from llamaspec import ConfigError, LlamaConfig, Policy, Sampling, check_tokens, load_weights, positions_from_mask
 from llamaspec import generate as run_generation
 from llamaspec import taps as tapnames
+from llamaspec.checkpoint import validated
 from llamaspec.inputs import check_inject, check_next_ids, check_prefill, check_token_array
-from torchref.dtypes import TORCH, from_numpy, to_numpy
+from torchref.dtypes import TORCH, dt, from_numpy, to_numpy
 
 from .generic import first_input, first_tensor, forcing_hook
 
@@ -186,10 +187,7 @@ class TransformersModel:
                         positions: str = "mask") -> "TransformersModel":
         """Loads the folder at the policy's param dtype (transformers then runs its own
         dtype handling: f32 norm, RoPE and softmax inside a bf16 model)."""
-        from transformers import LlamaForCausalLM
-
-        from llamaspec.checkpoint import validated
-        from torchref.dtypes import dt
+        from transformers import LlamaForCausalLM  # transformers: slow import; this module loads without it
         policy = Policy.get(policy)
         validated(folder)     # refused as torchref / jaxmodel / the streamed ladder refuse it (a tied lm_head...)
         model = LlamaForCausalLM.from_pretrained(str(folder), dtype=dt(policy.param_dtype),
@@ -430,7 +428,7 @@ class TransformersModel:
     def prefill_capture(self, ids, mask, total_len: int, taps=("layers.*.out",), inject=None):
         """prefill, also returning the prompt's activations as the prefill computed them:
         (logits [B, V], cache, {tap: [B, T, ...]})."""
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # transformers: slow import; this module loads without it
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         forced = self._forced(inject, ids.shape)
         kv = DynamicCache(config=self.model.config)

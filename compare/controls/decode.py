@@ -41,7 +41,7 @@ class DecodeControl:
             side = hf_side(self.patch, Policy.get(policy).param_dtype)(folder, policy)
             side.name = side.name.removesuffix("+bug") + f"+{self.name}"
             return side
-        import torchref
+        import torchref  # torchref imports torch: the jaxmodel controls run without it
         at_p = torchref.from_pretrained(folder, policy=policy)
         at_64 = torchref.from_pretrained(folder, policy="fp64")
         for m in (at_p, at_64):
@@ -57,7 +57,7 @@ def _cache_bug(slot=None, hide_newest=False, key_shift=0, store=None):
     is rotated at its position + key_shift; store: keys and values are rounded to this dtype
     when cached (prefill too: a cache kept in bf16 whatever the policy)."""
     def patch(m):
-        import torch
+        import torch  # torch: slow import; the jaxmodel controls run without it
 
         from torchref.model import rope_tables
         attn = m.model.layers[LAYER].self_attn
@@ -157,7 +157,7 @@ DECODE_CONTROLS: dict[str, DecodeControl] = {c.name: c for c in [
 
 
 def _clamp(a, top: int):
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
     return torch.clamp(a, max=top)
 
 

@@ -23,8 +23,9 @@ from typing import Callable
 
 import numpy as np
 
-from llamaspec import Policy
+from llamaspec import Policy, load_weights
 from llamaspec import taps as tapnames
+from llamaspec.testing import write_safetensors
 
 from ..adapters import OurModel, Side, resolve_side
 from ..ladder.engine import Report, run_ladder
@@ -62,7 +63,7 @@ def torch_side(patch, knobs=None):
     """Candidate: torchref with `patch` applied (at P and in its fp64 twin), or with policy
     knobs changed at P only (precision controls: the fp64 twin is clean)."""
     def build(folder, policy):
-        import torchref
+        import torchref  # torchref imports torch: the jaxmodel controls run without it
         at_p = torchref.from_pretrained(folder, policy=Policy.get(policy, **knobs) if knobs else policy)
         at_64 = torchref.from_pretrained(folder, policy="fp64")
         for m in (at_p, at_64):
@@ -101,7 +102,7 @@ def _mlp_bug(**replaced):
 
 def _rope_interleaved(x, cos, sin):
     """RoPE on pairs (2i, 2i+1) (GPT-J / Meta layout) with the same frequencies."""
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
     D = x.shape[-1]
     c = cos[..., : D // 2].repeat_interleave(2, -1).to(x.dtype)[:, :, None]
     s = sin[..., : D // 2].repeat_interleave(2, -1).to(x.dtype)[:, :, None]
@@ -113,7 +114,7 @@ def _rope_theta(theta):
     """Layer LAYER's RoPE tables built with another rope_theta (e.g. Llama 3's 500000): a
     forward pre-hook on its attention rebuilds the context's tables at its positions."""
     def patch(m):
-        from torchref.model import rope_tables
+        from torchref.model import rope_tables  # torchref imports torch: the jaxmodel controls run without it
         cfg = dataclasses.replace(m.cfg, rope=dataclasses.replace(m.cfg.rope, theta=theta))
 
         def retabled(attn, args):
@@ -131,7 +132,7 @@ def _scale_factor(how: str, D: int) -> float:
 
 def _scaled_attention(how):
     def attention(q, k, v, allowed, policy):
-        from torchref import ops
+        from torchref import ops  # torchref imports torch: the jaxmodel controls run without it
         return ops.attention(q * _scale_factor(how, q.shape[-1]), k, v, allowed, policy)
     return attention
 
@@ -140,14 +141,14 @@ def _softmax_in(dtype):
     """Attention whose softmax is hard-coded to `dtype`, in the float64 run too (code like
     softmax(scores.to(torch.bfloat16)))."""
     def attention(q, k, v, allowed, policy):
-        from torchref import ops
+        from torchref import ops  # torchref imports torch: the jaxmodel controls run without it
         return ops.attention(q, k, v, allowed, dataclasses.replace(policy, softmax_dtype=dtype))
     return attention
 
 
 def _tiled_gqa(q, k, v, allowed, policy):
     """Query head h reads kv head h % n_kv (k/v tiled) instead of h // G (repeat_kv)."""
-    from torchref import ops
+    from torchref import ops  # torchref imports torch: the jaxmodel controls run without it
     G = q.shape[2] // k.shape[2]
     return ops.attention(q, k.repeat(1, 1, G, 1), v.repeat(1, 1, G, 1), allowed, policy)
 
@@ -155,7 +156,7 @@ def _tiled_gqa(q, k, v, allowed, policy):
 def _masked(change):
     """Attention over the mask change(allowed) instead of the call's own."""
     def attention(q, k, v, allowed, policy):
-        from torchref import ops
+        from torchref import ops  # torchref imports torch: the jaxmodel controls run without it
         return ops.attention(q, k, v, change(allowed), policy)
     return attention
 
@@ -167,19 +168,19 @@ def _sees_next(allowed):
 
 
 def _misses_self(allowed):
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
     T = allowed.shape[1]
     return allowed & ~torch.eye(T, allowed.shape[2], dtype=torch.bool, device=allowed.device)
 
 
 def _gelu(x):
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
     return torch.nn.functional.gelu(x)
 
 
 def _swapped_linears(x, ws, bs, policy, out_dtype=None):
     """ops.linears with its projections in reverse order (MLP: gate and up swapped)."""
-    from torchref import ops
+    from torchref import ops  # torchref imports torch: the jaxmodel controls run without it
     return ops.linears(x, ws[::-1], bs[::-1], policy, out_dtype)
 
 
@@ -192,7 +193,7 @@ def _set_eps(eps, attr="eps"):
 
 
 def _one_plus_w(m):
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
     norm = m.model.layers[LAYER].post_attention_layernorm
     norm.weight = torch.nn.Parameter(norm.weight + 1, requires_grad=False)
 
@@ -205,7 +206,7 @@ def _qk_interleave_rows(w, head_dim):
 
 
 def _qk_permuted(m):
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
     attn = m.model.layers[LAYER].self_attn
     for proj in (attn.q_proj, attn.k_proj):
         proj.weight = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(
@@ -217,7 +218,7 @@ def _tied_head(m):
     """lm_head tied vs untied, whichever is wrong for the checkpoint: an untied checkpoint's
     lm_head.weight dropped and the embedding used instead; a tied checkpoint's head
     "newly initialized" by a loader that unties it (transformers warns, many ignore it)."""
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
 
     from torchref.model import Linear
     net = m.model
@@ -241,12 +242,14 @@ def hf_side(patch, dtype="float32"):
     """A control's candidate builder: transformers' eager LlamaForCausalLM loaded in `dtype`,
     `patch`(model) applied before the float64 copy is made (so the copy carries it)."""
     def build(folder, policy):
+        # lazy: torch and transformers are slow imports (TransformersModel imports torch)
         import torch
         import transformers
+
+        from ..adapters.transformers import TransformersModel
         hf = transformers.LlamaForCausalLM.from_pretrained(
             folder, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
         patch(hf)
-        from ..adapters.transformers import TransformersModel
         side = Side.of(TransformersModel(hf, checkpoint=folder))
         if patch is not _none:
             side.name += "+bug"
@@ -265,7 +268,7 @@ def _hf_output_in(module: str, dtype: str):
     """A forward hook that rounds LAYER's `module` output (e.g. "self_attn.q_proj") to
     `dtype` and back, in every copy of the model: a step hard-coded to low precision."""
     def patch(hf):
-        import torch
+        import torch  # torch: slow import; the jaxmodel controls run without it
         target = hf.model.layers[LAYER].get_submodule(module)
         target.register_forward_hook(lambda mod, args, out: out.to(getattr(torch, dtype)).to(out.dtype))
     return patch
@@ -275,7 +278,7 @@ def _hf_rope_angles_in_model_dtype(hf):
     """transformers' rotary_emb computing the angles position x inv_freq in the model's
     dtype (x.dtype) rather than float32: the 2024 bug of RoPE under bf16/autocast. In the
     float64 copy that dtype is float64, so only the policy's run loses precision."""
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
     rotary = hf.model.rotary_emb
 
     def forward(x, position_ids):
@@ -287,7 +290,7 @@ def _hf_rope_angles_in_model_dtype(hf):
 
 def _hf_weights(fn):
     def patch(hf):
-        import torch
+        import torch  # torch: slow import; the jaxmodel controls run without it
         with torch.no_grad():
             fn(hf.model.layers[LAYER])
     return patch
@@ -300,7 +303,7 @@ def _hf_swap_gate_up(layer):
 
 
 def _hf_qk_permuted(layer):
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
     attn = layer.self_attn
     for proj in (attn.q_proj, attn.k_proj):
         w = proj.weight
@@ -317,9 +320,7 @@ def _jax_side(doctor):
     """jaxmodel loading a copy of the checkpoint whose layer-LAYER weights `doctor` changed
     (what a broken conversion script writes)."""
     def build(folder, policy):
-        import jaxmodel
-        from llamaspec import load_weights
-        from llamaspec.testing import write_safetensors
+        import jaxmodel  # jaxmodel imports jax: slow, and XLA_FLAGS must be set first
         cfg, weights = load_weights(folder)
         weights = {k: np.array(v) for k, v in weights.items()}
         doctor(weights, cfg, f"model.layers.{LAYER}.")
@@ -520,7 +521,7 @@ def _hf_partial_rotary(hf):
 def _hf_activation(name):
     """Layer LAYER's MLP activation replaced by transformers' ACT2FN[name]."""
     def patch(hf):
-        from transformers.activations import ACT2FN
+        from transformers.activations import ACT2FN  # transformers: slow import; only its controls need it
         hf.model.layers[LAYER].mlp.act_fn = ACT2FN[name]
     return patch
 

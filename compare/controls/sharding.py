@@ -14,7 +14,7 @@ worker process, tests/test_sharding.py).
 
 from __future__ import annotations
 
-from llamaspec import Policy
+from llamaspec import Policy, load_weights
 from llamaspec import taps as tapnames
 
 from ..adapters import OurModel, Side
@@ -23,6 +23,7 @@ from .prefill import LAYER, Control, Ops
 
 def default_tensor(cfg) -> int:
     """The smallest tensor size above 1 that the model's sizes allow (jaxmodel.sharding rules)."""
+    # jaxmodel imports jax: slow, and XLA_FLAGS (the host device count) must be set first
     from jaxmodel.sharding import ShardingError, check_sizes
     for t in range(2, cfg.num_attention_heads + 1):
         try:
@@ -38,9 +39,9 @@ def sharded_side(patch, mesh=None):
     """A control's candidate builder: jaxmodel on `mesh` (default: tensor=default_tensor) at the
     policy and at fp64, `patch`(module, layout) applied to both before they compile."""
     def build(folder, policy):
+        # jaxmodel imports jax: slow, and XLA_FLAGS (the host device count) must be set first
         from jaxmodel.model import Llama, LlamaModel
         from jaxmodel.sharding import layout_for
-        from llamaspec import load_weights
         cfg, weights = load_weights(folder)
         layout = layout_for(cfg, mesh or {"tensor": default_tensor(cfg)})
         models = []
@@ -70,7 +71,7 @@ def _kv_next_shard(module, layout):
     share = attn.kv_heads // layout.tensor
 
     def attention(q, k, v, allowed, policy):
-        import jax.numpy as jnp
+        import jax.numpy as jnp  # jax: slow import, and XLA_FLAGS (the host device count) must be set first
 
         from jaxmodel import ops
         return ops.attention(q, jnp.roll(k, -share, axis=2), jnp.roll(v, -share, axis=2), allowed, policy)
@@ -83,6 +84,7 @@ def _rope_on_head_dim_shards(module, layout):
     attn = module.layers[LAYER].self_attn
 
     def apply_rope(x, cos, sin):
+        # jax: slow import, and XLA_FLAGS (the host device count) must be set first
         import jax
         from jax.sharding import PartitionSpec as P
 

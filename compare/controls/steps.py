@@ -15,6 +15,7 @@ component: bf16 is narrower than every dtype either policy prescribes for these 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from .prefill import Control, Ops, hf_side, torch_side
@@ -50,7 +51,7 @@ def _norm_module(m, layer, norm):
 
 def _t_softmax(layer, place):
     def patch(m):
-        from torchref import ops
+        from torchref import ops  # torchref imports torch: the jaxmodel controls run without it
 
         def attention(q, k, v, allowed, policy):
             return ops.attention(q, k, v, allowed, dataclasses.replace(policy, softmax_dtype=LOW))
@@ -62,7 +63,7 @@ def _t_softmax(layer, place):
 def _rms_stats_low(x, weight, eps, policy):
     """torchref's rms_norm with mean(x^2) taken of x rounded to bf16 and the mean itself
     rounded to bf16: `x.to(torch.bfloat16).pow(2).mean(-1)`, the rest in norm_dtype."""
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
 
     from torchref import ops
     from torchref.dtypes import dt
@@ -83,7 +84,7 @@ def _t_norm(layer, place):
 def _t_rope(layer, place):
     """Layer `layer`'s RoPE tables rebuilt with rope_dtype bf16 (angles and cos/sin rounded)."""
     def patch(m):
-        from torchref.model import rope_tables
+        from torchref.model import rope_tables  # torchref imports torch: the jaxmodel controls run without it
         cfg = m.cfg
 
         def retabled(attn, args):
@@ -98,7 +99,7 @@ def chunked_low_sum(x, w, b=None):
     """x @ w.T (+ b) with a bf16 accumulator: partial products over ACCUM_CHUNK inputs are
     computed in x's dtype and added to a running sum that is rounded to bf16 after every
     chunk (split-K with bf16 partials), then returned in x's dtype."""
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
     acc = None
     for a in range(0, x.shape[-1], ACCUM_CHUNK):
         part = x[..., a:a + ACCUM_CHUNK] @ w[:, a:a + ACCUM_CHUNK].T.to(x.dtype)
@@ -109,7 +110,7 @@ def chunked_low_sum(x, w, b=None):
 
 def _t_accum(layer, place):
     def patch(m):
-        from torchref.dtypes import dt
+        from torchref.dtypes import dt  # torchref imports torch: the jaxmodel controls run without it
 
         def linear(x, w, b, policy, out_dtype=None):
             y = chunked_low_sum(x.to(dt(policy.accum_dtype)), w, b)
@@ -123,6 +124,7 @@ def _t_accum(layer, place):
 
 def _hf_classes():
     """Module classes for the transformers plants (defined on first use: torch is optional)."""
+    # torch: slow import; the classes are defined on first use
     import torch
     from torch import nn
 
@@ -155,6 +157,7 @@ def _hf_classes():
 def _low_softmax_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """Eager attention with the scores cast to bf16 for the softmax (`softmax(scores.to(
     torch.bfloat16))`), probabilities back in the query's dtype."""
+    # torch, transformers: slow imports; the jaxmodel controls run without them
     import torch
     from transformers.models.llama.modeling_llama import repeat_kv
     k, v = (repeat_kv(t, module.num_key_value_groups) for t in (key, value))
@@ -170,9 +173,7 @@ _LOW_SOFTMAX = "llama_parity_bf16_softmax"
 
 def _h_softmax(layer, place):
     def patch(hf):
-        import copy
-
-        from transformers import AttentionInterface
+        from transformers import AttentionInterface  # transformers: slow import; only its controls need it
         AttentionInterface.register(_LOW_SOFTMAX, _low_softmax_attention)
         attn = hf.model.layers[layer].self_attn
         attn.config = copy.copy(attn.config)     # this layer alone
@@ -195,7 +196,7 @@ def _h_norm(layer, place):
 def _low_rope_tables(attn, args, kwargs):
     """A forward pre-hook on one layer's self_attn: its cos/sin rebuilt from angles
     position x inv_freq rounded to bf16 (position_ids are passed to every layer)."""
-    import torch
+    import torch  # torch: slow import; the jaxmodel controls run without it
     cos, sin = kwargs["position_embeddings"]
     if kwargs.get("position_ids") is None:
         raise ValueError("step_rope (transformers): the layer was called without position_ids")

@@ -50,7 +50,7 @@ class ModelSpec:
         if self.impl == "transformers":
             if self.batch_invariant:
                 raise NotImplementedError("transformers has no batch-invariant mode")
-            from ..adapters.transformers import TransformersModel
+            from ..adapters.transformers import TransformersModel  # lazy: imports torch
             return TransformersModel.from_pretrained(self.checkpoint, self.policy, self.attn_implementation,
                                                      self.positions)
         return OurModel.load(self.impl, self.checkpoint, self.policy, self.batch_invariant).model
@@ -161,7 +161,7 @@ def as_probe_model(model, oracle=None, name: str | None = None, policy=None) -> 
             model._oracle = oracle
         return model
     if is_transformers_llama(model):
-        from ..adapters.transformers import TransformersModel
+        from ..adapters.transformers import TransformersModel  # lazy: imports torch
         model = TransformersModel(model)
     port = not (package_of(model) or getattr(model, "package", None) == "transformers")
     return ProbeModel(model, name=name or (getattr(model, "name", None) if port else None), policy=policy,

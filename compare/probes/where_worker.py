@@ -15,14 +15,17 @@ from pathlib import Path
 
 import numpy as np
 
+from llamaspec.files import atomic_write
+
+from ..adapters import as_implementation
+from .models import ModelSpec
+
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m compare.probes.where_worker JOB.json", file=sys.stderr)
         return 2
-    from ..adapters import as_implementation
-    from .models import ModelSpec
     job = json.loads(Path(argv[0]).read_text())
     spec = ModelSpec(**job["spec"])
     impl = as_implementation(spec.load(), spec.checkpoint)
@@ -33,7 +36,6 @@ def main(argv=None) -> int:
         dtypes[t] = str(a.dtype)
         for r in job["rows"]:
             out[f"{r}|{t}"] = a[r].astype(np.float32) if a.dtype.itemsize < 4 else a[r]
-    from llamaspec.files import atomic_write
     atomic_write(Path(job["out"]), lambda f: np.savez(f, **out), "captured rows")
     atomic_write(Path(job["out"]).parent / "dtypes.json", json.dumps(dtypes), "tap dtypes")
     return 0

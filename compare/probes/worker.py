@@ -14,13 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
+from llamaspec.files import atomic_write
+from llamaspec.interrupts import run_child
+
+from .models import ModelSpec, ProbeModel
+
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m compare.probes.worker JOB.json", file=sys.stderr)
         return 2
-    from .models import ModelSpec, ProbeModel
     job = json.loads(open(argv[0]).read())
     spec = ModelSpec(**job["spec"])
     pm = ProbeModel(spec.load(), spec=spec)
@@ -36,8 +40,6 @@ def run_job(module: str, job: dict, folder: Path, timeout: float, what: str) -> 
     its path; `job` is written to folder/job.json (temp name, rename). A failure is a
     RuntimeError naming `what`, with the tail of the process's stderr; subprocess.TimeoutExpired
     past `timeout`. The process (and any it started) ends when this one is interrupted."""
-    from llamaspec.files import atomic_write
-    from llamaspec.interrupts import run_child
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     path = atomic_write(Path(folder) / "job.json", json.dumps(job), "probe job")

@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from llamaspec import Policy
+from llamaspec.files import atomic_write
+
 from ..vocabulary import KIND_HEX, TAP_KINDS, drift_factor, kind_hex, precision_floor
 from .page import environment_section, escape, figure, head, kv_table, number, png, pyplot
 
@@ -25,8 +28,6 @@ def _fmt(x) -> str:
 
 def _envelope(policy: dict) -> tuple[float, float]:
     """The engine's drift bound for this policy: err(cand) <= m * err(ref) + floor."""
-    from llamaspec import Policy
-
     for make in (lambda: Policy(**policy),   # a hand-made dict: its compute dtype, else fp32's
                  lambda: Policy.get("fp32", compute_dtype=policy["compute_dtype"]),
                  lambda: Policy.get("fp32")):
@@ -436,7 +437,6 @@ def render_html(report_dict: dict) -> str:
 def write_html(report, path) -> Path:
     """Writes the page for a Report (or its to_dict()) to `path`; returns the path."""
     d = report if isinstance(report, dict) else report.to_dict()
-    from llamaspec.files import atomic_write
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(path, render_html(d), "HTML report")   # temp name + rename: never half a page

@@ -8,6 +8,8 @@ import base64
 import html
 import io
 import math
+import platform
+from importlib.metadata import version
 
 
 def escape(x) -> str:
@@ -27,7 +29,7 @@ def number(x) -> float:
 
 def png(fig) -> str:
     """A matplotlib figure as a data: URI (the figure is closed)."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: slow import; the figure came from pyplot() (Agg)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
@@ -36,6 +38,7 @@ def png(fig) -> str:
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed)."""
+    # matplotlib: slow import, and the backend must be chosen before pyplot loads
     import matplotlib
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
@@ -68,8 +71,6 @@ def environment_section(report: dict) -> tuple[str, dict]:
         if isinstance(env, dict):
             return "from the report", env
         return "from the report", {"environment": env}
-    import platform
-    from importlib.metadata import version
     found = {"python": platform.python_version()}
     for pkg in ("numpy", "torch", "jax", "jaxlib", "ml_dtypes", "transformers", "matplotlib"):
         try:

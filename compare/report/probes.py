@@ -17,6 +17,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from llamaspec.files import atomic_write, json_text
+
 from ..vocabulary import KIND_ANSI, KINDS, kind_hex
 from .page import environment_section, escape, figure, head, kv_table, number, png, pyplot
 
@@ -71,7 +73,6 @@ def to_document(results, meta: dict | None = None) -> dict:
 
 
 def write_json(results, path, meta: dict | None = None) -> Path:
-    from llamaspec.files import atomic_write, json_text
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(path, json_text(to_document(results, meta), indent=1), "JSON report")
@@ -168,7 +169,7 @@ def _plot_distinct(rows) -> tuple[str | None, str]:
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, fontsize=9)
     ax.set_ylabel("distinct greedy completions")
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # matplotlib: slow import, only when a page is drawn
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
@@ -290,7 +291,6 @@ def render_html(doc: dict) -> str:
 
 
 def write_html(results, path, meta: dict | None = None) -> Path:
-    from llamaspec.files import atomic_write
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(path, render_html(to_document(results, meta)), "HTML report")

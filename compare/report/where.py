@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from llamaspec.files import atomic_write, json_text
+
 from ..vocabulary import KIND_ANSI, KINDS, kind_hex
 from .page import environment_section, escape, figure, head, kv_table, number, png, pyplot
 
@@ -99,7 +101,6 @@ def to_document(result, meta: dict | None = None) -> dict:
 
 
 def write_json(result, path, meta: dict | None = None) -> Path:
-    from llamaspec.files import atomic_write, json_text
     text = json_text(to_document(result, meta), indent=1, default=str)
     return atomic_write(Path(path), text, "probe where JSON")
 
@@ -187,5 +188,4 @@ def render_html(doc: dict) -> str:
 
 
 def write_html(result, path, meta: dict | None = None) -> Path:
-    from llamaspec.files import atomic_write
     return atomic_write(Path(path), render_html(to_document(result, meta)), "probe where HTML")

@@ -54,7 +54,7 @@ KERAS_HUB_MODULES = ("keras_hub.src.models.llama.llama_layernorm", "keras_hub.sr
 def _keras_hub():
     """keras_hub, imported on the JAX backend (a clear error when Keras runs another)."""
     os.environ.setdefault("KERAS_BACKEND", "jax")
-    import keras
+    import keras  # keras: optional (the ports extra), and KERAS_BACKEND must be set before it loads
     if keras.config.backend() != "jax":
         raise RuntimeError(f"KerasHubLlama needs Keras on JAX; Keras was imported with backend "
                            f"'{keras.config.backend()}' (set KERAS_BACKEND=jax before importing keras)")
@@ -87,6 +87,7 @@ def _f32_steps_in_f64(on: bool):
     if not on:
         yield
         return
+    # jax, keras: slow imports, loaded by the port already
     import jax
     from keras.src.backend.common import dtypes
     mods = [sys.modules[m] for m in KERAS_HUB_MODULES if m in sys.modules]
@@ -140,7 +141,7 @@ class KerasHubLlama(PortBase):
             with _f32_steps_in_f64(self.x64):
                 backbone = keras_hub.models.Backbone.from_preset(str(folder), dtype=self.dtype, **kw)
         if self.x64:    # its float32 softmax layer, at float64 in the twin
-            import keras
+            import keras  # keras: optional (the ports extra), loaded by _keras_hub() above
             for layer in backbone.transformer_layers:
                 layer._self_attention_layer._softmax.dtype_policy = keras.DTypePolicy("float64")
         self.backbone = backbone
@@ -168,7 +169,7 @@ class KerasHubLlama(PortBase):
 
     def _plan(self, wanted, acts, positions, forced):
         """(layer, wrapper) pairs: each wrapper records one tap around a keras-hub call."""
-        import jax.numpy as jnp
+        import jax.numpy as jnp  # jax: slow import, loaded by keras-hub already
         w = _Wrappers(set(wanted), acts, jnp.asarray(positions))
         b = self.backbone
         plan = [(b.token_embedding, w.out("embed"))]

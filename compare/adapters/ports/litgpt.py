@@ -59,6 +59,7 @@ def _forward(module, ids, mask, positions):
 def load_gpt(folder, model_name: str | None = None, litgpt_config: dict | None = None):
     """litgpt's GPT with the folder's weights, converted by litgpt's convert_hf_checkpoint
     (on a temporary folder of links; see the module docstring)."""
+    # litgpt, torch: optional (the ports extra) and slow imports
     import torch
     from litgpt import GPT, Config
     from litgpt.config import name_to_config
@@ -93,7 +94,7 @@ class LitGPTLlama(PortBase):
 
     def __init__(self, folder, policy="fp32", model_name: str | None = None, litgpt_config: dict | None = None,
                  module=None):
-        import torch
+        import torch  # torch: slow import; compare loads without it
         self.folder, self.model_name, self.litgpt_config = folder, model_name, litgpt_config
         self.dtype = port_dtype(policy)
         if module is None:
@@ -110,7 +111,7 @@ class LitGPTLlama(PortBase):
     def config(self) -> PortConfig:
         """litgpt's config (from its table), the epsilon its first norm holds; tied when the
         head holds the embedding's values."""
-        import torch
+        import torch  # torch: slow import; compare loads without it
         c = self.module.config
         return PortConfig(
             vocab_size=c.padded_vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate_size,
@@ -120,7 +121,7 @@ class LitGPTLlama(PortBase):
             rope_theta=float(c.rope_base))
 
     def float64(self) -> "LitGPTLlama":
-        import torch
+        import torch  # torch: slow import; compare loads without it
         twin = load_gpt(self.folder, self.model_name, self.litgpt_config).to(torch.float64)
         return LitGPTLlama(self.folder, "fp64", self.model_name, self.litgpt_config, module=twin)
 

@@ -53,7 +53,7 @@ _RECORDING: dict | None = None      # {"wanted": set, "acts": dict, "forced": {l
 
 
 def _penzai():
-    from penzai import pz
+    from penzai import pz  # penzai: optional (the ports extra), slow import (jax)
     return pz
 
 
@@ -144,6 +144,7 @@ def _to_float64(model, hf_config):
     Variables, set in place) and plain leaves; the two constants penzai stores in the
     activation dtype (the norms' epsilon, the query scale projection_dim ** -0.5) from
     their float64 sources, as penzai's builder makes them for a float64 model."""
+    # penzai, jax: optional (the ports extra) and slow imports
     import jax
     import jax.numpy as jnp
     from penzai.nn.standardization import RMSStandardize
@@ -167,6 +168,7 @@ def _to_float64(model, hf_config):
 def load_penzai(folder, dtype: str, rope_theta=None):
     """(penzai model, transformers config): transformers' model from the folder at `dtype`
     (float32 or bfloat16), rope_theta set as asked, converted by penzai."""
+    # penzai, transformers, torch: optional (the ports extra) and slow imports
     import torch
     import transformers
     from penzai.models.transformer.variants import llamalike_common
@@ -193,7 +195,7 @@ class PenzaiLlama(PortBase):
     package = "penzai"
 
     def __init__(self, folder, policy="fp32", rope_theta=None, model=None):
-        import jax
+        import jax  # jax: slow import; compare loads without it
         self.folder, self.rope_theta = folder, rope_theta
         self.dtype = port_dtype(policy)
         self.x64 = self.dtype == "float64"
@@ -228,7 +230,7 @@ class PenzaiLlama(PortBase):
         return PenzaiLlama(self.folder, "fp64", self.rope_theta)
 
     def _row(self, ids, wanted, forced):
-        import jax
+        import jax  # jax: slow import; compare loads without it
         pz = _penzai()
         global _RECORDING
         ctx = jax.enable_x64(True) if self.x64 else contextlib.nullcontext()
