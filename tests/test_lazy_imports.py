@@ -31,11 +31,6 @@ HEAVY = {
     "nnsight": "a port's optional dependency (torch)",
 }
 
-# Files another engineer is moving to top-level imports (issue 59); each entry leaves this
-# list when its file passes (test_pending_files_still_need_their_exemption says when).
-PENDING: set[str] = set()
-
-
 def _module(node: ast.Import | ast.ImportFrom) -> list[str]:
     """The modules an import names ("" leads a relative one: always a project module)."""
     if isinstance(node, ast.Import):
@@ -81,16 +76,10 @@ def _compare_files() -> dict[str, Path]:
 
 
 def test_imports_inside_functions_are_heavy_or_say_why():
-    found = [f"{name}:{s}" for name, p in _compare_files().items() if name not in PENDING
+    found = [f"{name}:{s}" for name, p in _compare_files().items()
              for s in stray_lazy_imports(p)]
     assert not found, ("imports inside functions: move them to the top of the module, or add the package "
                        "to HEAVY (with why), or say `# lazy: <reason>` (an import cycle):\n" + "\n".join(found))
-
-
-def test_pending_files_still_need_their_exemption():
-    files = _compare_files()
-    clean = [name for name in PENDING if name not in files or not stray_lazy_imports(files[name])]
-    assert not clean, f"remove from PENDING (no stray lazy import left): {', '.join(sorted(clean))}"
 
 
 def test_the_lazy_import_check_sees_what_it_checks(tmp_path):

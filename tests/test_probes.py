@@ -313,7 +313,7 @@ def test_probes_take_torchref_outputs_that_numpy_refuses(ck, tmp_path, monkeypat
 
 
 def test_cli_exit_code_is_one_on_a_semantic_finding(ck, tmp_path, monkeypatch, capsys):
-    import llama_parity.probe_cli as cli     # it imports load_model at its top: patch it there
+    import llama_parity.probe_cli as cli  # it imports load_model at its top: patch it there
     real = cli.load_model
 
     def leaky(impl, folder, policy="fp32", batch_invariant=False, **kw):
