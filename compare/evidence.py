@@ -259,3 +259,36 @@ class CaptureCheck:
     @property
     def ran(self) -> bool:
         return bool(self.against)
+
+
+# ----- the candidate's float64 twin as checked (compare.ladder.twins) ---------------------------
+
+# TwinCheck.status
+ACCEPTED, INFERRED, REFUSED, NO_TWIN = "accepted", "keeps_f32 inferred", "refused", "no twin"
+# The narrower formats a twin's tap may be found in (twins.tap_format), narrowest first; "float32
+# product": at most 48 significant bits (the exact product of two float32 numbers)
+TWIN_FORMATS = ("bfloat16", "float16", "float32")
+PRODUCT = "float32 product"
+SIXTEEN = ("bfloat16", "float16")
+# TwinCheck.weights (or "rounded to <dtype>")
+CHECKPOINT, DIFFER, UNCHECKED = "checkpoint", "differ", "not checked"
+# TwinCheck.refused_for
+WEIGHTS, ARITHMETIC = "weights", "arithmetic"
+
+
+@dataclasses.dataclass
+class TwinCheck:
+    """What the candidate's float64 twin was found to be (Report.twin)."""
+    status: str                 # ACCEPTED | INFERRED | REFUSED | NO_TWIN
+    weights: str = UNCHECKED    # CHECKPOINT | "rounded to <dtype>" | DIFFER | UNCHECKED (no embed tap)
+    narrow: dict = dataclasses.field(default_factory=dict)   # {tap: format} whose every value fits it
+    wide: int = 0               # taps shown to hold float64 arithmetic
+    undecided: int = 0          # taps with too few (distinct) nonzero values to tell
+    returned: dict = dataclasses.field(default_factory=dict)  # {tap: dtype} of arrays returned narrower than float64
+    declared_keeps_f32: bool = False
+    refused_for: tuple = ()     # REFUSED: WEIGHTS (the policy's rounding), ARITHMETIC (no tap is float64)
+    note: str = ""              # explain.ladder.twin_note's sentence ("" for a twin accepted as it is)
+
+    @property
+    def refused(self) -> bool:
+        return self.status == REFUSED

@@ -37,6 +37,19 @@ def resolve_dtype(dtype) -> np.dtype:
     return dt
 
 
+def narrowest_holding(values, dtypes) -> str | None:
+    """The first of `dtypes` (given narrowest first) in which every value of `values` (float64
+    numbers, finite: NaN never compares equal) is exactly representable; None when none is. The
+    one question behind "this tap was rounded to X" (judge.verdicts.held_in) and "this twin's tap
+    was computed in X" (ladder.twins.tap_format)."""
+    v = np.asarray(values, np.float64)
+    for dt in dtypes:
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.array_equal(v.astype(resolve_dtype(dt)).astype(np.float64), v):
+                return dt
+    return None
+
+
 def unit_roundoff(dtype) -> float:
     """u = eps / 2: the largest relative error of one round-to-nearest in `dtype`."""
     return float(ml_dtypes.finfo(resolve_dtype(dtype)).eps) / 2

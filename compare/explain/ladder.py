@@ -484,3 +484,68 @@ def greedy_summary(r) -> str:
             lines.append(f"  row {row.row}: part at step {row.step} (reference {row.reference_token}, candidate "
                          f"{row.candidate_token}): {row.cause}: {row.explanation}")
     return "\n".join(lines)
+
+
+# ----- the candidate's float64 twin (compare.ladder.twins) ----------------------------------------
+
+def _twin_taps(taps) -> str:
+    """Tap names shortened for a sentence: layers.{i}.q_rope for every layer's, else a list."""
+    taps = list(taps)
+    kinds = {}
+    for t in taps:
+        layer, kind = tapnames.layer_of(t), t.rsplit(".", 1)[-1]
+        kinds.setdefault(kind if layer is not None else t, []).append(layer)
+    parts = [k if layers == [None] else (f"layers.{{i}}.{k} ({len(layers)} layers)" if len(layers) > 1 else
+                                         f"layers.{layers[0]}.{k}") for k, layers in kinds.items()]
+    return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
+
+
+_TWIN_FORMAT = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
+           ev.PRODUCT: "exact products of two float32 numbers (an f32 step times a weight)"}
+
+
+def _twin_formats(narrow: dict) -> str:
+    by = {}
+    for t, f in narrow.items():
+        by.setdefault(f, []).append(t)
+    return "; ".join(f"{_TWIN_FORMAT[f]}: {_twin_taps(ts)}" for f, ts in by.items())
+
+
+def twin_note(name: str, c: ev.TwinCheck) -> str:
+    """The report's sentence on the twin ("" when it is accepted as it is, its weights the
+    checkpoint's)."""
+    if c.status == ev.REFUSED:
+        return f"{name}'s float64() is refused: " + "; and ".join(_twin_refusals(c))
+    sixteen = {t: f for t, f in c.narrow.items() if f in ev.SIXTEEN}
+    rounds = (f"; a 16-bit rounding inside it ({_twin_formats(sixteen)}) is the port's own step, kept in its twin as "
+              "a quantization is, and judged by the dtype-noise rule" if sixteen else "")
+    if c.status == ev.INFERRED:
+        wider = {t: f for t, f in c.narrow.items() if f not in ev.SIXTEEN}
+        return (f"{name}'s float64() keeps float32 steps (keeps_f32 inferred): {_twin_formats(wider)}; the fp64 rung "
+                f"is judged above float32 rounding, as for a port that declares keeps_f32{rounds}")
+    if c.weights.startswith("rounded"):
+        return (f"{name}'s float64() runs embedding rows {c.weights} (narrower than the policy's weights): the "
+                f"port's own rounding, kept in its twin as a quantization is, and judged at the embed tap{rounds}")
+    if sixteen:
+        return f"{name}'s float64() is float64 arithmetic{rounds}"
+    if c.weights == ev.UNCHECKED and c.status == ev.ACCEPTED:
+        return f"{name}'s float64() weights not checked: it returns no embed tap"
+    if c.weights == ev.DIFFER:
+        return (f"{name}'s float64() embed rows differ from the checkpoint's (not by a rounding): judged as its "
+                "math at the embed tap")
+    return ""
+
+
+def _twin_refusals(c: ev.TwinCheck) -> list[str]:
+    out = []
+    if ev.WEIGHTS in c.refused_for:
+        dtype = c.weights.removeprefix("rounded to ")
+        out.append(f"it runs weights rounded to {dtype}, not the checkpoint's (its embed rows are the checkpoint's "
+                   f"rounded to {dtype}; the oracle reads the checkpoint's, so every tap would carry that rounding "
+                   "as a difference in the math): give float64() the checkpoint's weights at float64 (TorchModule "
+                   "and TransformersModel do when they know the checkpoint)")
+    returned = (f", returned as {', '.join(sorted(set(c.returned.values())))} arrays" if c.returned else "")
+    if ev.ARITHMETIC in c.refused_for:
+        out.append(f"it is not float64 arithmetic: every tap it returns fits a narrower format{returned} "
+                   f"({_twin_formats(c.narrow)})")
+    return out

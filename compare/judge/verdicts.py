@@ -53,7 +53,7 @@ from ..evidence import (
     Trend,
 )
 from ..explain import ladder as explain
-from ..metrics import kl_per_position, log_softmax, nonfinite, rel_from_squares, unit_roundoff
+from ..metrics import kl_per_position, log_softmax, narrowest_holding, nonfinite, rel_from_squares, unit_roundoff
 from ..vocabulary import (
     F32_STEPS_FLOOR,
     FP64_FLOOR,
@@ -536,13 +536,9 @@ def held_in(values, wider_than: str) -> str | None:
     v = v[np.isfinite(v) & (v != 0)].astype(np.float64)
     if np.unique(v).size < HELD_DISTINCT:
         return None
-    for dt in sorted(NOISE_DTYPES, key=unit_roundoff, reverse=True):
-        if unit_roundoff(dt) <= unit_roundoff(wider_than):
-            break
-        with np.errstate(over="ignore", invalid="ignore"):
-            if np.array_equal(v.astype(numpy_dtype(dt)).astype(np.float64), v):
-                return dt
-    return None
+    narrower = [dt for dt in sorted(NOISE_DTYPES, key=unit_roundoff, reverse=True)
+                if unit_roundoff(dt) > unit_roundoff(wider_than)]
+    return narrowest_holding(v, narrower)
 
 
 def _declared(err: float, policy: Policy, cand) -> Declared:

@@ -36,10 +36,25 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_dtypes
 import numpy as np
 
-from llamaspec import taps as tapnames
+from ..evidence import (
+    ACCEPTED,
+    ARITHMETIC,
+    CHECKPOINT,
+    DIFFER,
+    INFERRED,
+    NO_TWIN,
+    PRODUCT,
+    REFUSED,
+    SIXTEEN,
+    TWIN_FORMATS,
+    UNCHECKED,
+    WEIGHTS,
+    TwinCheck,
+)
+from ..explain import ladder as explain
+from ..metrics import narrowest_holding, resolve_dtype
 
 # Enough values for "all fit float32" to be no accident (2**-29 each) and for "all are exact
 # products of two float32 numbers" too (2**-5 each), counted at the real positions, nonzero;
@@ -49,45 +64,13 @@ from llamaspec import taps as tapnames
 # fit float32 by chance with probability 2**-2900, exact products 2**-500.
 MIN_VALUES, MIN_DISTINCT = 1000, 100
 
-# Narrower formats, narrowest first; "float32 product": at most 48 significant bits.
-_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
-           "float32": np.dtype(np.float32)}
-PRODUCT = "float32 product"
-SIXTEEN = ("bfloat16", "float16")
-
-# statuses
-ACCEPTED, INFERRED, REFUSED, NO_TWIN = "accepted", "keeps_f32 inferred", "refused", "no twin"
-# weights
-CHECKPOINT, DIFFER, UNCHECKED = "checkpoint", "differ", "not checked"
-# why refused
-WEIGHTS, ARITHMETIC = "weights", "arithmetic"
-
-
-@dataclasses.dataclass
-class TwinCheck:
-    """What the candidate's float64 twin was found to be (Report.twin)."""
-    status: str                 # ACCEPTED | INFERRED | REFUSED | NO_TWIN
-    weights: str = UNCHECKED    # CHECKPOINT | "rounded to <dtype>" | DIFFER | UNCHECKED (no embed tap)
-    narrow: dict = dataclasses.field(default_factory=dict)   # {tap: format} whose every value fits it
-    wide: int = 0               # taps shown to hold float64 arithmetic
-    undecided: int = 0          # taps with too few (distinct) nonzero values to tell
-    returned: dict = dataclasses.field(default_factory=dict)  # {tap: dtype} of arrays returned narrower than float64
-    declared_keeps_f32: bool = False
-    refused_for: tuple = ()     # REFUSED: WEIGHTS (the policy's rounding), ARITHMETIC (no tap is float64)
-    note: str = ""              # the sentence for the report ("" for a twin accepted as it is)
-
-    @property
-    def refused(self) -> bool:
-        return self.status == REFUSED
-
 
 def tap_format(values) -> str | None:
-    """The narrowest format of _DTYPES / PRODUCT that holds every value (float64 numbers),
+    """The narrowest format of TWIN_FORMATS / PRODUCT that holds every value (float64 numbers),
     None when one needs float64's 53 bits."""
-    for name, dt in _DTYPES.items():
-        with np.errstate(over="ignore", invalid="ignore"):
-            if np.array_equal(values.astype(dt).astype(np.float64), values):
-                return name
+    fmt = narrowest_holding(values, TWIN_FORMATS)
+    if fmt is not None:
+        return fmt
     return PRODUCT if not np.any(values.view(np.uint64) & np.uint64(0x1F)) else None
 
 
@@ -126,8 +109,8 @@ def weights(c64: dict, oracle: dict, real) -> str:
         return DIFFER
     if np.array_equal(a, b):
         return CHECKPOINT
-    for name, dt in _DTYPES.items():
-        rounded = b.astype(dt).astype(np.float64)
+    for name in TWIN_FORMATS:
+        rounded = b.astype(resolve_dtype(name)).astype(np.float64)
         if not np.array_equal(rounded, b) and np.array_equal(a, rounded):
             return f"rounded to {name}"
     return DIFFER
@@ -152,71 +135,8 @@ def check_twin(name: str, c64: dict, oracle: dict, taps, real, keeps_f32: bool,
         check.status = REFUSED
     elif any(f not in SIXTEEN for f in narrow.values()) and not keeps_f32:
         check.status = INFERRED
-    check.note = note(name, check)
+    check.note = explain.twin_note(name, check)
     return check
-
-
-def _taps(taps) -> str:
-    """Tap names shortened for a sentence: layers.{i}.q_rope for every layer's, else a list."""
-    taps = list(taps)
-    kinds = {}
-    for t in taps:
-        layer, kind = tapnames.layer_of(t), t.rsplit(".", 1)[-1]
-        kinds.setdefault(kind if layer is not None else t, []).append(layer)
-    parts = [k if layers == [None] else (f"layers.{{i}}.{k} ({len(layers)} layers)" if len(layers) > 1 else
-                                         f"layers.{layers[0]}.{k}") for k, layers in kinds.items()]
-    return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
-
-
-_FORMAT = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
-           PRODUCT: "exact products of two float32 numbers (an f32 step times a weight)"}
-
-
-def _formats(narrow: dict) -> str:
-    by = {}
-    for t, f in narrow.items():
-        by.setdefault(f, []).append(t)
-    return "; ".join(f"{_FORMAT[f]}: {_taps(ts)}" for f, ts in by.items())
-
-
-def note(name: str, c: TwinCheck) -> str:
-    """The report's sentence on the twin ("" when it is accepted as it is, its weights the
-    checkpoint's)."""
-    if c.status == REFUSED:
-        return f"{name}'s float64() is refused: " + "; and ".join(_refusals(c))
-    sixteen = {t: f for t, f in c.narrow.items() if f in SIXTEEN}
-    rounds = (f"; a 16-bit rounding inside it ({_formats(sixteen)}) is the port's own step, kept in its twin as "
-              "a quantization is, and judged by the dtype-noise rule" if sixteen else "")
-    if c.status == INFERRED:
-        wider = {t: f for t, f in c.narrow.items() if f not in SIXTEEN}
-        return (f"{name}'s float64() keeps float32 steps (keeps_f32 inferred): {_formats(wider)}; the fp64 rung "
-                f"is judged above float32 rounding, as for a port that declares keeps_f32{rounds}")
-    if c.weights.startswith("rounded"):
-        return (f"{name}'s float64() runs embedding rows {c.weights} (narrower than the policy's weights): the "
-                f"port's own rounding, kept in its twin as a quantization is, and judged at the embed tap{rounds}")
-    if sixteen:
-        return f"{name}'s float64() is float64 arithmetic{rounds}"
-    if c.weights == UNCHECKED and c.status == ACCEPTED:
-        return f"{name}'s float64() weights not checked: it returns no embed tap"
-    if c.weights == DIFFER:
-        return (f"{name}'s float64() embed rows differ from the checkpoint's (not by a rounding): judged as its "
-                "math at the embed tap")
-    return ""
-
-
-def _refusals(c: TwinCheck) -> list[str]:
-    out = []
-    if WEIGHTS in c.refused_for:
-        dtype = c.weights.removeprefix("rounded to ")
-        out.append(f"it runs weights rounded to {dtype}, not the checkpoint's (its embed rows are the checkpoint's "
-                   f"rounded to {dtype}; the oracle reads the checkpoint's, so every tap would carry that rounding "
-                   "as a difference in the math): give float64() the checkpoint's weights at float64 (TorchModule "
-                   "and TransformersModel do when they know the checkpoint)")
-    returned = (f", returned as {', '.join(sorted(set(c.returned.values())))} arrays" if c.returned else "")
-    if ARITHMETIC in c.refused_for:
-        out.append(f"it is not float64 arithmetic: every tap it returns fits a narrower format{returned} "
-                   f"({_formats(c.narrow)})")
-    return out
 
 
 def applied(side, check: TwinCheck):
@@ -229,4 +149,5 @@ def applied(side, check: TwinCheck):
     return side
 
 
-__all__ = ["MIN_VALUES", "TwinCheck", "applied", "arithmetic", "check_twin", "tap_format", "weights"]
+__all__ = ["ACCEPTED", "CHECKPOINT", "DIFFER", "INFERRED", "MIN_VALUES", "NO_TWIN", "PRODUCT", "REFUSED", "UNCHECKED",
+           "WEIGHTS", "TwinCheck", "applied", "arithmetic", "check_twin", "tap_format", "weights"]
