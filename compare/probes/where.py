@@ -93,7 +93,7 @@ class TapDiff:
     max_abs: float
     rel_l2: float           # ||b - a|| / ||a||
     err_a: float            # rel_l2(a, twin in A)
-    err_b: float            # rel_l2(b, twin in B, or in A without an own twin)
+    err_b: float            # rel_l2(b, twin in A): the judge's candidate error, against the oracle
     bound: float            # m err_a + floor
     twin_rel: float | None  # rel_l2(twin in B, twin in A); None without a twin of B's circumstance
     twin_floor: float

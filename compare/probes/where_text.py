@@ -85,6 +85,9 @@ def explain_comparison(c) -> str:
     rung = (f"the float64 twin differs too ({_g(b.twin_rel)} relative, floor {_g(b.twin_floor)})"
             if b.twin_rel is not None and not b.twin_rel <= b.twin_floor else
             f"{_g(b.err_b)} error vs the twin against A's {_g(b.err_a)} (bound {_g(b.bound)})")
+    if b.twin_rel is None:
+        rung += (", judged without a twin of B's circumstance (by size and structure, as a port without "
+                 "float64())")
     if fb.tap == fd.tap:
         text += f" That is beyond drift: {rung}."
     else:
