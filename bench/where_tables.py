@@ -134,7 +134,8 @@ def short_cell(d: dict) -> str:
     if d["verdict"] == "exact":
         return "bitwise"
     c = worst(d)
-    ratio = max((t["err_b"] / t["bound"] if t["bound"] else 0.0) for x in d["comparisons"] for t in x["taps"])
+    ratio = max((t["ratio"] if t.get("ratio") is not None else t["err_b"] / t["bound"] if t["bound"] else 0.0)
+                for x in d["comparisons"] for t in x["taps"])
     beyond = c.get("first_beyond")
     return f"{c['verdict']} from {c['first_difference']['tap']} ({ratio:.2f})" + \
         (f", beyond at {beyond['tap']}" if beyond else "")

@@ -45,6 +45,10 @@ def worst(d: dict) -> dict:
 
 
 def _ratio(t: dict) -> float:
+    """The judge's err_b / bound (the worst of the whole tap and its quarters); a result saved
+    before the probe recorded it: err_b / bound over the whole tap."""
+    if t.get("ratio") is not None:
+        return number(t["ratio"])
     eb, b = number(t.get("err_b")), number(t.get("bound"))
     return eb / b if b > 0 else (0.0 if eb == 0 else math.inf)
 
