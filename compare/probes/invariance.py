@@ -4,19 +4,26 @@ padding, on the run, on the framework? (README, "Invariance lab".)
     from compare.probes import probe_batch, probe_padding, probe_determinism, \
         probe_divergence, probe_cross_greedy
     r = probe_batch(model)                    # torchref / jaxmodel / transformers / ProbeModel
-    r.verdict, r.bitwise_equal_frac, r.hint   # "exact" | "drift" | "semantic"
+    r.verdict, r.bitwise_equal_frac, r.hint   # "exact" | "drift" | "precision" | "semantic"
     r.assert_no_semantic(); r.assert_bitwise()
 
 Every probe compares outputs of one target sequence in different circumstances
 against the same model's output for the target alone, and reports per case: bitwise
-equality, max ULP (in the output's dtype), max abs difference, NaN/Inf. A case is
-    exact     bitwise equal;
-    drift     different, but within M x the model's own rounding error + a floor
-              (compare.vocabulary.M, FLOOR_ULPS): what another summation order gives;
-    semantic  beyond that, or NaN/Inf: a difference in the math (mask, positions, cache).
-The model's own rounding error is max |model(x) - twin(x)| on the target alone, twin =
-the same implementation with the same rounded weights computing in float64
-(models.fp64_twin): only compute rounding can make two runs of one model differ.
+equality, max ULP (in the output's dtype), max abs difference, NaN/Inf. A case is judged by
+the project's one judge (compare.judge.verdicts.classify) at the logits, the circumstance's
+output as the candidate, the output alone as the reference, the float64 twin's alone (the
+same implementation with the same rounded weights computing in float64, models.fp64_twin) as
+the oracle, by the rungs for a candidate without a twin of its own:
+    exact      bitwise equal;
+    drift      different, but within M x the model's own error + the floor (the whole output
+               and each quarter of its positions): what another summation order gives; or a
+               constant added to each position's logits, which changes no probability
+               (reason "shift_invariant");
+    precision  beyond that, but rounding-sized for the policy's dtypes: the circumstance
+               changes how the model rounds, not its math;
+    semantic   beyond that with a structure rounding does not make, or larger than any
+               rounding of the declared dtypes, or NaN/Inf: a difference in the math (mask,
+               positions, cache).
 The probe's verdict is its worst case; its hint says which case and why.
 
 Greedy probes compare token sequences: a completion that leaves the reference at a
