@@ -433,7 +433,8 @@ def _capture_no_space(tmp, request):
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
-    request.getfixturevalue("monkeypatch").setattr("safetensors.numpy.save_file", full)
+    # capturing imports save_file at its top: patch the name it calls
+    request.getfixturevalue("monkeypatch").setattr("compare.capturing.save_file", full)
 
     def run():
         message = _raises(DumpError, lambda: capture(ck, "torchref", "fp32", inputs=inputs(), out=tmp / "d",
