@@ -18,7 +18,7 @@ ROOMS = {"compare.vocabulary": 0, "compare.metrics": 0, "compare.environment": 0
          "compare.evidence": 0, "compare.explain": 1,   # typed records, and the sentences made from them
          "compare.adapters": 1, "compare.report": 1,
          "compare.judge": 2,      # the one judge of a tap, shared by the ladder and the probes
-         "compare.ladder": 3, "compare.probes": 3,
+         "compare.ladder": 3, "compare.probes": 3, "compare.sweep": 3,
          "compare.controls": 4}   # the planted-bug catalogue: calibrates the engine, never imported by it
 
 
