@@ -5,6 +5,7 @@ examples, one per verb (`llama-parity VERB --help`: its flags and more examples)
     llama-parity compare MY_HF_FOLDER --policy bf16    # jaxmodel vs torchref on your checkpoint
     llama-parity probe batch --policy bf16 --mode default,invariant
     llama-parity capture --impl jaxmodel --policy bf16 --out /tmp/jax-bf16
+    llama-parity sweep --policies fp32,bf16,fp16 --max-tokens 4096   # what each policy costs on a text
     llama-parity fetch-smollm2                         # prints the cached model's folder
     llama-parity make-checkpoint --shape llama-3.2-1b --layers 2
 
@@ -31,6 +32,7 @@ from .checks import (
     check_target_folder,
     check_token_budget,
     checkpoint_folder,
+    count,
     output_file,
     output_folder,
     positive_int,
@@ -287,6 +289,68 @@ def cmd_capture(args) -> int:
     return EXIT_OK
 
 
+SWEEP_POLICIES = "fp32,bf16,fp16,bf16w-f32"
+
+
+def _sweep_pairs(values, policies) -> list[tuple[str, str]]:
+    """--pair CAND:BASE (repeatable) -> [(cand, base)], each side a swept policy or fp64."""
+    out = []
+    for v in values or []:
+        cand, sep, base = v.partition(":")
+        if not sep or not cand or not base:
+            raise UsageError(f"--pair {v!r}: give CANDIDATE:BASE, e.g. bf16:fp16")
+        for side in (cand, base):
+            if side not in policies and side != "fp64":
+                raise UsageError(f"--pair {v}: '{side}' is not in --policies ({', '.join(policies)}) or fp64")
+        out.append((cand, base))
+    return out
+
+
+def cmd_sweep(args) -> int:
+    """Each policy against the fp64 oracle over a text (compare.sweep): the table, and --json."""
+    from compare.sweep import read_text, sweep, table
+    from llamaspec import InputError, LlamaConfig, Policy, PolicyError
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        try:
+            Policy.get(p)
+        except PolicyError as e:
+            raise UsageError(f"--policies: {e}") from None
+    if not policies or "fp64" in policies or len(set(policies)) != len(policies):
+        raise UsageError(f"--policies {args.policies!r}: give distinct presets other than fp64 (the oracle)")
+    pairs = _sweep_pairs(args.pair, policies)
+    if args.text and args.random_tokens:
+        raise UsageError("--text and --random-tokens exclude each other: give one")
+    if args.window < 2:
+        raise UsageError(f"--window {args.window}: a window needs at least 2 tokens (a position and its next)")
+    try:     # bounded and UTF-8, before any model loads
+        text = read_text(args.text) if args.text else None
+    except InputError as e:
+        raise UsageError(f"--text {e}") from None
+    folder = checkpoint_folder(resolve_checkpoint(args.checkpoint), need_tokenizer=None if args.random_tokens
+                               else "the text needs (for a folder without one, pass --random-tokens N)")
+    cfg = LlamaConfig.from_file(Path(folder) / "config.json")
+    if args.window > cfg.max_position_embeddings:
+        raise UsageError(f"--window {args.window}: more than the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings})")
+    tokens = None
+    if args.random_tokens:
+        from llamaspec.budget import check_bytes
+        check_bytes(args.random_tokens * 8, f"--random-tokens {args.random_tokens}: the token ids", UsageError)
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, args.random_tokens)
+    json_path = output_file(args.json, "--json", args.force, say) if args.json else None
+    t0 = time.perf_counter()
+    res = sweep(args.impl, folder, policies, text=text, window=args.window, max_tokens=args.max_tokens,
+                progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr, flush=True),
+                tokens=tokens, pairs=pairs, prompts=args.prompts, new_tokens=args.new_tokens)
+    for line in table(res):
+        say(line)
+    if json_path:
+        res.to_json(json_path)
+        say(f"JSON: {json_path}")
+    return EXIT_OK
+
+
 def _report_paths(args):
     """--json/--html where given; otherwise both go to --out-dir (default ./parity-report/,
     git-ignored), named after the comparison, unless --no-files. Checked before the run."""
@@ -467,6 +531,34 @@ def _add_capture_parser(sub, common) -> None:
     p.set_defaults(func=cmd_capture)
 
 
+def _add_sweep_parser(sub, common) -> None:
+    p = _verb(sub, common, "sweep", "what each precision policy costs on a text (KLD, top-1, PPL)",
+              "Runs one implementation at each policy and at fp64 (the oracle) over a text in windows of N\n"
+              "tokens and prints, per policy against the oracle (and per --pair against each other), the\n"
+              "measures of llama.cpp's perplexity --kl-divergence: mean KLD with its standard error, KLD\n"
+              "percentiles and max, same top p, PPL ratio, RMS of the change in the correct token's\n"
+              "probability; then the first token where greedy continuations part (docs/sweep.md).",
+              "  llama-parity sweep                                     # SmolLM2 over docs/method.md\n"
+              "  llama-parity sweep MY_HF_FOLDER --text corpus.txt --max-tokens 8192 --json sweep.json\n"
+              "  llama-parity sweep --policies bf16,fp16 --pair bf16:fp16")
+    p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
+    p.add_argument("--impl", default="torchref", choices=["torchref", "jaxmodel"])
+    p.add_argument("--policies", default=SWEEP_POLICIES, help="comma list of presets (default: %(default)s)")
+    p.add_argument("--pair", action="append", metavar="CAND:BASE", help="also measure CAND against BASE (two "
+                   "swept policies, or fp64), e.g. bf16:fp16 (repeatable)")
+    p.add_argument("--text", metavar="FILE", help="a UTF-8 text file (default: the project's docs/method.md)")
+    p.add_argument("--random-tokens", metavar="N", type=positive_int, help="N random token ids instead of a "
+                   "text (for checkpoints without a tokenizer)")
+    p.add_argument("--window", type=positive_int, default=512, help="tokens per window (default: %(default)s)")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="use the text's first N tokens")
+    p.add_argument("--prompts", type=count, default=4, help="greedy divergence over this many prompts cut from "
+                   "the text (0: none; default: %(default)s)")
+    p.add_argument("--new-tokens", type=positive_int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--json", metavar="OUT", help="write the result as JSON here")
+    p.add_argument("--force", action="store_true", help="overwrite a --json file llama-parity did not write")
+    p.set_defaults(func=cmd_sweep)
+
+
 def main(argv=None) -> int:
     head, _, rest = __doc__.partition("\n\n")
     parser = argparse.ArgumentParser(prog="llama-parity", description=head, epilog=rest, formatter_class=_formatter)
@@ -475,7 +567,7 @@ def main(argv=None) -> int:
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the traceback of an internal error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="VERB")
-    for add in (_add_demo_parser, _add_compare_parser, _add_capture_parser, _add_fetch_parser,
+    for add in (_add_demo_parser, _add_compare_parser, _add_capture_parser, _add_sweep_parser, _add_fetch_parser,
                 _add_make_checkpoint_parser):
         add(sub, common)
     from .probe_cli import add_parser as add_probe_parser

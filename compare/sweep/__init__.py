@@ -1,0 +1,9 @@
+"""What a precision policy costs on real text: several policies of one implementation against
+the float64 oracle over a text, in windows (run.sweep), with llama.cpp's KL-divergence measures
+(measures.Accumulator). docs/sweep.md."""
+
+from .measures import Accumulator, Estimate, Measures, log_probs
+from .run import Divergence, Row, SweepResult, read_text, sweep, table
+
+__all__ = ["Accumulator", "Divergence", "Estimate", "Measures", "Row", "SweepResult", "log_probs", "read_text",
+           "sweep", "table"]
