@@ -212,7 +212,13 @@ def kl_per_position(p_logits, q_logits) -> np.ndarray:
 
     Tokens with p = 0 contribute 0 (even where q is -inf too); NaN propagates.
     """
-    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
+    return kl_of_log_probs(log_softmax(p_logits), log_softmax(q_logits))
+
+
+def kl_of_log_probs(lp, lq) -> np.ndarray:
+    """kl_per_position on log-probabilities already normalised (log_softmax's output), without
+    normalising them again: KL(exp(lp) || exp(lq)) per position, in nats, float64."""
+    lp, lq = as64(lp), as64(lq)
     p = np.exp(lp)
     with np.errstate(invalid="ignore"):
         terms = np.where(p == 0, 0.0, p * (lp - lq))  # NaN == 0 is False: NaN stays

@@ -5,7 +5,7 @@ Notation, per scored token i (N of them): b_i, c_i the base's and the candidate'
 rows (compare.metrics.log_softmax, float64), t_i the next token (the target).
 
 - KLD_i = KL(softmax(base) || softmax(cand)) = sum_v exp(b_iv) (b_iv - c_iv), in nats
-  (compare.metrics.kl_per_position). Mean KLD = (1/N) sum_i KLD_i; its standard error
+  (compare.metrics.kl_of_log_probs). Mean KLD = (1/N) sum_i KLD_i; its standard error
   SE = sqrt((mean(KLD^2) - mean(KLD)^2) / (N - 1)). Percentiles (50, 90, 99, 99.9) and the max
   are of the N per-token values (np.percentile, linear interpolation).
 - same top p = (1/N) sum_i [argmax b_i == argmax c_i] (top-1 agreement), SE = sqrt(p (1 - p) / (N - 1)).
@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from compare.metrics import kl_per_position, log_softmax
+from compare.metrics import kl_of_log_probs, log_softmax
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 _SUMS = ("kld", "kld2", "same", "nll_base", "nll_base2", "nll_cand", "nll_cand2", "d", "d2", "dp2", "dp4")
@@ -94,8 +94,7 @@ class Accumulator:
                              "must be [n, V], [n, V] and [n]")
         if t.size and (t.min() < 0 or t.max() >= b.shape[1]):
             raise ValueError(f"Accumulator.add: a target id outside the vocabulary [0, {b.shape[1]})")
-        # log_softmax of log-probabilities is themselves: kl_per_position re-normalises exactly
-        kld = kl_per_position(b, c)
+        kld = kl_of_log_probs(b, c)       # both already normalised (log_probs): not again
         rows = np.arange(t.size)
         nll_b, nll_c = -b[rows, t], -c[rows, t]
         d = nll_c - nll_b
