@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from llamaspec import LlamaParityError
+from llamaspec.budget import read_bounded
 
 
 class UsageError(LlamaParityError):
@@ -81,16 +82,20 @@ def checkpoint_folder(path, need_tokenizer: str | None = None) -> str:
 # ----- output paths ---------------------------------------------------------------------
 
 def _ours(path: Path) -> bool:
-    """A file this tool wrote: a JSON report (ladder or probes) or one of its HTML pages."""
+    """A file this tool wrote: a JSON report (ladder, probes or sweep) or one of its HTML pages.
+    Read within MAX_JSON_BYTES (a larger or unreadable file, a FIFO: not ours)."""
     from compare.report.page import GENERATOR
     try:
         if path.suffix.lower() in (".html", ".htm"):
             return f"content='{GENERATOR}'" in path.read_bytes()[:4096].decode("utf-8", "replace")
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+        doc = json.loads(read_bounded(path, LlamaParityError))
+    except (OSError, ValueError, LlamaParityError):
         return False
-    return isinstance(doc, dict) and "verdict" in doc and ({"reference", "candidate"} <= set(doc)
-                                                           or "results" in doc)
+    if not isinstance(doc, dict):
+        return False
+    report = "verdict" in doc and ({"reference", "candidate"} <= set(doc) or "results" in doc)
+    sweep = {"impl", "policies", "rows", "environment"} <= set(doc)      # compare.sweep.SweepResult
+    return report or sweep
 
 
 def _writable_folder(folder: Path, what: str) -> None:

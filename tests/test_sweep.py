@@ -12,6 +12,7 @@ import pytest
 from compare.sweep import Accumulator, log_probs, read_text, sweep, table
 from llama_parity.cli import main
 from llamaspec import InputError, PolicyError
+from llamaspec.files import atomic_write
 
 
 def _softmax(x):
@@ -152,6 +153,14 @@ def test_cli_sweep_exit_codes(tiny_dir, tmp_path, capsys):
                  "--prompts", "1", "--new-tokens", "2", "--pair", "bf16:fp32", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["rows"][2]["base"] == "fp32"
     assert "same top p" in capsys.readouterr().out
+    # the same command again overwrites its own JSON; a file the tool did not write needs --force
+    again = ["sweep", folder, "--policies", "fp32", "--random-tokens", "20", "--window", "10", "--prompts", "1",
+             "--new-tokens", "1", "--json"]
+    assert main(again + [str(out)]) == 0
+    foreign = tmp_path / "notes.json"
+    atomic_write(foreign, '{"mine": true}')
+    assert main(again + [str(foreign)]) == 2 and "--force" in capsys.readouterr().err
+    assert json.loads(foreign.read_text()) == {"mine": True}
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
     for argv, named in ((["--policies", "fp32,nope"], "--policies"), (["--policies", "fp32,fp64"], "--policies"),
                         (["--pair", "bf16:fp32"], "--pair"), (["--pair", "fp32"], "--pair"),
