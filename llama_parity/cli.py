@@ -292,37 +292,34 @@ def cmd_capture(args) -> int:
 SWEEP_POLICIES = "fp32,bf16,fp16,bf16w-f32"
 
 
-def _sweep_pairs(values, policies) -> list[tuple[str, str]]:
-    """--pair CAND:BASE (repeatable) -> [(cand, base)], each side a swept policy or fp64."""
+SWEEP_FLAGS = {"impl": "--impl", "policies": "--policies", "pair": "--pair", "window": "--window"}
+
+
+def _sweep_pairs(values) -> list[tuple[str, str]]:
+    """--pair CAND:BASE (repeatable) -> [(cand, base)]; which names may stand there is
+    compare.sweep.check_sweep's to say."""
     out = []
     for v in values or []:
         cand, sep, base = v.partition(":")
         if not sep or not cand or not base:
             raise UsageError(f"--pair {v!r}: give CANDIDATE:BASE, e.g. bf16:fp16")
-        for side in (cand, base):
-            if side not in policies and side != "fp64":
-                raise UsageError(f"--pair {v}: '{side}' is not in --policies ({', '.join(policies)}) or fp64")
         out.append((cand, base))
     return out
 
 
 def cmd_sweep(args) -> int:
-    """Each policy against the fp64 oracle over a text (compare.sweep): the table, and --json."""
-    from compare.sweep import read_text, sweep, table
+    """Each policy against the fp64 oracle over a text (compare.sweep): the table, and --json.
+    Every argument is checked before a model loads (compare.sweep.check_sweep, its errors naming
+    the flags)."""
+    from compare.sweep import check_sweep, read_text, sweep, table
     from llamaspec import InputError, LlamaConfig, Policy, PolicyError
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    for p in policies:
-        try:
-            Policy.get(p)
-        except PolicyError as e:
-            raise UsageError(f"--policies: {e}") from None
-    if not policies or "fp64" in policies or len(set(policies)) != len(policies):
-        raise UsageError(f"--policies {args.policies!r}: give distinct presets other than fp64 (the oracle)")
-    pairs = _sweep_pairs(args.pair, policies)
+    try:
+        policies = [Policy.get(p.strip()).name for p in args.policies.split(",") if p.strip()]
+    except PolicyError as e:
+        raise UsageError(f"--policies: {e}") from None
+    pairs = _sweep_pairs(args.pair)
     if args.text and args.random_tokens:
         raise UsageError("--text and --random-tokens exclude each other: give one")
-    if args.window < 2:
-        raise UsageError(f"--window {args.window}: a window needs at least 2 tokens (a position and its next)")
     try:     # bounded and UTF-8, before any model loads
         text = read_text(args.text) if args.text else None
     except InputError as e:
@@ -330,9 +327,10 @@ def cmd_sweep(args) -> int:
     folder = checkpoint_folder(resolve_checkpoint(args.checkpoint), need_tokenizer=None if args.random_tokens
                                else "the text needs (for a folder without one, pass --random-tokens N)")
     cfg = LlamaConfig.from_file(Path(folder) / "config.json")
-    if args.window > cfg.max_position_embeddings:
-        raise UsageError(f"--window {args.window}: more than the model's max_position_embeddings "
-                         f"({cfg.max_position_embeddings})")
+    try:
+        check_sweep(args.impl, policies, pairs, args.window, cfg, SWEEP_FLAGS.get)
+    except InputError as e:
+        raise UsageError(str(e)) from None
     tokens = None
     if args.random_tokens:
         from llamaspec.budget import check_bytes

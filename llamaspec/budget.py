@@ -26,6 +26,8 @@ from .errors import InputError, LlamaParityError
 MAX_JSON_BYTES = 100 << 20
 # A safetensors header (the JSON before the tensors): the same bound as its reader's.
 MAX_HEADER_BYTES = 100 << 20
+# A text the policy sweep reads (compare.sweep): 16 MiB of text is ~4M tokens, far beyond a sweep's hours.
+MAX_TEXT_BYTES = 16 << 20
 # A config's size field (vocab_size, hidden_size, layers, heads, positions, ...): below 2**31,
 # so that a product of two is exact in int64 and a size fits every framework's index type.
 MAX_SIZE_FIELD = 2**31 - 1

@@ -137,9 +137,9 @@ def test_sweep_refuses_bad_arguments(tiny_dir):
 
 
 def test_read_text_is_bounded_and_utf8(tmp_path):
-    (tmp_path / "ok.txt").write_text("héllo")
+    atomic_write(tmp_path / "ok.txt", "héllo")
     assert read_text(tmp_path / "ok.txt") == "héllo"
-    (tmp_path / "bad.txt").write_bytes(b"ab\xff")
+    atomic_write(tmp_path / "bad.txt", b"ab\xff")
     with pytest.raises(InputError, match="not UTF-8 text"):
         read_text(tmp_path / "bad.txt")
     with pytest.raises(InputError, match="not a regular file"):
@@ -161,10 +161,13 @@ def test_cli_sweep_exit_codes(tiny_dir, tmp_path, capsys):
     atomic_write(foreign, '{"mine": true}')
     assert main(again + [str(foreign)]) == 2 and "--force" in capsys.readouterr().err
     assert json.loads(foreign.read_text()) == {"mine": True}
-    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
-    for argv, named in ((["--policies", "fp32,nope"], "--policies"), (["--policies", "fp32,fp64"], "--policies"),
-                        (["--pair", "bf16:fp32"], "--pair"), (["--pair", "fp32"], "--pair"),
-                        (["--window", "1"], "--window"), (["--window", "100000", "--random-tokens", "40"], "--window"),
+    atomic_write(tmp_path / "bad.txt", b"\xff\xfe")
+    rnd = ["--random-tokens", "40"]       # the tiny folder has no tokenizer
+    for argv, named in ((["--policies", "fp32,nope"], "--policies"), (["--policies", "fp32,fp64", *rnd], "--policies"),
+                        (["--policies", "fp32,fp32", *rnd], "--policies"),
+                        (["--pair", "bf16:fp32", *rnd], "--pair"), (["--pair", "fp32"], "--pair"),
+                        (["--pair", "fp32:fp32", *rnd], "--pair"),
+                        (["--window", "1", *rnd], "--window"), (["--window", "100000", *rnd], "--window"),
                         (["--random-tokens", "40", "--text", str(tmp_path / "bad.txt")], "--text"),
                         (["--text", str(tmp_path / "bad.txt")], "--text"), (["--text", str(tmp_path)], "--text"),
                         (["--text", str(tmp_path / "none.txt")], "--text"), ([], "tokenizer.json")):

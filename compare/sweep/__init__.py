@@ -3,7 +3,7 @@ the float64 oracle over a text, in windows (run.sweep), with llama.cpp's KL-dive
 (measures.Accumulator). docs/sweep.md."""
 
 from .measures import Accumulator, Estimate, Measures, log_probs
-from .run import Divergence, Row, SweepResult, read_text, sweep, table
+from .run import Divergence, Row, SweepResult, check_sweep, read_text, sweep, table
 
-__all__ = ["Accumulator", "Divergence", "Estimate", "Measures", "Row", "SweepResult", "log_probs", "read_text",
-           "sweep", "table"]
+__all__ = ["Accumulator", "Divergence", "Estimate", "Measures", "Row", "SweepResult", "check_sweep", "log_probs",
+           "read_text", "sweep", "table"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from llamaspec import LlamaConfig, Policy
-from llamaspec.budget import check_tokens, read_bounded
+from llamaspec.budget import MAX_TEXT_BYTES, check_tokens, read_bounded
 from llamaspec.errors import InputError
 from llamaspec.files import repo_root
 from llamaspec.tokenizer import Tokenizer
@@ -34,8 +34,6 @@ from .measures import Accumulator, Measures, log_probs
 
 IMPLS = ("torchref", "jaxmodel")
 ORACLE = "fp64"
-# A text file is untrusted input: 16 MiB of text is ~4M tokens, far beyond a sweep's hours.
-MAX_TEXT_BYTES = 16 << 20
 DEFAULT_TEXT = "docs/method.md"
 
 
@@ -101,29 +99,32 @@ def windows_of(ids: np.ndarray, window: int) -> list[np.ndarray]:
     return [ids[a:a + window] for a in range(0, len(ids), window) if len(ids[a:a + window]) >= 2]
 
 
-def _check(impl, policies, pairs, window, cfg: LlamaConfig) -> list[tuple[str, str]]:
+def check_sweep(impl, policies, pairs, window, cfg: LlamaConfig, arg=lambda name: name) -> list[tuple[str, str]]:
+    """The sweep's arguments checked before any model loads (InputError naming each by
+    arg(name): the API's "policies", "pair", "window"; the CLI's flags): the (candidate, base)
+    pairs to measure, every policy against the oracle first."""
     if impl not in IMPLS:
-        raise InputError(f"unknown implementation '{impl}' (one of {', '.join(IMPLS)})")
+        raise InputError(f"{arg('impl')} {impl}: unknown implementation (one of {', '.join(IMPLS)})")
     if not policies:
-        raise InputError("no policies to sweep")
-    for p in policies:
-        if p == ORACLE:
-            raise InputError(f"policy '{ORACLE}' is the oracle every policy is measured against; leave it out")
+        raise InputError(f"{arg('policies')}: no policies to sweep")
+    if ORACLE in policies:
+        raise InputError(f"{arg('policies')} {', '.join(policies)}: '{ORACLE}' is the oracle every policy is "
+                         "measured against; leave it out")
     if len(set(policies)) != len(policies):
-        raise InputError(f"policies {', '.join(policies)}: a policy named twice")
-    if window < 2:
-        raise InputError(f"window {window}: a window needs at least 2 tokens (a position and its next token)")
-    check_tokens(1, window, cfg.max_position_embeddings, cfg.vocab_size, f"window {window}")
+        raise InputError(f"{arg('policies')} {', '.join(policies)}: a policy named twice")
     out = [(p, ORACLE) for p in policies]
     for cand, base in pairs:
         for side in (cand, base):
             if side not in policies and side != ORACLE:
-                raise InputError(f"pair {cand}:{base}: '{side}' is not among the swept policies "
+                raise InputError(f"{arg('pair')} {cand}:{base}: '{side}' is not among the swept policies "
                                  f"({', '.join(policies)}) or {ORACLE}")
         if cand == base:
-            raise InputError(f"pair {cand}:{base}: a policy against itself")
+            raise InputError(f"{arg('pair')} {cand}:{base}: a policy against itself")
         if (cand, base) not in out:
             out.append((cand, base))
+    if window < 2:
+        raise InputError(f"{arg('window')} {window}: a window needs at least 2 tokens (a position and its next)")
+    check_tokens(1, window, cfg.max_position_embeddings, cfg.vocab_size, f"{arg('window')} {window}")
     return out
 
 
@@ -145,7 +146,7 @@ def sweep(impl: str, checkpoint, policies, text: str | None = None, window: int 
     cfg = LlamaConfig.from_file(Path(checkpoint) / "config.json")
     chosen = {p.name: p for p in map(Policy.get, policies)}    # a PolicyError names an unknown preset
     policies = [Policy.get(p).name for p in policies]
-    pairs = _check(impl, policies, [tuple(p) for p in pairs], window, cfg)
+    pairs = check_sweep(impl, policies, [tuple(p) for p in pairs], window, cfg)
     if tokens is not None:
         ids, source = np.asarray(tokens, np.int64).reshape(-1), f"{np.size(tokens)} token ids given"
         if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
