@@ -216,7 +216,7 @@ def test_twin_keeping_f32_steps_gets_keeps_f32_inferred_and_a_correct_model_is_d
 def test_without_the_check_the_f32_keeping_twin_is_a_false_semantic(folder, monkeypatch):
     """The mechanism is real on the tiny checkpoint: the same twin trusted as float64 (the
     check replaced by one that accepts everything) makes a correct model 'semantic'."""
-    monkeypatch.setattr(engine, "check_twin", lambda name, *a: twins.TwinCheck(twins.ACCEPTED))
+    monkeypatch.setattr(engine, "check_side", lambda cand, *a: (twins.TwinCheck(twins.ACCEPTED), cand))
     report = ladder(port(folder, island="float32"), folder)
     assert report.verdict == "semantic", report.summary()
 
@@ -252,7 +252,7 @@ def test_twin_of_rounded_weights_is_found_named_and_refused(folder):
 
 
 def test_without_the_check_the_rounded_weights_twin_is_a_false_semantic(folder, monkeypatch):
-    monkeypatch.setattr(engine, "check_twin", lambda name, *a: twins.TwinCheck(twins.ACCEPTED))
+    monkeypatch.setattr(engine, "check_side", lambda cand, *a: (twins.TwinCheck(twins.ACCEPTED), cand))
     report = ladder(OwnTwin(port(folder, torch.bfloat16)), folder, "bf16")
     assert report.verdict == "semantic", report.summary()
 
@@ -402,7 +402,7 @@ def test_without_the_check_the_rounded_twin_makes_a_correct_decode_semantic(fold
     """The mechanism is real: the same rounded twin trusted as the semantic rung calls a correct
     bf16 decode semantic."""
     from compare.ladder import decode
-    monkeypatch.setattr(decode, "_checked_twin", lambda cand, runs, taps, policy, progress: (None, cand))
+    monkeypatch.setattr(decode, "check_side", lambda cand, *a: (twins.TwinCheck(twins.ACCEPTED), cand))
     ids = IDS[:, :12]
     report = compare.compare_decode("torchref", _decoding_port(folder, rounded=True), folder,
                                     inputs=(ids, np.ones_like(ids)), steps=2, policy="bf16")

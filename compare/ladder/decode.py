@@ -75,7 +75,7 @@ from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, TAP_KINDS, drift_factor, precision_floor
 from .engine import prepare
 from .teacher import inherit, suspects
-from .twins import TwinCheck, applied, check_twin
+from .twins import TwinCheck, check_side
 
 
 @dataclasses.dataclass
@@ -446,14 +446,12 @@ def _checked_twin(cand: Side, runs: _Runs, taps, policy: Policy, progress) -> tu
     tap is float64. (None, cand) for a twin this project builds."""
     if not isinstance(cand.at_fp64, Checked):
         return None, cand
-    twin = check_twin(cand.name, runs.c64, runs.o, taps, np.ones(runs.fed.shape, bool), cand.keeps_f32,
-                      policy.param_dtype)
+    twin, checked = check_side(cand, runs.c64, runs.o, taps, np.ones(runs.fed.shape, bool), policy.param_dtype,
+                               progress)
     if twin.refused:
         raise PortError(f"the decode comparison judges each step against the candidate's float64 decode, and "
                         f"{twin.note}")
-    if twin.note:
-        progress(twin.note)
-    return twin, applied(cand, twin)
+    return twin, checked
 
 
 def _inherit_steps(ref: Side, cand: Side, ids, mask, runs: _Runs, taps, verdicts: list[list[TapVerdict]],

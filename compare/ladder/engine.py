@@ -49,7 +49,7 @@ from ..vocabulary import KINDS
 from .capture_check import CaptureCheck, capture_check, has_forward, not_checked, reason_not_to_check, streamed_check
 from .stream import checkpoint_side, streamable, streamed_ladder
 from .teacher import FINDINGS, ForcedRuns, amplification, inherit, local_errors, local_verdicts
-from .twins import NO_TWIN, TwinCheck, applied, check_twin
+from .twins import NO_TWIN, TwinCheck, check_side
 
 
 @dataclasses.dataclass
@@ -162,10 +162,7 @@ def _twin(cand: Side, ids, mask, taps, o, real, policy: Policy, progress):
         # ours, transformers' and a CheckpointModel's twins are built here from the checkpoint's
         # weights at float64 (the streamed ladder's too, which has no whole-run taps to check)
         return c64, None, cand
-    twin = check_twin(cand.name, c64, o, taps, real, cand.keeps_f32, policy.param_dtype)
-    if twin.note:
-        progress(twin.note)
-    cand = applied(cand, twin)
+    twin, cand = check_side(cand, c64, o, taps, real, policy.param_dtype, progress)
     return (None if twin.refused else c64), twin, cand
 
 

@@ -139,6 +139,16 @@ def check_twin(name: str, c64: dict, oracle: dict, taps, real, keeps_f32: bool,
     return check
 
 
+def check_side(cand, c64: dict, oracle: dict, taps, real, param_dtype: str, progress) -> tuple[TwinCheck, object]:
+    """check_twin on the candidate Side's twin captures, its note said through progress, and the
+    Side as the rungs then run it (applied): what the prefill ladder and the decode comparison
+    both do with a port's twin."""
+    check = check_twin(cand.name, c64, oracle, taps, real, cand.keeps_f32, param_dtype)
+    if check.note:
+        progress(check.note)
+    return check, applied(cand, check)
+
+
 def applied(side, check: TwinCheck):
     """The candidate Side as the ladder runs it after the check: without its twin when refused,
     with keeps_f32 when inferred, else as it is."""
@@ -150,4 +160,4 @@ def applied(side, check: TwinCheck):
 
 
 __all__ = ["ACCEPTED", "CHECKPOINT", "DIFFER", "INFERRED", "MIN_VALUES", "NO_TWIN", "PRODUCT", "REFUSED", "UNCHECKED",
-           "WEIGHTS", "TwinCheck", "applied", "arithmetic", "check_twin", "tap_format", "weights"]
+           "WEIGHTS", "TwinCheck", "applied", "arithmetic", "check_side", "check_twin", "tap_format", "weights"]
