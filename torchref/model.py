@@ -31,7 +31,8 @@ from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill, layout
 from llamaspec.plan import backend_name
 
-from . import invariant
+from . import invariant, quant
+from .ops import fp8_product_dtype
 from .dtypes import cast, dt, from_numpy, to_numpy
 from .plan import check_matmul_settings, make_backend
 
@@ -49,7 +50,17 @@ class Linear(nn.Module):
         self.ops = ops
 
     def forward(self, x, policy: Policy, out_dtype: str | None = None):
+        if policy.weight_fp8 or policy.act_fp8:    # a block projection of a quantizing layer
+            return self.ops.fp8_linear(x, self.weight, self.bias, policy)
         return self.ops.linear(x, self.weight, self.bias, policy, out_dtype)
+
+
+def project(ops, x, linears, policy: Policy) -> list:
+    """The projections that read one input (q, k, v; gate, up) in one ops.linears call (a backend
+    may run them as one product), or each on its own where the layer quantizes (fp8_linear)."""
+    if policy.weight_fp8 or policy.act_fp8:
+        return [m(x, policy) for m in linears]
+    return ops.linears(x, [m.weight for m in linears], [m.bias for m in linears], policy)
 
 
 class Embedding(nn.Module):
@@ -87,15 +98,16 @@ class Attention(nn.Module):
         """cache: None (keys are this call's tokens), or this call's keys and values go to
         slots index[b] + t of row b in layer `layer`, and attention reads the cache."""
         B, T, _ = x.shape
-        # q, k, v in one ops.linears call (a backend may run them as one product)
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], ctx.policy)
+        q, k, v = project(self.ops, x, (self.q_proj, self.k_proj, self.v_proj), ctx.policy)
         q = rec("q", q.view(B, T, self.heads, self.head_dim))
         k = rec("k", k.view(B, T, self.kv_heads, self.head_dim))
         v = rec("v", v.view(B, T, self.kv_heads, self.head_dim))
         cos, sin = self.key_tables(ctx, cache)
         q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
         k = rec("k_rope", self.ops.apply_rope(k, cos, sin))
+        # keys and values as the policy's kv_cache keeps them, in every call (the taps show them
+        # as computed, before this rounding)
+        k, v = self.ops.kv_round(k, ctx.policy), self.ops.kv_round(v, ctx.policy)
         allowed = ctx.allowed
         if cache is not None:
             # a [B, Hkv, S, D] tensor per layer, written in place: attention reads each kv head's
@@ -137,9 +149,7 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x, policy: Policy, rec: Recorder):
-        # gate and up in one ops.linears call (a backend may run them as one product)
-        projs = (self.gate_proj, self.up_proj)
-        gate, up = self.ops.linears(x, [m.weight for m in projs], [m.bias for m in projs], policy)
+        gate, up = project(self.ops, x, (self.gate_proj, self.up_proj), policy)
         rec("gate", gate), rec("up", up)
         act = rec("act", self.ops.times(self.ops.silu(gate), up, gate))
         del gate, up   # freed before down_proj's result is made
@@ -156,6 +166,7 @@ class Block(nn.Module):
 
     def forward(self, h, ctx: Context, rec: Recorder, cache: KV | None = None, layer: int = 0):
         residual = dt(ctx.policy.residual_dtype)
+        h = cast(h, residual)      # a per-layer policy's residual dtype (a no-op otherwise)
         x = rec("attn_norm", self.input_layernorm(h, ctx.policy))
         a, cache = self.self_attn(x, ctx, rec, cache, layer)
         h = rec("resid_mid", h + cast(rec("attn_out", a), residual))
@@ -171,10 +182,13 @@ class Llama(nn.Module):
     reference, fast or invariant (None: llamaspec.plan.backend_name's rule)."""
 
     def __init__(self, cfg: LlamaConfig, policy: Policy, weights: dict[str, np.ndarray] | None = None,
-                 batch_invariant: bool = False, device: str | torch.device = "cpu", backend: str | None = None):
+                 batch_invariant: bool = False, device: str | torch.device = "cpu", backend: str | None = None,
+                 quantized: dict | None = None):
         super().__init__()
         backend = backend_name(backend, batch_invariant)
         self.cfg, self.policy, self.batch_invariant = cfg, policy, backend == "invariant"
+        policy.check_layers(cfg.num_hidden_layers)
+        self.layer_policies = [policy.for_layer(i, cfg.num_hidden_layers) for i in range(cfg.num_hidden_layers)]
         self.device = torch.device(device)
         self.plan, self.ops = make_backend(policy, self.device, backend)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -182,9 +196,9 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, self.ops)
         if weights is not None:
-            self._load(weights)
+            self._load(weights, quantized or {})
 
-    def _load(self, weights: dict[str, np.ndarray]) -> None:
+    def _load(self, weights: dict[str, np.ndarray], quantized: dict) -> None:
         """Rounds each checkpoint tensor to param_dtype and installs it under its HF key.
 
         When compute_dtype is wider than param_dtype (bf16w-f32) the rounded weights are
@@ -194,21 +208,53 @@ class Llama(nn.Module):
         if set(shapes) != set(weights):
             raise KeyError(f"weights do not match the model: missing {sorted(set(shapes) - set(weights))}, "
                            f"unexpected {sorted(set(weights) - set(shapes))}")
+        stray = sorted(k for k in quantized if not (is_projection(k) and self.policy_of(k).weight_fp8))
+        if stray:
+            raise KeyError(f"quantized weights given for {stray}: not projections this policy quantizes "
+                           f"({self.policy.name})")
         for key, arr in weights.items():
-            self._install(key, arr, shapes[key])
+            self._install(key, arr, shapes[key], quantized.get(key))
 
-    def _param(self, arr: np.ndarray) -> torch.Tensor:
+    def policy_of(self, key: str) -> Policy:
+        """The policy a checkpoint tensor is kept by: its layer's (per-layer overrides), else the base."""
+        layer = layer_of_key(key)
+        return self.policy if layer is None else self.layer_policies[layer]
+
+    def _param(self, arr: np.ndarray, key: str | None = None, quantized=None) -> torch.Tensor:
         """A checkpoint tensor as the model keeps it: rounded to param_dtype, then widened to
-        compute_dtype when that is wider (bf16w-f32)."""
-        store, compute = dt(self.policy.param_dtype), dt(self.policy.compute_dtype)
+        compute_dtype when that is wider (bf16w-f32). A block projection's weight under weight_fp8
+        is quantized (quantized: its (q, scales) given, e.g. the model's own for its float64 twin)
+        and kept dequantized in the fp8 product dtype (ops.fp8_product_dtype)."""
+        policy = self.policy if key is None else self.policy_of(key)
+        store, compute = dt(policy.param_dtype), dt(policy.compute_dtype)
+        if policy.weight_fp8 and is_projection(key):
+            if quantized is None:
+                quantized = quant.quantize(from_numpy(arr).to(store), policy.weight_fp8)
+            q, scales = (t if isinstance(t, torch.Tensor) else from_numpy(t) for t in quantized)
+            w = quant.dequantize(q, scales, policy.weight_fp8, fp8_product_dtype(policy))
+            return w.to(self.device), (q, scales)
         keep = compute if torch.finfo(compute).bits > torch.finfo(store).bits else store
         return from_numpy(arr).to(store).to(keep).to(self.device)
 
-    def _install(self, key: str, arr: np.ndarray, shape) -> None:
-        t = self._param(arr)
+    def _install(self, key: str, arr: np.ndarray, shape, quantized=None) -> None:
+        t = self._param(arr, key, quantized)
+        t, qs = t if isinstance(t, tuple) else (t, None)
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"{key}: shape {tuple(t.shape)} != model's {tuple(shape)}")
         self._set(key, nn.Parameter(t, requires_grad=False))
+        if qs is not None:      # the fp8 values and scales, for quantized() (a Linear's attribute)
+            self.get_submodule(key.removeprefix("model.").rpartition(".")[0]).fp8 = qs
+
+    def contexts(self, positions: torch.Tensor, allowed: torch.Tensor) -> list[Context]:
+        """Each layer's Context: its policy and the RoPE tables of that policy (computed once per
+        distinct rope / compute dtype pair)."""
+        tables, out = {}, []
+        for p in self.layer_policies:
+            key = (p.rope_dtype, p.compute_dtype)
+            if key not in tables:
+                tables[key] = rope_tables(self.cfg, p, self.ops, positions)
+            out.append(Context(*tables[key], allowed, p, positions))
+        return out
 
     def _set(self, key: str, p: nn.Parameter) -> None:
         owner, _, name = key.removeprefix("model.").rpartition(".")
@@ -228,14 +274,14 @@ class Llama(nn.Module):
         residual = dt(policy.residual_dtype)
         rec = Recorder(taps)
         h = rec("embed", self.embed_tokens(ids).to(residual))
-        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions)
+        ctxs = self.contexts(positions, allowed)
         if cache is not None and isinstance(cache.index, np.ndarray):
             cache = cache._replace(index=torch.as_tensor(cache.index, device=ids.device))   # once per call
         for i, block in enumerate(self.layers):
             if inject and i in inject:
                 h = inject[i].to(residual)
-            h, cache = block(h, ctx, rec.layer(i), cache, i)
-        x = rec("final_norm", self.norm(h, policy))
+            h, cache = block(h, ctxs[i], rec.layer(i), cache, i)
+        x = rec("final_norm", self.norm(cast(h, residual), policy))
         if last is not None:
             x = _take_slots(x, last)
         logits = rec("logits", head_logits(x, self.head_weight(), self.ops, policy))
@@ -245,6 +291,21 @@ class Llama(nn.Module):
 def checkpoint_key(name: str) -> str:
     """A Llama parameter's checkpoint key: "model." + its name, lm_head's as they are."""
     return name if name.startswith("lm_head.") else "model." + name
+
+
+_PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def layer_of_key(key: str | None) -> int | None:
+    """The layer index of a checkpoint key "model.layers.<i>. ...", else None."""
+    parts = (key or "").split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit() else None
+
+
+def is_projection(key: str | None) -> bool:
+    """Whether a checkpoint key is one of a block's seven projection weights (weight_fp8's)."""
+    return layer_of_key(key) is not None and key.split(".", 3)[3] in _PROJECTIONS
 
 
 def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions: torch.Tensor):
@@ -289,10 +350,21 @@ class LlamaModel(nn.Module):
         return {checkpoint_key(k): v for k, v in self.model.state_dict(*args, **kwargs).items()}
 
     def weights(self) -> dict[str, np.ndarray]:
-        """The parameters under their checkpoint keys, as numpy in param_dtype (no lm_head
-        when tied): the values the model computes with, ready for from_weights."""
-        store = dt(self.policy.param_dtype)
-        return {checkpoint_key(name): to_numpy(p.to(store)) for name, p in self.model.named_parameters()}
+        """The parameters under their checkpoint keys, as numpy in their layer's param_dtype (no
+        lm_head when tied): the values the model computes with, ready for from_weights. A weight
+        the policy quantizes (weight_fp8) comes back dequantized, rounded to param_dtype: give
+        from_weights quantized() too to rebuild it exactly (quantizing is not idempotent)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            key = checkpoint_key(name)
+            out[key] = to_numpy(p.to(dt(self.model.policy_of(key).param_dtype)))
+        return out
+
+    def quantized(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """{checkpoint key: (q, scales)} of every weight the policy quantizes (weight_fp8), numpy
+        (ml_dtypes' fp8); from_weights(..., quantized=) installs them as they are."""
+        return {checkpoint_key(name + ".weight"): tuple(to_numpy(t) for t in m.fp8)
+                for name, m in self.model.named_modules() if getattr(m, "fp8", None) is not None}
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return from_numpy(np.asarray(a)).to(self.device)
@@ -337,11 +409,10 @@ class LlamaModel(nn.Module):
     def _empty_cache(self, B: int, S: int) -> KV:
         """Keys and values in the backend's cache_dtype (compute_dtype, or the same values widened
         where its attention widens them); the write index on the host."""
-        cfg, policy = self.cfg, self.policy
-        dtype = self.model.ops.cache_dtype(policy, self.device)
+        cfg, ops = self.cfg, self.model.ops
         shape = (B, cfg.num_key_value_heads, S, cfg.head_dim)
-        zeros = [[torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
-                 for _ in "kv"]
+        zeros = [[torch.zeros(shape, dtype=ops.cache_dtype(p, self.device), device=self.device)
+                  for p in self.model.layer_policies] for _ in "kv"]
         return KV(*zeros, np.zeros(B, np.int64))
 
     @torch.inference_mode()
@@ -464,7 +535,7 @@ class LayerRunner:
         self.module = Llama(cfg, Policy.get(policy), device=device, backend=backend)
         self.plan = self.module.plan
         self.cfg, self.policy = cfg, self.module.policy
-        self.ctx: Context | None = None
+        self.ctxs: list[Context] | None = None
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return from_numpy(np.asarray(a)).to(self.module.device)
@@ -478,8 +549,7 @@ class LayerRunner:
         ids, mask = check_tokens(self.cfg, ids, mask)
         positions = self._tensor(positions_from_mask(mask)).long()
         allowed = causal_allowed(self._tensor(mask), ids.shape[1])
-        self.ctx = Context(*rope_tables(self.cfg, self.policy, self.module.ops, positions), allowed, self.policy,
-                           positions)
+        self.ctxs = self.module.contexts(positions, allowed)
 
     @torch.inference_mode()
     def embed(self, rows: np.ndarray) -> np.ndarray:
@@ -499,7 +569,7 @@ class LayerRunner:
         rec = Recorder({*taps, f"layers.{i}.out"})
         try:
             with check_matmul_settings(self.policy, m.device):
-                block(self._residual(self._tensor(h)), self.ctx, rec.layer(i))
+                block(self._residual(self._tensor(h)), self.ctxs[i], rec.layer(i))
         finally:
             for key in shapes:
                 m._set(key, _weight(*shapes[key]))
@@ -537,15 +607,17 @@ def causal_allowed(mask: torch.Tensor, n_queries: int, first_query_slot: int = 0
 
 
 def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str | Policy = "fp32",
-                 batch_invariant: bool = False, device: str | None = None, backend: str | None = None) -> LlamaModel:
+                 batch_invariant: bool = False, device: str | None = None, backend: str | None = None,
+                 quantized: dict | None = None) -> LlamaModel:
     """A model from checkpoint-keyed numpy weights (as load_weights or weights() give them),
-    each rounded to the policy's param_dtype.
+    each rounded to the policy's param_dtype. quantized {key: (q, scales)} (a model's quantized()):
+    those weights installed from their fp8 values and scales instead of quantized here.
 
     backend: "reference" (ops.py), "fast" (the default) or "invariant" (= batch_invariant=True: a
     sequence's logits and greedy completions are bitwise the same whatever the rest of the batch,
     its row and its padding; see invariant.py)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    module = Llama(cfg, Policy.get(policy), weights, batch_invariant, device, backend).eval()
+    module = Llama(cfg, Policy.get(policy), weights, batch_invariant, device, backend, quantized).eval()
     if module.batch_invariant:
         invariant.self_check(module)
     return LlamaModel(module).eval()

@@ -16,8 +16,10 @@ import math
 import torch
 
 from llamaspec import Policy, RopeConfig
+from llamaspec.policy import DTYPES
 from llamaspec.forward import scale_queries
 
+from . import quant
 from .dtypes import cast, dt
 
 
@@ -104,6 +106,40 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Pol
     b = None if b is None else cast(cast(b, compute), wide)
     y = torch.nn.functional.linear(cast(cast(x, compute), wide), cast(cast(w, compute), wide), b)
     return cast(y, dt(out_dtype or policy.compute_dtype))
+
+
+def fp8_product_dtype(policy: Policy) -> str:
+    """The dtype a projection with an fp8 operand multiplies in: float32, float64 under a float64
+    compute_dtype (llamaspec.policy: fp8 values widen exactly, their products are exact there)."""
+    return "float64" if policy.compute_dtype == "float64" else "float32"
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, policy: Policy) -> torch.Tensor:
+    """A block projection under weight_fp8 / act_fp8: x rounded to compute_dtype, then (act_fp8)
+    quantized as a [tokens, in] matrix and dequantized exactly into the fp8 product dtype; w is
+    the dequantized weight the model keeps in that dtype (weight_fp8), else rounded to
+    compute_dtype; both widened there, summed there, rounded once to compute_dtype."""
+    compute, wide = dt(policy.compute_dtype), fp8_product_dtype(policy)
+    x = cast(cast(x, compute), dt(wide))
+    if policy.act_fp8:
+        x = quant.dequantize(*quant.quantize(x.reshape(-1, x.shape[-1]), policy.act_fp8), policy.act_fp8,
+                             wide).reshape(x.shape)
+    w = w if policy.weight_fp8 else cast(w, compute)
+    b = None if b is None else cast(cast(b, compute), dt(wide))
+    return cast(torch.nn.functional.linear(x, cast(w, dt(wide)), b), compute)
+
+
+def kv_round(x: torch.Tensor, policy: Policy) -> torch.Tensor:
+    """A key (after RoPE) or value [B, T, Hkv, D] as the policy's kv_cache keeps it, back in x's
+    dtype: as computed (None), rounded to a dtype, or quantized per token and kv head (an fp8
+    spec, granularity channel) and dequantized to x's dtype."""
+    kv = policy.kv_cache
+    if kv is None:
+        return x
+    if kv in DTYPES:
+        return cast(cast(x, dt(kv)), x.dtype)
+    q, scales = quant.quantize(x.reshape(-1, x.shape[-1]), kv)
+    return quant.dequantize(q, scales, kv, str(x.dtype).removeprefix("torch.")).reshape(x.shape)
 
 
 def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = None) -> list[torch.Tensor]:

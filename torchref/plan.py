@@ -99,7 +99,12 @@ def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast
     env = {n: os.environ[n] for n in SETTINGS if n in os.environ}
     name, flags = cpuinfo.name_and_flags()
     isa, error = None, None
-    if backend == "fast":
+    declined = declines(policy)
+    if declined and backend == "invariant":
+        raise PolicyError(f"policy {policy.name!r}: the invariant backend does not take {declined}")
+    if declined and backend == "fast":      # the whole model runs on the reference, and the plan says so
+        namespace, described = ops, {op: f"reference (the fast backend declines {declined})" for op in OPS}
+    elif backend == "fast":
         c = choices(policy, device, env)
         namespace, described = fast.namespace(c), fast.describe(c, policy, device)
         isa, error = c.kernel_isa, c.kernel_error
@@ -118,6 +123,17 @@ def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast
                 settings=read_settings(SETTINGS), libraries=_libraries(),
                 ops=tuple((op, described.get(op, "reference")) for op in OPS))
     return plan, namespace
+
+
+def declines(policy: Policy) -> str | None:
+    """What of `policy` the fast and invariant backends do not take (fp8 and KV-cache knobs,
+    per-layer overrides: the reference computes them), or None."""
+    what = [k for k in ("weight_fp8", "act_fp8", "kv_cache") if getattr(policy, k)]
+    what += [f"{k} (layers[{sel}])" for sel, p in policy.layers for k in ("weight_fp8", "act_fp8", "kv_cache")
+             if getattr(p, k)]
+    if policy.layers:
+        what.append("per-layer overrides")
+    return ", ".join(what) or None
 
 
 def make_plan(policy: str | Policy, device="cpu", backend: str | None = "fast") -> Plan:
