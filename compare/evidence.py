@@ -75,11 +75,14 @@ class Noise:
     size: float | None = None
     inherited_from: str | None = None
     # how the rounding shows: "values" (each value rounded), "rows" (one factor per row, both
-    # signs: a norm's statistics), "angles" (RoPE angles position x frequency rounded)
+    # signs: a norm's statistics), "angles" (RoPE angles position x frequency rounded), "kv_cache"
+    # (attention matches one over keys and values kept in a narrower storage: judge.storage)
     shape: str = "values"
     # the dtype the policy prescribes for the step this rounding belongs to (verdicts.step_dtype)
     prescribed: str | None = None
-    step: str | None = None     # that step, in words' key: "norm_stats", "softmax", "rope", "sums", "output"
+    step: str | None = None     # that step, in words' key: "norm_stats", "softmax", "rope", "sums", "output",
+    #                             "kv_cache"
+    scheme: str | None = None   # shape "kv_cache": the storage matched, in words (judge.storage.STORAGES)
 
 
 @dataclasses.dataclass(frozen=True)

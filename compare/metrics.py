@@ -14,6 +14,8 @@ import math
 import ml_dtypes
 import numpy as np
 
+from llamaspec.quant import FORMATS as FP8_FORMATS
+
 _DTYPE_NAMES = {
     "float64": np.float64, "f64": np.float64, "fp64": np.float64, "double": np.float64,
     "float32": np.float32, "f32": np.float32, "fp32": np.float32, "float": np.float32,
@@ -51,7 +53,10 @@ def narrowest_holding(values, dtypes) -> str | None:
 
 
 def unit_roundoff(dtype) -> float:
-    """u = eps / 2: the largest relative error of one round-to-nearest in `dtype`."""
+    """u = eps / 2: the largest relative error of one round-to-nearest in `dtype` (also an fp8
+    format by name, llamaspec.quant.FORMATS: a rounding its normal range makes)."""
+    if isinstance(dtype, str) and dtype in FP8_FORMATS:
+        return 2.0 ** -(FP8_FORMATS[dtype].mantissa_bits + 1)
     return float(ml_dtypes.finfo(resolve_dtype(dtype)).eps) / 2
 
 

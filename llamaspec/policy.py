@@ -152,6 +152,11 @@ class Policy:
         """Whether any layer quantizes weights or activations or rounds its KV cache."""
         return any(p.weight_fp8 or p.act_fp8 or p.kv_cache for p in (self, *(p for _, p in self.layers)))
 
+    @property
+    def quantizes_weights(self) -> bool:
+        """Whether any layer quantizes its projection weights (weight_fp8)."""
+        return any(p.weight_fp8 for p in (self, *(p for _, p in self.layers)))
+
     def for_layer(self, i: int, n_layers: int) -> "Policy":
         """The policy layer i of n computes its block by: the override naming it, else this one."""
         for sel, p in self.layers:

@@ -38,9 +38,9 @@ def package_of(model) -> str | None:
 
 
 def fp64_policy(policy: Policy) -> Policy:
-    """float64 compute over weights rounded as `policy` rounds them."""
-    return Policy.get("fp64", param_dtype=policy.param_dtype,
-                      name=f"fp64 over {policy.param_dtype} weights")
+    """float64 compute over weights rounded (and fp8-quantized, per layer) as `policy` keeps them
+    (Policy.weight_twin)."""
+    return policy.weight_twin()
 
 
 class OurModel:
@@ -127,12 +127,18 @@ class OurModel:
     def float64(self, rounded_weights: bool = False) -> "OurModel":
         """The same implementation computing in float64: over the checkpoint's values when
         the folder is known (the ladder's oracle reads the same), else, or with
-        rounded_weights, over the model's own weights as it rounded them."""
+        rounded_weights, or under a policy that quantizes weights (weight_fp8), over the model's
+        own weights as it rounded and quantized them."""
         mod = importlib.import_module(self.package)
         kw = {} if self.mesh is None else {"mesh": self.mesh}     # a sharded model's twin, sharded alike
         if self.backend == "reference":     # the reference's twin is the reference at float64
             kw["backend"] = "reference"
-        if self.checkpoint is not None and not rounded_weights:
+        quantized = self.model.quantized() if hasattr(self.model, "quantized") else {}   # TODO jaxmodel
+        if self.checkpoint is not None and not rounded_weights and not quantized:
             return OurModel(mod.from_pretrained(self.checkpoint, policy="fp64", **kw), self.checkpoint)
+        # a quantizing policy's twin holds the model's own fp8 values and scales (quantizing again
+        # from dequantized values would not give them back)
+        if quantized:
+            kw["quantized"] = quantized
         twin = mod.from_weights(self.model.cfg, self.model.weights(), policy=fp64_policy(self.model.policy), **kw)
         return OurModel(twin, self.checkpoint)

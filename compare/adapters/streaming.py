@@ -227,7 +227,10 @@ class CheckpointModel(OurModel):
     def float64(self, rounded_weights: bool = False) -> OurModel:
         if rounded_weights:
             return super().float64(rounded_weights)
-        return CheckpointModel(self.package, self.checkpoint, "fp64", self.backend)
+        # the checkpoint's values at float64; under weight_fp8, rounded and quantized as the policy
+        # does (the same fp8 values and scales: the twin is the same model in exact arithmetic)
+        twin = self._policy.weight_twin() if self._policy.quantizes_weights else "fp64"
+        return CheckpointModel(self.package, self.checkpoint, twin, self.backend)
 
     def runner(self):
         """The model's LayerRunner at this policy (and backend)."""

@@ -73,6 +73,7 @@ from ..vocabulary import (
     precision_floor,
 )
 from .conventions import explain_attention
+from .storage import kv_storage, kv_storage_dtype
 from .structure import analyse, head_permutation, spearman, tap_inputs
 
 _F32_STEP_KINDS = ("position_trend", "head_confinement", "half_confinement", "sign_bias")
@@ -462,6 +463,10 @@ def _noise_of(t: _Tap, err64, found, keeps_f32, context, noise_from) -> tuple[No
     """(the dtype noise the fp64 difference is, the findings left): a per-row factor that
     rounding made (a norm's statistics) is noise, not a finding; with no finding, the noise
     carried from an earlier tap, or this tap's own (values, or RoPE angles)."""
+    if t.kind == "attn_ctx" and context.get("qkv") is not None and noise_from is None:
+        kv = kv_storage(t.full["c64"], *context["qkv"], t.given_mask)
+        if kv is not None:      # attention over narrower keys and values, exactly: that explains it all
+            return kv, []
     if found and {f.kind for f in found} == {"per_row_scale"}:
         rows = row_noise(t.c64, t.o, err64, keeps_f32)
         return (rows, []) if rows is not None else (None, found)
@@ -492,6 +497,8 @@ def judged_noise(tap: str, policy: Policy, noise: Noise) -> Noise:
     kind, own = tapnames.tap(tap).kind, tapnames.dtype_of(tap, policy)
     if noise.inherited_from is not None:
         step, dtype = "carried", own
+    elif noise.shape == "kv_cache":
+        step, dtype = "kv_cache", kv_storage_dtype(policy)
     elif kind in _NORM_TAPS:
         step, dtype = ("norm_stats", policy.norm_dtype) if noise.shape == "rows" else ("output", own)
     elif kind == "attn_ctx":
