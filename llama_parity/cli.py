@@ -477,8 +477,8 @@ def _add_compare_parser(sub, common) -> None:
     p.add_argument("--reference-dump", metavar="DIR", help="a dump (llama-parity capture, docs/dumps.md) as the "
                    "reference: its inputs and policy are used, the checkpoint must match its fingerprint")
     p.add_argument("--candidate-dump", metavar="DIR", help="a dump as the candidate (as --reference-dump)")
-    p.add_argument("--policy", default=None, help="preset: fp64 fp32 tf32 bf16 fp16 bf16w-f32 fp64-hf "
-                   "(default: fp32, or a dump's)")
+    p.add_argument("--policy", default=None, help="preset (fp64 fp32 tf32 bf16 fp16 bf16w-f32 fp64-hf) or a policy "
+                   "string, e.g. bf16+kv_cache=e4m3:channel (docs/fp8.md; default: fp32, or a dump's)")
     _add_input_flags(p)
     p.add_argument("--json", help="write the JSON report here (default: in --out-dir)")
     p.add_argument("--html", help="write the HTML report here (default: in --out-dir)")
@@ -517,7 +517,8 @@ def _add_capture_parser(sub, common) -> None:
               "  llama-parity compare --candidate-dump /tmp/jax-bf16")
     p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
     p.add_argument("--impl", default="jaxmodel", choices=["torchref", "jaxmodel"])
-    p.add_argument("--policy", default="bf16", help="preset: fp64 fp32 tf32 bf16 fp16 bf16w-f32 fp64-hf")
+    p.add_argument("--policy", default="bf16", help="preset (fp64 fp32 tf32 bf16 fp16 bf16w-f32 fp64-hf) or a policy "
+                   "string, e.g. bf16+weight_fp8=e4m3:block128 (docs/fp8.md)")
     _add_input_flags(p)
     p.add_argument("--taps", action="append", help="a tap name or glob (repeatable), e.g. 'layers.*.out'; "
                    "default: every tap")
