@@ -204,3 +204,16 @@ def test_other_fp8_caches(folder, fmt, rolled, expected):
                       ("float8_e5m2",) if expected == "precision" else (), kv_fp8_port(fmt, rolled), "")
     report = run_control(control, folder, IDS)
     assert check(control, report) == [], report.summary()
+
+
+# ----- the probes under a per-call activation scale --------------------------------------------------
+
+def test_the_batch_probe_names_a_per_call_activation_scale(folder):
+    """A row alone vs in a batch: per-call fp8 activation scales change its rounding (never a bug), and
+    the hint says why; per-token scales leave it bitwise."""
+    from compare.probes import probe_batch
+    per_call = probe_batch(_ref(folder, "fp32+act_fp8=e4m3:tensor"), batch_sizes=(2, 4), length=16)
+    per_token = probe_batch(_ref(folder, "fp32+act_fp8=e4m3:channel"), batch_sizes=(2, 4), length=16)
+    assert per_call.verdict in ("drift", "precision") and per_call.bitwise_equal_frac < 1, per_call.hint
+    assert "scales fp8 activations per call (e4m3:tensor)" in per_call.hint
+    assert per_token.verdict == "exact" and "per call" not in per_token.hint

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from llamaspec import Policy
+from llamaspec.errors import PolicyError
 from llamaspec.generate import until_eos
 from llamaspec.inputs import left_align
 
@@ -244,11 +245,25 @@ def _result(probe, pm: ProbeModel, cases: list[Case], judge: Judge, hint_fn, det
     res.hint = _precision_hint(worst, judge) if verdict == "precision" else hint_fn(worst, judge, res)
     if judge.note:
         res.hint += f" ({judge.note})"
+    per_call = _per_call_scales(pm.policy)
+    if per_call and verdict != "exact":
+        res.hint += (f"; the policy scales fp8 activations per call ({per_call}): each row's rounding depends on "
+                     "the whole call (batch, padding, prompt or decode step) by design; per token ('channel') does not")
     if verdict != "exact" and probe in WHERE_CIRCUMSTANCE:
         res.details["where"] = (f"llama-parity probe where CHECKPOINT --impl {pm.impl} --policy {pm.policy} "
                                 f"--circumstance {WHERE_CIRCUMSTANCE[probe]}")
         res.hint += f"; which layer and op: {res.details['where']}"
     return res
+
+
+def _per_call_scales(policy_name) -> str | None:
+    """The act_fp8 spec of a policy that scales activations per call (granularity "tensor"), else None."""
+    try:
+        policy = Policy.get(policy_name)
+    except PolicyError:
+        return None
+    return next((p.act_fp8 for p in (policy, *(p for _, p in policy.layers))
+                 if p.act_fp8 and p.act_fp8.split(":")[1] == "tensor"), None)
 
 
 # The probe where circumstance that looks at a probe's question layer by layer.
