@@ -94,6 +94,10 @@ class Fast:
     softmax = staticmethod(ops.softmax)
     mul_scalar = staticmethod(ops.mul_scalar)
     add_scalar = staticmethod(ops.add_scalar)
+    # the policy knobs this backend declines (plan.declines) run on the reference's ops: kv_round is
+    # called in every attention call and leaves a policy without kv_cache's keys as they are
+    kv_round = staticmethod(ops.kv_round)
+    fp8_linear = staticmethod(ops.fp8_linear)
 
     # ---- the rules, by policy ----
 

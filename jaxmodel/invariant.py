@@ -27,6 +27,8 @@ from .kernels import PackedWeight
 from .ops import kv_dtype, norm_weight, rope_cos_sin, rope_inv_freq, rotate_half, scanned  # noqa: F401 (as is)
 
 apply_rope = Fast.apply_rope   # elementwise, the same bits in any batch (bf16: fast's vector form)
+kv_round = ops.kv_round        # called in every attention call; as is without kv_cache (plan.declines it)
+fp8_linear = ops.fp8_linear    # reached only with weight_fp8 / act_fp8, which plan.declines
 ROW_PARALLEL = False           # the fixed-order kernels run whole on each device (docs/sharding.md)
 
 LAYOUT_MULTIPLE = 16  # canonical widths are multiples of this (fewer compiled shapes; order-free)

@@ -14,10 +14,19 @@ compiled program, never constants in it.
 
 The KV cache is a plain dict passed in and returned, with torchref's keys: k, v [L, B, S,
 Hkv, D] in the backend's kv_dtype (compute_dtype; fast keeps a 16-bit policy's widened to
-f32 on the CPU: the same values), mask [B, S] (slots holding a real token), next_pos [B] (next
+f32 on the CPU: the same values; per-layer policies: the type their compute dtypes promote to,
+each layer's values held exactly), mask [B, S] (slots holding a real token), next_pos [B] (next
 position per row) and index (the slot the next token is written to). With dynamic NTK
 RoPE past max_position_embeddings, cached keys keep the rotation they were written with,
-as in transformers.
+as in transformers. Keys and values are rounded as the policy's kv_cache says (ops.kv_round)
+in every call, before the cache write.
+
+Policy knobs (llamaspec/policy.py): each block is built and run by its layer's policy
+(policy.for_layer; blocks of different policies run one after the other, not under one scan);
+a block projection under weight_fp8 keeps its weight dequantized in the fp8 product dtype and
+its fp8 values and scales beside it (LlamaModel.quantized(), from_weights(..., quantized=) for
+the float64 twin); weight_fp8 / act_fp8 projections run ops.fp8_linear. The fast and invariant
+backends decline these knobs (plan.declines): such a model runs on the reference ops.
 
 Every module computes with `self.ops`, the backend's op namespace (ops.py: the reference;
 fast.Fast; invariant.py), chosen once by the plan (plan.py; model.plan) and the seam a
@@ -46,9 +55,10 @@ from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, bucket_length, check_inject, check_next_ids, check_prefill, front_padded, layout
 from llamaspec.plan import Plan, backend_name
 
-from . import invariant
+from . import invariant, quant
 from . import plan as plans
 from .dtypes import compiler_options, numpy_dtype, of, opmath
+from .ops import fp8_product_dtype
 from .sharding import MeshLayout, add_in_order, layout_for, row_parallel, to_host
 
 LAST_SLOT_TAPS = ("logits",)   # prefill computes the lm_head at each row's last slot only
@@ -97,14 +107,42 @@ def _as_param(w, dtype):
     return jnp.asarray(w.astype(dtype))
 
 
+class Fp8(nnx.Variable):
+    """A quantized weight's fp8 values or its scales (weight_fp8), kept for quantized() and the
+    float64 twin; the products read the dequantized weight (Linear.weight)."""
+
+
+def _fp8_weight(weights, key, dtype, policy: Policy, given=None):
+    """(the weight kept in the fp8 product dtype, (q, scales)) of block projection `key` under the
+    policy's weight_fp8: the checkpoint tensor rounded to param_dtype and quantized (given: its
+    (q, scales) as quantized() returns them, installed as they are), then dequantized."""
+    spec, w = policy.weight_fp8, weights[key]
+    if given is None:
+        q, scales = quant.quantize(_as_param(w, dtype), spec)
+    else:
+        q, scales = (jnp.asarray(t) for t in given)
+        if tuple(q.shape) != tuple(w.shape):
+            raise ValueError(f"{key}: quantized shape {tuple(q.shape)} != the checkpoint's {tuple(w.shape)}")
+    return quant.dequantize(q, scales, spec, fp8_product_dtype(policy)), (q, scales)
+
+
 class Linear(nnx.Module):
     """x @ weight.T (+ bias). weight: the matrix as the backend's `prepare` holds it (ops.py: the
-    array). split_in: the logical axis its input columns are split over on a mesh ("heads" for
-    o_proj, "mlp" for down_proj; None: its output rows, or nothing, are)."""
+    array); a block projection under weight_fp8: the dequantized weight in the fp8 product dtype,
+    its fp8 values and scales beside it (fp8_q, fp8_scales; quantized: {key: (q, scales)} to
+    install instead of quantizing here). split_in: the logical axis its input columns are split
+    over on a mesh ("heads" for o_proj, "mlp" for down_proj; None: its output rows, or nothing, are)."""
 
-    def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy, split_in: str | None = None):
+    def __init__(self, weights, key, dtype, bias: bool, ops, policy: Policy, split_in: str | None = None,
+                 quantized: dict | None = None):
         layout = _layout_of(weights)
-        self.weight = nnx.Param(ops.prepare(_param(weights, key + ".weight", dtype), policy, layout))
+        if policy.weight_fp8 and is_projection(key + ".weight"):
+            given = (quantized or {}).get(key + ".weight")
+            w, (q, scales) = _fp8_weight(weights, key + ".weight", dtype, policy, given)
+            self.weight = nnx.Param(w)
+            self.fp8_q, self.fp8_scales = Fp8(q), Fp8(scales)
+        else:
+            self.weight = nnx.Param(ops.prepare(_param(weights, key + ".weight", dtype), policy, layout))
         self.bias = nnx.Param(_param(weights, key + ".bias", dtype)) if bias else None
         self.ops = ops
         # partial sums that cross tensor shards, added in shard order (sharding.row_parallel)
@@ -114,6 +152,8 @@ class Linear(nnx.Module):
     def __call__(self, x, policy: Policy, out_dtype=None):
         w = self.weight.get_value()
         b = None if self.bias is None else self.bias[...]
+        if policy.weight_fp8 or policy.act_fp8:    # a block projection of a quantizing layer
+            return self.ops.fp8_linear(x, w, b, policy)
         if self.row_parallel:
             return row_parallel(self.layout, x, w, b, policy, self.row_parallel, self.reduce, out_dtype,
                                 self.ops.linear_sums)
@@ -148,9 +188,9 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, ops, policy: Policy):
+    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, ops, policy: Policy, quantized: dict | None = None):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            Linear(weights, prefix + name, dtype, cfg.attention_bias, ops, policy, split)
+            Linear(weights, prefix + name, dtype, cfg.attention_bias, ops, policy, split, quantized)
             for name, split in (("q_proj", None), ("k_proj", None), ("v_proj", None), ("o_proj", "heads")))
         self.layout = _layout_of(weights)
         repeat = 1 if self.layout is None else self.layout.kv_repeat
@@ -173,6 +213,9 @@ class Attention(nnx.Module):
                                         "batch", None, "kv_heads", None))
         q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
         k = self.kv_tap(rec, "k_rope", self.ops.apply_rope(k, *self.key_tables(ctx, cache)))
+        # keys and values as the policy's kv_cache keeps them, in every call (the taps show them
+        # as computed, before this rounding)
+        k, v = self.ops.kv_round(k, ctx.policy), self.ops.kv_round(v, ctx.policy)
         allowed = ctx.allowed
         if cache is not None:
             # one [L, B, S, Hkv, D] array, updated functionally in the donated buffer: attention's
@@ -182,7 +225,10 @@ class Attention(nnx.Module):
             cache = cache._replace(k=self.ops.write_cache(cache.k, layer, new_k, slots),
                                    v=self.ops.write_cache(cache.v, layer, new_v, slots))
             allowed = self.cache_allowed(ctx.allowed, cache.index)
-            k, v = cache.k[layer], cache.v[layer]
+            # the cache is in the type the layers' kv_dtypes promote to (_empty_cache): this layer's
+            # values read back exactly
+            kv = self.ops.kv_dtype(ctx.policy)
+            k, v = cache.k[layer].astype(kv), cache.v[layer].astype(kv)
         out = self.ops.attention(q, k, v, allowed, ctx.policy)
         out = shard(lay, out, "batch", None, "heads", None)
         out = rec("attn_ctx", out.reshape(B, T, -1))
@@ -217,9 +263,9 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, ops, policy: Policy):
+    def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, ops, policy: Policy, quantized: dict | None = None):
         self.gate_proj, self.up_proj, self.down_proj = (
-            Linear(weights, prefix + name, dtype, cfg.mlp_bias, ops, policy, split)
+            Linear(weights, prefix + name, dtype, cfg.mlp_bias, ops, policy, split, quantized)
             for name, split in (("gate_proj", None), ("up_proj", None), ("down_proj", "mlp")))
         self.ops = ops
         self.layout = _layout_of(weights)
@@ -234,17 +280,23 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, weights, i, dtype, ops, policy: Policy):
+    """One layer, built by its policy (policy.for_layer; dtype: its param_dtype), which it keeps as
+    a static attribute: blocks of different policies differ in structure (Llama.same_blocks) and
+    run one after the other. Called with the Context of that policy (Llama.contexts)."""
+
+    def __init__(self, cfg: LlamaConfig, weights, i, dtype, ops, policy: Policy, quantized: dict | None = None):
         p = f"model.layers.{i}."
+        self.policy = policy
         self.input_layernorm = RMSNorm(weights, p + "input_layernorm", dtype, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, weights, p + "self_attn.", dtype, ops, policy)
+        self.self_attn = Attention(cfg, weights, p + "self_attn.", dtype, ops, policy, quantized)
         self.post_attention_layernorm = RMSNorm(weights, p + "post_attention_layernorm", dtype, cfg.rms_norm_eps,
                                                 ops)
-        self.mlp = MLP(cfg, weights, p + "mlp.", dtype, ops, policy)
+        self.mlp = MLP(cfg, weights, p + "mlp.", dtype, ops, policy, quantized)
         self.layout = _layout_of(weights)
 
     def __call__(self, h, ctx: Context, rec: Recorder, cache: KV | None = None, layer=0):
         residual = of(ctx.policy.residual_dtype)
+        h = h.astype(residual)     # a per-layer policy's residual dtype (a no-op otherwise)
         x = rec("attn_norm", self.input_layernorm(h, ctx.policy))
         a, cache = self.self_attn(x, ctx, rec, cache, layer)
         # the residual stream is whole on every tensor shard (o_proj's partial sums all-reduced)
@@ -260,21 +312,48 @@ class Llama(nnx.Module):
     state's paths are the checkpoint keys without the "model." prefix."""
 
     def __init__(self, cfg: LlamaConfig, policy: Policy, weights: dict[str, np.ndarray],
-                 batch_invariant: bool = False, layout: MeshLayout | None = None, backend: str | None = None):
+                 batch_invariant: bool = False, layout: MeshLayout | None = None, backend: str | None = None,
+                 quantized: dict | None = None):
         backend = backend_name(backend, batch_invariant)
+        n = cfg.num_hidden_layers
+        policy.check_layers(n)
+        # each block's policy (per-layer overrides); the embedding, final norm and lm_head follow the base
+        self.layer_policies = tuple(policy.for_layer(i, n) for i in range(n))
         self.plan: Plan
         self.plan, self.ops = plans.load(policy, None, backend, layout)
         self.cfg, self.policy, self.batch_invariant = cfg, policy, backend == "invariant"
         self.layout = layout   # None: one device; else the mesh layout of sharding.py
         if layout is not None:
+            _check_mesh_policy(policy)
             weights = OnMesh(weights, layout)
+        quantized = quantized or {}
+        stray = sorted(k for k in quantized if not (is_projection(k) and self.policy_of(k).weight_fp8))
+        if stray:
+            raise KeyError(f"quantized weights given for {stray}: not projections this policy quantizes "
+                           f"({policy.name})")
         dt = numpy_dtype(policy.param_dtype)
         # a tied table is also the lm_head's matrix: held as the Linears hold theirs
         self.embed_tokens = Embedding(weights, "model.embed_tokens", dt, self.ops if cfg.tie_word_embeddings else None,
                                       policy)
-        self.layers = nnx.List([Block(cfg, weights, i, dt, self.ops, policy) for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([Block(cfg, weights, i, numpy_dtype(p.param_dtype), self.ops, p, quantized)
+                                for i, p in enumerate(self.layer_policies)])
         self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, self.ops, policy)
+
+    def policy_of(self, key: str) -> Policy:
+        """The policy a checkpoint tensor is kept by: its layer's (per-layer overrides), else the base."""
+        layer = layer_of_key(key)
+        return self.policy if layer is None else self.layer_policies[layer]
+
+    def contexts(self, positions, allowed) -> list[Context]:
+        """Each layer's Context: its policy and the RoPE tables of that policy's rope_dtype (computed
+        once per distinct rope_dtype; apply_rope rounds them to the queries' and keys' dtype)."""
+        tables, out = {}, []
+        for p in self.layer_policies:
+            if p.rope_dtype not in tables:
+                tables[p.rope_dtype] = rope_tables(self.cfg, p, self.ops, positions)
+            out.append(Context(*tables[p.rope_dtype], allowed, p, positions))
+        return out
 
     def head_weight(self):
         """The lm_head's matrix as the ops take it (the embedding table when tied)."""
@@ -293,22 +372,22 @@ class Llama(nnx.Module):
         residual = of(policy.residual_dtype)
         rec = Recorder(taps)
         h = rec("embed", shard(self.layout, self.embed_tokens(ids).astype(residual), "batch", None, None))
-        ctx = Context(*rope_tables(self.cfg, policy, self.ops, positions), allowed, policy, positions)
+        ctxs = self.contexts(positions, allowed)
         if scan:
-            h, acts = self._scan_layers(h, ctx, taps, inject, stacked)
+            h, acts = self._scan_layers(h, ctxs, taps, inject, stacked)
             rec.acts.update(acts)
         else:
             for i, block in enumerate(self.layers):
                 if inject and i in inject:
                     h = inject[i].astype(residual)
-                h, cache = block(h, ctx, rec.layer(i), cache, i)
-        x = rec("final_norm", self.norm(h, policy))
+                h, cache = block(h, ctxs[i], rec.layer(i), cache, i)
+        x = rec("final_norm", self.norm(h.astype(residual), policy))
         if last is not None:
             x = x[jnp.arange(x.shape[0]), last][:, None]
         logits = rec("logits", head_logits(x, self.head_weight(), self.ops, policy))
         return logits, rec.acts, cache
 
-    def _scan_layers(self, h, ctx: Context, taps, inject, stacked=None):
+    def _scan_layers(self, h, ctxs: list[Context], taps, inject, stacked=None):
         """The blocks as one lax.scan over their weights stacked on a layer axis, so XLA
         compiles one block instead of num_hidden_layers copies (docs/performance.md).
 
@@ -318,18 +397,24 @@ class Llama(nnx.Module):
         stacked: a tap asked for at any layer is returned for every layer as
         "layers.*.<name>" [L, ...], and the caller picks the layers (one output per layer
         would cost compile time per output). inject {i: h}: layer i's input is replaced by
-        h (a select, so exact).
+        h (a select, so exact). ctxs: each layer's Context (the same policy in each, where one
+        scan runs them).
         """
         n_layers, resid = self.cfg.num_hidden_layers, of(self.policy.residual_dtype)
         graphdef = nnx.graphdef(scan_block(self.layers[0]))
         names = frozenset(t.split(".", 2)[2] for t in taps if t.startswith("layers."))
         if not self.same_blocks():
-            return self._loop_layers(h, ctx, names, inject)
+            return self._loop_layers(h, ctxs, names, inject)
+        ctx = ctxs[0]
+        # the carry in the blocks' residual dtype, as each block casts its input (exact where the
+        # base's is narrower; the base's rounding first where it is wider, as unrolled)
+        layer_resid = of(ctx.policy.residual_dtype)
+        h = h.astype(layer_resid)
         if stacked is None:
             stacked = stack_layers(self)
         forced_on = np.zeros(n_layers, bool)
         forced_on[list(inject or ())] = True
-        forced = (jnp.stack([inject[i].astype(resid) if i in inject else jnp.zeros_like(h)
+        forced = (jnp.stack([inject[i].astype(resid).astype(layer_resid) if i in inject else jnp.zeros_like(h)
                              for i in range(n_layers)]) if inject else None)
 
         dtypes = {}
@@ -351,22 +436,41 @@ class Llama(nnx.Module):
 
     def same_blocks(self) -> bool:
         """Whether every block has the first one's structure, so that one lax.scan runs them all
-        (not so when a planted-bug control patched one layer's seams)."""
+        (not so when a planted-bug control patched one layer's seams, or per-layer overrides give
+        blocks different policies)."""
         graphdef = nnx.graphdef(self.layers[0])
         return all(nnx.graphdef(block) == graphdef for block in self.layers[1:])
 
-    def _loop_layers(self, h, ctx: Context, names, inject):
+    def _loop_layers(self, h, ctxs: list[Context], names, inject):
         """_scan_layers for blocks that differ in structure (a planted-bug control patched one
-        layer's seams), which one scan cannot run: the blocks one after the other, the
-        per-layer taps stacked as the scan stacks them."""
+        layer's seams; per-layer policies), which one scan cannot run: the blocks one after the
+        other, the per-layer taps stacked as the scan stacks them, or, where the layers' taps
+        differ in dtype (per-layer policies), a tuple of them, one per layer, each in its dtype."""
         resid, per_layer = of(self.policy.residual_dtype), []
         for i, block in enumerate(self.layers):
             if inject and i in inject:
                 h = inject[i].astype(resid)
             rec = Recorder(names)
-            h, _ = block(h, ctx, rec, None, i)
+            h, _ = block(h, ctxs[i], rec, None, i)
             per_layer.append(rec.acts)
-        return h, {f"layers.*.{name}": jnp.stack([acts[name] for acts in per_layer]) for name in names}
+        return h, {f"layers.*.{name}": _stack_taps([acts[name] for acts in per_layer]) for name in names}
+
+
+def _stack_taps(xs: list):
+    """One tap of every layer stacked on a layer axis, or as a tuple where their dtypes differ
+    (a stack would widen some: LlamaModel.capture picks a layer's from either)."""
+    return jnp.stack(xs) if len({x.dtype for x in xs}) == 1 else tuple(xs)
+
+
+def _check_mesh_policy(policy: Policy) -> None:
+    """A PolicyError naming the knob a model on a mesh does not take: fp8 projections (weight_fp8,
+    act_fp8) are quantized and multiplied on one device only (their groups span the shards)."""
+    for sel, p in (("", policy), *policy.layers):
+        for knob in ("weight_fp8", "act_fp8"):
+            if getattr(p, knob):
+                where = f" (layers[{sel}])" if sel else ""
+                raise PolicyError(f"policy {policy.name!r}: {knob}{where} is not taken on a mesh (jaxmodel "
+                                  "quantizes and multiplies fp8 projections on one device only); load without mesh=")
 
 
 def scan_block(block: Block) -> Block:
@@ -394,6 +498,22 @@ def _stack_state(graphdef, state):
 def checkpoint_key(name: str) -> str:
     """A Llama parameter's checkpoint key: "model." + its name, lm_head's as they are."""
     return name if name.startswith("lm_head.") else "model." + name
+
+
+_PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def layer_of_key(key: str | None) -> int | None:
+    """The layer index of a checkpoint key "model.layers.<i>. ...", else None."""
+    parts = (key or "").split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit() else None
+
+
+def is_projection(key: str | None) -> bool:
+    """Whether a checkpoint key is one of a block's seven projection weights (weight_fp8's)."""
+    parts = (key or "").split(".", 3)
+    return layer_of_key(key) is not None and len(parts) == 4 and parts[3] in _PROJECTIONS
 
 
 def to_residual(x, policy: Policy) -> np.ndarray:
@@ -429,15 +549,22 @@ class LayerRunner:
             raise PolicyError("LayerRunner: the invariant backend runs whole models only (its canonical "
                               "layout is the batch's); stream with backend='fast' or 'reference'")
         self.cfg, self.policy = cfg, Policy.get(policy)
+        self.policy.check_layers(cfg.num_hidden_layers)
+        self.layer_policies = [self.policy.for_layer(i, cfg.num_hidden_layers) for i in range(cfg.num_hidden_layers)]
         self.plan, self.ops = plans.load(self.policy, None, backend)
         self.dtype = numpy_dtype(self.policy.param_dtype)
         self.tables = None
 
     def start(self, ids, mask) -> None:
-        """The RoPE tables and the causal mask of one batch, for every later call."""
+        """The RoPE tables (per rope_dtype of the layers' policies) and the causal mask of one
+        batch, for every later call."""
         ids, mask = check_tokens(self.cfg, ids, mask)
-        cos, sin = _piece_programs(self.cfg, self.policy, self.ops)[0](positions_from_mask(mask))
-        self.tables = (cos, sin, causal_allowed(jnp.asarray(mask), ids.shape[1]))
+        positions = positions_from_mask(mask)
+        tables = {}
+        for p in self.layer_policies:
+            if p.rope_dtype not in tables:
+                tables[p.rope_dtype] = _piece_programs(self.cfg, p, self.ops)[0](positions)
+        self.tables = (tables, causal_allowed(jnp.asarray(mask), ids.shape[1]))
 
     def embed(self, rows) -> np.ndarray:
         """The embedding tap from the table's rows of the batch's ids ([B, T, hidden]):
@@ -447,11 +574,15 @@ class LayerRunner:
     def block(self, i: int, weights: dict, h, taps=()) -> dict:
         """Layer i on the hidden state h (layer i's input); {tap name: numpy} for the
         requested per-layer tap names ("layers.i.<name>") plus "layers.i.out" always."""
-        block = scan_block(Block(self.cfg, weights, i, self.dtype, self.ops, self.policy))   # as the forward's scan
+        p = self.layer_policies[i]
+        # as the forward's scan runs it
+        block = scan_block(Block(self.cfg, weights, i, numpy_dtype(p.param_dtype), self.ops, p))
         graphdef, state = nnx.split(block)
         names = tuple(sorted({tapnames.parse(t)[1] for t in taps} | {"out"}))
-        acts = _block_program(graphdef, self.policy, names)(state, jnp.asarray(to_residual(h, self.policy)),
-                                                            *self.tables)
+        tables, allowed = self.tables
+        # h in the base's residual dtype (on the host), then in the layer's (as Block casts it)
+        acts = _block_program(graphdef, p, names)(state, jnp.asarray(to_residual(h, self.policy)),
+                                                  *tables[p.rope_dtype], allowed)
         return {f"layers.{i}.{n}": np.asarray(a) for n, a in acts.items()}
 
     def final_norm(self, weight, h) -> np.ndarray:
@@ -519,10 +650,12 @@ def _forward(graphdef, state, stacked, ids, mask, positions, inject, *, taps):
 
 
 def _empty_cache(model, B: int, S: int) -> KV:
-    """Keys and values in the backend's kv_dtype (ops.py: compute_dtype)."""
+    """Keys and values in the backend's kv_dtype (ops.py: compute_dtype); with per-layer policies,
+    the type every layer's kv_dtype promotes to (each layer's values held exactly; bfloat16 and
+    float16 layers: float32), each layer casting on write and read (Attention)."""
     cfg = model.cfg
     shape = (cfg.num_hidden_layers, B, S, model.layers[0].self_attn.kv_heads, cfg.head_dim)
-    dtype = model.ops.kv_dtype(model.policy)
+    dtype = functools.reduce(jnp.promote_types, (model.ops.kv_dtype(p) for p in model.layer_policies))
     zeros = shard(model.layout, jnp.zeros(shape, dtype), None, "batch", None, "kv_heads", None)
     return KV(zeros, zeros, np.zeros(B, np.int32))     # numpy: known while tracing (_shared_start)
 
@@ -694,14 +827,26 @@ class LlamaModel:
     module = model   # the same, under the name earlier code used
 
     def weights(self) -> dict[str, np.ndarray]:
-        """The parameters under their checkpoint keys, as numpy in param_dtype (no lm_head
-        when tied): the values the model computes with, ready for from_weights."""
-        out = {}
+        """The parameters under their checkpoint keys, as numpy in their layer's param_dtype (no
+        lm_head when tied): the values the model computes with, ready for from_weights. A weight
+        the policy quantizes (weight_fp8) comes back dequantized, rounded to param_dtype: give
+        from_weights quantized() too to rebuild it exactly (quantizing is not idempotent)."""
+        module, out = self.model, {}
         for path, var in nnx.to_flat_state(nnx.filter_state(self.state, nnx.Param)):
             key = checkpoint_key(".".join(map(str, path)))
-            w = to_host(var[...]).astype(numpy_dtype(self.policy.param_dtype))   # a widened matrix: exact
+            # a widened matrix: exact; a dequantized one: rounded (nearest even, on the host)
+            w = to_host(var[...]).astype(numpy_dtype(module.policy_of(key).param_dtype))
             out[key] = w if self.layout is None else self.layout.as_checkpoint(key, w)
         return out
+
+    def quantized(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """{checkpoint key: (q, scales)} of every weight the policy quantizes (weight_fp8), numpy
+        (ml_dtypes' fp8); from_weights(..., quantized=) installs them as they are."""
+        parts: dict = {}
+        for path, var in nnx.to_flat_state(nnx.filter_state(self.state, Fp8)):
+            *owner, name = map(str, path)
+            parts.setdefault(checkpoint_key(".".join(owner) + ".weight"), {})[name] = to_host(var[...])
+        return {key: (p["fp8_q"], p["fp8_scales"]) for key, p in parts.items()}
 
     buckets = True     # prefill front-padded to a shape bucket (CACHE_BLOCK's comment); False: as given
 
@@ -744,7 +889,8 @@ class LlamaModel:
         program_taps = tuple(sorted({n if tapnames.layer_of(n) is None
                                      else "layers.*." + tapnames.parse(n)[1] for n in names} - {"logits"}))
         logits, acts = self._forward(self.state, self._stacked(), *self._inputs(run), forced, taps=program_taps)
-        acts = {k: np.asarray(a) for k, a in acts.items()}   # per-layer taps come stacked
+        # per-layer taps come stacked (a tuple, one per layer, where per-layer policies differ in dtype)
+        acts = {k: [np.asarray(x) for x in a] if isinstance(a, tuple) else np.asarray(a) for k, a in acts.items()}
         acts["logits"] = logits = np.asarray(logits)
         return run.restore(logits), {n: run.restore(_pick(acts, n)) for n in names}
 
@@ -832,9 +978,10 @@ class LlamaModel:
 
 def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str | Policy = "fp32",
                  batch_invariant: bool = False, mesh=None, shard_sums: str = "ordered",
-                 backend: str | None = None) -> LlamaModel:
+                 backend: str | None = None, quantized: dict | None = None) -> LlamaModel:
     """A model from checkpoint-keyed numpy weights (as load_weights or weights() give them),
-    each rounded to the policy's param_dtype.
+    each rounded to the policy's param_dtype. quantized {key: (q, scales)} (a model's quantized()):
+    those weights installed from their fp8 values and scales instead of quantized here.
 
     backend: "reference" (ops.py), "fast" (the default) or "invariant" (llamaspec.plan.BACKENDS;
     plan.py decides what each runs on this machine, model.plan records it).
@@ -845,7 +992,7 @@ def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str |
     by shard (None: one device). shard_sums: "ordered" (cross-shard sums added in shard order:
     bitwise the same in one process or several) or "all-reduce" (XLA's psum), sharding.py."""
     layout = None if mesh is None else layout_for(cfg, mesh, shard_sums)
-    module = Llama(cfg, Policy.get(policy), weights, batch_invariant, layout, backend)
+    module = Llama(cfg, Policy.get(policy), weights, batch_invariant, layout, backend, quantized)
     if module.batch_invariant:
         invariant.self_check(module)
     return LlamaModel(module)

@@ -16,7 +16,9 @@ from jax import lax
 
 from llamaspec import Policy, RopeConfig
 from llamaspec.forward import scale_queries
+from llamaspec.policy import DTYPES
 
+from . import quant
 from .dtypes import matmul_precision, of, opmath
 
 # linear's sums may be split over tensor shards and added in shard order (sharding.row_parallel)
@@ -121,6 +123,44 @@ def _dot(a, b, dims, policy: Policy):
                            preferred_element_type=of(policy.accum_dtype))
 
 
+def fp8_product_dtype(policy: Policy) -> str:
+    """The dtype a projection with an fp8 operand multiplies in: float32, float64 under a float64
+    compute_dtype (llamaspec.policy: fp8 values widen exactly, their products are exact there)."""
+    return "float64" if policy.compute_dtype == "float64" else "float32"
+
+
+def fp8_linear(x, w, b, policy: Policy):
+    """A block projection under weight_fp8 / act_fp8: x rounded to compute_dtype, then (act_fp8)
+    quantized as a [tokens, in] matrix and dequantized exactly into the fp8 product dtype; w is
+    the dequantized weight the model keeps in that dtype (weight_fp8), else rounded to
+    compute_dtype; both widened there, summed there, rounded once to compute_dtype."""
+    compute, name = of(policy.compute_dtype), fp8_product_dtype(policy)
+    wide = of(name)
+    x = x.astype(compute).astype(wide)
+    if policy.act_fp8:
+        rows = x.reshape(-1, x.shape[-1])
+        x = quant.dequantize(*quant.quantize(rows, policy.act_fp8), policy.act_fp8, name).reshape(x.shape)
+    w = (w if policy.weight_fp8 else w.astype(compute)).astype(wide)
+    y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                        preferred_element_type=wide)
+    if b is not None:
+        y = y + b.astype(compute).astype(wide)
+    return y.astype(compute)
+
+
+def kv_round(x, policy: Policy):
+    """A key (after RoPE) or value [B, T, Hkv, D] as the policy's kv_cache keeps it, back in x's
+    dtype: as computed (None), rounded to a dtype, or quantized per token and kv head (an fp8
+    spec, granularity channel) and dequantized to x's dtype."""
+    kv = policy.kv_cache
+    if kv is None:
+        return x
+    if kv in DTYPES:
+        return x.astype(of(kv)).astype(x.dtype)
+    q, scales = quant.quantize(x.reshape(-1, x.shape[-1]), kv)
+    return quant.dequantize(q, scales, kv, x.dtype.name).reshape(x.shape)
+
+
 def silu(x):
     """x * sigmoid(x) computed in opmath and rounded once (PyTorch's F.silu does the same
     for bf16/f16; composing two rounded jnp ops would round twice)."""
@@ -185,7 +225,8 @@ def scanned(w):
 
 
 def kv_dtype(policy: Policy):
-    """The dtype the KV cache keeps keys and values in: compute_dtype."""
+    """The dtype the KV cache keeps a layer's keys and values in: compute_dtype (kv_cache's
+    rounding is done by kv_round before the write; the values it leaves are compute_dtype's)."""
     return of(policy.compute_dtype)
 
 

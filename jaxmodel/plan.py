@@ -25,7 +25,7 @@ import jax
 
 from llamaspec import Policy, cpuinfo
 from llamaspec import fixed_order as fo
-from llamaspec.errors import InvarianceError
+from llamaspec.errors import InvarianceError, PolicyError
 from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, check_xla_flags, read_settings, setting
 
 from . import fast, invariant, ops
@@ -122,10 +122,28 @@ def _namespace(device: str, backend: str, kern: "_Kernels"):
     return _fast(device, kern)
 
 
+def declines(policy: Policy) -> str | None:
+    """What of `policy` the fast and invariant backends do not take (fp8 and KV-cache knobs,
+    per-layer overrides: the reference computes them), or None. torchref/plan.py's rule, word
+    for word (the two plans say the same)."""
+    what = [k for k in ("weight_fp8", "act_fp8", "kv_cache") if getattr(policy, k)]
+    what += [f"{k} (layers[{sel}])" for sel, p in policy.layers for k in ("weight_fp8", "act_fp8", "kv_cache")
+             if getattr(p, k)]
+    if policy.layers:
+        what.append("per-layer overrides")
+    return ", ".join(what) or None
+
+
 def _decide(policy: Policy, device: str, backend: str):
     kern = _Kernels()
-    namespace = _namespace(device, backend, kern)
     libraries = (("xla max isa", " ".join(_xla_caps()) or "none"),)
+    declined = declines(policy)
+    if declined and backend == "invariant":
+        raise PolicyError(f"policy {policy.name!r}: the invariant backend does not take {declined}")
+    if declined and backend == "fast":      # the whole model runs on the reference, and the plan says so
+        chosen = {op: f"reference (the fast backend declines {declined})" for op in OPS}
+        return _plan(policy, device, backend, kern, read_settings(SETTINGS), libraries, chosen), ops
+    namespace = _namespace(device, backend, kern)
     if backend == "reference":
         return _plan(policy, device, backend, kern, (), libraries, {op: "reference" for op in OPS}), namespace
     if backend == "invariant":
