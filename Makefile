@@ -40,7 +40,8 @@ test: model
 CAP_TESTS := tests/test_fixed_order.py tests/test_batch_invariant.py tests/test_parity.py tests/test_models.py \
 	tests/test_engine.py tests/test_controls.py tests/test_decode.py tests/test_steps.py tests/test_fused_attention.py \
 	tests/test_torchref_products.py tests/test_torchref_attention.py tests/test_kernel_attention.py \
-	tests/test_torchref_step.py tests/test_jaxmodel_matvec.py tests/test_backends.py
+	tests/test_torchref_step.py tests/test_jaxmodel_matvec.py tests/test_backends.py tests/test_policy_knobs.py \
+	tests/test_policy_knobs_jax.py
 CAP_avx512 := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE MKL_ENABLE_INSTRUCTIONS=AVX512 \
 	LLAMA_PARITY_KERNEL_ISA=avx512 XLA_FLAGS=--xla_cpu_max_isa=AVX512
 CAP_avx2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \

@@ -22,7 +22,7 @@ from llamaspec.selfcheck import check_rows
 from . import fast, ops
 from .dtypes import dt
 from .fast import times_in_place as times  # noqa: F401 (the same bits as ops.times)
-from .ops import apply_rope, cache_dtype, rope_inv_freq, rotate_half, write_cache  # noqa: F401 (invariant as is)
+from .ops import apply_rope, cache_dtype, kv_round, rope_inv_freq, rotate_half, write_cache  # noqa: F401 (invariant as is)
 
 LAYOUT_MULTIPLE = 4  # canonical widths are multiples of this (fewer shapes; order-free)
 KEY_BLOCK = 64       # keys per attention block: every attention product has this shape

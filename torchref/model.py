@@ -32,8 +32,8 @@ from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill
 from llamaspec.plan import backend_name
 
 from . import invariant, quant
-from .ops import fp8_product_dtype
 from .dtypes import cast, dt, from_numpy, to_numpy
+from .ops import fp8_product_dtype
 from .plan import check_matmul_settings, make_backend
 
 
@@ -305,7 +305,8 @@ def layer_of_key(key: str | None) -> int | None:
 
 def is_projection(key: str | None) -> bool:
     """Whether a checkpoint key is one of a block's seven projection weights (weight_fp8's)."""
-    return layer_of_key(key) is not None and key.split(".", 3)[3] in _PROJECTIONS
+    parts = (key or "").split(".", 3)
+    return layer_of_key(key) is not None and len(parts) == 4 and parts[3] in _PROJECTIONS
 
 
 def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions: torch.Tensor):

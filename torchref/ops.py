@@ -16,8 +16,8 @@ import math
 import torch
 
 from llamaspec import Policy, RopeConfig
-from llamaspec.policy import DTYPES
 from llamaspec.forward import scale_queries
+from llamaspec.policy import DTYPES
 
 from . import quant
 from .dtypes import cast, dt

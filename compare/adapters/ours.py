@@ -133,7 +133,7 @@ class OurModel:
         kw = {} if self.mesh is None else {"mesh": self.mesh}     # a sharded model's twin, sharded alike
         if self.backend == "reference":     # the reference's twin is the reference at float64
             kw["backend"] = "reference"
-        quantized = self.model.quantized() if hasattr(self.model, "quantized") else {}   # TODO jaxmodel
+        quantized = self.model.quantized()
         if self.checkpoint is not None and not rounded_weights and not quantized:
             return OurModel(mod.from_pretrained(self.checkpoint, policy="fp64", **kw), self.checkpoint)
         # a quantizing policy's twin holds the model's own fp8 values and scales (quantizing again

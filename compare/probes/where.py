@@ -591,6 +591,7 @@ def _sharded(setup: _Setup, meshes, progress) -> list[dict]:
                          "CLI sets it)")
     model = main.model
     weights = model.weights()
+    quantized = model.quantized() or None      # a quantizing policy's fp8 values and scales, as they are
     for mesh in meshes:
         make_mesh(mesh)   # enough devices, known axes: checked before anything is built
         key = f"mesh {mesh_label(mesh)}"
@@ -599,9 +600,9 @@ def _sharded(setup: _Setup, meshes, progress) -> list[dict]:
         # both from the main model's rounded weights, read once (a twin from the sharded model's
         # weights() would gather the same values again per mesh)
         setup.impls[key] = OurModel(jaxmodel.from_weights(model.cfg, weights, model.policy, model.batch_invariant,
-                                                          mesh=mesh))
+                                                          mesh=mesh, quantized=quantized))
         setup.impls[key + " twin"] = OurModel(jaxmodel.from_weights(model.cfg, weights, fp64_policy(model.policy),
-                                                                    mesh=mesh))
+                                                                    mesh=mesh, quantized=quantized))
     return meshes
 
 
