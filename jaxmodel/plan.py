@@ -26,7 +26,7 @@ import jax
 from llamaspec import Policy, cpuinfo
 from llamaspec import fixed_order as fo
 from llamaspec.errors import InvarianceError, PolicyError
-from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, check_xla_flags, read_settings, setting
+from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, check_xla_flags, declines, read_settings, setting
 
 from . import fast, invariant, ops
 
@@ -121,17 +121,6 @@ def _namespace(device: str, backend: str, kern: "_Kernels"):
         return invariant
     return _fast(device, kern)
 
-
-def declines(policy: Policy) -> str | None:
-    """What of `policy` the fast and invariant backends do not take (fp8 and KV-cache knobs,
-    per-layer overrides: the reference computes them), or None. torchref/plan.py's rule, word
-    for word (the two plans say the same)."""
-    what = [k for k in ("weight_fp8", "act_fp8", "kv_cache") if getattr(policy, k)]
-    what += [f"{k} (layers[{sel}])" for sel, p in policy.layers for k in ("weight_fp8", "act_fp8", "kv_cache")
-             if getattr(p, k)]
-    if policy.layers:
-        what.append("per-layer overrides")
-    return ", ".join(what) or None
 
 
 def _decide(policy: Policy, device: str, backend: str):

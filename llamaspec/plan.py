@@ -52,6 +52,17 @@ def backend_name(backend: str | None, batch_invariant: bool) -> str:
     return backend
 
 
+def declines(policy) -> str | None:
+    """What of `policy` the fast and invariant backends do not take, in words (fp8 and KV-cache
+    knobs, per-layer overrides: the reference computes them), or None; both models' plans read it."""
+    what = [k for k in ("weight_fp8", "act_fp8", "kv_cache") if getattr(policy, k)]
+    what += [f"{k} (layers[{sel}])" for sel, p in policy.layers for k in ("weight_fp8", "act_fp8", "kv_cache")
+             if getattr(p, k)]
+    if policy.layers:
+        what.append("per-layer overrides")
+    return ", ".join(what) or None
+
+
 class SettingError(PolicyError):
     """An environment variable set to a value outside the ones it takes (exit 2, naming both)."""
 

@@ -22,7 +22,7 @@ import torch
 from llamaspec import Policy, cpuinfo
 from llamaspec.errors import InvarianceError, PolicyError
 from llamaspec.fixed_order import KernelSettingError
-from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, read_settings, setting
+from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, declines, read_settings, setting
 
 from . import fast, invariant, ops
 
@@ -124,16 +124,6 @@ def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast
                 ops=tuple((op, described.get(op, "reference")) for op in OPS))
     return plan, namespace
 
-
-def declines(policy: Policy) -> str | None:
-    """What of `policy` the fast and invariant backends do not take (fp8 and KV-cache knobs,
-    per-layer overrides: the reference computes them), or None."""
-    what = [k for k in ("weight_fp8", "act_fp8", "kv_cache") if getattr(policy, k)]
-    what += [f"{k} (layers[{sel}])" for sel, p in policy.layers for k in ("weight_fp8", "act_fp8", "kv_cache")
-             if getattr(p, k)]
-    if policy.layers:
-        what.append("per-layer overrides")
-    return ", ".join(what) or None
 
 
 def make_plan(policy: str | Policy, device="cpu", backend: str | None = "fast") -> Plan:
