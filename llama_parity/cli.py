@@ -290,9 +290,13 @@ def cmd_capture(args) -> int:
 
 
 SWEEP_POLICIES = "fp32,bf16,fp16,bf16w-f32"
+KEEP_WIDE = 2
+SENSITIVITY_WINDOWS, WIDE_POLICY = 2, "fp32"      # compare.sweep.run's (a test holds them equal)
 
 
-SWEEP_FLAGS = {"impl": "--impl", "policies": "--policies", "pair": "--pair", "window": "--window"}
+SWEEP_FLAGS = {"impl": "--impl", "policies": "--policies", "pair": "--pair", "window": "--window",
+               "keep_wide": "--keep-wide", "wide_policy": "--wide-policy",
+               "sensitivity_windows": "--sensitivity-windows"}
 
 
 def _sweep_pairs(values) -> list[tuple[str, str]]:
@@ -308,9 +312,9 @@ def _sweep_pairs(values) -> list[tuple[str, str]]:
 
 
 def cmd_sweep(args) -> int:
-    """Each policy against the fp64 oracle over a text (compare.sweep): the table, and --json.
-    Every argument is checked before a model loads (compare.sweep.check_sweep, its errors naming
-    the flags)."""
+    """Each policy against the fp64 oracle over a text (compare.sweep): the table, --json and
+    --html. Every argument is checked before a model loads (compare.sweep.check_sweep, its errors
+    naming the flags)."""
     from compare.sweep import check_sweep, read_text, sweep, table
     from llamaspec import InputError, LlamaConfig, Policy, PolicyError
     try:
@@ -327,8 +331,11 @@ def cmd_sweep(args) -> int:
     folder = checkpoint_folder(resolve_checkpoint(args.checkpoint), need_tokenizer=None if args.random_tokens
                                else "the text needs (for a folder without one, pass --random-tokens N)")
     cfg = LlamaConfig.from_file(Path(folder) / "config.json")
+    if args.keep_wide is None:     # the default, within a small model's layers
+        args.keep_wide = min(KEEP_WIDE, cfg.num_hidden_layers) if args.sensitivity_windows else 0
     try:
-        check_sweep(args.impl, policies, pairs, args.window, cfg, SWEEP_FLAGS.get)
+        check_sweep(args.impl, policies, pairs, args.window, cfg, SWEEP_FLAGS.get, args.keep_wide, args.wide_policy,
+                    args.sensitivity_windows)
     except InputError as e:
         raise UsageError(str(e)) from None
     tokens = None
@@ -337,15 +344,18 @@ def cmd_sweep(args) -> int:
         check_bytes(args.random_tokens * 8, f"--random-tokens {args.random_tokens}: the token ids", UsageError)
         tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, args.random_tokens)
     json_path = output_file(args.json, "--json", args.force, say) if args.json else None
+    html_path = output_file(args.html, "--html", args.force, say) if args.html else None
     t0 = time.perf_counter()
     res = sweep(args.impl, folder, policies, text=text, window=args.window, max_tokens=args.max_tokens,
                 progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr, flush=True),
-                tokens=tokens, pairs=pairs, prompts=args.prompts, new_tokens=args.new_tokens)
+                tokens=tokens, pairs=pairs, prompts=args.prompts, new_tokens=args.new_tokens,
+                keep_wide=args.keep_wide, wide_policy=args.wide_policy, sensitivity_windows=args.sensitivity_windows)
     for line in table(res):
         say(line)
     if json_path:
-        res.to_json(json_path)
-        say(f"JSON: {json_path}")
+        say(f"JSON: {res.to_json(unchanged_or_beside(json_path, say))}")
+    if html_path:
+        say(f"HTML: {res.to_html(unchanged_or_beside(html_path, say))}")
     return EXIT_OK
 
 
@@ -536,13 +546,17 @@ def _add_sweep_parser(sub, common) -> None:
               "tokens and prints, per policy against the oracle (and per --pair against each other), the\n"
               "measures of llama.cpp's perplexity --kl-divergence: mean KLD with its standard error, KLD\n"
               "percentiles and max, same top p, PPL ratio, RMS of the change in the correct token's\n"
-              "probability; then the first token where greedy continuations part (docs/sweep.md).",
+              "probability; then the first token where greedy continuations part. Teacher forcing on the\n"
+              "first windows ranks each policy's layers by their own error; --keep-wide K adds, per policy,\n"
+              "a row with its K most sensitive layers at --wide-policy, measured like the others (docs/sweep.md).",
               "  llama-parity sweep                                     # SmolLM2 over docs/method.md\n"
               "  llama-parity sweep MY_HF_FOLDER --text corpus.txt --max-tokens 8192 --json sweep.json\n"
-              "  llama-parity sweep --policies bf16,fp16 --pair bf16:fp16")
+              "  llama-parity sweep --policies bf16,fp16 --pair bf16:fp16\n"
+              "  llama-parity sweep --policies bf16,bf16+weight_fp8=e4m3:block128 --keep-wide 2 --html sweep.html")
     p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
     p.add_argument("--impl", default="torchref", choices=["torchref", "jaxmodel"])
-    p.add_argument("--policies", default=SWEEP_POLICIES, help="comma list of presets (default: %(default)s)")
+    p.add_argument("--policies", default=SWEEP_POLICIES, help="comma list of presets or policy strings, e.g. "
+                   "bf16+kv_cache=e4m3:channel (default: %(default)s)")
     p.add_argument("--pair", action="append", metavar="CAND:BASE", help="also measure CAND against BASE (two "
                    "swept policies, or fp64), e.g. bf16:fp16 (repeatable)")
     p.add_argument("--text", metavar="FILE", help="a UTF-8 text file (default: the project's docs/method.md)")
@@ -553,8 +567,19 @@ def _add_sweep_parser(sub, common) -> None:
     p.add_argument("--prompts", type=count, default=4, help="greedy divergence over this many prompts cut from "
                    "the text (0: none; default: %(default)s)")
     p.add_argument("--new-tokens", type=positive_int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--sensitivity-windows", metavar="N", type=count, default=SENSITIVITY_WINDOWS,
+                   help="measure each layer's local error (teacher forcing) on the first N windows (0: not; "
+                   "default: %(default)s)")
+    p.add_argument("--keep-wide", metavar="K", type=int, default=None, help="per policy, also run it with its K "
+                   f"most sensitive layers at --wide-policy (0: not; default: {KEEP_WIDE}, 0 with "
+                   "--sensitivity-windows 0)")
+    p.add_argument("--wide-policy", metavar="POLICY", default=WIDE_POLICY, help="the policy of the layers kept wide "
+                   "(default: %(default)s)")
     p.add_argument("--json", metavar="OUT", help="write the result as JSON here")
-    p.add_argument("--force", action="store_true", help="overwrite a --json file llama-parity did not write")
+    p.add_argument("--html", metavar="OUT", help="write the HTML page here (table, KLD per policy, local error "
+                   "against depth, sensitivity bars)")
+    p.add_argument("--force", action="store_true", help="overwrite a --json or --html file llama-parity did not "
+                   "write")
     p.set_defaults(func=cmd_sweep)
 
 

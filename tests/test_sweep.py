@@ -108,7 +108,8 @@ def test_sweep_on_a_tiny_checkpoint(tiny_dir, tmp_path):
     fp32, bf16 = res.rows[0].measures, res.rows[1].measures
     assert fp32.tokens == 4 * 15 + 5             # every position with a next token in its window
     assert fp32.kld_mean.value < 1e-8 < bf16.kld_mean.value
-    assert sum("ETA" in x for x in lines) == 5
+    assert sum(x.startswith("window") and "ETA" in x for x in lines) == 5
+    assert sum(x.startswith("local error per layer") and "ETA" in x for x in lines) == 2   # the sensitivity windows
     assert [len(g.indices) for g in res.greedy] == [2, 2] and res.greedy_prompt_tokens == 4
     assert res.environment["cpu"]
     assert any("bf16" in x and "fp32" in x for x in table(res))
@@ -151,7 +152,8 @@ def test_cli_sweep_exit_codes(tiny_dir, tmp_path, capsys):
     out = tmp_path / "sweep.json"
     assert main(["sweep", folder, "--policies", "fp32,bf16", "--random-tokens", "40", "--window", "16",
                  "--prompts", "1", "--new-tokens", "2", "--pair", "bf16:fp32", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["rows"][2]["base"] == "fp32"
+    rows = json.loads(out.read_text())["rows"]    # fp32, bf16, bf16 with its 2 layers at fp32 (--keep-wide's
+    assert [r["base"] for r in rows] == ["fp64"] * 3 + ["fp32"]      # default on 2 layers), then the pair
     assert "same top p" in capsys.readouterr().out
     # the same command again overwrites its own JSON; a file the tool did not write needs --force
     again = ["sweep", folder, "--policies", "fp32", "--random-tokens", "20", "--window", "10", "--prompts", "1",

@@ -11,6 +11,11 @@ scored. Per window, the oracle and each policy run once, their log-probabilities
 accumulators and are dropped: memory holds one window's logits per model in use, not the text's.
 The greedy divergence index (the first generated token where a policy's greedy continuation
 parts from the oracle's) is measured on M prompts cut from the text's first windows.
+
+Before the windows, on the first `sensitivity_windows` windows, every policy's local error per
+layer (teacher forcing, compare.sweep.layers) ranks its layers; with keep_wide=K, each policy
+that is not already as wide as `wide` gets a row of its own: the policy with its K most sensitive
+layers computed by `wide`, measured over the text like the others.
 """
 
 from __future__ import annotations
@@ -23,18 +28,22 @@ import numpy as np
 
 from llamaspec import LlamaConfig, Policy
 from llamaspec.budget import MAX_TEXT_BYTES, check_tokens, read_bounded
-from llamaspec.errors import InputError
+from llamaspec.errors import InputError, PolicyError
 from llamaspec.files import repo_root
 from llamaspec.tokenizer import Tokenizer
 
 from ..adapters import OurModel
 from ..environment import environment
+from ..report.sweep import write_html
 from ..results import JsonResult
+from .layers import LayerAccumulator, LayerErrors, OracleWindow, suggest
 from .measures import Accumulator, Measures, log_probs
 
 IMPLS = ("torchref", "jaxmodel")
 ORACLE = "fp64"
 DEFAULT_TEXT = "docs/method.md"
+SENSITIVITY_WINDOWS = 2    # each window alone ranks the layers; a second shows whether the ranking holds
+WIDE_POLICY = "fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +81,15 @@ class SweepResult(JsonResult):
     greedy_prompt_tokens: int
     seconds: dict               # "total", and per model the seconds of its forward calls
     environment: dict
+    layers: list = dataclasses.field(default_factory=list)     # [LayerErrors], swept then suggested
+    suggested: list = dataclasses.field(default_factory=list)  # [Suggestion]; their rows are in rows
+    keep_wide: int = 0
+    wide_policy: str = WIDE_POLICY
+    sensitivity_windows: int = 0    # windows the local errors were measured on
+
+    def to_html(self, path) -> Path:
+        """The HTML page (compare.report.sweep), written atomically."""
+        return write_html(self, path)
 
 
 def read_text(path, error=InputError) -> str:
@@ -99,19 +117,29 @@ def windows_of(ids: np.ndarray, window: int) -> list[np.ndarray]:
     return [ids[a:a + window] for a in range(0, len(ids), window) if len(ids[a:a + window]) >= 2]
 
 
-def check_sweep(impl, policies, pairs, window, cfg: LlamaConfig, arg=lambda name: name) -> list[tuple[str, str]]:
+def check_sweep(impl, policies, pairs, window, cfg: LlamaConfig, arg=lambda name: name, keep_wide: int = 0,
+                wide=WIDE_POLICY, sensitivity_windows: int = SENSITIVITY_WINDOWS) -> list[tuple[str, str]]:
     """The sweep's arguments checked before any model loads (InputError naming each by
-    arg(name): the API's "policies", "pair", "window"; the CLI's flags): the (candidate, base)
-    pairs to measure, every policy against the oracle first."""
+    arg(name): the API's "policies", "pair", "window", "keep_wide", "wide_policy",
+    "sensitivity_windows"; the CLI's flags): the (candidate, base) pairs to measure, every
+    policy against the oracle first. policies: names (presets, policy strings) or Policy objects."""
     if impl not in IMPLS:
         raise InputError(f"{arg('impl')} {impl}: unknown implementation (one of {', '.join(IMPLS)})")
     if not policies:
         raise InputError(f"{arg('policies')}: no policies to sweep")
+    chosen = [_policy(p, arg("policies")) for p in policies]
+    policies = [p.name for p in chosen]
     if ORACLE in policies:
         raise InputError(f"{arg('policies')} {', '.join(policies)}: '{ORACLE}' is the oracle every policy is "
                          "measured against; leave it out")
     if len(set(policies)) != len(policies):
         raise InputError(f"{arg('policies')} {', '.join(policies)}: a policy named twice")
+    n = cfg.num_hidden_layers
+    for p in chosen:
+        try:
+            p.check_layers(n)
+        except PolicyError as e:
+            raise InputError(f"{arg('policies')}: {e}") from None
     out = [(p, ORACLE) for p in policies]
     for cand, base in pairs:
         for side in (cand, base):
@@ -125,34 +153,60 @@ def check_sweep(impl, policies, pairs, window, cfg: LlamaConfig, arg=lambda name
     if window < 2:
         raise InputError(f"{arg('window')} {window}: a window needs at least 2 tokens (a position and its next)")
     check_tokens(1, window, cfg.max_position_embeddings, cfg.vocab_size, f"{arg('window')} {window}")
+    _check_layers_args(keep_wide, wide, sensitivity_windows, n, arg)
     return out
+
+
+def _policy(p, what: str) -> Policy:
+    try:
+        return Policy.get(p)
+    except PolicyError as e:
+        raise InputError(f"{what}: {e}") from None
+
+
+def _check_layers_args(keep_wide, wide, sensitivity_windows, n: int, arg) -> Policy:
+    """keep_wide in [0, layers], the wide policy one a layer can take, sensitivity_windows >= 0 (and
+    > 0 when layers are kept wide)."""
+    if not isinstance(keep_wide, int) or not 0 <= keep_wide <= n:
+        raise InputError(f"{arg('keep_wide')} {keep_wide}: keep between 0 (none) and the model's {n} layers wide")
+    if not isinstance(sensitivity_windows, int) or sensitivity_windows < 0:
+        raise InputError(f"{arg('sensitivity_windows')} {sensitivity_windows}: a number of windows, 0 or more")
+    if keep_wide and not sensitivity_windows:
+        raise InputError(f"{arg('keep_wide')} {keep_wide} with {arg('sensitivity_windows')} 0: the layers to keep "
+                         "wide are the ones the local errors rank first; measure them on a window at least")
+    w = _policy(wide, arg("wide_policy"))
+    if w.layers:
+        raise InputError(f"{arg('wide_policy')} {w.name}: a layer's policy has no per-layer overrides of its own")
+    return w
 
 
 def sweep(impl: str, checkpoint, policies, text: str | None = None, window: int = 512,
           max_tokens: int | None = None, progress=None, tokens=None, pairs=(), prompts: int = 4,
-          prompt_tokens: int = 32, new_tokens: int = 32) -> SweepResult:
+          prompt_tokens: int = 32, new_tokens: int = 32, keep_wide: int = 0, wide_policy=WIDE_POLICY,
+          sensitivity_windows: int = SENSITIVITY_WINDOWS) -> SweepResult:
     """Each policy of `impl` ("torchref" or "jaxmodel") against the fp64 oracle, and each
     (candidate, base) of `pairs` (policy names) against each other, over a text (the module
-    docstring). policies: preset names or Policy objects (e.g. Policy.get("bf16w-f32",
-    param_dtype="float16", name="f16w-f32")), each named once.
+    docstring). policies: preset names, policy strings ("bf16+kv_cache=e4m3:channel") or Policy
+    objects (e.g. Policy.get("bf16w-f32", param_dtype="float16", name="f16w-f32")), each named once.
 
     text: the text itself (None: docs/method.md); tokens: token ids instead (a checkpoint
     without a tokenizer); max_tokens: the text cut to its first tokens; progress(msg): a line per
     window with an ETA; prompts: greedy divergence over that many prompts of `prompt_tokens`
-    tokens (the starts of the first windows), `new_tokens` each (0 prompts: none)."""
+    tokens (the starts of the first windows), `new_tokens` each (0 prompts: none).
+    sensitivity_windows: the local error per layer measured on that many first windows (0: not
+    measured); keep_wide: per policy, a row for it with its that many most sensitive layers
+    computed by `wide_policy` (0: none)."""
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
     checkpoint = str(checkpoint)
     cfg = LlamaConfig.from_file(Path(checkpoint) / "config.json")
-    chosen = {p.name: p for p in map(Policy.get, policies)}    # a PolicyError names an unknown preset
-    policies = [Policy.get(p).name for p in policies]
-    pairs = check_sweep(impl, policies, [tuple(p) for p in pairs], window, cfg)
-    if tokens is not None:
-        ids, source = np.asarray(tokens, np.int64).reshape(-1), f"{np.size(tokens)} token ids given"
-        if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
-            raise InputError(f"token ids must lie in [0, vocab_size={cfg.vocab_size})")
-    else:
-        ids, source = text_tokens(checkpoint, text)
+    given = [Policy.get(p) for p in policies]     # a PolicyError names an unknown preset
+    pairs = check_sweep(impl, given, [tuple(p) for p in pairs], window, cfg, keep_wide=keep_wide, wide=wide_policy,
+                        sensitivity_windows=sensitivity_windows)
+    chosen = {p.name: p for p in given}
+    policies = list(chosen)
+    wide = Policy.get(wide_policy)
+    ids, source = _token_ids(checkpoint, cfg, text, tokens)
     if max_tokens is not None:
         ids = ids[:max_tokens]
     chunks = windows_of(ids, window)
@@ -162,15 +216,60 @@ def sweep(impl: str, checkpoint, policies, text: str | None = None, window: int 
     for name in (ORACLE, *policies):
         say(f"loading {impl} at {name}")
         models[name] = OurModel.load(impl, checkpoint, chosen.get(name, name))
-    accs, secs = _windows(models, chunks, pairs, len(policies), lambda done, w: say(
+    measured = chunks[:sensitivity_windows]
+    layers = _sensitivity(models, policies, measured, max(keep_wide, 3), say) if measured else {}
+    suggested = []
+    for name in policies:
+        made = suggest(chosen[name], layers[name], keep_wide, wide) if measured else None
+        if made and made[0].name not in models:
+            say(f"loading {impl} at {made[0].name} (its {len(made[0].kept)} most sensitive layers at {wide.name})")
+            models[made[0].name] = OurModel.load(impl, checkpoint, made[1])
+            suggested.append(made[0])
+    if suggested:
+        layers.update(_sensitivity(models, [s.name for s in suggested], measured, max(keep_wide, 3), say))
+    direct = [(p, ORACLE) for name in policies for p in (name, *(s.name for s in suggested if s.policy == name))]
+    pairs = direct + pairs[len(policies):]
+    swept = [p for p, _ in direct]
+    t1 = time.perf_counter()
+    accs, secs = _windows(models, chunks, pairs, len(direct), lambda done, w: say(
         f"window {w}/{len(chunks)}: {done}/{len(ids)} tokens, {time.perf_counter() - t0:.0f} s, "
-        f"ETA {(time.perf_counter() - t0) / done * (len(ids) - done):.0f} s"))
-    greedy = _greedy(models, policies, chunks, prompts, prompt_tokens, new_tokens, say)
+        f"ETA {(time.perf_counter() - t1) / done * (len(ids) - done):.0f} s"))
+    greedy = _greedy(models, swept, chunks, prompts, prompt_tokens, new_tokens, say)
     rows = [Row(c, b, accs[(c, b)].result()) for c, b in pairs]
     secs = {"total": time.perf_counter() - t0, **{f"{n} forward": s for n, s in secs.items()}}
     env = environment(ORACLE, uses_jax=impl == "jaxmodel", sides=models)
     return SweepResult(impl, checkpoint, source, window, len(ids), len(chunks), list(policies), rows, greedy,
-                       min(prompt_tokens, window) if greedy else 0, secs, env)
+                       min(prompt_tokens, window) if greedy else 0, secs, env,
+                       [layers[p] for p in swept if p in layers], suggested, keep_wide, wide.name, len(measured))
+
+
+def _token_ids(checkpoint, cfg, text, tokens) -> tuple[np.ndarray, str]:
+    if tokens is None:
+        return text_tokens(checkpoint, text)
+    ids = np.asarray(tokens, np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+        raise InputError(f"token ids must lie in [0, vocab_size={cfg.vocab_size})")
+    return ids, f"{np.size(tokens)} token ids given"
+
+
+def _sensitivity(models, names, chunks, top: int, say) -> dict[str, LayerErrors]:
+    """Per policy of `names`, its local error per layer over `chunks` (teacher forcing, per window:
+    the oracle's capture, its forced capture per residual dtype and one per policy;
+    compare.sweep.layers)."""
+    n = models[ORACLE].cfg.num_hidden_layers
+    names = sorted(names, key=lambda name: models[name].policy.residual_dtype)   # one oracle rerun per dtype
+    accs = {name: LayerAccumulator(name, n, top) for name in names}
+    t0 = time.perf_counter()
+    for w, chunk in enumerate(chunks):
+        oracle = OracleWindow(models[ORACLE], chunk, n)
+        for name in names:
+            accs[name].add(models[name], oracle)
+        del oracle
+        took = time.perf_counter() - t0
+        what = f"{len(names)} polic{'y' if len(names) == 1 else 'ies'}, teacher forcing"
+        say(f"local error per layer, window {w + 1}/{len(chunks)} ({what}): {took:.0f} s, "
+            f"ETA {took / (w + 1) * (len(chunks) - w - 1):.0f} s")
+    return {name: acc.result() for name, acc in accs.items()}
 
 
 def _windows(models, chunks, pairs, direct: int, tick):
@@ -225,15 +324,17 @@ def _greedy(models, policies, chunks, prompts, prompt_tokens, new_tokens, say) -
 
 
 def table(res: SweepResult) -> list[str]:
-    """The terminal table: a row per (candidate, base), then the greedy divergence."""
-    head = (f"{'candidate':<10} {'base':<10} {'mean KLD':>21} {'p99 KLD':>9} {'p99.9 KLD':>9} {'max KLD':>9} "
+    """The terminal table: a row per (candidate, base), the most sensitive layers per policy,
+    then the greedy divergence."""
+    w = max([10, *(len(r.candidate) for r in res.rows)])
+    head = (f"{'candidate':<{w}} {'base':<10} {'mean KLD':>21} {'p99 KLD':>9} {'p99.9 KLD':>9} {'max KLD':>9} "
             f"{'same top p %':>15} {'PPL ratio':>17} {'RMS Δp %':>13}")
     lines = [f"{res.impl} on {res.checkpoint}: {res.tokens} tokens of {res.text}, {res.windows} window(s) of "
              f"{res.window}, {res.seconds['total']:.0f} s on {res.environment.get('cpu', 'an unnamed CPU')}",
              head]
     for r in res.rows:
         m = r.measures
-        lines.append(f"{r.candidate:<10} {r.base:<10} {m.kld_mean.value:>10.3e} ± {m.kld_mean.se:<8.1e} "
+        lines.append(f"{r.candidate:<{w}} {r.base:<10} {m.kld_mean.value:>10.3e} ± {m.kld_mean.se:<8.1e} "
                      f"{m.kld_percentiles['p99']:>9.2e} {m.kld_percentiles['p99.9']:>9.2e} {m.kld_max:>9.2e} "
                      f"{100 * m.same_top_p.value:>7.3f} ± {100 * m.same_top_p.se:<5.3f} "
                      f"{m.ppl_ratio.value:>8.5f} ± {m.ppl_ratio.se:<6.1e} "
@@ -241,8 +342,25 @@ def table(res: SweepResult) -> list[str]:
     if res.rows:
         lines.append(f"PPL of the base ({ORACLE}): {res.rows[0].measures.ppl_base.value:.4f} "
                      f"± {res.rows[0].measures.ppl_base.se:.4f}")
+    lines += layer_lines(res)
     for g in res.greedy:
         shown = ", ".join("-" if i is None else str(i) for i in g.indices)
-        lines.append(f"greedy {g.policy:<10} first token parting from {ORACLE} per prompt: {shown} "
+        lines.append(f"greedy {g.policy:<{w}} first token parting from {ORACLE} per prompt: {shown} "
                      f"({g.parted}/{len(g.indices)} parted within {g.new_tokens} tokens)")
+    return lines
+
+
+def layer_lines(res: SweepResult, shown: int = 5) -> list[str]:
+    """Per policy its most sensitive layers (local error of the update relative to the stream,
+    teacher forcing), and which rows keep which layers wide."""
+    if not res.layers:
+        return []
+    w = max(len(e.policy) for e in res.layers)
+    lines = [f"most sensitive layers (local error of the layer's update relative to its output, teacher forcing "
+             f"over {res.sensitivity_windows} window(s)):"]
+    for e in res.layers:
+        top = ", ".join(f"{i} ({e.stream[i]:.1e})" for i in e.ranking[:shown])
+        lines.append(f"  {e.policy:<{w}} {top}")
+    for s in res.suggested:
+        lines.append(f"suggested: {s.policy} with layers {', '.join(map(str, s.kept))} at {s.wide}: row {s.name}")
     return lines
