@@ -76,7 +76,8 @@ class Noise:
     inherited_from: str | None = None
     # how the rounding shows: "values" (each value rounded), "rows" (one factor per row, both
     # signs: a norm's statistics), "angles" (RoPE angles position x frequency rounded), "kv_cache"
-    # (attention matches one over keys and values kept in a narrower storage: judge.storage)
+    # (attention matches one over keys and values kept in a narrower storage: judge.storage),
+    # "weights" (a projection matches one over its weight kept in a narrower storage: the same)
     shape: str = "values"
     # the dtype the policy prescribes for the step this rounding belongs to (verdicts.step_dtype)
     prescribed: str | None = None

@@ -50,6 +50,7 @@ from jax import lax
 
 from llamaspec import LlamaConfig, Policy, Sampling, check_tokens, generate, load_weights, positions_from_mask
 from llamaspec import taps as tapnames
+from llamaspec.checkpoint import is_projection, layer_of_key
 from llamaspec.errors import PolicyError
 from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, bucket_length, check_inject, check_next_ids, check_prefill, front_padded, layout
@@ -498,22 +499,6 @@ def _stack_state(graphdef, state):
 def checkpoint_key(name: str) -> str:
     """A Llama parameter's checkpoint key: "model." + its name, lm_head's as they are."""
     return name if name.startswith("lm_head.") else "model." + name
-
-
-_PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-
-
-def layer_of_key(key: str | None) -> int | None:
-    """The layer index of a checkpoint key "model.layers.<i>. ...", else None."""
-    parts = (key or "").split(".")
-    return int(parts[2]) if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit() else None
-
-
-def is_projection(key: str | None) -> bool:
-    """Whether a checkpoint key is one of a block's seven projection weights (weight_fp8's)."""
-    parts = (key or "").split(".", 3)
-    return layer_of_key(key) is not None and len(parts) == 4 and parts[3] in _PROJECTIONS
 
 
 def to_residual(x, policy: Policy) -> np.ndarray:

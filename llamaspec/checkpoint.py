@@ -435,3 +435,20 @@ _LAYER_KEY = re.compile(r"model\.layers\.(\d{1,12})\.")
 
 def _natural(key: str):
     return [int(t) if t.isdigit() else t for t in key.replace(".", " . ").split()]
+
+
+# The seven projection weights of a block (what weight_fp8 quantizes), by checkpoint key.
+PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def layer_of_key(key: str | None) -> int | None:
+    """The layer index of a checkpoint key "model.layers.<i>. ...", else None."""
+    m = _LAYER_KEY.match(key or "")
+    return int(m.group(1)) if m else None
+
+
+def is_projection(key: str | None) -> bool:
+    """Whether a checkpoint key is one of a block's seven projection weights (weight_fp8's)."""
+    m = _LAYER_KEY.match(key or "")
+    return m is not None and key[m.end():] in PROJECTIONS

@@ -167,7 +167,7 @@ def test_position_and_hidden_classes_on_padded_batches(name, side, folder):
 
 def test_noise_controls_are_listed():
     assert sorted(NOISE) == ["hf_mlp_out_fp16", "hf_q_proj_bf16", "kv_cache_fp8_hardcoded", "softmax_bf16_hardcoded",
-                             "softmax_fp16_hardcoded"]
+                             "softmax_fp16_hardcoded", "up_proj_fp8_hardcoded"]
 
 
 def _clean_matrix():

@@ -9,7 +9,7 @@ import pytest
 
 import torchref
 from compare.controls import CONTROLS, Control, check, run_control
-from compare.controls.prefill import kv_fp8_port
+from compare.controls.prefill import kv_fp8_port, up_proj_fp8_port
 from llamaspec import Policy, quant
 from llamaspec.errors import PolicyError
 from llamaspec.testing import make_checkpoint
@@ -177,9 +177,10 @@ def test_a_per_call_activation_scale_makes_a_decode_step_differ(folder):
     assert step > 1e-4
 
 
-# ----- the ladder on ports that round their KV cache ------------------------------------------------
+# ----- the ladder on ports that round their KV cache or weights ---------------------------------------
 
-FP8_CONTROLS = ["kv_cache_fp8_at_policy", "kv_cache_fp8_hardcoded", "kv_cache_fp8_wrong_scale"]
+FP8_CONTROLS = ["kv_cache_fp8_at_policy", "kv_cache_fp8_hardcoded", "kv_cache_fp8_wrong_scale", "up_proj_fp8_hardcoded",
+                "up_proj_fp8_wrong_scale"]
 
 
 @pytest.mark.parametrize("name", FP8_CONTROLS)
@@ -217,3 +218,16 @@ def test_the_batch_probe_names_a_per_call_activation_scale(folder):
     assert per_call.verdict in ("drift", "precision") and per_call.bitwise_equal_frac < 1, per_call.hint
     assert "scales fp8 activations per call (e4m3:tensor)" in per_call.hint
     assert per_token.verdict == "exact" and "per call" not in per_token.hint
+
+
+def test_a_port_with_fp8_weights_in_blocks_is_named_with_its_blocks(tmp_path):
+    """On weights larger than a block (256 x 128 up_proj), per 128 x 128 block is told from per
+    tensor and per channel: the hint names the scheme the port uses."""
+    big = make_checkpoint(tmp_path / "big", num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                          num_attention_heads=4, num_key_value_heads=2)
+    for spec, words in (("e4m3:block128", "float8_e4m3fn per 128 x 128 block"),
+                        ("e5m2:channel", "float8_e5m2 per output channel")):
+        control = Control(f"up_{spec}", "torchref", "bf16", "precision", "layers.{L}.up", "mlp", (words,),
+                          up_proj_fp8_port(spec), "")
+        report = run_control(control, big, IDS)
+        assert check(control, report) == [], report.summary()

@@ -13,6 +13,7 @@ import numpy as np
 
 from llamaspec import Policy
 from llamaspec import taps as tapnames
+from llamaspec.checkpoint import validated
 
 PACKAGES = ("torchref", "jaxmodel")
 
@@ -55,6 +56,7 @@ class OurModel:
             raise TypeError(f"OurModel wraps a torchref or jaxmodel LlamaModel, got {type(model).__name__}")
         self.model = model
         self.checkpoint = checkpoint
+        self._weights = self._ckpt = None      # weight_sources' reads, on first use
         mesh = getattr(model, "mesh", None)
         # a sharded jaxmodel says so in every report: "jaxmodel (mesh data=1, tensor=3)"
         self.name = self.package if mesh is None else (
@@ -123,6 +125,22 @@ class OurModel:
 
     def generate(self, tokens, attention_mask=None, max_new_tokens: int = 32, **kw) -> np.ndarray:
         return self.model.generate(tokens, attention_mask=attention_mask, max_new_tokens=max_new_tokens, **kw)
+
+    def weight_sources(self, key: str):
+        """([the weights a port may have quantized projection `key` ("model.layers.{i}.mlp.up_proj")
+        from: the checkpoint's own values, where the folder is known, and this model's rounding of
+        them to param_dtype], its bias or None), for the judge's stored-weights test
+        (compare.judge.storage); None for a key the model lacks. Read on first use."""
+        if self._weights is None:
+            self._weights = self.model.weights()
+            self._ckpt = validated(self.checkpoint) if self.checkpoint is not None else None
+        w = self._weights.get(key + ".weight")
+        if w is None:
+            return None
+        sources = [w]
+        if self._ckpt is not None and key + ".weight" in self._ckpt.keys():
+            sources.insert(0, self._ckpt.read_rows(key + ".weight"))
+        return sources, self._weights.get(key + ".bias")
 
     def float64(self, rounded_weights: bool = False) -> "OurModel":
         """The same implementation computing in float64: over the checkpoint's values when

@@ -348,6 +348,22 @@ def _w_one_plus_w(w, cfg, p):
     w[key] = (w[key].astype(np.float64) + 1).astype(w[key].dtype)
 
 
+def up_proj_fp8_port(spec: str = "e4m3:block128", roll_scales: int = 0):
+    """A candidate builder: torchref whose layer LAYER's up_proj weight is fp8 in its code (at P and
+    in its float64 run): quantized by `spec` and dequantized with its scales, or (roll_scales) with
+    the scales of the row block that many along: a scale of other rows, an indexing slip."""
+    def patch(m):
+        import torch
+
+        from torchref import quant
+        lin = m.model.layers[LAYER].mlp.up_proj
+        q, scales = quant.quantize(lin.weight.detach(), spec)
+        scales = scales.roll(roll_scales, dims=0)
+        w = quant.dequantize(q, scales, spec, "float64" if lin.weight.dtype == torch.float64 else "float32")
+        lin.weight = torch.nn.Parameter(w.to(lin.weight.dtype), requires_grad=False)
+    return torch_side(patch)
+
+
 def kv_fp8_port(fmt: str = "e4m3", roll_scales: int = 0):
     """A candidate builder: torchref whose layer LAYER keeps an fp8 KV cache in its code (_kv_fp8)."""
     return _attn_bug(kv_round=_kv_fp8(fmt, roll_scales))
@@ -451,6 +467,12 @@ CONTROLS: dict[str, Control] = {c.name: c for c in [
     _c("kv_cache_fp8_wrong_scale", "torchref", "bf16+kv_cache=e4m3:channel", "semantic", A + "attn_ctx", "attn",
        [], kv_fp8_port("e4m3", roll_scales=1),
        "fp8 KV cache dequantized with the next kv head's scale (policy: e4m3 KV cache)"),
+    # fp8 weights in a port's code: recognised from the reference's weight (judge.storage), and a wrong scale
+    _c("up_proj_fp8_hardcoded", "torchref", "bf16", "precision", A + "up", "mlp",
+       ["multiplies by weights stored in float8_e4m3fn", "even in the float64 run"],
+       up_proj_fp8_port("e4m3:block128"), "one layer's up_proj weight fp8 e4m3 in 128 x 128 blocks, in code"),
+    _c("up_proj_fp8_wrong_scale", "torchref", "bf16", "semantic", A + "up", "mlp", [],
+       up_proj_fp8_port("e4m3:channel", roll_scales=1), "fp8 up_proj dequantized with the next row's scale"),
     # Reported, not asserted: under bf16 the policy itself rounds scores and probabilities
     # to bf16, so a bf16 softmax adds about one more rounding (measured 1.0-1.4x the
     # reference's error at attn_ctx, teacher-forced or not): drift by the ladder's rule.

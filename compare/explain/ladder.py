@@ -62,11 +62,13 @@ def _nonfinite(tap, e):
 # The step a dtype noise belongs to (compare.evidence.Noise.step), and how its rounding shows.
 _NOISE_STEP = {"norm_stats": "the RMSNorm's statistics (mean of squares, rsqrt)", "softmax": "the softmax",
                "rope": "the RoPE angles and tables", "sums": "the matmul's sums (accumulation)",
-               "output": "this step's output", "kv_cache": "the keys and values attention reads (kv_cache)"}
+               "output": "this step's output", "kv_cache": "the keys and values attention reads (kv_cache)",
+               "weights": "the projection weights (param_dtype, weight_fp8)"}
 _NOISE_SHAPE = {"values": "unbiased and uncorrelated with the values",
                 "rows": "one factor per row, both signs, rounding-sized: a rounded statistic, not an epsilon",
                 "angles": "in the rotation angles, relative to position x frequency, unbiased",
-                "kv_cache": "attention recomputed over the oracle's keys and values stored so matches it"}
+                "kv_cache": "attention recomputed over the oracle's keys and values stored so matches it",
+                "weights": "the product recomputed from its own input and the reference's weight stored so matches it"}
 
 
 def _fp64_noise(tap, e):
@@ -78,6 +80,10 @@ def _fp64_noise(tap, e):
     err = f"{n.size * unit_roundoff(n.dtype):.1e}" if n.shape == "angles" else f"{e.err_fp64:.1e}"
     prescribed = (f"; {e.policy} prescribes {n.prescribed} for {_NOISE_STEP[n.step]}"
                   if n.prescribed and n.step in _NOISE_STEP else "")
+    if n.shape == "weights":
+        return (f"{_part_of(tap)} multiplies by weights stored in {n.scheme} even in the float64 run "
+                f"(rel error {e.err_fp64:.1e} = {n.size:.2f} {n.dtype} unit roundoffs; {_NOISE_SHAPE['weights']})"
+                f"{prescribed}: weights quantized where the policy keeps them wider")
     if n.shape == "kv_cache":
         return (f"{_part_of(tap)} reads its keys and values stored in {n.scheme} even in the float64 run "
                 f"(rel error {e.err_fp64:.1e} = {n.size:.2f} {n.dtype} unit roundoffs; {_NOISE_SHAPE['kv_cache']})"

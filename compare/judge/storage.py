@@ -1,4 +1,4 @@
-"""Explain an fp64-rung difference at attn_ctx by keys and values stored narrower.
+"""Explain an fp64-rung difference by keys and values, or weights, stored narrower.
 
 A port that keeps its KV cache in fp8 (or bf16 / fp16) rounds its keys and values in its
 float64 run too, since the storage is its code, not its policy: its fp64 twin then differs from
@@ -11,6 +11,12 @@ one per call, or none), and the difference is that rounding only where the candi
 (ATOL_MATCH, and at most MATCH_SHARE of its distance to exact attention). A wrong scale, a scale
 of another token or head, a missing dequantization: none of them matches, and the rungs judge the
 difference as they would without this module.
+
+The same holds for a port whose projection weights are fp8 (or bf16 / fp16) in its float64 run:
+at a projection's output (q, k, v, attn_out, gate, up, mlp_out) the product is recomputed from the
+candidate's own float64 input to it and the reference's weight (and bias) stored each way
+(WEIGHT_STORAGES: fp8 per tensor, per output channel, per 128 x 128 block; bf16; fp16), from the
+weight as the checkpoint holds it and as the policy rounds it (a port may quantize either).
 """
 
 from __future__ import annotations
@@ -39,6 +45,16 @@ STORAGES = (
 )
 
 
+# fp8 weights per tensor, per output channel, per 128 x 128 block (DeepSeek-V3's), or 16-bit ones.
+WEIGHT_STORAGES = (
+    *((f"{fmt} {words}", fmt, scaling) for fmt in quant.FORMATS
+      for words, scaling in (("per tensor", "tensor"), ("per output channel", "channel"),
+                             ("per 128 x 128 block", "block128"))),
+    ("bfloat16", "bfloat16", None),
+    ("float16", "float16", None),
+)
+
+
 def stored(x, dtype: str, scaling: str | None) -> np.ndarray:
     """x [B, T, Hkv, D] (float64) as a cache in `dtype` keeps it, read back in float64."""
     x = as64(x)
@@ -46,8 +62,8 @@ def stored(x, dtype: str, scaling: str | None) -> np.ndarray:
         return x.astype(numpy_dtype(dtype)).astype(np.float64)
     if scaling is None:
         return quant.round_to_fp8(x.astype(np.float32), dtype).astype(np.float64)
-    spec = quant.Scaling(dtype, scaling)
-    rows = x.reshape(-1, x.shape[-1]) if scaling == "channel" else x
+    spec = quant.Scaling.parse(f"{dtype}:{scaling}")
+    rows = x.reshape(-1, x.shape[-1]) if scaling == "channel" and x.ndim != 2 else x
     with np.errstate(invalid="ignore"):
         q, s = quant.quantize(rows, spec)
         return quant.dequantize(q, s, spec, "float64").reshape(x.shape)
@@ -68,6 +84,35 @@ def kv_storage(cand, q, k, v, mask=None) -> Noise | None:
         if e <= ATOL_MATCH and e <= MATCH_SHARE * base:
             return Noise(dtype, base / unit_roundoff(dtype), shape="kv_cache", scheme=name)
     return None
+
+
+def weight_storage(cand, x, weights, bias=None) -> Noise | None:
+    """The storage of a projection's weight that the candidate's output (fp64 rung, [N, out] at
+    the real positions) matches, as a Noise of shape "weights"; None when none does. x: the
+    candidate's own input to the projection ([N, in], fp64 rung); weights: the reference's [out,
+    in] weight as it may have been quantized from (the checkpoint's, the policy's rounding);
+    bias [out] or None."""
+    c, x = as64(cand), as64(x)
+    b = 0.0 if bias is None else as64(bias)
+    candidates = []
+    for w in weights:
+        exact = x @ as64(w).T + b
+        base = rel_l2(c, exact)
+        if not base > 0 or not math.isfinite(base):
+            return None
+        candidates.append((w, base))
+    for name, dtype, scaling in WEIGHT_STORAGES:
+        for w, base in candidates:
+            with np.errstate(over="ignore", invalid="ignore"):
+                e = rel_l2(c, x @ stored(w, dtype, scaling).T + b)
+            if e <= ATOL_MATCH and e <= MATCH_SHARE * base:
+                return Noise(dtype, base / unit_roundoff(dtype), shape="weights", scheme=name)
+    return None
+
+
+def weight_storage_dtype(policy) -> str:
+    """The dtype (or fp8 format) a policy keeps projection weights in: weight_fp8's format, else param_dtype."""
+    return quant.Scaling.parse(policy.weight_fp8).format if policy.weight_fp8 else policy.param_dtype
 
 
 def kv_storage_dtype(policy) -> str:

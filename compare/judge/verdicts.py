@@ -53,7 +53,15 @@ from ..evidence import (
     Trend,
 )
 from ..explain import ladder as explain
-from ..metrics import kl_per_position, log_softmax, narrowest_holding, nonfinite, rel_from_squares, unit_roundoff
+from ..metrics import (
+    kl_per_position,
+    log_softmax,
+    narrowest_holding,
+    nonfinite,
+    rel_from_squares,
+    rel_l2,
+    unit_roundoff,
+)
 from ..vocabulary import (
     F32_STEPS_FLOOR,
     FP64_FLOOR,
@@ -72,8 +80,8 @@ from ..vocabulary import (
     drift_factor,
     precision_floor,
 )
-from .conventions import explain_attention
-from .storage import kv_storage, kv_storage_dtype
+from .conventions import MATCH_SHARE, explain_attention
+from .storage import kv_storage, kv_storage_dtype, weight_storage, weight_storage_dtype
 from .structure import analyse, head_permutation, spearman, tap_inputs
 
 _F32_STEP_KINDS = ("position_trend", "head_confinement", "half_confinement", "sign_bias")
@@ -467,6 +475,10 @@ def _noise_of(t: _Tap, err64, found, keeps_f32, context, noise_from) -> tuple[No
         kv = kv_storage(t.full["c64"], *context["qkv"], t.given_mask)
         if kv is not None:      # attention over narrower keys and values, exactly: that explains it all
             return kv, []
+    if context.get("projection") is not None and noise_from is None:
+        stored = _weight_noise(t, err64, *context["projection"])
+        if stored is not None:  # the product over narrower weights, exactly: that explains it all
+            return stored, []
     if found and {f.kind for f in found} == {"per_row_scale"}:
         rows = row_noise(t.c64, t.o, err64, keeps_f32)
         return (rows, []) if rows is not None else (None, found)
@@ -478,6 +490,21 @@ def _noise_of(t: _Tap, err64, found, keeps_f32, context, noise_from) -> tuple[No
     if noise is None and t.kind in ("q_rope", "k_rope") and context.get("pre") is not None:
         noise = rope_angle_noise(t.full["c64"], t.full["o"], *context["pre"], t.given_mask, keeps_f32)
     return noise, found
+
+
+def _weight_noise(t: "_Tap", err64: float, x64, x_oracle, weights) -> Noise | None:
+    """storage.weight_storage at a projection whose difference starts here (its input agrees with
+    the oracle's to MATCH_SHARE of its own fp64 error: a difference carried from upstream is not
+    tried), with the reference's weights (weights() -> (arrays, bias), or None)."""
+    real = np.asarray(t.given_mask, bool)
+
+    def flat(a):
+        return _real(a, real).reshape(int(real.sum()), -1)     # [real positions, features]
+    x = flat(x64)
+    if not rel_l2(x, flat(x_oracle)) <= MATCH_SHARE * err64:
+        return None
+    found = weights()
+    return None if found is None else weight_storage(flat(t.full["c64"]), x, *found)
 
 
 # Tap kinds a matmul makes: its sums run in accum_dtype, its output is rounded once to the tap's dtype.
@@ -499,6 +526,8 @@ def judged_noise(tap: str, policy: Policy, noise: Noise) -> Noise:
         step, dtype = "carried", own
     elif noise.shape == "kv_cache":
         step, dtype = "kv_cache", kv_storage_dtype(policy)
+    elif noise.shape == "weights":
+        step, dtype = "weights", weight_storage_dtype(policy)
     elif kind in _NORM_TAPS:
         step, dtype = ("norm_stats", policy.norm_dtype) if noise.shape == "rows" else ("output", own)
     elif kind == "attn_ctx":
@@ -747,15 +776,27 @@ def settle_conventions(verdicts: list[TapVerdict]) -> None:
             _refresh(v, conv.raw)
 
 
-def context_for(tap, c64, o) -> dict:
+# A projection's output tap: (its input tap, the weight's checkpoint key after "model.layers.{i}.").
+PROJECTION_OF = {"q": ("attn_norm", "self_attn.q_proj"), "k": ("attn_norm", "self_attn.k_proj"),
+                 "v": ("attn_norm", "self_attn.v_proj"), "attn_out": ("attn_ctx", "self_attn.o_proj"),
+                 "gate": ("mlp_norm", "mlp.gate_proj"), "up": ("mlp_norm", "mlp.up_proj"),
+                 "mlp_out": ("act", "mlp.down_proj")}
+
+
+def context_for(tap, c64, o, weights=None) -> dict:
     """What classify's structure analysis needs besides the tap itself (see classify), and
     the step's own inputs on both sides (structure.tap_inputs: the activation, transposed-
-    projection, residual and swapped-projection tests)."""
+    projection, residual and swapped-projection tests). weights(key) -> (the reference's weights
+    as a port may have quantized them from: [out, in] arrays, bias or None), or None: at a
+    projection's output, "projection" holds the candidate's own input and those (storage.py)."""
     t = tapnames.tap(tap)
     layer, kind = t.layer, t.kind
     p = f"layers.{layer}."
     inputs = tap_inputs(tap, c64, o)
     out = {"inputs": inputs} if inputs else {}
+    source, key = PROJECTION_OF.get(kind, (None, None))
+    if weights is not None and source and p + source in c64 and p + source in o:
+        out["projection"] = (c64[p + source], o[p + source], lambda: weights(f"model.layers.{layer}.{key}"))
     norm_in = {"attn_norm": "embed" if not layer else f"layers.{layer - 1}.out",
                "mlp_norm": p + "resid_mid",
                "final_norm": max((t for t in o if t.endswith(".out")), default=None,
