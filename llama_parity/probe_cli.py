@@ -65,8 +65,8 @@ def add_parser(sub, common) -> None:
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--impl", action="append", help="torchref, jaxmodel, transformers (repeatable or "
                    "comma list; default torchref,jaxmodel)")
-    p.add_argument("--policy", action="append", help="preset(s) or policy strings (bf16+kv_cache=e4m3:channel), repeatable "
-                   "or comma list (default fp32)")
+    p.add_argument("--policy", action="append", help="preset(s) or policy strings (bf16+kv_cache=e4m3:channel), "
+                   "repeatable or comma list (default fp32)")
     p.add_argument("--mode", action="append", help="default, invariant (repeatable or comma list)")
     p.add_argument("--batch-invariant", action="store_true", help="same as --mode invariant")
     p.add_argument("--prompt", default=None, help=f"target prompt (default {DEFAULT_PROMPT!r}; random "
