@@ -296,7 +296,7 @@ SENSITIVITY_WINDOWS, WIDE_POLICY = 2, "fp32"      # compare.sweep.run's (a test 
 
 SWEEP_FLAGS = {"impl": "--impl", "policies": "--policies", "pair": "--pair", "window": "--window",
                "keep_wide": "--keep-wide", "wide_policy": "--wide-policy",
-               "sensitivity_windows": "--sensitivity-windows"}
+               "sensitivity_windows": "--sensitivity-windows", "stream": "--stream"}
 
 
 def _sweep_pairs(values) -> list[tuple[str, str]]:
@@ -335,7 +335,7 @@ def cmd_sweep(args) -> int:
         args.keep_wide = min(KEEP_WIDE, cfg.num_hidden_layers) if args.sensitivity_windows else 0
     try:
         check_sweep(args.impl, policies, pairs, args.window, cfg, SWEEP_FLAGS.get, args.keep_wide, args.wide_policy,
-                    args.sensitivity_windows)
+                    args.sensitivity_windows, args.stream)
     except InputError as e:
         raise UsageError(str(e)) from None
     tokens = None
@@ -349,7 +349,8 @@ def cmd_sweep(args) -> int:
     res = sweep(args.impl, folder, policies, text=text, window=args.window, max_tokens=args.max_tokens,
                 progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr, flush=True),
                 tokens=tokens, pairs=pairs, prompts=args.prompts, new_tokens=args.new_tokens,
-                keep_wide=args.keep_wide, wide_policy=args.wide_policy, sensitivity_windows=args.sensitivity_windows)
+                keep_wide=args.keep_wide, wide_policy=args.wide_policy, sensitivity_windows=args.sensitivity_windows,
+                stream=args.stream)
     for line in table(res):
         say(line)
     if json_path:
@@ -548,11 +549,13 @@ def _add_sweep_parser(sub, common) -> None:
               "percentiles and max, same top p, PPL ratio, RMS of the change in the correct token's\n"
               "probability; then the first token where greedy continuations part. Teacher forcing on the\n"
               "first windows ranks each policy's layers by their own error; --keep-wide K adds, per policy,\n"
-              "a row with its K most sensitive layers at --wide-policy, measured like the others (docs/sweep.md).",
+              "a row with its K most sensitive layers at --wide-policy, measured like the others. --stream\n"
+              "loads no model: all of them are walked together layer by layer over the checkpoint (docs/sweep.md).",
               "  llama-parity sweep                                     # SmolLM2 over docs/method.md\n"
               "  llama-parity sweep MY_HF_FOLDER --text corpus.txt --max-tokens 8192 --json sweep.json\n"
               "  llama-parity sweep --policies bf16,fp16 --pair bf16:fp16\n"
-              "  llama-parity sweep --policies bf16,bf16+weight_fp8=e4m3:block128 --keep-wide 2 --html sweep.html")
+              "  llama-parity sweep --policies bf16,bf16+weight_fp8=e4m3:block128 --keep-wide 2 --html sweep.html\n"
+              "  llama-parity sweep BIG_HF_FOLDER --policies bf16,fp16 --stream --prompts 1   # bigger than memory")
     p.add_argument("checkpoint", nargs="?", default=None, help="HF folder (default: cached SmolLM2)")
     p.add_argument("--impl", default="torchref", choices=["torchref", "jaxmodel"])
     p.add_argument("--policies", default=SWEEP_POLICIES, help="comma list of presets or policy strings, e.g. "
@@ -575,6 +578,10 @@ def _add_sweep_parser(sub, common) -> None:
                    "--sensitivity-windows 0)")
     p.add_argument("--wide-policy", metavar="POLICY", default=WIDE_POLICY, help="the policy of the layers kept wide "
                    "(default: %(default)s)")
+    p.add_argument("--stream", action="store_true", help="load no model: per window one walk over the "
+                   "checkpoint's layers runs every policy and the oracle (one layer's weights in memory at a time; "
+                   "for models bigger than memory). The greedy part then recomputes each whole sequence per new "
+                   "token (no KV cache): --new-tokens walks, each over every prompt and model")
     p.add_argument("--json", metavar="OUT", help="write the result as JSON here")
     p.add_argument("--html", metavar="OUT", help="write the HTML page here (table, KLD per policy, local error "
                    "against depth, sensitivity bars)")

@@ -54,9 +54,14 @@ class LayerErrors:
     window_top: list
 
 
+def layer_taps_of(i: int) -> list[str]:
+    """Layer i's output and the two parts of its update."""
+    return [f"layers.{i}.{t}" for t in ("out", "attn_out", "mlp_out")]
+
+
 def layer_taps(num_layers: int) -> list[str]:
-    """What a forced capture returns: every layer's output and the two parts of its update."""
-    return [f"layers.{i}.{t}" for i in range(num_layers) for t in ("out", "attn_out", "mlp_out")]
+    """What a forced capture returns: every layer's layer_taps_of."""
+    return [t for i in range(num_layers) for t in layer_taps_of(i)]
 
 
 class OracleWindow:
@@ -77,13 +82,25 @@ class OracleWindow:
             inject = {i: x.astype(numpy_dtype(dtype)) for i, x in self.inputs.items()}
             _, acts = forced_capture(self.oracle, self.tokens, None, layer_taps(self.n), inject)
             self._dtype = dtype
-            self._held = (inject, [as64(acts[f"layers.{i}.out"]) for i in range(self.n)],
-                          [_update(acts, i) for i in range(self.n)])
+            terms = [oracle_terms(acts, i) for i in range(self.n)]
+            self._held = (inject, [t[0] for t in terms], [t[1] for t in terms])
         return self._held
 
 
 def _update(acts: dict, i: int) -> np.ndarray:
     return as64(acts[f"layers.{i}.attn_out"]) + as64(acts[f"layers.{i}.mlp_out"])
+
+
+def oracle_terms(acts: dict, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """(out, update) of layer i in float64, from the oracle's taps (layer_taps) of that layer."""
+    return as64(acts[f"layers.{i}.out"]), _update(acts, i)
+
+
+def layer_sums(acts: dict, i: int, out_o: np.ndarray, update_o: np.ndarray) -> tuple[float, ...]:
+    """Layer i's SUMS: the policy's taps `acts` against the oracle's (out, update) (oracle_terms),
+    both from the same input."""
+    return (_sq(_update(acts, i) - update_o), _sq(update_o), _sq(out_o),
+            _sq(as64(acts[f"layers.{i}.out"]) - out_o))
 
 
 def _sq(x: np.ndarray) -> float:
@@ -105,15 +122,16 @@ class LayerAccumulator:
         to the policy's residual dtype, as the oracle's run it is compared with)."""
         inject, outs, updates = oracle.at(model.policy.residual_dtype)
         _, acts = forced_capture(model, oracle.tokens, None, layer_taps(self.n), inject)
-        one = {k: np.zeros(self.n) for k in SUMS}
-        for i in range(self.n):
-            one["du"][i], one["u"][i] = _sq(_update(acts, i) - updates[i]), _sq(updates[i])
-            one["out"][i], one["dout"][i] = _sq(outs[i]), _sq(as64(acts[f"layers.{i}.out"]) - outs[i])
+        self.add_window([layer_sums(acts, i, outs[i], updates[i]) for i in range(self.n)], oracle.tokens.shape[1])
+
+    def add_window(self, rows: list, tokens: int) -> None:
+        """One window's layer_sums, a row per layer (the streamed sweep makes them layer by layer)."""
+        one = {k: np.array([row[j] for row in rows], np.float64) for j, k in enumerate(SUMS)}
         for k in SUMS:
             self.sums[k] += one[k]
         self.window_top.append(rank(_stream(one))[:self.top])
         self.windows += 1
-        self.tokens += oracle.tokens.shape[1]
+        self.tokens += tokens
 
     def result(self) -> LayerErrors:
         s = self.sums

@@ -16,6 +16,11 @@ Before the windows, on the first `sensitivity_windows` windows, every policy's l
 layer (teacher forcing, compare.sweep.layers) ranks its layers; with keep_wide=K, each policy
 that is not already as wide as `wide` gets a row of its own: the policy with its K most sensitive
 layers computed by `wide`, measured over the text like the others.
+
+stream=True (compare.sweep.stream): no model is loaded; every model is a CheckpointModel and each
+window is one walk over the checkpoint's layers for all of them (one layer's weights held at a
+time), the local errors a walk of their own per measured window, and the greedy continuations
+one walk per new token (no KV cache). The same numbers as the loaded path (tests/test_sweep_stream.py).
 """
 
 from __future__ import annotations
@@ -27,17 +32,19 @@ from pathlib import Path
 import numpy as np
 
 from llamaspec import LlamaConfig, Policy
-from llamaspec.budget import MAX_TEXT_BYTES, check_tokens, read_bounded
+from llamaspec.budget import MAX_TEXT_BYTES, check_bytes, check_tokens, read_bounded
 from llamaspec.errors import InputError, PolicyError
 from llamaspec.files import repo_root
 from llamaspec.tokenizer import Tokenizer
 
 from ..adapters import OurModel
+from ..adapters.streaming import CheckpointModel
 from ..environment import environment
 from ..report.sweep import write_html
 from ..results import JsonResult
 from .layers import LayerAccumulator, LayerErrors, OracleWindow, suggest
 from .measures import Accumulator, Measures, log_probs
+from .stream import Streamer, streamer
 
 IMPLS = ("torchref", "jaxmodel")
 ORACLE = "fp64"
@@ -86,6 +93,7 @@ class SweepResult(JsonResult):
     keep_wide: int = 0
     wide_policy: str = WIDE_POLICY
     sensitivity_windows: int = 0    # windows the local errors were measured on
+    stream: bool = False            # every model walked layer by layer over the checkpoint, none loaded
 
     def to_html(self, path) -> Path:
         """The HTML page (compare.report.sweep), written atomically."""
@@ -118,10 +126,11 @@ def windows_of(ids: np.ndarray, window: int) -> list[np.ndarray]:
 
 
 def check_sweep(impl, policies, pairs, window, cfg: LlamaConfig, arg=lambda name: name, keep_wide: int = 0,
-                wide=WIDE_POLICY, sensitivity_windows: int = SENSITIVITY_WINDOWS) -> list[tuple[str, str]]:
+                wide=WIDE_POLICY, sensitivity_windows: int = SENSITIVITY_WINDOWS,
+                stream: bool = False) -> list[tuple[str, str]]:
     """The sweep's arguments checked before any model loads (InputError naming each by
     arg(name): the API's "policies", "pair", "window", "keep_wide", "wide_policy",
-    "sensitivity_windows"; the CLI's flags): the (candidate, base) pairs to measure, every
+    "sensitivity_windows", "stream"; the CLI's flags): the (candidate, base) pairs to measure, every
     policy against the oracle first. policies: names (presets, policy strings) or Policy objects."""
     if impl not in IMPLS:
         raise InputError(f"{arg('impl')} {impl}: unknown implementation (one of {', '.join(IMPLS)})")
@@ -154,7 +163,21 @@ def check_sweep(impl, policies, pairs, window, cfg: LlamaConfig, arg=lambda name
         raise InputError(f"{arg('window')} {window}: a window needs at least 2 tokens (a position and its next)")
     check_tokens(1, window, cfg.max_position_embeddings, cfg.vocab_size, f"{arg('window')} {window}")
     _check_layers_args(keep_wide, wide, sensitivity_windows, n, arg)
+    _check_stream(stream, len(policies), keep_wide > 0, window, cfg, arg)
     return out
+
+
+def _check_stream(stream, policies: int, suggested: bool, window: int, cfg: LlamaConfig, arg) -> None:
+    """stream a bool; streamed, one window's logits of every model at once (the oracle, the
+    policies and, where suggested, as many mixed ones) within this machine's memory, as float64."""
+    if not isinstance(stream, bool):
+        raise InputError(f"{arg('stream')} {stream!r}: True or False")
+    if stream:
+        models = 1 + policies * (2 if suggested else 1)
+        check_bytes(models * window * cfg.vocab_size * 8,
+                    f"{arg('stream')} with {arg('window')} {window} and {models} models (fp64, the policies"
+                    f"{' and their suggested rows' if suggested else ''}): one window's logits of every model, "
+                    "held at once by a streamed walk, counted as float64", InputError)
 
 
 def _policy(p, what: str) -> Policy:
@@ -183,7 +206,7 @@ def _check_layers_args(keep_wide, wide, sensitivity_windows, n: int, arg) -> Pol
 def sweep(impl: str, checkpoint, policies, text: str | None = None, window: int = 512,
           max_tokens: int | None = None, progress=None, tokens=None, pairs=(), prompts: int = 4,
           prompt_tokens: int = 32, new_tokens: int = 32, keep_wide: int = 0, wide_policy=WIDE_POLICY,
-          sensitivity_windows: int = SENSITIVITY_WINDOWS) -> SweepResult:
+          sensitivity_windows: int = SENSITIVITY_WINDOWS, stream: bool = False) -> SweepResult:
     """Each policy of `impl` ("torchref" or "jaxmodel") against the fp64 oracle, and each
     (candidate, base) of `pairs` (policy names) against each other, over a text (the module
     docstring). policies: preset names, policy strings ("bf16+kv_cache=e4m3:channel") or Policy
@@ -195,14 +218,15 @@ def sweep(impl: str, checkpoint, policies, text: str | None = None, window: int 
     tokens (the starts of the first windows), `new_tokens` each (0 prompts: none).
     sensitivity_windows: the local error per layer measured on that many first windows (0: not
     measured); keep_wide: per policy, a row for it with its that many most sensitive layers
-    computed by `wide_policy` (0: none)."""
+    computed by `wide_policy` (0: none). stream: no model loaded, every one walked layer by layer
+    over the checkpoint (compare.sweep.stream; the greedy part then costs new_tokens walks)."""
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
     checkpoint = str(checkpoint)
     cfg = LlamaConfig.from_file(Path(checkpoint) / "config.json")
     given = [Policy.get(p) for p in policies]     # a PolicyError names an unknown preset
     pairs = check_sweep(impl, given, [tuple(p) for p in pairs], window, cfg, keep_wide=keep_wide, wide=wide_policy,
-                        sensitivity_windows=sensitivity_windows)
+                        sensitivity_windows=sensitivity_windows, stream=stream)
     chosen = {p.name: p for p in given}
     policies = list(chosen)
     wide = Policy.get(wide_policy)
@@ -212,35 +236,57 @@ def sweep(impl: str, checkpoint, policies, text: str | None = None, window: int 
     chunks = windows_of(ids, window)
     if not chunks:
         raise InputError(f"{source}: {len(ids)} token(s), fewer than the 2 a window needs")
-    models = {}
-    for name in (ORACLE, *policies):
+    walker = _streamer(impl, checkpoint, {ORACLE: Policy.get(ORACLE), **chosen}, say) if stream else None
+    models = walker.models if stream else {}
+    for name in () if stream else (ORACLE, *policies):
         say(f"loading {impl} at {name}")
         models[name] = OurModel.load(impl, checkpoint, chosen.get(name, name))
     measured = chunks[:sensitivity_windows]
-    layers = _sensitivity(models, policies, measured, max(keep_wide, 3), say) if measured else {}
-    suggested = []
-    for name in policies:
-        made = suggest(chosen[name], layers[name], keep_wide, wide) if measured else None
-        if made and made[0].name not in models:
-            say(f"loading {impl} at {made[0].name} (its {len(made[0].kept)} most sensitive layers at {wide.name})")
-            models[made[0].name] = OurModel.load(impl, checkpoint, made[1])
-            suggested.append(made[0])
+    layers = _sensitivity(models, policies, measured, max(keep_wide, 3), say, walker) if measured else {}
+    suggested = _suggested(impl, checkpoint, chosen, layers, keep_wide, wide, models, walker, say) if measured else []
     if suggested:
-        layers.update(_sensitivity(models, [s.name for s in suggested], measured, max(keep_wide, 3), say))
+        layers.update(_sensitivity(models, [s.name for s in suggested], measured, max(keep_wide, 3), say, walker))
     direct = [(p, ORACLE) for name in policies for p in (name, *(s.name for s in suggested if s.policy == name))]
     pairs = direct + pairs[len(policies):]
     swept = [p for p, _ in direct]
     t1 = time.perf_counter()
     accs, secs = _windows(models, chunks, pairs, len(direct), lambda done, w: say(
         f"window {w}/{len(chunks)}: {done}/{len(ids)} tokens, {time.perf_counter() - t0:.0f} s, "
-        f"ETA {(time.perf_counter() - t1) / done * (len(ids) - done):.0f} s"))
-    greedy = _greedy(models, swept, chunks, prompts, prompt_tokens, new_tokens, say)
+        f"ETA {(time.perf_counter() - t1) / done * (len(ids) - done):.0f} s"), walker)
+    greedy = _greedy(models, swept, chunks, prompts, prompt_tokens, new_tokens, say, walker)
     rows = [Row(c, b, accs[(c, b)].result()) for c, b in pairs]
     secs = {"total": time.perf_counter() - t0, **{f"{n} forward": s for n, s in secs.items()}}
+    if stream:
+        secs["reading"] = walker.reader.seconds
     env = environment(ORACLE, uses_jax=impl == "jaxmodel", sides=models)
     return SweepResult(impl, checkpoint, source, window, len(ids), len(chunks), list(policies), rows, greedy,
                        min(prompt_tokens, window) if greedy else 0, secs, env,
-                       [layers[p] for p in swept if p in layers], suggested, keep_wide, wide.name, len(measured))
+                       [layers[p] for p in swept if p in layers], suggested, keep_wide, wide.name, len(measured),
+                       stream)
+
+
+def _suggested(impl, checkpoint, chosen: dict, layers: dict, keep_wide: int, wide: Policy, models: dict,
+               walker: Streamer | None, say) -> list:
+    """Per policy its suggested mixed policy (layers.suggest), loaded into `models` (or added to the
+    walker); the Suggestions made."""
+    out = []
+    for name, policy in chosen.items():
+        made = suggest(policy, layers[name], keep_wide, wide)
+        if made and made[0].name not in models:
+            what = f"{made[0].name} (its {len(made[0].kept)} most sensitive layers at {wide.name})"
+            say(f"{'streaming' if walker else 'loading'} {impl} at {what}")
+            if walker is not None:
+                walker.add(made[0].name, CheckpointModel(impl, checkpoint, made[1]))
+            else:
+                models[made[0].name] = OurModel.load(impl, checkpoint, made[1])
+            out.append(made[0])
+    return out
+
+
+def _streamer(impl, checkpoint, policies: dict, say) -> Streamer:
+    say(f"streaming {impl} at {', '.join(policies)}: no model loaded, each walked layer by layer over "
+        f"{checkpoint}")
+    return streamer(impl, checkpoint, policies)
 
 
 def _token_ids(checkpoint, cfg, text, tokens) -> tuple[np.ndarray, str]:
@@ -252,19 +298,23 @@ def _token_ids(checkpoint, cfg, text, tokens) -> tuple[np.ndarray, str]:
     return ids, f"{np.size(tokens)} token ids given"
 
 
-def _sensitivity(models, names, chunks, top: int, say) -> dict[str, LayerErrors]:
+def _sensitivity(models, names, chunks, top: int, say, walker: Streamer | None = None) -> dict[str, LayerErrors]:
     """Per policy of `names`, its local error per layer over `chunks` (teacher forcing, per window:
     the oracle's capture, its forced capture per residual dtype and one per policy;
-    compare.sweep.layers)."""
+    compare.sweep.layers); with a walker, the same runs layer by layer, one walk per window."""
     n = models[ORACLE].cfg.num_hidden_layers
     names = sorted(names, key=lambda name: models[name].policy.residual_dtype)   # one oracle rerun per dtype
     accs = {name: LayerAccumulator(name, n, top) for name in names}
     t0 = time.perf_counter()
     for w, chunk in enumerate(chunks):
-        oracle = OracleWindow(models[ORACLE], chunk, n)
-        for name in names:
-            accs[name].add(models[name], oracle)
-        del oracle
+        if walker is not None:
+            for name, rows in walker.layer_sums(ORACLE, names, chunk).items():
+                accs[name].add_window(rows, len(chunk))
+        else:
+            oracle = OracleWindow(models[ORACLE], chunk, n)
+            for name in names:
+                accs[name].add(models[name], oracle)
+            del oracle
         took = time.perf_counter() - t0
         what = f"{len(names)} polic{'y' if len(names) == 1 else 'ies'}, teacher forcing"
         say(f"local error per layer, window {w + 1}/{len(chunks)} ({what}): {took:.0f} s, "
@@ -272,19 +322,22 @@ def _sensitivity(models, names, chunks, top: int, say) -> dict[str, LayerErrors]
     return {name: acc.result() for name, acc in accs.items()}
 
 
-def _windows(models, chunks, pairs, direct: int, tick):
+def _windows(models, chunks, pairs, direct: int, tick, walker: Streamer | None = None):
     """Every model on every window; each window's log-probabilities fed to the pairs' accumulators
     and dropped (the first `direct` pairs are policy vs oracle, the rest kept until the window's
-    end). Returns the accumulators and each model's forward seconds; tick(tokens done, window)."""
+    end). Returns the accumulators and each model's forward seconds; tick(tokens done, window).
+    With a walker, one walk per window gives every model's logits, handed out one at a time."""
     accs = {pair: Accumulator() for pair in pairs}
     keep = {side for pair in pairs[direct:] for side in pair}
     secs = dict.fromkeys(models, 0.0)
+    before = dict(walker.seconds) if walker is not None else None
     done = 0
     for w, chunk in enumerate(chunks):
         lps = {}
+        forward = walker.window(chunk).pop if walker is not None else None
         for name, model in models.items():     # the oracle first
             t = time.perf_counter()
-            logits = model(chunk[None, :])
+            logits = forward(name) if forward else model(chunk[None, :])
             secs[name] += time.perf_counter() - t
             lps[name] = log_probs(logits[0, :-1])
             del logits
@@ -294,29 +347,37 @@ def _windows(models, chunks, pairs, direct: int, tick):
                     del lps[name]
         for cand, base in pairs[direct:]:
             accs[(cand, base)].add(lps[base], lps[cand], chunk[1:])
-        del lps
+        del lps, forward
         done += len(chunk)
         tick(done, w + 1)
+    if walker is not None:      # the walks' own time per model
+        secs = {name: walker.seconds[name] - before.get(name, 0.0) for name in models}
     return accs, secs
 
 
-def _greedy(models, policies, chunks, prompts, prompt_tokens, new_tokens, say) -> list[Divergence]:
+def _greedy(models, policies, chunks, prompts, prompt_tokens, new_tokens, say,
+            walker: Streamer | None = None) -> list[Divergence]:
     """Per policy, the first index where its greedy continuation of each prompt parts from the
-    oracle's (EOS does not stop a continuation: both run `new_tokens` steps)."""
+    oracle's (EOS does not stop a continuation: both run `new_tokens` steps). With a walker, each
+    step is one walk of every (prompt, model) over its whole sequence (no KV cache)."""
     starts = [c[:prompt_tokens] for c in chunks[:prompts] if len(c) >= 1]
     if not starts or new_tokens < 1:
         return []
-    say(f"greedy: {len(starts)} prompt(s) of {len(starts[0])} tokens, {new_tokens} new tokens each")
-
-    def run(name, ids):
-        return np.asarray(models[name].generate(ids[None, :], max_new_tokens=new_tokens, eos_token_ids=[]))[0]
-
-    oracle = [run(ORACLE, s) for s in starts]
+    say(f"greedy: {len(starts)} prompt(s) of {len(starts[0])} tokens, {new_tokens} new tokens each"
+        + (f" (streamed: {new_tokens} walks of {len(starts) * (1 + len(policies))} sequences, no KV cache)"
+           if walker is not None else ""))
+    if walker is not None:
+        t0 = time.perf_counter()
+        conts = walker.greedy([ORACLE, *policies], starts, new_tokens, lambda step: say(
+            f"greedy step {step}/{new_tokens}: {time.perf_counter() - t0:.0f} s, "
+            f"ETA {(time.perf_counter() - t0) / step * (new_tokens - step):.0f} s"))
+    else:
+        conts = {name: [np.asarray(models[name].generate(s[None, :], max_new_tokens=new_tokens, eos_token_ids=[]))[0]
+                        for s in starts] for name in (ORACLE, *policies)}
     out = []
     for name in policies:
         idx = []
-        for s, ref in zip(starts, oracle):
-            got = run(name, s)
+        for got, ref in zip(conts[name], conts[ORACLE]):
             differ = np.flatnonzero(got != ref)
             idx.append(int(differ[0]) if differ.size else None)
         out.append(Divergence(name, idx, new_tokens))
