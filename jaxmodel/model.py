@@ -380,7 +380,7 @@ class Llama(nnx.Module):
         else:
             for i, block in enumerate(self.layers):
                 if inject and i in inject:
-                    h = inject[i].astype(residual)
+                    h = inject[i]       # rounded to the layer's residual dtype by the block, as any input
                 h, cache = block(h, ctxs[i], rec.layer(i), cache, i)
         x = rec("final_norm", self.norm(h.astype(residual), policy))
         if last is not None:
@@ -401,21 +401,20 @@ class Llama(nnx.Module):
         h (a select, so exact). ctxs: each layer's Context (the same policy in each, where one
         scan runs them).
         """
-        n_layers, resid = self.cfg.num_hidden_layers, of(self.policy.residual_dtype)
+        n_layers = self.cfg.num_hidden_layers
         graphdef = nnx.graphdef(scan_block(self.layers[0]))
         names = frozenset(t.split(".", 2)[2] for t in taps if t.startswith("layers."))
         if not self.same_blocks():
             return self._loop_layers(h, ctxs, names, inject)
         ctx = ctxs[0]
-        # the carry in the blocks' residual dtype, as each block casts its input (exact where the
-        # base's is narrower; the base's rounding first where it is wider, as unrolled)
+        # the carry in the blocks' residual dtype, as each block casts its input (an injected state too)
         layer_resid = of(ctx.policy.residual_dtype)
         h = h.astype(layer_resid)
         if stacked is None:
             stacked = stack_layers(self)
         forced_on = np.zeros(n_layers, bool)
         forced_on[list(inject or ())] = True
-        forced = (jnp.stack([inject[i].astype(resid).astype(layer_resid) if i in inject else jnp.zeros_like(h)
+        forced = (jnp.stack([inject[i].astype(layer_resid) if i in inject else jnp.zeros_like(h)
                              for i in range(n_layers)]) if inject else None)
 
         dtypes = {}
@@ -447,10 +446,10 @@ class Llama(nnx.Module):
         layer's seams; per-layer policies), which one scan cannot run: the blocks one after the
         other, the per-layer taps stacked as the scan stacks them, or, where the layers' taps
         differ in dtype (per-layer policies), a tuple of them, one per layer, each in its dtype."""
-        resid, per_layer = of(self.policy.residual_dtype), []
+        per_layer = []
         for i, block in enumerate(self.layers):
             if inject and i in inject:
-                h = inject[i].astype(resid)
+                h = inject[i]
             rec = Recorder(names)
             h, _ = block(h, ctxs[i], rec, None, i)
             per_layer.append(rec.acts)
@@ -565,8 +564,8 @@ class LayerRunner:
         graphdef, state = nnx.split(block)
         names = tuple(sorted({tapnames.parse(t)[1] for t in taps} | {"out"}))
         tables, allowed = self.tables
-        # h in the base's residual dtype (on the host), then in the layer's (as Block casts it)
-        acts = _block_program(graphdef, p, names)(state, jnp.asarray(to_residual(h, self.policy)),
+        # h in the layer's residual dtype (on the host), as Block casts any input
+        acts = _block_program(graphdef, p, names)(state, jnp.asarray(to_residual(h, p)),
                                                   *tables[p.rope_dtype], allowed)
         return {f"layers.{i}.{n}": np.asarray(a) for n, a in acts.items()}
 
@@ -760,6 +759,7 @@ class LlamaModel:
         self.batch_invariant: bool = module.batch_invariant
         self.plan: Plan = module.plan   # how it computes: backend, machine, a choice per op (plan.py)
         self.layout: MeshLayout | None = module.layout   # None: one device (sharding.py)
+        self.layer_policies = module.layer_policies       # each layer's policy (per-layer overrides)
         self.graphdef, self.state = nnx.split(module)
         self._forward, self._prefill, self._decode = _programs(self.graphdef, self.batch_invariant)
         self._stack = (None, None)    # (the state it was built from, stack_layers of it or None)
@@ -800,8 +800,9 @@ class LlamaModel:
         return tuple(map(self._put, (run.ids, run.mask, run.positions)))
 
     def _forced(self, forced: dict, run: Layout | None = None) -> dict:
-        """inject's states in the residual dtype (rounded on the host), placed."""
-        states = {i: to_residual(x if run is None else run.place(x), self.policy) for i, x in forced.items()}
+        """inject's states in their layer's residual dtype (rounded on the host), placed."""
+        states = {i: to_residual(x if run is None else run.place(x), self.layer_policies[i])
+                  for i, x in forced.items()}
         return {i: jnp.asarray(x) if self.layout is None else self._put(x) for i, x in states.items()}
 
     @property

@@ -269,7 +269,8 @@ class Llama(nn.Module):
         """Embedding -> blocks -> final norm -> lm_head; returns (logits, {tap: activation}, cache).
 
         ids, positions [B, T]; allowed [B, T, S]. last [B]: logits for slot last[b] of each
-        row only. inject {i: h}: teacher forcing, layer i's input is replaced by h.
+        row only. inject {i: h}: teacher forcing, layer i's input is replaced by h
+        (rounded to that layer's residual dtype, as the block rounds any input).
         """
         policy = self.policy
         residual = dt(policy.residual_dtype)
@@ -280,7 +281,7 @@ class Llama(nn.Module):
             cache = cache._replace(index=torch.as_tensor(cache.index, device=ids.device))   # once per call
         for i, block in enumerate(self.layers):
             if inject and i in inject:
-                h = inject[i].to(residual)
+                h = inject[i]       # rounded to the layer's residual dtype by the block, as any input
             h, cache = block(h, ctxs[i], rec.layer(i), cache, i)
         x = rec("final_norm", self.norm(cast(h, residual), policy))
         if last is not None:
@@ -510,7 +511,7 @@ class LayerRunner:
     (compare.ladder.stream). The same modules and steps as Llama.forward: a weightless
     Llama whose one block, final norm and lm_head chunk get their weights installed
     (rounded as Llama rounds them) for the call and dropped after it. Arrays in and
-    out are numpy; a hidden state given back to `block` is used as is (the residual dtype).
+    out are numpy; a hidden state given to `block` is rounded to that layer's residual dtype.
     backend: reference or fast (the invariant backend needs the canonical layout: an error)."""
 
     def __init__(self, cfg: LlamaConfig, policy: str | Policy, device: str | None = None, backend: str = "fast"):
@@ -555,7 +556,7 @@ class LayerRunner:
         rec = Recorder({*taps, f"layers.{i}.out"})
         try:
             with check_matmul_settings(self.policy, m.device):
-                block(self._residual(self._tensor(h)), self.ctxs[i], rec.layer(i))
+                block(self._tensor(h), self.ctxs[i], rec.layer(i))     # the block rounds h to its residual dtype
         finally:
             for key in shapes:
                 m._set(key, _weight(*shapes[key]))
