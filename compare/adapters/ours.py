@@ -13,7 +13,7 @@ import numpy as np
 
 from llamaspec import Policy
 from llamaspec import taps as tapnames
-from llamaspec.checkpoint import validated
+from llamaspec.checkpoint import layer_of_key, numpy_dtype, validated
 
 PACKAGES = ("torchref", "jaxmodel")
 
@@ -128,19 +128,24 @@ class OurModel:
 
     def weight_sources(self, key: str):
         """([the weights a port may have quantized projection `key` ("model.layers.{i}.mlp.up_proj")
-        from: the checkpoint's own values, where the folder is known, and this model's rounding of
-        them to param_dtype], its bias or None), for the judge's stored-weights test
+        from: the checkpoint's own values and their rounding to the layer's param_dtype, or without
+        a folder the model's own], its bias or None), for the judge's stored-weights test
         (compare.judge.storage); None for a key the model lacks. Read on first use."""
-        if self._weights is None:
-            self._weights = self.model.weights()
-            self._ckpt = validated(self.checkpoint) if self.checkpoint is not None else None
-        w = self._weights.get(key + ".weight")
-        if w is None:
+        if self.checkpoint is None:
+            if self._weights is None:
+                self._weights = self.model.weights()
+            w = self._weights.get(key + ".weight")
+            return None if w is None else ([w], self._weights.get(key + ".bias"))
+        if self._ckpt is None:
+            self._ckpt = validated(self.checkpoint)
+        if key + ".weight" not in self._ckpt.keys():
             return None
-        sources = [w]
-        if self._ckpt is not None and key + ".weight" in self._ckpt.keys():
-            sources.insert(0, self._ckpt.read_rows(key + ".weight"))
-        return sources, self._weights.get(key + ".bias")
+        layer = layer_of_key(key + ".weight")
+        policy = self.policy if layer is None else self.policy.for_layer(layer, self.cfg.num_hidden_layers)
+        raw = self._ckpt.read_rows(key + ".weight")
+        bias = self._ckpt.read_rows(key + ".bias") if key + ".bias" in self._ckpt.keys() else None
+        param = numpy_dtype(policy.param_dtype)
+        return [raw, raw.astype(param)], None if bias is None else bias.astype(param)
 
     def float64(self, rounded_weights: bool = False) -> "OurModel":
         """The same implementation computing in float64: over the checkpoint's values when

@@ -190,6 +190,7 @@ class CheckpointModel(OurModel):
         self._cfg = check_checkpoint(checkpoint).config
         self.taps = tuple(tapnames.all_taps(self._cfg.num_hidden_layers))
         self._model = self._plan = None
+        self._weights = self._ckpt = None      # OurModel.weight_sources' reads, on first use
 
     @property
     def model(self):
