@@ -30,6 +30,13 @@ from .errors import PolicyError
 # invariant: batch-invariant by construction (the fixed-order kernels; docs/invariance.md).
 BACKENDS = ("reference", "fast", "invariant")
 
+# The invariant backend's two implementations: "kernels" (llamaspec/fixed_order.h through ctypes /
+# XLA's FFI: CPU code, the faster one where it builds) and "portable" (llamaspec.portable's element
+# programs and products at one fixed shape: any device torch or XLA runs on). auto: kernels on a CPU
+# where they build, portable elsewhere. Each model's plan reads it (setting()) and records its choice.
+INVARIANT_ENV = "LLAMA_PARITY_INVARIANT"
+INVARIANT_PATHS = ("auto", "kernels", "portable")
+
 # The ops a plan says something about, in both models (a backend's choice for each, or
 # "reference" where it runs the reference's).
 OPS = ("products", "logits", "attention", "rope", "norm", "mlp", "cache")
