@@ -7,12 +7,20 @@ code path, the settings read, a choice per op). The models decide; this module o
 their plans, so a dispatch rule lives in one place. A number that differs between two
 machines is often explained by one of these lines (JAX's TF32 default on GPU, XLA_FLAGS set
 in a shell profile, another backend, a different MKL thread count).
+
+determinism_settings() is the part of it that decides a GPU's numbers: whether they repeat run
+to run and which kernels make them (XLA:GPU's flags, cuBLAS' workspace, TF32, torch's
+deterministic algorithms, cuDNN's choices, the 16-bit reductions, JAX's default matmul
+precision). It is one record, recorded by environment() (so in every report) and by the
+run-to-run checks themselves; on a machine without a GPU its values are recorded as they are
+and its "gpu settings" line says they decide nothing there.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import re
 from importlib.metadata import PackageNotFoundError, version
 
 from llamaspec import Policy, fixed_order
@@ -53,16 +61,117 @@ def cpu() -> dict:
 
 
 def _torch_settings() -> dict:
-    """torch's threads and the process's matmul settings (torchref checks them against the policy
-    at each call and never changes them)."""
+    """torch's threads and the CPU's matmul setting (the CUDA ones are determinism_settings')."""
     import torch  # torch: slow import; `import compare` must not load it
-    mm, cpu_mm = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
     return {"torch threads": torch.get_num_threads(),
             "torch cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
-            "torch cuda matmul fp32_precision": mm.fp32_precision,
-            "torch cpu matmul fp32_precision": cpu_mm.fp32_precision,
-            "torch bf16 reduced-precision reduction": mm.allow_bf16_reduced_precision_reduction,
-            "torch fp16 reduced-precision reduction": mm.allow_fp16_reduced_precision_reduction}
+            "torch cpu matmul fp32_precision": torch.backends.mkldnn.matmul.fp32_precision}
+
+
+# XLA:GPU's flags that decide whether a program's numbers repeat and which kernels make them:
+# deterministic ops (no atomics; scatter and reductions in a fixed order), excluding the ops that
+# have no deterministic form, autotuning (kernels chosen by timing), Triton's GEMMs (its own tiles
+# and split-K) in place of cuBLAS'.
+XLA_DETERMINISM_FLAGS = ("--xla_gpu_deterministic_ops", "--xla_gpu_exclude_nondeterministic_ops",
+                         "--xla_gpu_autotune_level", "--xla_gpu_enable_triton_gemm")
+# Any other XLA:GPU flag that names a library or a kernel choice is called out as well.
+_XLA_KERNEL_FLAG = re.compile(r"xla_gpu_\w*(cublas|cudnn|triton|autotun|determin|split_k|tf32)")
+# Variables the CUDA libraries (and torch, TensorFlow's XLA heritage) read themselves: cuBLAS'
+# workspace (":4096:8" or ":16:8": reproducible cuBLAS), NVIDIA's global TF32 switch.
+CUDA_DETERMINISM_ENV = ("CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+                        "TF_CUDNN_DETERMINISTIC", "TF_DETERMINISTIC_OPS")
+UNSET = "(unset)"
+NO_GPU = ("no GPU: the CUDA, cuBLAS, cuDNN and XLA:GPU settings here are recorded as set and decide "
+          "nothing on this machine")
+
+
+def xla_flags(flags: str | None = None) -> dict[str, str]:
+    """$XLA_FLAGS (or `flags`) as {--name: value} (a bare --name is "true"; the last one given wins)."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    out = {}
+    for word in flags.split():
+        name, _, value = word.partition("=")
+        if name.startswith("--"):
+            out[name] = value if "=" in word else "true"
+    return out
+
+
+def _torch_determinism() -> dict:
+    """torch's process-wide settings that choose CUDA kernels and their rounding (read, never set)."""
+    import torch  # torch: slow import; `import compare` must not load it
+    mm, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    out = {"torch cuda matmul fp32_precision": mm.fp32_precision,
+           # the legacy flag is readable only while the new API is left at "none" (torch refuses a mix)
+           "torch cuda matmul allow_tf32": (mm.allow_tf32 if mm.fp32_precision == "none"
+                                            else "(set through fp32_precision)"),
+           "torch cudnn fp32_precision": cudnn.fp32_precision,
+           "torch cudnn allow_tf32": cudnn.allow_tf32 if cudnn.fp32_precision == "none" else
+           "(set through fp32_precision)",
+           "torch bf16 reduced-precision reduction": mm.allow_bf16_reduced_precision_reduction,
+           "torch fp16 reduced-precision reduction": mm.allow_fp16_reduced_precision_reduction}
+    if hasattr(mm, "allow_fp16_accumulation"):
+        out["torch fp16 accumulation"] = mm.allow_fp16_accumulation
+    enabled = torch.are_deterministic_algorithms_enabled()
+    out["torch deterministic algorithms"] = (("on, warn only" if torch.is_deterministic_algorithms_warn_only_enabled()
+                                              else "on") if enabled else "off")
+    out.update({"torch cudnn enabled": cudnn.enabled, "torch cudnn deterministic": cudnn.deterministic,
+                "torch cudnn benchmark": cudnn.benchmark,
+                "torch preferred blas library": torch.backends.cuda.preferred_blas_library().name})
+    sdpa = {"flash": torch.backends.cuda.flash_sdp_enabled(), "mem_efficient":
+            torch.backends.cuda.mem_efficient_sdp_enabled(), "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+            "math": torch.backends.cuda.math_sdp_enabled()}
+    out["torch sdpa backends enabled"] = ", ".join(k for k, on in sdpa.items() if on) or "none"
+    return out
+
+
+def _jax_determinism() -> dict:
+    check_xla_flags()       # before JAX starts: XLA ends the process on a flag it does not know
+    import jax  # slow import, and only after the flags are checked
+    precision = jax.config.jax_default_matmul_precision
+    return {"jax backend": jax.default_backend(),
+            "jax_default_matmul_precision": str(precision) if precision is not None else
+            "unset (XLA's DEFAULT for a product that states none: TF32-class f32 products on a GPU)"}
+
+
+def _gpu(uses_jax: bool) -> str | None:
+    """The GPU torch or (uses_jax) JAX computes on here, or None."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    if uses_jax:
+        check_xla_flags()
+        import jax
+        if jax.default_backend() not in ("cpu", "tpu"):
+            return str(jax.devices()[0].device_kind)
+    return None
+
+
+def determinism_settings(uses_jax: bool = True) -> dict:
+    """Flat {name: value} (JSON-safe) of what decides a GPU's numbers here, as set in this process
+    (read only: nothing is changed): XLA_FLAGS whole and its determinism flags by name, the
+    variables CUDA's libraries read (CUBLAS_WORKSPACE_CONFIG, ...), torch's TF32 state, its
+    deterministic-algorithms flag (and warn-only), cuDNN's deterministic / benchmark, the 16-bit
+    reduced-precision reductions, torch's BLAS and attention kernels, JAX's default matmul precision
+    (uses_jax). The backend plan is each model's (environment records it). Without a GPU the values
+    are recorded as they are, and "gpu settings" says so."""
+    gpu = _gpu(uses_jax)
+    flags = xla_flags()
+    out = {"gpu settings": f"apply: {gpu}" if gpu else NO_GPU,
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", UNSET)}
+    out.update({f"XLA_FLAGS {name}": flags.get(name, "unset (XLA's default)") for name in XLA_DETERMINISM_FLAGS})
+    others = [f"{k}={v}" for k, v in flags.items() if k not in XLA_DETERMINISM_FLAGS and _XLA_KERNEL_FLAG.search(k)]
+    out["XLA_FLAGS other GPU kernel flags"] = ", ".join(others) or "none"
+    out.update({name: os.environ.get(name, UNSET) for name in CUDA_DETERMINISM_ENV})
+    try:
+        out.update(_torch_determinism())
+    except ImportError:
+        out["torch"] = "not installed"
+    if uses_jax:
+        out.update(_jax_determinism())
+    return out
 
 
 def _jax_settings() -> dict:
@@ -71,8 +180,7 @@ def _jax_settings() -> dict:
     import jax
 
     from jaxmodel.dtypes import compiler_options
-    return {"jax backend": jax.default_backend(),
-            "jax devices": ", ".join(str(d) for d in jax.devices()),
+    return {"jax devices": ", ".join(str(d) for d in jax.devices()),
             "jax_enable_x64": bool(jax.config.jax_enable_x64),
             "jaxmodel compiler options": ", ".join(f"{k}={v}" for k, v in compiler_options().items())}
 
@@ -106,8 +214,8 @@ def environment(policy, uses_jax: bool = True, sides: dict | None = None) -> dic
     env = {"python": platform.python_version(), "platform": platform.platform(),
            "cpu count": os.cpu_count(), **cpu()}
     env.update({pkg: _version(pkg) for pkg in PACKAGES})
-    env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "(unset)")
     env.update(_torch_settings())
+    env.update(determinism_settings(uses_jax))
     if uses_jax:
         env.update(_jax_settings())
     plans = default_plans(policy, uses_jax) if sides is None else {
