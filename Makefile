@@ -42,20 +42,15 @@ CAP_TESTS := tests/test_fixed_order.py tests/test_batch_invariant.py tests/test_
 	tests/test_torchref_products.py tests/test_torchref_attention.py tests/test_kernel_attention.py \
 	tests/test_torchref_step.py tests/test_jaxmodel_matvec.py tests/test_backends.py tests/test_policy_knobs.py \
 	tests/test_policy_knobs_jax.py
-CAP_avx512 := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE MKL_ENABLE_INSTRUCTIONS=AVX512 \
-	LLAMA_PARITY_KERNEL_ISA=avx512 XLA_FLAGS=--xla_cpu_max_isa=AVX512
-CAP_avx2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-	LLAMA_PARITY_KERNEL_ISA=avx2 XLA_FLAGS=--xla_cpu_max_isa=AVX2
-CAP_baseline := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
-	LLAMA_PARITY_KERNEL_ISA=scalar XLA_FLAGS=--xla_cpu_max_isa=AVX
+# The caps' variables: llamaspec/caps.py (CAPS, the one table); `python -m llamaspec.caps NAME` prints
+# them as one `env` line, and refuses (exit 2) a cap it does not know or this CPU cannot honour.
+CAP_ENV = $$($(BIN)/python -m llamaspec.caps $*)
 CAPS ?= avx2 baseline
 
 test-caps: $(addprefix test-cap-,$(CAPS))
 
 test-cap-%: model
-	@test -n "$(CAP_$*)" || { echo "unknown cap $* (avx512, avx2, baseline)"; exit 2; }
-	@echo "== tests under cap $*: $(CAP_$*)"
-	env $(CAP_$*) $(BIN)/python -m pytest -q $(CAP_TESTS)
+	@cap="$(CAP_ENV)" && echo "== tests under cap $*: $$cap" && env $$cap $(BIN)/python -m pytest -q $(CAP_TESTS)
 
 # Everything, including tests marked slow.
 test-all: model
@@ -64,11 +59,10 @@ test-all: model
 bench: model
 	$(BIN)/python -m bench.bench_models
 
-# The same benchmark with the libraries capped to an instruction set (CAP_avx2 ...), as on
+# The same benchmark with the libraries capped to an instruction set (llamaspec/caps.py), as on
 # other users' CPUs: `make bench-cap-avx2`.
 bench-cap-%: model
-	@test -n "$(CAP_$*)" || { echo "unknown cap $* (avx512, avx2, baseline)"; exit 2; }
-	env $(CAP_$*) $(BIN)/python -m bench.bench_models
+	@cap="$(CAP_ENV)" && echo "== benchmark under cap $*: $$cap" && env $$cap $(BIN)/python -m bench.bench_models
 
 clean-venv:
 	rm -rf $(VENV)
