@@ -23,10 +23,11 @@ import numpy as np
 
 from compare.environment import environment
 from compare.probes import IMPLS, load_model, probe_cross_greedy, probe_where, run_probe
-from compare.probes.where_plan import CIRCUMSTANCES, check_budget, circumstance
+from compare.probes.where import resolve_device
+from compare.probes.where_plan import CIRCUMSTANCES, GPU, check_budget, circumstance
 from compare.report import probes as probes_report
 from compare.report import where as where_report
-from llamaspec import LlamaConfig, Policy
+from llamaspec import LlamaConfig, Policy, caps
 from llamaspec.budget import MAX_RUNS, check_count, check_tokens
 from llamaspec.files import atomic_write, json_text
 from llamaspec.plan import check_xla_flags
@@ -95,6 +96,14 @@ def add_parser(sub, common) -> None:
     w.add_argument("--mesh", action="append", metavar="AXES", help="sharding: a mesh to compare with one device, "
                    "e.g. tensor=3 or data=2 (repeatable; default: every tensor size up to 8 the model allows, "
                    "and data=2; jaxmodel only)")
+    w.add_argument("--other-device", choices=(GPU, "cap"), default=None,
+                   help="device: what this CPU is compared with: gpu (the model on the GPU, in this process; torchref) "
+                   "or cap (this CPU capped to an older instruction set, --device-cap, in a second process); "
+                   f"default: the GPU where the implementation's framework reports one, else cap {caps.DEFAULT}")
+    w.add_argument("--device-cap", choices=tuple(caps.CAPS), default=None,
+                   help="device: the instruction-set cap of the second process ("
+                   + "; ".join(f"{c.name}: {c.machine}" for c in caps.CAPS.values())
+                   + f"; llamaspec/caps.py lists the variables; default {caps.DEFAULT}); implies --other-device cap")
     p.set_defaults(func=cmd_probe)
 
 
@@ -227,7 +236,22 @@ def where_options(args) -> dict:
              "repeats": args.repeats, "processes": args.processes}
     if args.mesh and "meshes" in options:
         given["meshes"] = _meshes(args)
+    if "device" in options:
+        given["device"] = _other_device(args)
     return {k: v for k, v in given.items() if k in options}
+
+
+def _other_device(args) -> str | None:
+    """--other-device and --device-cap as probe_where's device= ("gpu", a cap's name, or None: the
+    default, resolved per implementation by compare.probes.where.resolve_device)."""
+    if args.other_device == GPU:
+        if args.device_cap:
+            raise UsageError(f"--device-cap {args.device_cap} caps a second process on this CPU; --other-device gpu "
+                             "compares with the GPU: give one")
+        return GPU
+    if args.other_device == "cap" or args.device_cap:
+        return args.device_cap or caps.DEFAULT
+    return None
 
 
 def _meshes(args) -> list[dict]:
@@ -244,8 +268,10 @@ def _meshes(args) -> list[dict]:
     return meshes
 
 
-def _where_one(impl, folder, policy, mode, target, args, say):
+def _where_one(impl, folder, policy, mode, target, args, say, device=None):
     kw = dict(circumstance=args.circumstance, ids=target, seed=args.seed, progress=say, **where_options(args))
+    if device is not None:
+        kw["device"] = device
     if mode == "invariant":
         return probe_where(load_model(impl, folder, policy, batch_invariant=True), **kw)
     return probe_where(impl, checkpoint=folder, policy=policy, stream=False if args.no_stream else None,
@@ -281,6 +307,17 @@ def _where_budget(args, folder, T) -> None:
                  what=f"probe where --circumstance {args.circumstance}{flags}", **options)
 
 
+def _sides(result) -> str:
+    """The device circumstance's two sides: their labels, and the lines of their records that differ
+    (the caps in force, the libraries' code paths, the plan's choices)."""
+    a, b = result.sides["A"], result.sides["B"]
+    ea, eb = a["environment"], b["environment"]
+    lines = [f"  A: {a['label']}", f"  B: {b['label']}", "  where their records differ (A | B):"]
+    lines += [f"    {k}: {ea.get(k, '-')} | {eb.get(k, '-')}" for k in dict.fromkeys([*ea, *eb])
+              if ea.get(k) != eb.get(k)] or ["    nowhere"]
+    return "\n".join(lines) + "\n"
+
+
 def cmd_where(args) -> int:
     """`probe where`: per implementation x policy x mode, the table; --json all, --html one."""
     say = _log(time.perf_counter())
@@ -289,6 +326,10 @@ def cmd_where(args) -> int:
     if args.mesh and not sharded:
         raise UsageError(f"--mesh {args.mesh[0]}: only --circumstance sharding uses a mesh (this is "
                          f"--circumstance {args.circumstance})")
+    other_device = circumstance(args.circumstance).other_device
+    if (args.other_device or args.device_cap) and not other_device:
+        raise UsageError(f"--{'other-device' if args.other_device else 'device-cap'}: only --circumstance device "
+                         f"compares devices (this is --circumstance {args.circumstance})")
     policies = [Policy.get(p).name for p in _list(args.policy, "fp32")]
     modes = _list(args.mode, "invariant" if args.batch_invariant else "default", ("default", "invariant"), "mode")
     if args.html and len(impls) * len(policies) * len(modes) > 1:
@@ -301,18 +342,23 @@ def cmd_where(args) -> int:
         _sharding_devices(args, impls, folder)
     target, how = target_tokens(folder, args.prompt, args.length, args.seed)
     _where_budget(args, folder, target.size)
+    # the other device per implementation, checked before any model loads (a GPU this machine
+    # lacks, a cap this CPU cannot honour: exit 2, naming what the framework or the CPU says)
+    devices = {impl: resolve_device(impl, _other_device(args)) for impl in impls} if other_device else {}
     results, skipped = [], []
     for impl in impls:
         for policy in policies:
             for mode in modes:
                 say(f"probe where: {impl} at {policy} ({mode} mode), {args.circumstance}; target: {how}")
                 try:
-                    results.append(_where_one(impl, folder, policy, mode, target, args, say))
+                    results.append(_where_one(impl, folder, policy, mode, target, args, say, devices.get(impl)))
                 except NotImplementedError as e:
                     skipped.append(f"{impl} {policy} {mode}: {e}")
                     print(f"skipped {skipped[-1]}")
                     continue
                 print(where_report.format_table(results[-1], colour=sys.stdout.isatty() and not args.no_colour))
+                if results[-1].sides:
+                    print(_sides(results[-1]))
     meta = {"checkpoint": folder, "target": how, "circumstance": args.circumstance, "argv": sys.argv[1:],
             "skipped": skipped, "environment": environment(policies[0])}
     if json_path:

@@ -10,22 +10,28 @@ model's fp64 twin: the same implementation with the same (already rounded) weigh
 computing in float64. Weight rounding is shared by every run of the model, so only
 compute rounding can make two runs differ, and that is what the twin isolates.
 
-A ModelSpec (impl, checkpoint, policy, mode) can be rebuilt in another process: the
-determinism probe's fresh-process runs use it (compare.probes.worker).
+A ModelSpec (impl, checkpoint, policy, mode, device) can be rebuilt in another process: the
+determinism probe's fresh-process runs use it (compare.probes.worker), and probe where's (rerun
+in a fresh process; the device circumstance's side under an instruction-set cap). A port is
+rebuilt there by its factory, "module:function" (function(checkpoint, policy) -> the port),
+named in Python by its author (never read from a checkpoint, dump or command line).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import re
 
 import numpy as np
 
 from llamaspec import Policy
 
-from ..adapters import OurModel, as_implementation, is_transformers_llama, package_of
+from ..adapters import OurModel, as_implementation, fp64_policy, is_transformers_llama, package_of
 from ..adapters.ours import host_array
 
 IMPLS = ("torchref", "jaxmodel", "transformers")
+_FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,17 +42,34 @@ class ModelSpec:
     batch_invariant: bool = False
     attn_implementation: str = "eager"   # transformers only
     positions: str = "mask"              # transformers only: "mask" | "default"
+    device: str | None = None   # torch's device name ("cpu", "cuda"); None: the implementation's default
+    factory: str | None = None  # a port: "module:function" that loads it (impl is then the port's name)
 
     def __post_init__(self):
-        if self.impl not in IMPLS:
-            raise ValueError(f"unknown implementation '{self.impl}' (one of {', '.join(IMPLS)})")
+        if self.factory is not None:
+            if not _FACTORY.fullmatch(self.factory):
+                raise ValueError(f"factory {self.factory!r}: expected 'module.name:function' (an importable module, "
+                                 "not a path)")
+        elif self.impl not in IMPLS:
+            raise ValueError(f"unknown implementation '{self.impl}' (one of {', '.join(IMPLS)}; a port: factory=)")
 
     @property
     def mode(self) -> str:
         return "invariant" if self.batch_invariant else "default"
 
     def load(self):
-        """The model: a torchref/jaxmodel LlamaModel, or a TransformersModel."""
+        """The model: a torchref/jaxmodel LlamaModel, a TransformersModel, or the factory's port.
+        device: torchref loads there; another implementation only on its own default device (a
+        NotImplementedError names it otherwise)."""
+        if self.factory is not None:
+            module, _, name = self.factory.partition(":")
+            return getattr(importlib.import_module(module), name)(self.checkpoint, self.policy)
+        if self.device is not None:
+            self._check_device()
+        if self.impl == "torchref" and self.device is not None:
+            import torchref  # torchref imports torch: only where a device is named
+            return torchref.from_pretrained(self.checkpoint, policy=self.policy, batch_invariant=self.batch_invariant,
+                                            device=self.device)
         if self.impl == "transformers":
             if self.batch_invariant:
                 raise NotImplementedError("transformers has no batch-invariant mode")
@@ -54,6 +77,18 @@ class ModelSpec:
             return TransformersModel.from_pretrained(self.checkpoint, self.policy, self.attn_implementation,
                                                      self.positions)
         return OurModel.load(self.impl, self.checkpoint, self.policy, self.batch_invariant).model
+
+    def _check_device(self) -> None:
+        if self.impl == "torchref":
+            return
+        if self.impl == "jaxmodel":
+            import jax  # jax: slow import; only where a device is named
+            if jax.default_backend() == self.device:
+                return
+            raise NotImplementedError(f"jaxmodel runs on JAX's default backend ({jax.default_backend()}); "
+                                      f"jaxmodel.from_pretrained takes no device, so it cannot load on {self.device}")
+        if self.device != "cpu":
+            raise NotImplementedError(f"{self.impl} loads on the CPU only here, not on {self.device}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -126,14 +161,22 @@ def _impl_of(model) -> str:
     return getattr(model, "package", None) or package_of(model) or type(model).__name__
 
 
-def fp64_twin(model):
+def fp64_twin(model, device: str | None = None):
     """The same implementation with the same rounded weights, computing in float64
     (adapters: OurModel.float64, TransformersModel.float64), or None for an object whose
-    twin cannot be made (a user's wrapper: pass its twin as `oracle`)."""
+    twin cannot be made (a user's wrapper: pass its twin as `oracle`). device: a torchref
+    model's twin on that device (OurModel.float64 loads it on torchref's default device, the GPU
+    where there is one)."""
     try:
         impl = as_implementation(model)
     except TypeError:
         return None
+    if device is not None and getattr(impl, "package", None) == "torchref":
+        import torchref  # torchref imports torch: only for a twin on a named device
+        m = impl.model
+        return OurModel(torchref.from_weights(m.cfg, m.weights(), fp64_policy(m.policy), device=device,
+                                              backend="reference" if impl.backend == "reference" else None,
+                                              quantized=m.quantized() or None), impl.checkpoint)
     make = getattr(impl, "float64", None)
     if make is None:
         return None

@@ -9,8 +9,9 @@
     explain_where(r)                # the sentences (compare.probes.where_text), made last
 
 The target row is captured at every tap in circumstance A (alone, unpadded, without the
-appended tokens, the first run, default mode) and in circumstance B (inside a batch,
-padded, with tokens appended, a rerun, invariant mode); only A's positions are compared.
+appended tokens, the first run, default mode, this CPU) and in circumstance B (inside a batch,
+padded, with tokens appended, a rerun, invariant mode, another device: the GPU, or this CPU
+capped to an older instruction set in a second process); only A's positions are compared.
 Per tap, with a = A, b = B, oa and ob the model's own float64 twin (the same rounded
 weights computing in float64) in A's and in B's circumstance, the one judge of the project
 (compare.judge.verdicts.classify, the ladder's rungs) decides, with a as the reference, b as
@@ -39,31 +40,37 @@ else is captured whole (CaptureSource). Teacher forcing: at the layer of the fir
 B's run is fed A's input for the target row (the protocol's inject) and that layer alone
 is judged again: does it make the difference (the op depends on the circumstance) or only
 inherit it? Records are data; where_text makes every sentence.
+
+The device circumstance records each side (WhereResult.sides: its label and its process's
+compare.environment record, the model's plan included), so a reader sees which kernels each ran.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 
 import numpy as np
 
-from llamaspec import Policy
+from llamaspec import Policy, caps
 from llamaspec import taps as tapnames
 from llamaspec.checkpoint import check_checkpoint
 from llamaspec.taps import input_tap
 
 from ..adapters import OurModel, as_implementation, fp64_policy
+from ..environment import environment
 from ..judge.verdicts import TapVerdict, classify, context_for, settle_conventions, standing
 from ..metrics import max_ulp, nonfinite
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, drift_factor, precision_floor
 from .models import ModelSpec, ProbeModel, fp64_twin
-from .where_plan import Pair, check_budget, mesh_label, plan
+from .where_plan import GPU, Pair, check_budget, device_key, mesh_label, plan
 from .where_plan import circumstance as circumstance_of
 from .where_sources import CaptureSource, DecodeSource, ReplayDiffers, StreamSource, impl_key, stage_taps, stages
 from .where_text import explain_where, hint
+from .where_worker import capped_capture
 
 BEYOND = ("precision", "semantic")
 
@@ -170,6 +177,7 @@ class WhereResult(JsonResult):
     twin_floor: float
     seconds: dict = dataclasses.field(default_factory=dict)
     cost: dict = dataclasses.field(default_factory=dict)
+    sides: dict = dataclasses.field(default_factory=dict)   # device: {A, B: {label, environment}}
 
     @property
     def ok(self) -> bool:
@@ -520,12 +528,15 @@ def _by_name(name, circumstance, checkpoint, policy, stream, other, hf):
         raise ValueError(f"probe where '{name}': checkpoint= (a Hugging Face folder) is needed to load it")
     pol = Policy.get(policy or "fp32")
     spec = ModelSpec(name, str(checkpoint), pol.name, **(hf if name == "transformers" else {}))
+    if circumstance_of(circumstance).other_device:     # this side on the CPU, whatever the default device
+        spec = dataclasses.replace(spec, device="cpu")
     if name in PACKAGES and circumstance_of(circumstance).streamed and stream is not False:
         cfg = check_checkpoint(checkpoint).config
         return _Setup(f"{name} {pol.name} default", name, pol, "default", False, cfg, {},
                       tuple(tapnames.all_taps(cfg.num_hidden_layers)), name, str(checkpoint), spec)
     main = _load(spec)
-    impls = {"main": main, "twin": main.float64(rounded_weights=True)}
+    impls = {"main": main, "twin": as_implementation(fp64_twin(main, spec.device)) if spec.device else
+             main.float64(rounded_weights=True)}
     if circumstance_of(circumstance).needs_other:
         impls["other"] = other if other is not None else _load(dataclasses.replace(spec, batch_invariant=True))
     cfg = getattr(main, "config", None) or main.cfg
@@ -606,6 +617,99 @@ def _sharded(setup: _Setup, meshes, progress) -> list[dict]:
     return meshes
 
 
+def gpu_report(impl: str) -> tuple[str | None, str]:
+    """(the GPU's name, or None where there is none; what the framework reports): JAX's for
+    jaxmodel, torch's for the others."""
+    if impl == "jaxmodel":
+        import jax  # jax: slow import; only for the device circumstance
+        try:
+            gpu = jax.devices("gpu")[0]
+        except RuntimeError as e:
+            return None, f"JAX reports no GPU ({e})"
+        return gpu.device_kind, f"JAX reports {gpu}"
+    import torch  # torch: slow import; only for the device circumstance
+    if not torch.cuda.is_available():
+        build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return None, (f"torch reports no GPU (torch.cuda.is_available() is False; torch {torch.__version__}, "
+                      f"{build}, {torch.cuda.device_count()} CUDA devices)")
+    return torch.cuda.get_device_name(0), f"torch reports {torch.cuda.get_device_name(0)}"
+
+
+def resolve_device(impl: str, device: str | None = None) -> str:
+    """The device circumstance's other device for implementation `impl`: `device` ("gpu", or an
+    instruction-set cap of llamaspec.caps.CAPS) checked, or by default the GPU where the
+    implementation's framework reports one, else the cap caps.DEFAULT (avx2) on an x86 CPU. A GPU
+    this machine lacks (with what JAX or torch reports), an unknown cap or one this CPU cannot
+    honour is a caps.DeviceError."""
+    if device is not None and device != GPU:
+        if device not in caps.CAPS:
+            raise caps.DeviceError(f"probe where, device: unknown other device {device!r} ({GPU}, or an "
+                                   f"instruction-set cap: {', '.join(caps.CAPS)})")
+        return caps.check(device).name
+    name, said = gpu_report(impl)
+    if name is not None:
+        return GPU
+    if device == GPU:
+        raise caps.DeviceError(f"probe where, device: no GPU to compare this CPU with: {said}")
+    if not caps.x86():
+        raise caps.DeviceError(f"probe where, device: no other device here: {said}, and the instruction-set caps "
+                               f"are x86 code paths (this is {caps.this_cpu({})})")
+    return caps.check(caps.DEFAULT).name
+
+
+def _impl_name(model) -> str:
+    if isinstance(model, str):
+        return model
+    if isinstance(model, ProbeModel):
+        return model.impl
+    return getattr(model, "package", None) or getattr(model, "name", None) or type(model).__name__
+
+
+def _other_device(setup: _Setup, device: str, progress) -> tuple[str, str]:
+    """(this side's label, the other's); for the GPU, adds the model on it and its float64 twin
+    there (from the spec, on the GPU) to setup.impls under the run's model key."""
+    here = caps.this_cpu(os.environ)
+    if setup.spec is None:
+        raise ValueError("probe where, device: the model must be loadable again on the other device or in a second "
+                         "process (give it by name, or load it with compare.probes.load_model)")
+    if device != GPU:
+        return here, f"cap {device} (a second process)"
+    if progress:
+        progress("where: loading the model on the GPU and its float64 twin there")
+    key = device_key(GPU)
+    spec = dataclasses.replace(setup.spec, device="cuda")
+    setup.impls[key] = _load(spec)
+    setup.impls[impl_key(key, True)] = as_implementation(fp64_twin(setup.impls[key], spec.device))
+    return here, f"GPU ({gpu_report(setup.spec.impl)[0]})"
+
+
+def _capped_rows(setup: _Setup, source, runs, rows_of, cap: str, progress) -> dict:
+    """Each capped run's target rows, and its twin's, from a second process started under `cap`
+    (where_worker.capped_capture), added to source's kept rows; that process's record."""
+    side = {}
+    for r in runs:
+        if progress:
+            progress(f"where: capturing {r.key} and its float64 twin in a second process ({r.rows} x {r.width})")
+        got, side = source.timed(f"{r.key} (and its twin, a second process)", capped_capture, setup.spec, r,
+                                 rows_of[r.key], setup.taps, cap)
+        source.kept.update({(r.key, twin, row): acts for (twin, row), acts in got.items()})
+    return side
+
+
+def _side(label: str, policy: Policy, impl) -> dict:
+    """A side of the device circumstance: its label and this process's record with its model's plan."""
+    return {"label": label, "environment": environment(policy, uses_jax=getattr(impl, "package", None) == "jaxmodel",
+                                                        sides={"model": impl})}
+
+
+def _sides(setup: _Setup, source, capped, rows_of, cap: str | None, labels, progress) -> dict:
+    """The device circumstance's two sides (WhereResult.sides); under a cap, the capped runs are
+    captured here, in their second process, and added to source."""
+    b = ({"label": labels[1], "environment": _capped_rows(setup, source, capped, rows_of, cap, progress)} if cap
+         else _side(labels[1], setup.policy, setup.impls[device_key(GPU)]))
+    return {"A": _side(labels[0], setup.policy, setup.impls["main"]), "B": b}
+
+
 def twin_computes(setup: _Setup, run) -> bool:
     """Whether the float64 twin's run of `run` computes run's circumstance: not where the twin
     captures a padded batch row by row on the real tokens (TransformersModel.unpadded_rows, so
@@ -646,6 +750,8 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
     batch, repeats, processes)."""
     circ = circumstance_of(circumstance)       # an unknown name: ValueError with the list
     t0 = time.perf_counter()
+    if circ.other_device:       # checked before anything loads
+        options["device"] = resolve_device(_impl_name(model), options.get("device"))
     if isinstance(model, str):
         setup = _by_name(model, circumstance, checkpoint, policy, stream, other,
                          {"attn_implementation": attn_implementation, "positions": hf_positions})
@@ -653,6 +759,10 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
         setup = _of_object(model, circumstance, checkpoint, policy, oracle, other)
     if circ.sharded:
         options["meshes"] = _sharded(setup, options.get("meshes"), progress)
+    cap = None
+    if circ.other_device:
+        options["labels"] = _other_device(setup, options["device"], progress)
+        cap = None if options["device"] == GPU else options["device"]
     target = _target(setup.cfg, ids, length, seed)
     # the CLI checks this before loading (probe_cli._where_budget); here for callers of the library
     check_budget(circumstance, target.shape[-1], int(setup.cfg.max_position_embeddings), int(setup.cfg.vocab_size),
@@ -662,7 +772,9 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
                        **options)
     by_key = {r.key: r for r in runs}
     rows_of = {r.key: sorted({s.row for p in pairs for s in (p.a, p.b) if s.run == r.key}) for r in runs}
-    source = _source(setup, runs, pairs, rows_of, progress)
+    capped = [r for r in runs if cap is not None and r.key == device_key(cap)]
+    source = _source(setup, [r for r in runs if r not in capped], pairs, rows_of, progress)
+    sides = _sides(setup, source, capped, rows_of, cap, options["labels"], progress) if circ.other_device else {}
     yard = Yardstick.of(setup.policy, int(setup.cfg.hidden_size), setup.keeps_f32)
     pairings = [_Pairing(p, _comparison(p, by_key), by_key[p.b.run].mask[p.b.row],
                          p.own_twin and twin_computes(setup, by_key[p.b.run])) for p in pairs]
@@ -683,4 +795,4 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
     return WhereResult("where", circumstance, setup.name, setup.impl, setup.policy.name, setup.mode,
                        setup.package is not None, int(target.shape[1]),
                        max((c.verdict for c in comps), key=KINDS.index, default="exact"), comps, yard.m, yard.floor,
-                       yard.twin_floor, seconds, cost)
+                       yard.twin_floor, seconds, cost, sides)

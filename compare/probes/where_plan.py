@@ -11,8 +11,8 @@ Sample is the target inside a run: its row and the slots of the positions compar
 a decode Run: [0], the step; `feed`: the slots teacher forcing replaces, there the row's
 real prompt slots and the step, in the prompt + step layout of the layer inputs). A
 Pair compares sample A with sample B; own_twin says whether B's circumstance gets its own
-float64 twin run (batch, padding, append, sharding: the twin run in B's circumstance is the
-fp64 rung of the comparison) or is judged against A's (rerun, invariant-mode: same input).
+float64 twin run (batch, padding, append, sharding, device: the twin run in B's circumstance is
+the fp64 rung of the comparison) or is judged against A's (rerun, invariant-mode: same input).
 
 CIRCUMSTANCES is the one registry of circumstances: each a Circumstance record (its plan,
 the bound on its largest call, how it is run, its help line); a new circumstance is one
@@ -27,6 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from llamaspec.budget import check_tokens
+from llamaspec.caps import DEFAULT as DEFAULT_CAP
 from llamaspec.errors import InputError
 
 ALONE = "alone"
@@ -34,7 +35,8 @@ ALONE = "alone"
 BATCH_SIZES = (2, 8)    # batch, decode
 PAD = 5                 # padding: pad slots
 APPENDED = (1, 8)       # append: tokens appended
-BATCH = 4               # rerun, invariant-mode, sharding: the rows of the one mixed batch
+BATCH = 4               # rerun, invariant-mode, sharding, device: the rows of the one mixed batch
+GPU = "gpu"             # device: the other device is the GPU (else an instruction-set cap, llamaspec.caps)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,8 +44,9 @@ class Run:
     key: str
     ids: np.ndarray          # [B, W] int64
     mask: np.ndarray         # [B, W] 0/1
-    model: str = "main"      # main | other (the invariant-mode model) | "mesh <axes>" (a sharded model)
-    fresh: bool = False      # made in a fresh Python process (rerun)
+    model: str = "main"      # main | other (the invariant-mode model) | "mesh <axes>" (a sharded model) |
+                             # "gpu" (the model on the GPU) | "cap <name>" (the model under an instruction-set cap)
+    fresh: bool = False      # made in a fresh Python process (rerun; device under a cap)
     twin: bool = True        # its float64 twin run is needed
     step: np.ndarray | None = None   # [B] a decode Run: the token each row is fed after the prompt
 
@@ -259,6 +262,28 @@ def plan_sharding(target, rng, vocab, pad_id, meshes=(), batch=BATCH):
     return runs, pairs
 
 
+def device_key(device: str) -> str:
+    """The run key and model of the other device: "gpu", or "cap <name>" (an instruction-set cap)."""
+    return GPU if device == GPU else f"cap {device}"
+
+
+def plan_device(target, rng, vocab, pad_id, device=DEFAULT_CAP, batch=BATCH, labels=("this CPU", None)):
+    """One batch (the target at row 0, companions of mixed lengths) on this CPU vs the same batch
+    on another device: `device` "gpu" (the model on the GPU, in this process) or the name of an
+    instruction-set cap (llamaspec.caps: the model in a fresh process started under the cap's
+    variables, its float64 twin there too, so that a bug that shows only under the cap is in the
+    fp64 rung; probe_where picks the GPU by default where there is one). labels: (this side, the
+    other) as the comparison names them (probe_where fills them: "this CPU (avx512_bf16)", "cap
+    avx2 (a second process)")."""
+    key = device_key(device)
+    ids, mask = _mixed_batch(target, rng, vocab, pad_id, batch)
+    slots = np.flatnonzero(mask[0])
+    here = Run(labels[0], ids, mask)
+    other = Run(key, ids, mask, key, fresh=device != GPU)
+    name = f"B={batch} mixed, row 0: {labels[0]} vs {labels[1] or key}"
+    return [here, other], [Pair(name, "device", Sample(here.key, 0, slots), Sample(other.key, 0, slots))]
+
+
 # ----- the bounds on each plan's largest forward call: (rows, slots) for a target of T tokens --------
 # (companions of mixed lengths are at most 2T slots, a decode run one step more)
 
@@ -296,6 +321,7 @@ class Circumstance:
     streamed: bool = False      # our models walk it layer by layer (compare.adapters.streaming)
     needs_other: bool = False   # a second model: the same one in batch-invariant mode
     sharded: bool = False       # its other runs are jaxmodel on meshes
+    other_device: bool = False  # its other runs are on another device (the GPU) or under an instruction-set cap
 
 
 CIRCUMSTANCES: dict[str, Circumstance] = {c.name: c for c in (
@@ -313,6 +339,9 @@ CIRCUMSTANCES: dict[str, Circumstance] = {c.name: c for c in (
                  "default vs batch-invariant mode on the same input", needs_other=True),
     Circumstance("sharding", plan_sharding, _mixed_call, ("meshes", "batch"),
                  "one device vs meshes (jaxmodel only)", sharded=True),
+    Circumstance("device", plan_device, _mixed_call, ("device", "batch", "labels"),
+                 "this CPU vs another device: the GPU, or this CPU capped to an older instruction set in a "
+                 "second process (--other-device, --device-cap)", other_device=True),
 )}
 
 
