@@ -1,15 +1,20 @@
 """Batch-invariant mode: its cost against the default mode, and whether it holds.
 
     .venv/bin/python -m bench.bench_invariant [--checkpoint DIR] [--policy fp32 bf16]
-        [--impl torchref jaxmodel] [--prompt-len 128] [--batch 1 8] [--decode 16]
-        [--repeats 2] [--check] [--probe] [--out FILE]
+        [--impl torchref jaxmodel] [--modes default kernels portable] [--prompt-len 128]
+        [--batch 1 8] [--decode 16] [--repeats 2] [--check] [--probe] [--out FILE]
 
+Modes: default (the fast backend) and the invariant backend's two implementations, kernels (the
+fixed-order kernels, CPU code) and portable (products at one fixed shape, every other sum written
+out: runs wherever torch or XLA runs), each model's plan choosing between them from
+$LLAMA_PARITY_INVARIANT, which this script sets for each load (the plan reads it once, there) and
+checks against the plan's record.
 Timing (default): prefill of [B, prompt_len] prompts and decode ms/token (B rows, greedy
-steps after a prefill), default and invariant mode taking turns in each repeat, median of repeats after
-a warm-up (which includes JAX compilation); the ratio invariant/default per row.
+steps after a prefill), the modes taking turns in each repeat, median of repeats after
+a warm-up (which includes JAX compilation); the ratio of each mode to the default one per row.
 --check: one target prompt alone vs inside batches of 2, 8 and 32 with random companions
 of mixed lengths, left and right padding: the fraction of its logits that are bitwise
-equal to the alone run, default vs invariant mode.
+equal to the alone run, per mode.
 --probe: one row's result at each row count for the libraries' kernels and for the
 fixed-order ones (docs/invariance.md: why the invariant mode does not rely on the former).
 Prints tables and writes JSON (default bench/results/invariant-<time>.json).
@@ -21,6 +26,7 @@ import argparse
 import functools
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -53,35 +59,82 @@ def time_modes(models, ids, n_decode, repeats):
     return {mode: (statistics.median(p), statistics.median(d)) for mode, (p, d) in times.items()}
 
 
+MODES = ("default", "kernels", "portable")
+
+
+def load_mode(module, folder, policy: str, mode: str):
+    """`module`'s model in `mode`: default (the fast backend), or the invariant backend through its
+    `mode` implementation ($LLAMA_PARITY_INVARIANT set for this load only; the plan reads it once,
+    at load). A plan that records another implementation is an error naming both."""
+    from llamaspec.plan import INVARIANT_ENV
+    if mode == "default":
+        return module.from_pretrained(folder, policy=policy)
+    before = os.environ.get(INVARIANT_ENV)
+    os.environ[INVARIANT_ENV] = mode
+    try:
+        m = module.from_pretrained(folder, policy=policy, backend="invariant")
+    finally:
+        if before is None:
+            os.environ.pop(INVARIANT_ENV, None)
+        else:
+            os.environ[INVARIANT_ENV] = before
+    path = m.plan.op("products")
+    if path.startswith("portable") != (mode == "portable"):
+        raise RuntimeError(f"{module.__name__} {policy}: {INVARIANT_ENV}={mode} loaded a model whose plan says "
+                           f"products: {path!r}")
+    return m
+
+
+def timing_row(models: dict, ids, n_decode: int, repeats: int) -> dict:
+    """time_modes as a JSON row: prefill ms and decode ms/token per mode, and each mode's ratio to
+    the "default" mode's (above 1: slower)."""
+    got = time_modes(models, ids, n_decode, repeats)
+    p0, d0 = got["default"]
+    return {"prefill_ms": {mode: p * 1e3 for mode, (p, _) in got.items()},
+            "decode_ms_per_token": {mode: d * 1e3 for mode, (_, d) in got.items()},
+            "ratio": {mode: {"prefill": p / p0, "decode": d / d0} for mode, (p, d) in got.items() if mode != "default"}}
+
+
 def run_timing(args, folder, vocab):
     rows = []
     for policy in args.policy:
         for impl in args.impl:
             module = importlib.import_module(impl)
-            models = {mode: module.from_pretrained(folder, policy=policy, batch_invariant=mode == "invariant")
-                      for mode in ("default", "invariant")}
+            models, skipped = {}, {}
+            for mode in args.modes:
+                try:
+                    models[mode] = load_mode(module, folder, policy, mode)
+                except Exception as e:  # noqa: BLE001 - a mode that cannot load here is a row that says so
+                    skipped[mode] = f"{type(e).__name__}: {e}"
+                    print(f"  {policy:>5} {impl:<9} {mode}: not run ({skipped[mode]})", flush=True)
+            paths = {mode: m.plan.op("products") for mode, m in models.items()}
             for B in args.batch:
                 ids = np.random.default_rng(0).integers(3, vocab, (B, args.prompt_len))
                 print(f"  {policy:>5} {impl:<9} B={B:<3} ...", end="", flush=True)
-                got = time_modes(models, ids, args.decode, args.repeats)
-                print("".join(f" {mode}: prefill {p * 1e3:.1f} ms, decode {d * 1e3:.1f} ms/token;"
-                              for mode, (p, d) in got.items()), flush=True)
-                (p0, d0), (p1, d1) = got["default"], got["invariant"]
-                rows.append({"policy": policy, "impl": impl, "batch": B,
-                             "prefill_ms": {"default": p0 * 1e3, "invariant": p1 * 1e3, "ratio": p1 / p0},
-                             "decode_ms_per_token": {"default": d0 * 1e3, "invariant": d1 * 1e3,
-                                                     "ratio": d1 / d0}})
+                row = timing_row(models, ids, args.decode, args.repeats)
+                print("".join(f" {mode}: prefill {row['prefill_ms'][mode]:.1f} ms, decode "
+                              f"{row['decode_ms_per_token'][mode]:.1f} ms/token;" for mode in models), flush=True)
+                rows.append({"policy": policy, "impl": impl, "batch": B, **row, "paths": paths, "skipped": skipped})
     cpu = environment("fp32")
     print(f"\nprefill [B, {args.prompt_len}] and decode ms/token ({args.decode} steps), median of "
-          f"{args.repeats}; ratio = invariant / default; CPU: {cpu['cpu']} ({cpu['cpu isa']}; caps: "
+          f"{args.repeats}; x = mode / default; CPU: {cpu['cpu']} ({cpu['cpu isa']}; caps: "
           f"{cpu['isa caps']}); GPU: {cpu.get('gpu', 'none')}")
-    print(f"{'policy':<7}{'impl':<10}{'B':>3}{'prefill ms':>12}{'inv':>10}{'ratio':>7}"
-          f"{'decode ms':>11}{'inv':>9}{'ratio':>7}")
-    for r in rows:
-        p, d = r["prefill_ms"], r["decode_ms_per_token"]
-        print(f"{r['policy']:<7}{r['impl']:<10}{r['batch']:>3}{p['default']:>12.1f}{p['invariant']:>10.1f}"
-              f"{p['ratio']:>7.2f}{d['default']:>11.1f}{d['invariant']:>9.1f}{d['ratio']:>7.2f}")
+    print(timing_table(rows, args.modes))
     return rows
+
+
+def timing_table(rows: list[dict], modes) -> str:
+    lines = [f"{'policy':<7}{'impl':<10}{'B':>3}  {'mode':<9}{'prefill ms':>11}{'x':>7}{'decode ms/t':>13}{'x':>7}"]
+    for r in rows:
+        for mode in modes:
+            if mode not in r["prefill_ms"]:
+                lines.append(f"{r['policy']:<7}{r['impl']:<10}{r['batch']:>3}  {mode:<9}  not run: "
+                             f"{r['skipped'].get(mode, '')[:80]}")
+                continue
+            x = r["ratio"].get(mode, {"prefill": 1.0, "decode": 1.0})
+            lines.append(f"{r['policy']:<7}{r['impl']:<10}{r['batch']:>3}  {mode:<9}{r['prefill_ms'][mode]:>11.1f}"
+                         f"{x['prefill']:>7.2f}{r['decode_ms_per_token'][mode]:>13.1f}{x['decode']:>7.2f}")
+    return "\n".join(lines)
 
 
 def _bits(x):
@@ -97,8 +150,8 @@ def run_check(args, folder, vocab, target_len=21, width=48):
     for policy in args.policy:
         for impl in args.impl:
             module = importlib.import_module(impl)
-            for mode in ("default", "invariant"):
-                m = module.from_pretrained(folder, policy=policy, batch_invariant=mode == "invariant")
+            for mode in args.modes:
+                m = load_mode(module, folder, policy, mode)
                 alone = _bits(m(target[None]))[0]
                 for B in (2, 8, 32):
                     for padding in ("left", "right"):
@@ -183,6 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--policy", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--impl", nargs="+", default=["torchref", "jaxmodel"], choices=["torchref", "jaxmodel"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--decode", type=int, default=16)
