@@ -29,7 +29,7 @@ the float64 twin); weight_fp8 / act_fp8 projections run ops.fp8_linear. The fast
 backends decline these knobs (plan.declines): such a model runs on the reference ops.
 
 Every module computes with `self.ops`, the backend's op namespace (ops.py: the reference;
-fast.Fast; invariant.py), chosen once by the plan (plan.py; model.plan) and the seam a
+fast.Fast; invariant.py or portable.Portable), chosen once by the plan (plan.py; model.plan) and the seam a
 planted-bug control replaces on one layer. Matrices are held as the backend's `prepare` makes
 them at load (ops.py: the array itself), so its copies are jit state, never made per call.
 The invariant backend (batch_invariant=True; docs/invariance.md) runs every call in the
@@ -56,8 +56,8 @@ from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, bucket_length, check_inject, check_next_ids, check_prefill, front_padded, layout
 from llamaspec.plan import Plan, backend_name
 
-from . import invariant, quant
 from . import plan as plans
+from . import quant
 from .dtypes import compiler_options, numpy_dtype, of, opmath
 from .ops import fp8_product_dtype
 from .sharding import MeshLayout, add_in_order, layout_for, row_parallel, to_host
@@ -760,6 +760,8 @@ class LlamaModel:
         self.plan: Plan = module.plan   # how it computes: backend, machine, a choice per op (plan.py)
         self.layout: MeshLayout | None = module.layout   # None: one device (sharding.py)
         self.layer_policies = module.layer_policies       # each layer's policy (per-layer overrides)
+        # the canonical layout's width multiple of the invariant backend (invariant.py or portable.py)
+        self.layout_multiple = module.ops.LAYOUT_MULTIPLE if module.batch_invariant else None
         self.graphdef, self.state = nnx.split(module)
         self._forward, self._prefill, self._decode = _programs(self.graphdef, self.batch_invariant)
         self._stack = (None, None)    # (the state it was built from, stack_layers of it or None)
@@ -840,7 +842,7 @@ class LlamaModel:
         """The batch as the programs run it: canonical in batch-invariant mode, else front-padded
         to its shape bucket when asked (and buckets is on), else as given."""
         if self.batch_invariant:
-            return layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE, extra_length)
+            return layout(self.cfg, ids, mask, self.layout_multiple, extra_length)
         if bucket and self.buckets:
             return front_padded(ids, mask, bucket_length(ids.shape[1]))
         return layout(self.cfg, ids, mask)
@@ -972,7 +974,8 @@ def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str |
     backend: "reference" (ops.py), "fast" (the default) or "invariant" (llamaspec.plan.BACKENDS;
     plan.py decides what each runs on this machine, model.plan records it).
     batch_invariant=True (the invariant backend): a sequence's logits and greedy completions are
-    bitwise the same whatever the rest of the batch, its row and its padding (see invariant.py).
+    bitwise the same whatever the rest of the batch, its row and its padding (invariant.py's fixed-order
+    kernels, or portable.py where the plan says: llamaspec.plan.INVARIANT_ENV).
     mesh: a jax.sharding.Mesh with axes data/tensor, or their sizes ({"data": 2, "tensor": 4},
     "data=2,tensor=4"): the model sharded as sharding.py lays it out, weights placed shard
     by shard (None: one device). shard_sums: "ordered" (cross-shard sums added in shard order:
@@ -980,7 +983,7 @@ def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str |
     layout = None if mesh is None else layout_for(cfg, mesh, shard_sums)
     module = Llama(cfg, Policy.get(policy), weights, batch_invariant, layout, backend, quantized)
     if module.batch_invariant:
-        invariant.self_check(module)
+        module.ops.self_check(module)    # the invariant backend's (invariant.py or portable.py)
     return LlamaModel(module)
 
 

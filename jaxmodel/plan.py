@@ -1,7 +1,7 @@
 """jaxmodel's plan: the only module of the package that reads environment variables, CPU flags,
 XLA_FLAGS and the fixed-order kernels' build state. Computed once at load (from_pretrained,
 from_weights, LayerRunner); the model holds it as `model.plan` and computes with the namespace
-`load` builds from the same decisions (ops.py, fast.Fast or invariant.py).
+`load` builds from the same decisions (ops.py, fast.Fast, invariant.py or portable.Portable).
 
     plan = make_plan("bf16", "cpu", "fast")
     plan.op("attention")     # e.g. "fused kernel (attention.h) for prompts; XLA for decode steps"
@@ -11,11 +11,14 @@ Settings read (llamaspec.plan.read_settings records the ones set):
     LLAMA_PARITY_PRODUCTS  = auto | kernel | reference   (one-row 16-bit products on the kernel)
     LLAMA_PARITY_BF16_DOTS = auto | native | widened     (bf16 products in hardware; llamaspec.cpuinfo)
     LLAMA_PARITY_LOGITS    = the lm_head is a product as the others here: read, only recorded
+    LLAMA_PARITY_INVARIANT = auto | kernels | portable   (the invariant backend's implementation:
+                             llamaspec.plan.INVARIANT_ENV; auto: kernels on an x86 CPU where they build)
     XLA_FLAGS' --xla_cpu_max_isa (YNNPACK's bf16 products do not follow it; the plan does)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import platform
@@ -26,9 +29,20 @@ import jax
 from llamaspec import Policy, cpuinfo
 from llamaspec import fixed_order as fo
 from llamaspec.errors import InvarianceError, PolicyError
-from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, check_xla_flags, declines, read_settings, setting
+from llamaspec.plan import (
+    INVARIANT_ENV,
+    INVARIANT_PATHS,
+    ISA_FLAGS,
+    OPS,
+    Plan,
+    backend_name,
+    check_xla_flags,
+    declines,
+    read_settings,
+    setting,
+)
 
-from . import fast, invariant, ops
+from . import fast, invariant, ops, portable
 
 ATTENTION_ENV = "LLAMA_PARITY_ATTENTION"
 PRODUCTS_ENV = "LLAMA_PARITY_PRODUCTS"
@@ -41,6 +55,10 @@ SETTINGS = (ATTENTION_ENV, PRODUCTS_ENV, LOGITS_ENV, BF16_DOTS_ENV, KERNEL_ISA_E
 KERNEL_MIN_ISA = "avx2"
 # XLA's --xla_cpu_max_isa values that keep bf16 products in hardware (a prefix: AMX_FP16 too)
 _BF16_ISAS = ("AVX512_BF16", "AMX")
+# The portable invariant path's rows per product chunk, by device (others: PORTABLE_ROWS_OTHER): a
+# CPU's products run near full speed at 16 rows; a GPU's need more rows to fill the device.
+PORTABLE_ROWS = {"cpu": 16}
+PORTABLE_ROWS_OTHER = 128
 
 
 def make_plan(policy, device: str = "cpu", backend: str = "fast") -> Plan:
@@ -59,7 +77,9 @@ def load(policy, device: str | None, backend: str, layout=None):
 
 
 def _with_layout(namespace, layout):
-    return fast.Fast(**{**vars(namespace), "layout": layout}) if isinstance(namespace, fast.Fast) else namespace
+    if isinstance(namespace, (fast.Fast, portable.Portable)):
+        return dataclasses.replace(namespace, layout=layout)
+    return namespace
 
 
 def _choice(name: str, allowed: tuple[str, ...]) -> str:
@@ -83,8 +103,8 @@ class _Kernels:
         self.isa: str | None = None
         self.error: str | None = None
 
-    def build(self, required: bool) -> bool:
-        """Whether the kernels build; required: an error if not, else one warning."""
+    def build(self, required: bool, warn: bool = True) -> bool:
+        """Whether the kernels build; required: an error if not, else one warning (warn)."""
         from . import kernels
         try:
             lib = kernels.library()
@@ -92,7 +112,8 @@ class _Kernels:
             if required or isinstance(e, fo.KernelSettingError):    # a bad $LLAMA_PARITY_KERNEL_ISA is refused
                 raise
             self.error = str(e)
-            _warn_once(str(e))
+            if warn:
+                _warn_once(str(e))
             return False
         self.isa = fo.ISA_NAMES[lib.fo_isa()]
         return True
@@ -109,17 +130,54 @@ def _warn_once(error: str) -> None:
                   RuntimeWarning, stacklevel=4)
 
 
+@functools.cache
+def _warn_portable_once(error: str) -> None:
+    warnings.warn(f"jaxmodel's fixed-order kernels are not available ({error}); the invariant backend runs its "
+                  f"portable path ({INVARIANT_ENV}=portable silences this)", RuntimeWarning, stacklevel=4)
+
+
 def _namespace(device: str, backend: str, kern: "_Kernels"):
     """The backend's op namespace for this machine (the kernels' state noted in kern)."""
     if backend == "reference":
         return ops
     if backend == "invariant":
-        if device != "cpu":
-            raise InvarianceError(f"batch_invariant=True runs on the CPU only (its fixed-order kernels are CPU "
-                                  f"code); JAX's backend is {device}")
+        return _invariant(device, kern)
+    return _fast(device, kern)
+
+
+def _invariant(device: str, kern: "_Kernels"):
+    """The invariant backend's implementation ($LLAMA_PARITY_INVARIANT): the fixed-order kernels
+    (invariant.py: CPU code) or the portable path (portable.Portable, any device)."""
+    path = setting(INVARIANT_ENV, INVARIANT_PATHS)
+    if path == "kernels" and device != "cpu":
+        raise InvarianceError(f"{INVARIANT_ENV}=kernels: the invariant backend's fixed-order kernels are CPU code "
+                              f"and JAX's backend is {device}; {INVARIANT_ENV}=portable (or auto) runs the portable "
+                              "path there")
+    if path == "kernels" or (path == "auto" and device == "cpu" and _x86() and kern.build(False, warn=False)):
         kern.build(True)
         return invariant
-    return _fast(device, kern)
+    if kern.error:
+        _warn_portable_once(kern.error)
+    return portable.Portable(rows=PORTABLE_ROWS.get(device, PORTABLE_ROWS_OTHER), widen=device == "cpu")
+
+
+def _invariant_ops(namespace) -> dict:
+    """What each op of the invariant backend does, in words (the kernels or the portable path)."""
+    if not isinstance(namespace, portable.Portable):
+        return {"products": "fixed-order kernel (packed weights)", "logits": "fixed-order kernel (packed weights)",
+                "attention": f"fixed-order kernel, {invariant.KEY_BLOCK}-key blocks added in order",
+                "rope": "reference (bf16: fast's form, the same bits)", "norm": "fixed-order row sums",
+                "mlp": "fixed-order exp (silu)", "cache": "block write where the slots are known"}
+    operands = ("16-bit operands widened to f32, f32 dots" if namespace.widen
+                else "16-bit operands native, f32 accumulation")
+    products = f"portable: one shape, rows in chunks of {namespace.rows} ({operands})"
+    return {"products": products, "logits": products,
+            "attention": f"portable: elementwise products, halving-tree sums, {portable.KEY_BLOCK}-key blocks "
+                         "added in order, portable exp",
+            "rope": "reference (bf16: fast's form, the same bits)",
+            "norm": "portable: halving-tree sum of squares, 1/sqrt",
+            "mlp": "portable: exp by llamaspec.portable's program (silu)",
+            "cache": "block write where the slots are known"}
 
 
 
@@ -136,12 +194,8 @@ def _decide(policy: Policy, device: str, backend: str):
     if backend == "reference":
         return _plan(policy, device, backend, kern, (), libraries, {op: "reference" for op in OPS}), namespace
     if backend == "invariant":
-        chosen = {"products": "fixed-order kernel (packed weights)", "logits": "fixed-order kernel (packed weights)",
-                  "attention": f"fixed-order kernel, {invariant.KEY_BLOCK}-key blocks added in order",
-                  "rope": "reference (bf16: fast's form, the same bits)", "norm": "fixed-order row sums",
-                  "mlp": "fixed-order exp (silu)",
-                  "cache": "block write where the slots are known"}
-        return _plan(policy, device, backend, kern, read_settings((KERNEL_ISA_ENV,)), libraries, chosen), namespace
+        return (_plan(policy, device, backend, kern, read_settings((KERNEL_ISA_ENV, INVARIANT_ENV)), libraries,
+                      _invariant_ops(namespace)), namespace)
     return _plan(policy, device, backend, kern, read_settings(SETTINGS), libraries,
                  _fast_ops(namespace, policy)), namespace
 
