@@ -8,10 +8,11 @@ Every step follows the precision policy. jaxmodel/model.py is the same file in J
 classes, arguments, cache and tap names.
 
 Every module calls its ops through `self.ops`, the backend's namespace (ops.py itself for
-the reference, fast.py's or invariant.py's for the others: the same names and signatures), which
-plan.py picks once at load (model.plan says what each op runs on). The invariant backend
-(batch_invariant=True, docs/invariance.md) runs every call in the canonical layout
-of llamaspec.inputs.layout. The KV cache keeps that layout: row b's tokens fill slots
+the reference, fast.py's, invariant.py's or portable.py's for the others: the same names and
+signatures), which plan.py picks once at load (model.plan says what each op runs on). The
+invariant backend (batch_invariant=True, docs/invariance.md) runs every call in the canonical
+layout of llamaspec.inputs.layout, its constants (LAYOUT_MULTIPLE, KEY_BLOCK) and self-check
+read from the namespace the plan chose. The KV cache keeps that layout: row b's tokens fill slots
 [0, lens[b]) and a decode step writes each row at its own slot lens[b], so a row's keys
 sit in the same blocks whatever the other rows' lengths.
 """
@@ -32,7 +33,7 @@ from llamaspec.forward import KV, Context, Recorder
 from llamaspec.inputs import Layout, check_inject, check_next_ids, check_prefill, layout
 from llamaspec.plan import backend_name
 
-from . import invariant, quant
+from . import quant
 from .dtypes import cast, dt, from_numpy, to_numpy
 from .ops import fp8_product_dtype
 from .plan import check_matmul_settings, make_backend
@@ -358,7 +359,7 @@ class LlamaModel(nn.Module):
 
     def _layout(self, ids, mask, extra_length=0) -> Layout:
         """The batch as the network runs it: canonical in batch-invariant mode."""
-        return layout(self.cfg, ids, mask, invariant.LAYOUT_MULTIPLE if self.batch_invariant else None,
+        return layout(self.cfg, ids, mask, self.model.ops.LAYOUT_MULTIPLE if self.batch_invariant else None,
                       extra_length)
 
     @torch.inference_mode()
@@ -470,7 +471,7 @@ class LlamaModel(nn.Module):
 
     def _prefill_invariant(self, ids: np.ndarray, mask: np.ndarray, total_len: int):
         """prefill in the canonical layout; the cache keeps per-row lengths ("lens")."""
-        Kb = invariant.KEY_BLOCK
+        Kb = self.model.ops.KEY_BLOCK
         run = self._layout(ids, mask, extra_length=total_len - ids.shape[1])
         B, W = run.ids.shape
         kv = self._empty_cache(B, -(-max(total_len, W) // Kb) * Kb)
@@ -485,7 +486,7 @@ class LlamaModel(nn.Module):
     def _decode_invariant(self, cache, next_ids: np.ndarray, names=()):
         """decode with a write slot per row (lens[b]); attends to the blocks in use only;
         returns (logits, cache, {tap: [B, 1, ...]} for the tap names asked)."""
-        lens, Kb = cache["lens"], invariant.KEY_BLOCK
+        lens, Kb = cache["lens"], self.model.ops.KEY_BLOCK
         B, S, longest = lens.shape[0], cache["k"][0].shape[2], int(lens.max())
         next_ids = check_next_ids(self.cfg, next_ids, B, longest, S)
         width = min(S, -(-(longest + 1) // Kb) * Kb)
@@ -602,11 +603,11 @@ def from_weights(cfg: LlamaConfig, weights: dict[str, np.ndarray], policy: str |
 
     backend: "reference" (ops.py), "fast" (the default) or "invariant" (= batch_invariant=True: a
     sequence's logits and greedy completions are bitwise the same whatever the rest of the batch,
-    its row and its padding; see invariant.py)."""
+    its row and its padding; see invariant.py and portable.py)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     module = Llama(cfg, Policy.get(policy), weights, batch_invariant, device, backend, quantized).eval()
     if module.batch_invariant:
-        invariant.self_check(module)
+        module.ops.self_check(module)     # the chosen path's check, on the model's device
     return LlamaModel(module).eval()
 
 

@@ -8,6 +8,7 @@ Plan record for reports; model.py holds both (model.plan, the network's ops name
     LLAMA_PARITY_LOGITS    = auto | kernel | reference    the fixed-order gemm for a bf16 policy's f32 logits
     LLAMA_PARITY_ATTENTION = auto | fused | kernel | reference   torch's sdpa / the fixed-order attention
     LLAMA_PARITY_BF16_DOTS = auto | native | widened      16-bit products in hardware or widened to f32
+    LLAMA_PARITY_INVARIANT = auto | kernels | portable     the invariant backend's implementation
 """
 
 from __future__ import annotations
@@ -22,14 +23,24 @@ import torch
 from llamaspec import Policy, cpuinfo
 from llamaspec.errors import InvarianceError, PolicyError
 from llamaspec.fixed_order import KernelSettingError
-from llamaspec.plan import ISA_FLAGS, OPS, Plan, backend_name, declines, read_settings, setting
+from llamaspec.plan import (
+    INVARIANT_ENV,
+    INVARIANT_PATHS,
+    ISA_FLAGS,
+    OPS,
+    Plan,
+    backend_name,
+    declines,
+    read_settings,
+    setting,
+)
 
-from . import fast, invariant, ops
+from . import fast, invariant, ops, portable
 
 PRODUCTS_ENV = "LLAMA_PARITY_PRODUCTS"
 LOGITS_ENV = "LLAMA_PARITY_LOGITS"
 ATTENTION_ENV = "LLAMA_PARITY_ATTENTION"
-SETTINGS = (PRODUCTS_ENV, LOGITS_ENV, ATTENTION_ENV, cpuinfo.BF16_DOTS_ENV, "LLAMA_PARITY_KERNEL_ISA",
+SETTINGS = (PRODUCTS_ENV, LOGITS_ENV, ATTENTION_ENV, cpuinfo.BF16_DOTS_ENV, INVARIANT_ENV, "LLAMA_PARITY_KERNEL_ISA",
             "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 _CHOICES = {PRODUCTS_ENV: ("auto", "kernel", "reference"), LOGITS_ENV: ("auto", "kernel", "reference"),
             ATTENTION_ENV: ("auto", "fused", "kernel", "reference")}
@@ -38,6 +49,13 @@ _CHOICES = {PRODUCTS_ENV: ("auto", "kernel", "reference"), LOGITS_ENV: ("auto", 
 # as prefixes: AVX512_CORE_BF16 and above for bf16, AVX512_CORE_FP16 and above for fp16.
 _HARDWARE_CAPS = {"bfloat16": ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT"),
                   "float16": ("AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT")}
+# The portable invariant path's rows per product call, per device type (any other device: the
+# accelerator's): a CPU's decode step pads its rows to this, a GPU's products want tiles of rows.
+PORTABLE_ROWS = {"cpu": 16}
+PORTABLE_ROWS_ACCELERATOR = 128
+# ... and the elements of one product tensor in its attention on an accelerator (a CPU's:
+# portable.PIECE, within its caches): a GPU wants few large elementwise kernels.
+PORTABLE_PIECE_ACCELERATOR = 1 << 26
 # the CPU flags of bf16 / fp16 products in hardware, the AMX one first
 _HARDWARE_FLAGS = {"bfloat16": ("amx_bf16", "avx512_bf16"), "float16": ("amx_fp16", "avx512_fp16")}
 
@@ -109,12 +127,16 @@ def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast
         namespace, described = fast.namespace(c), fast.describe(c, policy, device)
         isa, error = c.kernel_isa, c.kernel_error
     elif backend == "invariant":
-        namespace = invariant
-        described = {op: "fixed-order kernels (batch-invariant)" for op in ("products", "logits", "attention", "norm")}
-        try:
-            isa = fast.fixed_order_kernels().fo_isa()
-        except InvarianceError as e:
-            error = str(e)
+        path, isa, error = invariant_path(device, env)
+        if path == "kernels":
+            namespace = invariant
+            described = {op: "fixed-order kernels (batch-invariant)"
+                         for op in ("products", "logits", "attention", "norm", "mlp")}
+        else:
+            namespace = portable.Portable(PORTABLE_ROWS.get(device.type, PORTABLE_ROWS_ACCELERATOR),
+                                          native_half=device.type == "cuda",
+                                          piece=None if device.type == "cpu" else PORTABLE_PIECE_ACCELERATOR)
+            described = describe_portable(namespace)
     else:
         namespace, described = ops, {}
     plan = Plan(backend=backend, framework="torch", device=str(device), policy=policy.name, cpu=name,
@@ -124,6 +146,46 @@ def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast
                 ops=tuple((op, described.get(op, "reference")) for op in OPS))
     return plan, namespace
 
+
+def invariant_path(device: torch.device, env: dict) -> tuple[str, int | None, str | None]:
+    """(the invariant backend's implementation, the fixed-order kernels' code path, why they could
+    not be built) from $LLAMA_PARITY_INVARIANT: auto = the kernels on an x86-64 CPU where they
+    build, portable elsewhere; kernels asked for on another device or where they do not build is
+    an error naming the setting."""
+    choice = setting(INVARIANT_ENV, INVARIANT_PATHS, env.get(INVARIANT_ENV, ""))
+    if choice == "portable":
+        return "portable", None, None
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    if choice == "kernels" and (device.type != "cpu" or not x86):
+        where = f"the model is on {device}" if device.type != "cpu" else f"this CPU is {platform.machine()}"
+        raise PolicyError(f"{INVARIANT_ENV}=kernels: the fixed-order kernels are x86-64 CPU code and {where}; "
+                          f"set {INVARIANT_ENV}=portable (or auto) for the portable invariant path")
+    if device.type != "cpu" or not x86:
+        return "portable", None, None
+    try:
+        return "kernels", fast.fixed_order_kernels().fo_isa(), None
+    except InvarianceError as e:
+        if isinstance(e, KernelSettingError):     # a bad $LLAMA_PARITY_KERNEL_ISA is refused
+            raise
+        if choice == "kernels":
+            raise InvarianceError(f"{INVARIANT_ENV}=kernels: the fixed-order kernels do not build here ({e})") from e
+        warnings.warn(f"torchref's fixed-order kernels are not available ({e}); the invariant backend runs "
+                      "its portable path", RuntimeWarning, stacklevel=4)
+        return "portable", None, str(e)
+
+
+def describe_portable(namespace: portable.Portable) -> dict[str, str]:
+    """The plan's words for the portable invariant path's ops."""
+    rows, kb = namespace.rows, portable.KEY_BLOCK
+    half = "16-bit operands as they are, f32 sums" if namespace.native_half else "16-bit operands widened to f32"
+    products = f"portable: products in fixed [{rows}, K] calls of torch's matmul (the last rows zero-padded; {half})"
+    return {"products": products, "logits": products.replace("products in", "lm_head in"),
+            "attention": f"portable: {kb}-key blocks, q.k and p.v as elementwise products summed by a halving "
+                         f"tree (pieces of {namespace.piece or portable.PIECE} elements), blocks added in order, "
+                         "llamaspec.portable's exp",
+            "norm": "portable: sum of squares by a halving tree, 1/sqrt",
+            "mlp": "portable: silu with llamaspec.portable's exp",
+            "rope": f"portable: tables in chunks of {portable.ROPE_CHUNK} positions, gathered"}
 
 
 def make_plan(policy: str | Policy, device="cpu", backend: str | None = "fast") -> Plan:
