@@ -13,6 +13,7 @@ import numpy as np
 
 from llamaspec import Policy
 from llamaspec import taps as tapnames
+from llamaspec.caps import DeviceError
 from llamaspec.checkpoint import layer_of_key, numpy_dtype, validated
 
 PACKAGES = ("torchref", "jaxmodel")
@@ -36,6 +37,33 @@ def package_of(model) -> str | None:
         if mod is not None and isinstance(model, mod.LlamaModel):
             return pkg
     return None
+
+
+def device_keywords(package: str, device: str) -> dict:
+    """from_pretrained's keywords that put `package` on `device`: torchref's {"device": name}
+    where torch can compute there (a llamaspec.caps.DeviceError naming the device otherwise: a
+    name torch does not know, its meta device, a device this machine or this build lacks);
+    jaxmodel's none where `device` is JAX's default backend (jaxmodel takes no device: a
+    NotImplementedError otherwise)."""
+    if package == "jaxmodel":
+        import jax  # jax: slow import; only where a device is named
+        if jax.default_backend() != device:
+            raise NotImplementedError(f"jaxmodel runs on JAX's default backend ({jax.default_backend()}); "
+                                      f"jaxmodel.from_pretrained takes no device, so it cannot load on {device}")
+        return {}
+    import torch  # torchref imports torch: only where a device is named
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceError(f"device {device!r}: not a device torch knows ({e})") from None
+    if where.type == "meta":
+        raise DeviceError(f"device {device!r}: torch's meta device holds shapes, not values; a model computes on a "
+                          "real device (cpu, cuda)")
+    try:
+        torch.empty(0, device=where)
+    except (RuntimeError, AssertionError) as e:     # a CPU-only build asserts
+        raise DeviceError(f"device {device!r}: torch cannot place a tensor there ({e})") from None
+    return {"device": str(where)}
 
 
 def fp64_policy(policy: Policy) -> Policy:
@@ -67,15 +95,19 @@ class OurModel:
 
     @classmethod
     def load(cls, package: str, checkpoint, policy, batch_invariant: bool = False, mesh=None,
-             backend: str | None = None) -> "OurModel":
+             backend: str | None = None, device: str | None = None) -> "OurModel":
         """mesh: jaxmodel on a jax.sharding.Mesh (jaxmodel/sharding.py); torchref has none.
-        backend: llamaspec.plan.BACKENDS (None: from_pretrained's default)."""
+        backend: llamaspec.plan.BACKENDS (None: from_pretrained's default). device: torch's name
+        of the device torchref loads on (None: torchref's default, the GPU wherever torch reports
+        one); jaxmodel runs on JAX's default backend and takes only its name (device_keywords)."""
         if package not in PACKAGES:
             raise ValueError(f"unknown implementation '{package}' (one of {', '.join(PACKAGES)})")
         mod = importlib.import_module(package)
         kw = {"batch_invariant": True} if batch_invariant else {}
         if backend is not None:
             kw["backend"] = backend
+        if device is not None:
+            kw.update(device_keywords(package, device))
         if mesh is not None:
             if package != "jaxmodel":
                 raise ValueError(f"a mesh is for jaxmodel; {package} runs on one device")
@@ -86,6 +118,12 @@ class OurModel:
     def mesh(self):
         """The jax mesh a sharded jaxmodel runs on (its float64 twin runs on the same), else None."""
         return getattr(self.model, "mesh", None)
+
+    @property
+    def device(self) -> str | None:
+        """The torch device a torchref model is on ("cpu", "cuda:0"); None for jaxmodel (JAX's
+        default backend, or its mesh's devices)."""
+        return str(self.model.device) if self.package == "torchref" else None
 
     @property
     def backend(self) -> str | None:
@@ -148,12 +186,15 @@ class OurModel:
         return [raw, raw.astype(param)], None if bias is None else bias.astype(param)
 
     def float64(self, rounded_weights: bool = False) -> "OurModel":
-        """The same implementation computing in float64: over the checkpoint's values when
-        the folder is known (the ladder's oracle reads the same), else, or with
-        rounded_weights, or under a policy that quantizes weights (weight_fp8), over the model's
-        own weights as it rounded and quantized them."""
+        """The same implementation computing in float64, on the model's device (a sharded
+        jaxmodel's on its mesh): over the checkpoint's values when the folder is known (the
+        ladder's oracle reads the same), else, or with rounded_weights, or under a policy that
+        quantizes weights (weight_fp8), over the model's own weights as it rounded and quantized
+        them."""
         mod = importlib.import_module(self.package)
         kw = {} if self.mesh is None else {"mesh": self.mesh}     # a sharded model's twin, sharded alike
+        if self.device is not None:     # torchref's default is the GPU wherever there is one
+            kw["device"] = self.device
         if self.backend == "reference":     # the reference's twin is the reference at float64
             kw["backend"] = "reference"
         quantized = self.model.quantized()

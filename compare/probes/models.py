@@ -27,7 +27,7 @@ import numpy as np
 
 from llamaspec import Policy
 
-from ..adapters import OurModel, as_implementation, fp64_policy, is_transformers_llama, package_of
+from ..adapters import OurModel, as_implementation, is_transformers_llama, package_of
 from ..adapters.ours import host_array
 
 IMPLS = ("torchref", "jaxmodel", "transformers")
@@ -59,36 +59,20 @@ class ModelSpec:
 
     def load(self):
         """The model: a torchref/jaxmodel LlamaModel, a TransformersModel, or the factory's port.
-        device: torchref loads there; another implementation only on its own default device (a
-        NotImplementedError names it otherwise)."""
+        device: torchref loads there, jaxmodel only on JAX's default backend (adapters.ours.
+        device_keywords), transformers only on the CPU (a NotImplementedError names it otherwise)."""
         if self.factory is not None:
             module, _, name = self.factory.partition(":")
             return getattr(importlib.import_module(module), name)(self.checkpoint, self.policy)
-        if self.device is not None:
-            self._check_device()
-        if self.impl == "torchref" and self.device is not None:
-            import torchref  # torchref imports torch: only where a device is named
-            return torchref.from_pretrained(self.checkpoint, policy=self.policy, batch_invariant=self.batch_invariant,
-                                            device=self.device)
         if self.impl == "transformers":
+            if self.device not in (None, "cpu"):
+                raise NotImplementedError(f"transformers loads on the CPU only here, not on {self.device}")
             if self.batch_invariant:
                 raise NotImplementedError("transformers has no batch-invariant mode")
             from ..adapters.transformers import TransformersModel  # lazy: imports torch
             return TransformersModel.from_pretrained(self.checkpoint, self.policy, self.attn_implementation,
                                                      self.positions)
-        return OurModel.load(self.impl, self.checkpoint, self.policy, self.batch_invariant).model
-
-    def _check_device(self) -> None:
-        if self.impl == "torchref":
-            return
-        if self.impl == "jaxmodel":
-            import jax  # jax: slow import; only where a device is named
-            if jax.default_backend() == self.device:
-                return
-            raise NotImplementedError(f"jaxmodel runs on JAX's default backend ({jax.default_backend()}); "
-                                      f"jaxmodel.from_pretrained takes no device, so it cannot load on {self.device}")
-        if self.device != "cpu":
-            raise NotImplementedError(f"{self.impl} loads on the CPU only here, not on {self.device}")
+        return OurModel.load(self.impl, self.checkpoint, self.policy, self.batch_invariant, device=self.device).model
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -161,22 +145,14 @@ def _impl_of(model) -> str:
     return getattr(model, "package", None) or package_of(model) or type(model).__name__
 
 
-def fp64_twin(model, device: str | None = None):
-    """The same implementation with the same rounded weights, computing in float64
-    (adapters: OurModel.float64, TransformersModel.float64), or None for an object whose
-    twin cannot be made (a user's wrapper: pass its twin as `oracle`). device: a torchref
-    model's twin on that device (OurModel.float64 loads it on torchref's default device, the GPU
-    where there is one)."""
+def fp64_twin(model):
+    """The same implementation with the same rounded weights, computing in float64 on the same
+    device (adapters: OurModel.float64, TransformersModel.float64), or None for an object whose
+    twin cannot be made (a user's wrapper: pass its twin as `oracle`)."""
     try:
         impl = as_implementation(model)
     except TypeError:
         return None
-    if device is not None and getattr(impl, "package", None) == "torchref":
-        import torchref  # torchref imports torch: only for a twin on a named device
-        m = impl.model
-        return OurModel(torchref.from_weights(m.cfg, m.weights(), fp64_policy(m.policy), device=device,
-                                              backend="reference" if impl.backend == "reference" else None,
-                                              quantized=m.quantized() or None), impl.checkpoint)
     make = getattr(impl, "float64", None)
     if make is None:
         return None

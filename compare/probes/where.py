@@ -535,8 +535,7 @@ def _by_name(name, circumstance, checkpoint, policy, stream, other, hf):
         return _Setup(f"{name} {pol.name} default", name, pol, "default", False, cfg, {},
                       tuple(tapnames.all_taps(cfg.num_hidden_layers)), name, str(checkpoint), spec)
     main = _load(spec)
-    impls = {"main": main, "twin": as_implementation(fp64_twin(main, spec.device)) if spec.device else
-             main.float64(rounded_weights=True)}
+    impls = {"main": main, "twin": main.float64(rounded_weights=True)}     # on main's device
     if circumstance_of(circumstance).needs_other:
         impls["other"] = other if other is not None else _load(dataclasses.replace(spec, batch_invariant=True))
     cfg = getattr(main, "config", None) or main.cfg
@@ -679,7 +678,7 @@ def _other_device(setup: _Setup, device: str, progress) -> tuple[str, str]:
     key = device_key(GPU)
     spec = dataclasses.replace(setup.spec, device="cuda")
     setup.impls[key] = _load(spec)
-    setup.impls[impl_key(key, True)] = as_implementation(fp64_twin(setup.impls[key], spec.device))
+    setup.impls[impl_key(key, True)] = as_implementation(fp64_twin(setup.impls[key]))     # on the GPU too
     return here, f"GPU ({gpu_report(setup.spec.impl)[0]})"
 
 

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     impl = as_implementation(model, spec.checkpoint)
     _save(impl, job, job["out"], Path(job["out"]).parent / "dtypes.json")
     if job.get("twin_out"):
-        twin = fp64_twin(model, spec.device)
+        twin = fp64_twin(model)
         if twin is None:
             raise TypeError(f"{spec.impl}: no float64 twin (float64()) to capture in this process")
         _save(as_implementation(twin), job, job["twin_out"], Path(job["twin_out"] + ".dtypes.json"))
