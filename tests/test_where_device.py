@@ -16,6 +16,8 @@ import pytest
 from compare.controls.device import FACTORY, LAYER, TRIGGER
 from compare.probes import load_model
 from compare.probes.where import gpu_report, probe_where, resolve_device
+from compare.probes.where_worker import check_under
+from compare.probes.worker import run_job
 from llama_parity.cli import main as cli
 from llamaspec import caps, cpuinfo
 from llamaspec.taps import all_taps
@@ -78,6 +80,18 @@ def test_jaxmodel_under_the_avx2_cap_is_never_semantic(tiny, policy):
     r = probe_where("jaxmodel", "device", checkpoint=tiny, policy=policy, device="avx2")
     assert kinds(r) <= ({"exact", "drift"} if policy == "fp64" else {"exact", "drift", "precision"})
     assert r.sides["B"]["environment"]["model plan library xla max isa"] == "AVX2"
+
+
+@needs_avx2
+def test_the_second_process_starts_under_the_cap_and_the_worker_only_checks_it(tmp_path):
+    check_under("avx2", caps.environ("avx2", {}))        # the table's variables, XLA's among XLA_FLAGS
+    with pytest.raises(RuntimeError, match="without the cap 'avx2' in force.*ONEDNN_MAX_CPU_ISA=AVX2"):
+        check_under("avx2", {"ATEN_CPU_CAPABILITY": "avx2"})
+    # a capped job in a process started without the cap's variables is refused before it loads anything
+    job = {"spec": {"impl": "torchref", "checkpoint": str(tmp_path / "none")}, "cap": "avx2"}
+    env = {k: "" for k in caps.VARIABLES}        # whatever this process runs under, the child lacks the cap
+    with pytest.raises(RuntimeError, match="(?s)where: a capped job failed.*without the cap 'avx2' in force"):
+        run_job("compare.probes.where_worker", job, tmp_path, 120, "where: a capped job", env=env)
 
 
 # ----- a bug that shows only under the cap -------------------------------------------------------

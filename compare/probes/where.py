@@ -70,7 +70,6 @@ from .where_plan import GPU, Pair, check_budget, device_key, mesh_label, plan
 from .where_plan import circumstance as circumstance_of
 from .where_sources import CaptureSource, DecodeSource, ReplayDiffers, StreamSource, impl_key, stage_taps, stages
 from .where_text import explain_where, hint
-from .where_worker import capped_capture
 
 BEYOND = ("precision", "semantic")
 
@@ -682,29 +681,16 @@ def _other_device(setup: _Setup, device: str, progress) -> tuple[str, str]:
     return here, f"GPU ({gpu_report(setup.spec.impl)[0]})"
 
 
-def _capped_rows(setup: _Setup, source, runs, rows_of, cap: str, progress) -> dict:
-    """Each capped run's target rows, and its twin's, from a second process started under `cap`
-    (where_worker.capped_capture), added to source's kept rows; that process's record."""
-    side = {}
-    for r in runs:
-        if progress:
-            progress(f"where: capturing {r.key} and its float64 twin in a second process ({r.rows} x {r.width})")
-        got, side = source.timed(f"{r.key} (and its twin, a second process)", capped_capture, setup.spec, r,
-                                 rows_of[r.key], setup.taps, cap)
-        source.kept.update({(r.key, twin, row): acts for (twin, row), acts in got.items()})
-    return side
-
-
 def _side(label: str, policy: Policy, impl) -> dict:
     """A side of the device circumstance: its label and this process's record with its model's plan."""
     return {"label": label, "environment": environment(policy, uses_jax=getattr(impl, "package", None) == "jaxmodel",
                                                         sides={"model": impl})}
 
 
-def _sides(setup: _Setup, source, capped, rows_of, cap: str | None, labels, progress) -> dict:
-    """The device circumstance's two sides (WhereResult.sides); under a cap, the capped runs are
-    captured here, in their second process, and added to source."""
-    b = ({"label": labels[1], "environment": _capped_rows(setup, source, capped, rows_of, cap, progress)} if cap
+def _sides(setup: _Setup, source, cap: str | None, labels) -> dict:
+    """The device circumstance's two sides (WhereResult.sides): B's record is its second
+    process's under a cap (CaptureSource.records), else this process's with the GPU's model."""
+    b = ({"label": labels[1], "environment": source.records[device_key(cap)]} if cap
          else _side(labels[1], setup.policy, setup.impls[device_key(GPU)]))
     return {"A": _side(labels[0], setup.policy, setup.impls["main"]), "B": b}
 
@@ -725,7 +711,7 @@ def _target(cfg, ids, length: int, seed: int) -> np.ndarray:
     return a[None] if a.ndim == 1 else a[:1]
 
 
-def _source(setup: _Setup, runs, pairs, rows_of, progress):
+def _source(setup: _Setup, runs, pairs, rows_of, progress, cap: str | None = None):
     if any(r.step is not None for r in runs):
         return DecodeSource(setup.impls, runs, rows_of, setup.taps, progress)
     if setup.package is not None:
@@ -734,7 +720,7 @@ def _source(setup: _Setup, runs, pairs, rows_of, progress):
         raise ValueError("probe where, rerun in a fresh process: the model must be loadable in another process "
                          "(give it by name, or load it with compare.probes.load_model); or pass processes=0")
     forced = {(p.b.run, twin) for p in pairs for twin in ((False, True) if p.own_twin else (False,))}
-    return CaptureSource(setup.impls, runs, rows_of, setup.taps, setup.spec, forced, progress)
+    return CaptureSource(setup.impls, runs, rows_of, setup.taps, setup.spec, forced, progress, cap)
 
 
 def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None, policy=None, oracle=None,
@@ -771,9 +757,8 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
                        **options)
     by_key = {r.key: r for r in runs}
     rows_of = {r.key: sorted({s.row for p in pairs for s in (p.a, p.b) if s.run == r.key}) for r in runs}
-    capped = [r for r in runs if cap is not None and r.key == device_key(cap)]
-    source = _source(setup, [r for r in runs if r not in capped], pairs, rows_of, progress)
-    sides = _sides(setup, source, capped, rows_of, cap, options["labels"], progress) if circ.other_device else {}
+    source = _source(setup, runs, pairs, rows_of, progress, cap)
+    sides = _sides(setup, source, cap, options["labels"]) if circ.other_device else {}
     yard = Yardstick.of(setup.policy, int(setup.cfg.hidden_size), setup.keeps_f32)
     pairings = [_Pairing(p, _comparison(p, by_key), by_key[p.b.run].mask[p.b.row],
                          p.own_twin and twin_computes(setup, by_key[p.b.run])) for p in pairs]

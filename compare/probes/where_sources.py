@@ -17,10 +17,7 @@ h [B, W, hidden] (the protocol's inject), as {tap: [B, W, ...]}.
 from __future__ import annotations
 
 import importlib
-import json
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -29,8 +26,7 @@ from llamaspec.taps import input_tap
 
 from ..adapters import fp64_policy, inject_support
 from ..adapters.streaming import HEAD_CHUNK_BYTES, LayerReader, LayerRun, lm_head, malloc_trim
-from ..metrics import resolve_dtype
-from .worker import run_job
+from .where_worker import fresh_capture
 
 
 def stages(num_layers: int) -> list:
@@ -160,21 +156,25 @@ def impl_key(model: str, twin: bool) -> str:
 
 class CaptureSource(_Timed):
     """Whole captures of an Implementation (and of its float64 twin, of `other` for runs of
-    the other model, of fresh processes from `spec`), target rows kept per stage."""
+    the other model), target rows kept per stage. A fresh run is captured with its float64
+    twin in a fresh process rebuilt from `spec` (where_worker.fresh_capture; under
+    instruction-set cap `cap` where given: the device circumstance's capped side); records:
+    {run key: that process's compare.environment record}."""
 
-    def __init__(self, impls: dict, runs, rows_of: dict, taps, spec=None, forced_rows=(), progress=None):
+    def __init__(self, impls: dict, runs, rows_of: dict, taps, spec=None, forced_rows=(), progress=None,
+                 cap: str | None = None):
         super().__init__()
         self.impls, self.runs, self.rows_of, self.taps = impls, {r.key: r for r in runs}, rows_of, tuple(taps)
         self.kept: dict = {}      # (key, twin, row) -> {tap: row}
         self.inputs: dict = {}    # (key, twin) -> {layer input tap: [B, W, hidden]}, for teacher forcing
+        self.records: dict = {}   # fresh run key -> its process's compare.environment record
         for r in runs:
+            if r.fresh:
+                self._fresh(r, spec, cap, progress)
+                continue
             for twin in ((False, True) if r.twin else (False,)):
                 if progress:
                     progress(f"where: capturing {_label((r.key, twin))} ({r.rows} x {r.width})")
-                if r.fresh:
-                    rows = self.timed(_label((r.key, twin)), fresh_capture, spec, r, rows_of[r.key], self.taps)
-                    self.kept.update({(r.key, twin, row): acts for row, acts in rows.items()})
-                    continue
                 impl = impls[impl_key(r.model, twin)]
                 _, acts = self.timed(_label((r.key, twin)), impl.capture, r.ids, r.mask, list(self.taps))
                 for row in rows_of[r.key]:
@@ -183,6 +183,13 @@ class CaptureSource(_Timed):
                     self.inputs[(r.key, twin)] = {t: np.asarray(a) for t, a in acts.items()
                                                   if tapnames.is_layer_input(t)}
                 del acts
+
+    def _fresh(self, r, spec, cap, progress) -> None:
+        what = f"{r.key}{' and its fp64 twin' if r.twin else ''}, {'a second' if cap else 'a fresh'} process"
+        if progress:
+            progress(f"where: capturing {what} ({r.rows} x {r.width})")
+        got, self.records[r.key] = self.timed(what, fresh_capture, spec, r, self.rows_of[r.key], self.taps, cap)
+        self.kept.update({(r.key, twin, row): acts for (twin, row), acts in got.items()})
 
     def rows(self, stage) -> dict:
         names = stage_taps(stage, self.taps)
@@ -317,18 +324,3 @@ class DecodeSource(_Timed):
                     raise ReplayDiffers(f"{_label((key, twin))}: layer {layer} replayed with its own inputs differs")
             self.replayed.add((key, twin, layer))
         return self.timed("teacher forcing", self._step, impl, r, names, {layer: h})[0]
-
-
-def fresh_capture(spec, run, rows, taps, timeout=900) -> dict:
-    """The target rows of `run` captured by spec's model in a fresh Python process
-    (python -m compare.probes.where_worker): {row: {tap: array}}."""
-    with tempfile.TemporaryDirectory(prefix="llama-parity-where-") as tmp:
-        tmp = Path(tmp)
-        np.save(tmp / "ids.npy", run.ids)
-        np.save(tmp / "mask.npy", run.mask)
-        job = {"spec": spec.to_dict(), "ids": str(tmp / "ids.npy"), "mask": str(tmp / "mask.npy"),
-               "rows": [int(r) for r in rows], "taps": list(taps), "out": str(tmp / "rows.npz")}
-        run_job("compare.probes.where_worker", job, tmp, timeout, f"where: the fresh process for '{run.key}'")
-        dtypes = json.loads((tmp / "dtypes.json").read_text())
-        with np.load(tmp / "rows.npz") as z:
-            return {int(r): {t: z[f"{r}|{t}"].astype(resolve_dtype(dtypes[t])) for t in taps} for r in rows}

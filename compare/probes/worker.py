@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -35,16 +36,20 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_job(module: str, job: dict, folder: Path, timeout: float, what: str) -> None:
+def run_job(module: str, job: dict, folder: Path, timeout: float, what: str,
+            env: Mapping[str, str] | None = None) -> None:
     """Runs `python -m <module> JOB.json` in a fresh Python process with the repository first on
-    its path; `job` is written to folder/job.json (temp name, rename). A failure is a
-    RuntimeError naming `what`, with the tail of the process's stderr; subprocess.TimeoutExpired
-    past `timeout`. The process (and any it started) ends when this one is interrupted."""
+    its path; `job` is written to folder/job.json (temp name, rename). env: variables the process
+    starts with, over this one's (an instruction-set cap's: llamaspec.caps.environ; the libraries
+    read them once, when they load). A failure is a RuntimeError naming `what`, with the tail of
+    the process's stderr; subprocess.TimeoutExpired past `timeout`. The process (and any it
+    started) ends when this one is interrupted."""
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    child = {**os.environ, **(env or {})}
+    child["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child.get("PYTHONPATH")]))
     path = atomic_write(Path(folder) / "job.json", json.dumps(job), "probe job")
     # its own process group, ended whole on Ctrl-C, SIGTERM or the timeout (llamaspec.interrupts)
-    proc = run_child([sys.executable, "-m", module, str(path)], timeout=timeout, env=env, cwd=root)
+    proc = run_child([sys.executable, "-m", module, str(path)], timeout=timeout, env=child, cwd=root)
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
 
