@@ -307,17 +307,6 @@ def _where_budget(args, folder, T) -> None:
                  what=f"probe where --circumstance {args.circumstance}{flags}", **options)
 
 
-def _sides(result) -> str:
-    """The device circumstance's two sides: their labels, and the lines of their records that differ
-    (the caps in force, the libraries' code paths, the plan's choices)."""
-    a, b = result.sides["A"], result.sides["B"]
-    ea, eb = a["environment"], b["environment"]
-    lines = [f"  A: {a['label']}", f"  B: {b['label']}", "  where their records differ (A | B):"]
-    lines += [f"    {k}: {ea.get(k, '-')} | {eb.get(k, '-')}" for k in dict.fromkeys([*ea, *eb])
-              if ea.get(k) != eb.get(k)] or ["    nowhere"]
-    return "\n".join(lines) + "\n"
-
-
 def cmd_where(args) -> int:
     """`probe where`: per implementation x policy x mode, the table; --json all, --html one."""
     say = _log(time.perf_counter())
@@ -357,8 +346,6 @@ def cmd_where(args) -> int:
                     print(f"skipped {skipped[-1]}")
                     continue
                 print(where_report.format_table(results[-1], colour=sys.stdout.isatty() and not args.no_colour))
-                if results[-1].sides:
-                    print(_sides(results[-1]))
     meta = {"checkpoint": folder, "target": how, "circumstance": args.circumstance, "argv": sys.argv[1:],
             "skipped": skipped, "environment": environment(policies[0])}
     if json_path:

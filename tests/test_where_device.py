@@ -5,6 +5,7 @@ are drift or precision, and which one depends on the CPU: not asserted); a bug t
 under the cap is semantic at its tap; a cap this CPU lacks and a GPU this machine lacks are
 clear errors, before anything loads."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,9 +16,11 @@ import pytest
 
 from compare.controls.device import FACTORY, LAYER, TRIGGER
 from compare.probes import load_model
-from compare.probes.where import gpu_report, probe_where, resolve_device
+from compare.probes.where import Comparison, Op, Parting, TapDiff, WhereResult, gpu_report, probe_where, resolve_device
+from compare.probes.where_text import explain_where, hint
 from compare.probes.where_worker import check_under
 from compare.probes.worker import run_job
+from compare.report.where import format_table, render_html, to_document
 from llama_parity.cli import main as cli
 from llamaspec import caps, cpuinfo
 from llamaspec.taps import all_taps
@@ -186,3 +189,44 @@ def test_cli_probe_where_device_prints_both_sides_and_writes_them(tiny, tmp_path
     (res,) = json.loads(out.read_text())["results"]
     assert res["circumstance"] == "device" and "ATEN_CPU_CAPABILITY=avx2" in res["sides"]["B"]["environment"][
         "isa caps"]
+
+
+# ----- the words: a difference within drift across devices is not a batch-invariance matter ------
+
+def drift_result(circumstance: str, sides=None) -> WhereResult:
+    """A result whose one comparison first differs at layer 1's o_proj and stays within drift."""
+    tap = "layers.1.attn_out"
+    d = TapDiff(tap, 1, "attn", "attn_out", "drift", "drift", False, 3.0, 1e-7, 2e-8, 1e-7, 1.2e-7, 3e-7, 1e-16,
+                1e-14, 0, ratio=0.4, first_position=0)
+    part = Parting(tap, 1, "attn", "attn_out", Op("o_proj", "product", 32, 32), "drift", 0, True, 64, 64)
+    c = Comparison(f"B=4 mixed, row 0: A vs B ({circumstance})", circumstance, "A", "B", 0, 0, [4, 16], [4, 16], 6,
+                   False, verdict="drift", taps=[d], first_difference=part)
+    return WhereResult("where", circumstance, "torchref fp32 default", "torchref", "fp32", "default", False, 6,
+                       "drift", [c], 2.0, 1e-7, 1e-14, sides=sides or {})
+
+
+SIDES = {"A": {"label": "this CPU (avx512_bf16)", "environment": {"torch cpu capability": "AVX512", "torch": "2.6"}},
+         "B": {"label": "cap avx2 (a second process)",
+               "environment": {"torch cpu capability": "AVX2", "torch": "2.6", "isa caps": "ATEN_CPU_CAPABILITY=avx2"}}}
+
+
+def test_drift_across_devices_is_not_sent_to_the_batch_invariant_mode():
+    device, batch = drift_result("device", SIDES), drift_result("batch")
+    assert "no mode makes two devices' sums bitwise equal" in hint(device)
+    assert "use the batch-invariant mode" not in hint(device) and "use the batch-invariant mode" in hint(batch)
+    assert "two devices" not in hint(batch)
+    assert hint(device) in explain_where(device)
+    exact = dataclasses.replace(device, verdict="exact")
+    assert "the two devices computed the same bits" in hint(exact)
+
+
+def test_the_table_and_the_page_show_the_two_sides_and_where_their_records_differ():
+    device, batch = drift_result("device", SIDES), drift_result("batch")
+    text = format_table(device)
+    assert "A: this CPU (avx512_bf16)" in text and "B: cap avx2 (a second process)" in text
+    assert "torch cpu capability: AVX512 | AVX2" in text and "isa caps: - | ATEN_CPU_CAPABILITY=avx2" in text
+    assert "torch: 2.6" not in text                    # the same on both sides
+    assert "no mode makes two devices' sums bitwise equal" in text
+    page = render_html(to_document(device.to_dict()))
+    assert "The two sides" in page and "cap avx2 (a second process)" in page and "AVX512" in page
+    assert "two sides" not in format_table(batch) and "The two sides" not in render_html(to_document(batch))

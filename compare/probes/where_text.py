@@ -95,11 +95,23 @@ def explain_comparison(c) -> str:
     return text + "".join(f" Finding: {FINDINGS[f]}." for f in c.findings if f in FINDINGS)
 
 
+# What a difference within drift asks of the kernel author, per circumstance (by default the
+# batch-invariant mode, which fixes a row's summation order whatever else shares its call)
+_DRIFT_ONLY = {
+    "device": ("Another device (or instruction set) runs other kernels, with other blockings, vector widths and "
+               "fused operations: no mode makes two devices' sums bitwise equal (the batch-invariant mode fixes "
+               "the order on one device, not across devices), so a port is judged across devices by the drift "
+               "bound, as here."),
+}
+_DRIFT_ONLY_DEFAULT = "For bitwise invariance use the batch-invariant mode."
+_EXACT = {"device": "the two devices computed the same bits for the target row (at this policy, on these inputs)"}
+
+
 def hint(result) -> str:
     """The one line for the kernel author: the worst comparison's first parting and why."""
     if result.verdict == "exact":
         return (f"bitwise equal at every tap in all {len(result.comparisons)} comparisons: "
-                f"{result.circumstance} does not reach the target row")
+                + _EXACT.get(result.circumstance, f"{result.circumstance} does not reach the target row"))
     c = result.worst
     fd, fb = c.first_difference, c.first_beyond
     if fb is None:
@@ -107,7 +119,7 @@ def hint(result) -> str:
         return (f"the first difference is at {fd.tap}, {_op(fd)}: its result for {row} changes with the "
                 f"circumstance ({c.name}; another blocking or summation order)"
                 + ("; everything before it is bitwise equal" if fd.before_exact else "")
-                + "; every tap stays within drift. For bitwise invariance use the batch-invariant mode.")
+                + "; every tap stays within drift. " + _DRIFT_ONLY.get(result.circumstance, _DRIFT_ONLY_DEFAULT))
     why = next((FINDINGS[f] for f in c.findings if f in FINDINGS and f != "absorbed"), None)
     local = fb.forced is not None and fb.forced.ran and fb.forced.local
     return (f"{c.name} changes {fb.tap} beyond rounding ({fb.kind})"

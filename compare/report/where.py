@@ -74,6 +74,28 @@ def component_rows(c: dict) -> list[dict]:
     return list(rows.values())
 
 
+def side_differences(d: dict) -> list[tuple]:
+    """The device circumstance's two records (d["sides"]: each side's compare.environment record,
+    its model's plan included), where they differ, in the records' order: (key, A's value, B's),
+    "-" where a side lacks the key; [] for a result without sides."""
+    sides = d.get("sides") or {}
+    if not sides:
+        return []
+    ea, eb = sides["A"]["environment"], sides["B"]["environment"]
+    return [(k, ea.get(k, "-"), eb.get(k, "-")) for k in dict.fromkeys([*ea, *eb]) if ea.get(k) != eb.get(k)]
+
+
+def sides_lines(d: dict) -> list[str]:
+    """The two sides for the terminal: their labels, then the lines of their records that differ
+    (the caps in force, the libraries' code paths, the plan's choices); [] without sides."""
+    sides = d.get("sides") or {}
+    if not sides:
+        return []
+    lines = ["", "the two sides:", f"  A: {sides['A']['label']}", f"  B: {sides['B']['label']}",
+             "  where their records differ (A | B):"]
+    return lines + ([f"    {k}: {a} | {b}" for k, a, b in side_differences(d)] or ["    nowhere"])
+
+
 def format_table(result, colour: bool = False) -> str:
     """The worst comparison per layer and component, then one line per comparison."""
     d = _as_dict(result)
@@ -97,7 +119,7 @@ def format_table(result, colour: bool = False) -> str:
         lines.append(f"{x['name'][:48]:<48} {kind(x['verdict'])} {(fd or {}).get('tap', '-'):<22} "
                      f"{(fb or {}).get('tap', '-')}")
     lines.append(f"cost: {d.get('cost')}; seconds: {d.get('seconds', {}).get('total')}")
-    return "\n".join(lines)
+    return "\n".join(lines + sides_lines(d))
 
 
 def to_document(result, meta: dict | None = None) -> dict:
@@ -168,6 +190,18 @@ def _rows_html(c: dict) -> str:
     return "".join(out) + "</table>"
 
 
+def _sides_html(d: dict) -> str:
+    """The device circumstance's two sides: their labels and where their records differ."""
+    sides = d.get("sides") or {}
+    if not sides:
+        return ""
+    a, b = escape(sides["A"]["label"]), escape(sides["B"]["label"])
+    rows = "".join(f"<tr><th>{escape(k)}</th><td><code>{escape(x)}</code></td><td><code>{escape(y)}</code></td></tr>"
+                   for k, x, y in side_differences(d)) or "<tr><td colspan='3'>nowhere</td></tr>"
+    return (f"<h2>The two sides</h2><p>A: {a}<br>B: {b}</p><p class='cap'>where their records differ (each side's "
+            f"environment, with its model's plan)</p><table><tr><th>record</th><th>A</th><th>B</th></tr>{rows}</table>")
+
+
 def render_html(doc: dict) -> str:
     d, meta = doc["result"], doc.get("meta", {})
     c = worst(d)
@@ -182,6 +216,7 @@ def render_html(doc: dict) -> str:
         f"<div class='div' style='border-color:{kind_hex(verdict)}'>{escape(d.get('hint'))}</div>",
         "<h2>Difference against depth</h2>", figure("envelope", _plot_envelope, c), figure("all", _plot_all, d),
         f"<h2>Per layer and component: {escape(c['name'])}</h2>", _rows_html(c),
+        _sides_html(d),
         "<h2>Every comparison</h2>", paras,
         "<h2>Drift bound</h2>", kv_table({"m (drift factor)": d.get("drift_factor"), "floor": d.get("floor"),
                                           "fp64 floor (twin rung)": d.get("twin_floor"),
