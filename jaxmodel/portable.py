@@ -19,11 +19,12 @@ included. plan.py picks it (llamaspec.plan.INVARIANT_ENV) and fills `Portable`'s
   program gives the fma's bits), and whether they do depends on what XLA fused around them: the
   scaled scores fused with the softmax's subtraction in a one-key-block program, apart in a
   two-block one, and the row's exp differed. So every product that an add or subtract may read
-  is `_product`: a select between the product and a - NaN wherever an operand is - on the
-  operands' NaN-ness, which LLVM cannot see through (an optimization_barrier does not do it: XLA
-  removes barriers before fusion; a select on one operand alone does not either: where that
-  operand is the same for a whole inner loop, LLVM splits the loop on it and the select goes).
-  Products that are exact (16-bit values in f32) need none.
+  is `_product`: the product through a select on its own NaN-ness (a NaN goes through p + p, NaN
+  too), which the add then reads in place of the multiply: LLVM contracts only an add of a
+  multiply. An optimization_barrier does not do it (XLA removes barriers before fusion), nor a
+  select on one operand's NaN-ness (where that operand is the same for a whole inner loop, LLVM
+  splits the loop on it and the select goes). Products that are exact (16-bit values in f32)
+  need none.
 
 What stays in XLA is elementwise (RoPE's cos and sin included: one program for every element)
 or exact (max, gathers, casts, selects). docs/invariance.md says why; self_check() verifies the
@@ -75,11 +76,11 @@ def _exact_products(operand, acc) -> bool:
 
 
 def _product(a, b, exact: bool = False):
-    """a * b rounded on its own before an add reads it (the module docstring): where a or b is
-    NaN the select gives a + b, NaN as the product is; else the product. As it is where the
+    """a * b rounded on its own before an add reads it (the module docstring): a select on the
+    product's NaN-ness between the product and p + p (the same NaN-ness). As it is where the
     products are exact."""
     p = a * b
-    return p if exact else jnp.where(jnp.isnan(a) | jnp.isnan(b), a + b, p)
+    return p if exact else jnp.where(jnp.isnan(p), p + p, p)
 
 
 # ----- llamaspec.portable's programs in jnp ----------------------------------------------
