@@ -131,7 +131,8 @@ def main(argv=None) -> int:
     if args.step:
         return run_step(args.step, args, sizes, out)
     if args.summary:
-        print(format_summary(json.loads((out / JSON_NAME).read_text())))
+        doc = json.loads((out / JSON_NAME).read_text())
+        print(format_summary({**doc, "summary": summary_rows(doc)}))
         return 0
     return orchestrate(args, sizes, out)
 
@@ -492,21 +493,26 @@ def step_device(args, sizes: Sizes, out: Path):
 
 def _where_device(args, sizes: Sizes, out: Path) -> dict | None:
     """`probe where --circumstance device` for torchref (the first tap and op where the CPU and the
-    device part) where this tree has it: against the GPU, or in a dry run an instruction-set cap."""
+    device part) where this tree has it: against the GPU, or in a dry run an instruction-set cap. In
+    this process: torch's CUDA matmul settings are the ones the policy needs (cuda_settings_for); a
+    fresh process has torch's defaults, which torchref refuses on CUDA (reduced-precision reductions)."""
     from compare.probes.where_plan import CIRCUMSTANCES
+    from llama_parity.cli import main as cli
     if "device" not in CIRCUMSTANCES or "torchref" not in args.impl:
         return {"skipped": "this tree has no probe where --circumstance device"}
     other = ["--other-device", "cap"] if args.dry_run or torch_device() == "cpu" else ["--other-device", "gpu"]
     path = out / "where-device.json"
-    cmd = [sys.executable, "-m", "llama_parity.cli", "probe", "where", "--checkpoint", args.checkpoint,
-           "--impl", "torchref", "--policy", sizes.policy, "--circumstance", "device", *other,
-           "--length", str(sizes.target_len), "--json", str(path), "--force", "--no-colour"]
-    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
-    print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
+    argv = ["probe", "where", "--checkpoint", args.checkpoint, "--impl", "torchref", "--policy", sizes.policy,
+            "--circumstance", "device", *other, "--length", str(sizes.target_len), "--json", str(path), "--force",
+            "--no-colour"]
+    try:
+        rc = cli(argv)
+    except Exception as e:  # noqa: BLE001 - recorded; the direct comparison above stands
+        return {"command": " ".join(argv), "error": f"{type(e).__name__}: {e}"}
     if not path.is_file():
-        return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:] or ''}"}
+        return {"command": " ".join(argv), "error": f"exit {rc}, no JSON"}
     res = json.loads(path.read_text())["results"]
-    return {"command": " ".join(cmd[2:]), "exit": r.returncode,
+    return {"command": " ".join(argv), "exit": rc,
             "results": [{k: x.get(k) for k in ("impl", "policy", "verdict", "hint")} for x in res]}
 
 
@@ -598,16 +604,22 @@ def _models_rows(doc: dict, step: str) -> list[list[str]]:
     return rows
 
 
+# The determinism settings the table shows (the JSON holds them all).
+SUMMARY_SETTINGS = ("XLA_FLAGS", "XLA_FLAGS --xla_gpu_deterministic_ops", "XLA_FLAGS --xla_gpu_autotune_level",
+                    "CUBLAS_WORKSPACE_CONFIG", "torch deterministic algorithms", "torch cuda matmul fp32_precision",
+                    "torch bf16 reduced-precision reduction", "jax_default_matmul_precision")
+
+
 def summary_rows(doc: dict) -> list[list[str]]:
     """[step, what, result] rows of the table, from the JSON."""
     rows = [["steps", name, f"{s['status']} ({s['seconds']:.0f} s of {s['limit_s']} s)"]
             for name, s in doc.get("steps", {}).items()]
     det = doc.get("determinism", {})
     if det:
-        on = [f"{k}={det[k]}" for k in ("CUBLAS_WORKSPACE_CONFIG", "torch deterministic algorithms",
-                                         "torch cuda matmul fp32_precision", "XLA_FLAGS --xla_gpu_deterministic_ops",
-                                         "jax_default_matmul_precision") if k in det]
-        rows.append(["determinism", det.get("gpu settings", "")[:60], "; ".join(v[:60] for v in on)])
+        gpu = det.get("gpu settings", "")
+        rows.append(["determinism", "gpu settings", "no GPU: recorded as set, deciding nothing here"
+                     if gpu.startswith("no GPU") else gpu])
+        rows += [["determinism", k, str(det[k])[:80]] for k in SUMMARY_SETTINGS if k in det]
     rows += _models_rows(doc, "invariant") + _models_rows(doc, "default")
     for e in doc.get("cost", {}).get("rows", []):
         if e.get("error"):

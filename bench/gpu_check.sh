@@ -71,9 +71,12 @@ SMOKE='
 import tempfile, numpy as np, torch, jaxmodel, torchref, jax
 from llamaspec.testing import make_checkpoint
 from compare.metrics import rel_l2
+from bench.gpu_check import cuda_settings_for
 folder = make_checkpoint(tempfile.mkdtemp() + "/tiny", seed=0)
 ids = np.random.default_rng(0).integers(3, 90, (2, 16))
 dev = "cuda" if torch.cuda.is_available() else "cpu"
+if dev == "cuda":   # torchref checks the torch CUDA matmul settings and never sets them: this process does
+    cuda_settings_for(torch, "fp64")
 a = np.asarray(torchref.from_pretrained(folder, policy="fp64", device=dev)(ids).cpu())
 b = np.asarray(jaxmodel.from_pretrained(folder, policy="fp64")(ids), np.float64)
 print("smoke: tiny checkpoint, fp64, torchref on", dev, "vs jaxmodel on", jax.default_backend(), ": rel_l2", rel_l2(a, b))
