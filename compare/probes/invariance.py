@@ -47,11 +47,13 @@ from llamaspec.errors import PolicyError
 from llamaspec.generate import until_eos
 from llamaspec.inputs import left_align
 
+from ..environment import determinism_settings
 from ..judge.verdicts import classify, standing
 from ..metrics import max_ulp, nonfinite, rel_l2, unit_roundoff
 from ..results import JsonResult
 from ..vocabulary import F32_STEPS_FLOOR, FLOOR_ULPS, FP64_FLOOR, KINDS, M
 from .models import ProbeModel, as_probe_model, logits_of
+from .where_text import rerun_settings
 from .worker import run_job
 
 PROBES = ("batch", "padding", "determinism", "divergence", "cross_greedy")
@@ -507,7 +509,9 @@ def probe_determinism(model, ids=None, *, repeats=3, processes=2, batch=4, lengt
     """The same batch (target + random companions of mixed lengths) run `repeats` more
     times in this process and once in each of `processes` fresh Python processes
     (python -m compare.probes.worker, which loads the model from its ModelSpec and writes
-    the logits to an .npy). Fresh runs need a spec: from load_model(...) or spec=."""
+    the logits to an .npy). Fresh runs need a spec: from load_model(...) or spec=. details
+    records this process's "determinism settings" (compare.environment.determinism_settings);
+    where a run differs, the hint names those that decide a rerun's bits on this device."""
     pm = as_probe_model(model, oracle)
     spec = spec or pm.spec
     target = _target(pm, ids, length, seed)
@@ -533,19 +537,23 @@ def probe_determinism(model, ids=None, *, repeats=3, processes=2, batch=4, lengt
             cases.append(compare_case(f"fresh process {i + 1}", "fresh", batch,
                                       np.asarray(out).astype(first.dtype)[real], first[real], judge, oracle=o_batch))
 
+    settings = determinism_settings(uses_jax=pm.impl == "jaxmodel")
+
     def hint(worst, judge, res):
         if res.verdict != "semantic":
-            return _drift_hint(res, judge, "the same input gives the same logits every run")
-        why = ("results vary between processes far beyond rounding: a setting that differs by "
-               "process (threads, matmul precision flags, XLA flags) or randomness in the model"
-               if worst.group == "fresh" else
-               "results vary between calls far beyond rounding: state kept between calls (a "
-               "cache not reset), uninitialised memory, or randomness (dropout)")
-        return _semantic_lead(worst, judge, "a repeat run changed the logits") + ": " + why
+            text = _drift_hint(res, judge, "the same input gives the same logits every run")
+        else:
+            why = ("results vary between processes far beyond rounding: a setting that differs by "
+                   "process (threads, matmul precision flags, XLA flags) or randomness in the model"
+                   if worst.group == "fresh" else
+                   "results vary between calls far beyond rounding: state kept between calls (a "
+                   "cache not reset), uninitialised memory, or randomness (dropout)")
+            text = _semantic_lead(worst, judge, "a repeat run changed the logits") + ": " + why
+        return text if res.verdict == "exact" else f"{text}; {rerun_settings(settings)}"
 
     return _result("determinism", pm, cases, judge, hint,
                    {"batch": batch, "repeats": repeats, "processes": processes if not skipped else 0,
-                    "fresh_skipped": skipped})
+                    "fresh_skipped": skipped, "determinism settings": settings})
 
 
 def run_fresh(spec, ids, mask, processes=1, timeout=600, progress=None) -> list[np.ndarray]:

@@ -43,6 +43,10 @@ inherit it? Records are data; where_text makes every sentence.
 
 The device circumstance records each side (WhereResult.sides: its label and its process's
 compare.environment record, the model's plan included), so a reader sees which kernels each ran.
+WhereResult.details records the plan the model computed by ("plan": its llamaspec.plan record),
+and for the rerun circumstance what decides a rerun's bits ("determinism settings",
+compare.environment.determinism_settings of this process, and "fresh process settings", the
+same lines of each fresh process's record), which its hint names.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from llamaspec.checkpoint import check_checkpoint
 from llamaspec.taps import input_tap
 
 from ..adapters import OurModel, as_implementation, fp64_policy
-from ..environment import environment
+from ..environment import determinism_settings, environment, plan_of
 from ..judge.verdicts import TapVerdict, classify, context_for, settle_conventions, standing
 from ..metrics import max_ulp, nonfinite
 from ..results import JsonResult
@@ -177,6 +181,7 @@ class WhereResult(JsonResult):
     seconds: dict = dataclasses.field(default_factory=dict)
     cost: dict = dataclasses.field(default_factory=dict)
     sides: dict = dataclasses.field(default_factory=dict)   # device: {A, B: {label, environment}}
+    details: dict = dataclasses.field(default_factory=dict)  # plan; rerun: the determinism settings (_details)
 
     @property
     def ok(self) -> bool:
@@ -695,6 +700,24 @@ def _sides(setup: _Setup, source, cap: str | None, labels) -> dict:
     return {"A": _side(labels[0], setup.policy, setup.impls["main"]), "B": b}
 
 
+def _details(setup: _Setup, source, circumstance: str) -> dict:
+    """WhereResult.details: "plan", the record of the plan the model at the policy computed by
+    (the loaded model's, or the streamed runs' LayerRunner's; none for an implementation without
+    one); for a rerun, this process's determinism settings and the same lines of each fresh
+    process's record (CaptureSource.records)."""
+    if isinstance(source, StreamSource):
+        plan = next(getattr(run.runner, "plan", None) for (_, twin), run in source.layer_runs.items() if not twin)
+    else:
+        plan = plan_of(setup.impls["main"])
+    out = {"plan": plan.record()} if plan is not None and hasattr(plan, "record") else {}
+    if circumstance == "rerun":
+        mine = determinism_settings(uses_jax=setup.impl == "jaxmodel")
+        out["determinism settings"] = mine
+        out["fresh process settings"] = {key: {k: record[k] for k in mine if k in record}
+                                         for key, record in getattr(source, "records", {}).items()}
+    return out
+
+
 def twin_computes(setup: _Setup, run) -> bool:
     """Whether the float64 twin's run of `run` computes run's circumstance: not where the twin
     captures a padded batch row by row on the real tokens (TransformersModel.unpadded_rows, so
@@ -759,6 +782,7 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
     rows_of = {r.key: sorted({s.row for p in pairs for s in (p.a, p.b) if s.run == r.key}) for r in runs}
     source = _source(setup, runs, pairs, rows_of, progress, cap)
     sides = _sides(setup, source, cap, options["labels"]) if circ.other_device else {}
+    details = _details(setup, source, circumstance)
     yard = Yardstick.of(setup.policy, int(setup.cfg.hidden_size), setup.keeps_f32)
     pairings = [_Pairing(p, _comparison(p, by_key), by_key[p.b.run].mask[p.b.row],
                          p.own_twin and twin_computes(setup, by_key[p.b.run])) for p in pairs]
@@ -779,4 +803,4 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
     return WhereResult("where", circumstance, setup.name, setup.impl, setup.policy.name, setup.mode,
                        setup.package is not None, int(target.shape[1]),
                        max((c.verdict for c in comps), key=KINDS.index, default="exact"), comps, yard.m, yard.floor,
-                       yard.twin_floor, seconds, cost, sides)
+                       yard.twin_floor, seconds, cost, sides, details)

@@ -3,11 +3,14 @@ nothing else: no decision anywhere reads a string made here.
 
     hint(result)            one line a kernel author can act on
     explain_where(result)   the hint, then one paragraph per comparison
+    rerun_settings(record)  what decides a rerun's bits on the record's device (also probe determinism's hint)
 """
 
 from __future__ import annotations
 
 import math
+
+from ..environment import NO_GPU
 
 FINDINGS = {
     "pad_keys": "the pad keys are attended (B's attention output matches a float64 recompute that attends "
@@ -102,8 +105,39 @@ _DRIFT_ONLY = {
                "fused operations: no mode makes two devices' sums bitwise equal (the batch-invariant mode fixes "
                "the order on one device, not across devices), so a port is judged across devices by the drift "
                "bound, as here."),
+    "rerun": ("The same input on the same device gave other bits: a kernel whose order is not fixed from run to run "
+              "(atomics, autotuned kernels, threads)."),
 }
 _DRIFT_ONLY_DEFAULT = "For bitwise invariance use the batch-invariant mode."
+
+# The settings of a determinism_settings record that decide whether the same input gives the same
+# bits again on a GPU, for torch (the record has no "jax backend") and for JAX; on a CPU only the
+# libraries' thread counts, where the record has them.
+_RERUN_GPU_TORCH = ("torch deterministic algorithms", "CUBLAS_WORKSPACE_CONFIG", "torch cudnn deterministic",
+                    "torch cudnn benchmark")
+_RERUN_GPU_JAX = ("XLA_FLAGS --xla_gpu_deterministic_ops", "XLA_FLAGS --xla_gpu_autotune_level")
+_RERUN_CPU = ("torch threads",)
+
+
+def rerun_settings(record: dict, others: dict | None = None) -> str:
+    """What decides a rerun's bits where `record` was made (a compare.environment.determinism_settings
+    record): on a GPU those settings with their values; without one, that no GPU setting applies
+    (with the thread counts the record has). others: {label: another process's record}: the
+    settings that differ there, or that none does."""
+    if not record:
+        return ""
+    if record.get("gpu settings") == NO_GPU:
+        names = [k for k in _RERUN_CPU if k in record]
+        text = "no GPU here, so no CUDA or XLA:GPU setting decides a rerun"
+    else:
+        names = [k for k in (_RERUN_GPU_JAX if "jax backend" in record else _RERUN_GPU_TORCH) if k in record]
+        text = f"what decides a rerun's bits on {record.get('gpu settings', 'the GPU').removeprefix('apply: ')}"
+    text += "".join(f"{', ' if i else ': '}{k}={record[k]}" for i, k in enumerate(names))
+    for label, other in (others or {}).items():
+        differ = [f"{k} {record[k]} vs {other[k]}" for k in record if k in other and other[k] != record[k]]
+        text += f"; in {label}: " + (", ".join(differ) if differ else "the same settings")
+    return text
+
 _EXACT = {"device": "the two devices computed the same bits for the target row (at this policy, on these inputs)"}
 
 
@@ -114,18 +148,23 @@ def hint(result) -> str:
                 + _EXACT.get(result.circumstance, f"{result.circumstance} does not reach the target row"))
     c = result.worst
     fd, fb = c.first_difference, c.first_beyond
+    settings = ""
+    if result.circumstance == "rerun" and result.details.get("determinism settings"):
+        text = rerun_settings(result.details["determinism settings"], result.details.get("fresh process settings"))
+        settings = f" {text[0].upper()}{text[1:]}."
     if fb is None:
         row = f"row {c.b_row}" if c.b_shape[0] > 1 else "the target"
         return (f"the first difference is at {fd.tap}, {_op(fd)}: its result for {row} changes with the "
                 f"circumstance ({c.name}; another blocking or summation order)"
                 + ("; everything before it is bitwise equal" if fd.before_exact else "")
-                + "; every tap stays within drift. " + _DRIFT_ONLY.get(result.circumstance, _DRIFT_ONLY_DEFAULT))
+                + "; every tap stays within drift. " + _DRIFT_ONLY.get(result.circumstance, _DRIFT_ONLY_DEFAULT)
+                + settings)
     why = next((FINDINGS[f] for f in c.findings if f in FINDINGS and f != "absorbed"), None)
     local = fb.forced is not None and fb.forced.ran and fb.forced.local
     return (f"{c.name} changes {fb.tap} beyond rounding ({fb.kind})"
             + ("" if fb.position is None else f" at the target's position {fb.position}")
             + f": {_op(fb)}" + (f"; {why}" if why else "")
-            + ("; this layer does it with the same input" if local else "") + ".")
+            + ("; this layer does it with the same input" if local else "") + "." + settings)
 
 
 def explain_where(result) -> str:
