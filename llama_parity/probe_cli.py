@@ -178,7 +178,7 @@ def cmd_probe(args) -> int:
     _probe_budget(args, kinds, folder, target.size)
     say(f"checkpoint {folder}; target: {how}")
 
-    results, skipped = [], []
+    results, skipped, env = [], [], {}
     for policy in policies:
         for mode in modes:
             models = []
@@ -189,6 +189,9 @@ def cmd_probe(args) -> int:
                 except NotImplementedError as e:
                     skipped.append(f"{impl} {policy} {mode}: {e}")
                     say(f"  skipped: {e}")
+            # the record with the plans of the models loaded (the backend, device and path each chose),
+            # made while they are loaded: "<impl> <policy> <mode> plan ..." per model
+            env.update(environment(policy, sides={pm.name: pm for pm in models}))
             results += run_probes(kinds, models, target, args, say)
             del models
             gc.collect()
@@ -197,7 +200,7 @@ def cmd_probe(args) -> int:
     for s in skipped:
         print(f"skipped {s}")
     meta = {"checkpoint": folder, "target": how, "probes": kinds, "impls": impls, "policies": policies,
-            "modes": modes, "skipped": skipped, "argv": sys.argv[1:], "environment": environment(policies[0])}
+            "modes": modes, "skipped": skipped, "argv": sys.argv[1:], "environment": env}
     if json_path:
         print(f"JSON: {probes_report.write_json(results, json_path, meta)}")
     if html_path:
@@ -346,8 +349,13 @@ def cmd_where(args) -> int:
                     print(f"skipped {skipped[-1]}")
                     continue
                 print(where_report.format_table(results[-1], colour=sys.stdout.isatty() and not args.no_colour))
+    # this process's record, with the plan each result's model computed by (probe_where loads the
+    # models and records their plans in the result): "<model> plan ..." per result
+    env = environment(policies[0], sides={})
+    for r in results:
+        env.update({f"{r.model} plan {k}": v for k, v in r.details.get("plan", {}).items()})
     meta = {"checkpoint": folder, "target": how, "circumstance": args.circumstance, "argv": sys.argv[1:],
-            "skipped": skipped, "environment": environment(policies[0])}
+            "skipped": skipped, "environment": env}
     if json_path:
         doc = {"meta": meta, "results": [r.to_dict() for r in results]}
         print(f"JSON: {atomic_write(json_path, json_text(doc, indent=1, default=str), 'probe where JSON')}")
