@@ -65,7 +65,8 @@ def _values(dtype, n, rng) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_exp_is_the_portable_program_bit_for_bit(dtype):
-    x = _values(dtype, 30000, np.random.default_rng(0))
+    x = _values(dtype, 50000, np.random.default_rng(0))
+    assert x.size > portable.EXP_PIECE     # a CPU takes it in pieces: those too
     want = spec.exp(x)
     assert (want[(want > 0) & (want < np.finfo(dtype).smallest_normal)]).size > 100   # subnormal results seen
     assert same_bits(portable.exp(torch.from_numpy(x)).numpy(), want)
@@ -157,6 +158,9 @@ def test_first_generated_step_is_bitwise_the_same_alone_and_in_batches(policy, t
             got = step(B, row)
             assert np.array_equal(got[0], alone[0]), f"{policy}: prefill, B={B}, row {row}"
             assert np.array_equal(got[1], alone[1]), f"{policy}: decode step, B={B}, row {row}"
+    # the step decoded is the prompt and the token prefilled: the same bits (prefill vs decode)
+    whole = np.append(target, nxt)[None]
+    assert np.array_equal(bits(m.prefill(whole, np.ones_like(whole), whole.shape[1])[0])[0], alone[1])
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
@@ -308,3 +312,24 @@ def test_kernels_and_portable_are_both_invariant_and_both_the_reference_to_round
         assert np.array_equal(bits(got[path])[2][real[2]], alone), path
         assert rel_l2(got[path][real], want[real]) < 1e-5, path
     assert rel_l2(got["kernels"][real], got["portable"][real]) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_smollm2_portable_is_bitwise_the_same_alone_and_in_a_batch(policy, smollm2, use_portable):
+    """SmolLM2's shapes (its self-check at load included): a prompt alone and at the last row of
+    a batch with longer companions (two key blocks), and the first decode step."""
+    m = load(smollm2, policy)
+    rng = np.random.default_rng(6)
+    target = rng.integers(3, 49152, 37)
+    ids, mask = rng.integers(3, 49152, (3, 90)), np.zeros((3, 90), np.int64)
+    for b, n in enumerate((90, 61, len(target))):
+        mask[b, 90 - n:] = 1
+    ids[2, 90 - len(target):] = target
+    alone, cache1 = m.prefill(target[None], np.ones((1, len(target)), np.int64), len(target) + 1)
+    together, cache3 = m.prefill(ids, mask, 91)
+    assert np.array_equal(bits(together)[2], bits(alone)[0])
+    step1, _ = m.decode(cache1, np.array([11]))
+    step3, _ = m.decode(cache3, np.array([5, 7, 11]))
+    assert np.array_equal(bits(step3)[2], bits(step1)[0])

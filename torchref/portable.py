@@ -38,6 +38,7 @@ _HALF = (torch.bfloat16, torch.float16)
 # Elements of one elementwise product tensor in attention (the q.k and p.v trees work through
 # their operands in pieces of about this size: 2 MB in f32, within a CPU's caches).
 PIECE = 1 << 19
+EXP_PIECE = 1 << 17   # elements of one piece of exp's program on a CPU (its ~40 passes in cache)
 
 
 def _acc(policy: Policy) -> torch.dtype:
@@ -82,8 +83,19 @@ def tree_dot(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
 
 def exp(x: torch.Tensor) -> torch.Tensor:
     """exp by llamaspec.portable.exp's program, one elementwise op at a time (no op fused into an
-    fma); 16-bit inputs are taken in f32 and rounded once (as torch's 16-bit exp does)."""
-    w = x.to(_wide(x.dtype))
+    fma); 16-bit inputs are taken in f32 and rounded once (as torch's 16-bit exp does). On a CPU
+    a large tensor goes through in pieces that stay in its caches (elementwise: the same bits)."""
+    w = x.to(_wide(x.dtype)).contiguous()
+    if w.device.type != "cpu" or w.numel() <= EXP_PIECE:
+        return _exp(w).to(x.dtype)
+    flat, out = w.view(-1), torch.empty(w.shape, dtype=x.dtype)
+    for i in range(0, flat.numel(), EXP_PIECE):
+        out.view(-1)[i:i + EXP_PIECE] = _exp(flat[i:i + EXP_PIECE])
+    return out
+
+
+def _exp(w: torch.Tensor) -> torch.Tensor:
+    """The program on f32 or f64 values."""
     f32 = w.dtype == torch.float32
     hi, lo = (spec.LN2_HI_F32, spec.LN2_LO_F32) if f32 else (spec.LN2_HI_F64, spec.LN2_LO_F64)
     n = torch.round(w * spec.LOG2E)              # half to even, as numpy's rint
@@ -94,18 +106,19 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     p = torch.full_like(w, coef[0])
     for c in coef[1:]:
         p = p.mul_(r).add_(c)
-    e = torch.nan_to_num(n.clamp(-2000, 2000)).to(torch.int64)   # finite where it is used (the masks)
+    # n's finite integers (the masks below replace the rest), in an int of the float's width
+    e = torch.nan_to_num(n.clamp(-2000, 2000)).to(torch.int32 if f32 else torch.int64)
     e1 = e >> 1
-    y = p * _pow2(e1, f32) * _pow2(e - e1, f32)
+    y = p.mul_(_pow2(e1, f32)).mul_(_pow2(e - e1, f32))
     y = torch.where(w < spec.EXP_MIN[key], 0.0, y)
     y = torch.where(w > spec.EXP_MAX[key], torch.inf, y)
-    return torch.where(torch.isnan(w), w, y).to(x.dtype)
+    return torch.where(torch.isnan(w), w, y)
 
 
 def _pow2(e: torch.Tensor, f32: bool) -> torch.Tensor:
     """2.0**e as the bits (e + bias) << mantissa bits (e within the normal range where used)."""
     if f32:
-        return ((e.clamp(-126, 127) + 127).to(torch.int32) << 23).view(torch.float32)
+        return ((e.clamp(-126, 127) + 127) << 23).view(torch.float32)
     return ((e.clamp(-1022, 1023) + 1023) << 52).view(torch.float64)
 
 
