@@ -148,6 +148,17 @@ def test_matmul_settings_are_checked_at_each_call_and_never_changed(tiny_dir):
         mm.allow_bf16_reduced_precision_reduction = mm.allow_fp16_reduced_precision_reduction = False
         with check_matmul_settings(bf16, "cuda"):
             pass
+        # each flag concerns its own dtype's products: torch's defaults (both True) do not stop an
+        # f32 policy, and the fp16 flag does not stop a bf16 one
+        mm.allow_bf16_reduced_precision_reduction = mm.allow_fp16_reduced_precision_reduction = True
+        with check_matmul_settings(Policy.get("fp32"), "cuda"):
+            pass
+        mm.allow_bf16_reduced_precision_reduction = False
+        with check_matmul_settings(bf16, "cuda"):
+            pass
+        with pytest.raises(PolicyError, match="allow_fp16_reduced_precision_reduction"):
+            with check_matmul_settings(Policy.get("fp16"), "cuda"):
+                pass
     finally:
         for (o, n), v in zip(names, before):
             setattr(o, n, v)

@@ -216,7 +216,9 @@ def check_matmul_settings(policy, device):
     CPUs have no TF32 (a tf32 policy is IEEE f32 there), and oneDNN's fp32_precision must leave
     f32 products in f32 ("none" or "ieee"). On CUDA, PyTorch's default is IEEE f32 and JAX's TF32,
     so the policy says which one; and cuBLAS' reduced-precision reductions (bf16/fp16 partial sums)
-    contradict a policy that sums 16-bit products in f32."""
+    contradict a policy that sums 16-bit products in f32 (torch's default allows them: a bf16
+    policy on CUDA needs torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False,
+    set by the caller; an f32 or f64 policy is not concerned)."""
     device = torch.device(device)
     wrong = []
     cpu = torch.backends.mkldnn.matmul.fp32_precision
@@ -228,10 +230,12 @@ def check_matmul_settings(policy, device):
         if tf32 != (policy.matmul == "tf32"):
             wrong.append(("torch.backends.cuda.matmul.fp32_precision", mm.fp32_precision,
                           "'tf32'" if policy.matmul == "tf32" else "'ieee'"))
+        # each flag governs the products of its own 16-bit dtype only (torch's default: True)
+        flag = {"bfloat16": "allow_bf16_reduced_precision_reduction",
+                "float16": "allow_fp16_reduced_precision_reduction"}.get(policy.compute_dtype)
         low_accum = policy.accum_dtype in ("bfloat16", "float16")
-        for flag in ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction"):
-            if getattr(mm, flag) and not low_accum:
-                wrong.append((f"torch.backends.cuda.matmul.{flag}", True, "False"))
+        if flag and getattr(mm, flag) and not low_accum:
+            wrong.append((f"torch.backends.cuda.matmul.{flag}", True, "False"))
     if wrong:
         raise PolicyError(f"policy {policy.name!r} on {device}: " + "; ".join(
             f"{name} is {value!r}, the policy needs {need}" for name, value, need in wrong))
