@@ -153,10 +153,12 @@ def _invariant(device: str, kern: "_Kernels"):
         raise InvarianceError(f"{INVARIANT_ENV}=kernels: the invariant backend's fixed-order kernels are CPU code "
                               f"and JAX's backend is {device}; {INVARIANT_ENV}=portable (or auto) runs the portable "
                               "path there")
-    if path == "kernels" or (path == "auto" and device == "cpu" and _x86() and kern.build(False, warn=False)):
+    if path == "kernels":
         kern.build(True)
         return invariant
-    if kern.error:
+    if path == "auto" and device == "cpu" and _x86():
+        if kern.build(False, warn=False):
+            return invariant
         _warn_portable_once(kern.error)
     return portable.Portable(rows=PORTABLE_ROWS.get(device, PORTABLE_ROWS_OTHER), widen=device == "cpu")
 
@@ -174,7 +176,8 @@ def _invariant_ops(namespace) -> dict:
     return {"products": products, "logits": products,
             "attention": f"portable: elementwise products, halving-tree sums, {portable.KEY_BLOCK}-key blocks "
                          "added in order, portable exp",
-            "rope": "reference (bf16: fast's form, the same bits)",
+            "rope": "portable: the reference's tables and rotation, no product contracted into an fma (bf16: "
+                    "fast's form, the same bits)",
             "norm": "portable: halving-tree sum of squares, 1/sqrt",
             "mlp": "portable: exp by llamaspec.portable's program (silu)",
             "cache": "block write where the slots are known"}

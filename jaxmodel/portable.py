@@ -140,13 +140,13 @@ def _exp(x):
 def products(x, w, policy: Policy, rows: int, widen: bool):
     """x [M, K] @ w [N, K]^T in the accumulator, at one shape: M cut into chunks of `rows` rows
     (the last zero-padded), one dot [rows, K] x [K, N] per chunk under lax.map. Operands in
-    compute_dtype; widened exactly to the accumulator (f32 dots, HIGHEST) unless they are 16-bit
-    and `widen` is off (then native, summed in f32)."""
+    compute_dtype, taken in the accumulator (exact) at the policy's matmul precision; 16-bit ones
+    widened to f32 for f32 dots at HIGHEST where `widen` says so, else native (summed in f32)."""
     compute, acc = of(policy.compute_dtype), _acc(policy)
-    x = x.astype(compute)
-    precision = matmul_precision(policy)
-    if widen or compute.itemsize >= 4:
-        x, precision = x.astype(acc), lax.Precision.HIGHEST
+    x, precision = x.astype(compute), matmul_precision(policy)
+    if compute.itemsize >= 4 or widen:
+        x = x.astype(acc)
+        precision = precision if compute.itemsize >= 4 else lax.Precision.HIGHEST
     w = w.astype(x.dtype)
     M, K = x.shape
     chunks = -(-M // rows)
@@ -313,11 +313,12 @@ class Portable:
 
 def self_check(module, ops_=None) -> None:
     """Verifies on the model's device, once per process, configuration, policy and namespace,
-    that the ops the model runs (ops_, default module.ops: the linears on its own weights, one token per row
-    and LAYOUT_MULTIPLE tokens per row, the lm_head, RMSNorm, silu, attention and RoPE's tables
-    on random rows) give a row the same bits alone and inside batches of several sizes
-    (llamaspec.selfcheck.check_rows); raises InvarianceError naming the op otherwise. Each op is
-    compiled with the batch-invariant compiler options, as the model's programs are."""
+    that the ops the model runs (ops_, default module.ops: the linears on its own weights, one
+    token per row and LAYOUT_MULTIPLE tokens per row, the lm_head, RMSNorm, silu, attention and
+    RoPE's tables on random rows) give a row the same bits alone and inside batches of several
+    sizes (llamaspec.selfcheck.check_rows); raises InvarianceError naming the op otherwise. Each
+    op is compiled with the batch-invariant compiler options, as the model's programs are. The
+    same check serves any namespace with these ops (invariant.py's included)."""
     from llamaspec.selfcheck import check_rows
 
     from .dtypes import compiler_options

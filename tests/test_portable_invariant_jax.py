@@ -125,7 +125,10 @@ def test_the_plan_records_the_path_and_its_rows(monkeypatch):
     assert plan.op("products").startswith(f"portable: one shape, rows in chunks of {ROWS} (16-bit operands widened")
     assert all(plan.op(op).startswith("portable") for op in ("logits", "attention", "norm", "mlp"))
     assert f"{INVARIANT_ENV}=portable" in plan.record()["settings"]
-    monkeypatch.setenv(INVARIANT_ENV, "auto")     # another device: the portable path, natively
+    monkeypatch.setenv(INVARIANT_ENV, "auto")     # here: the kernels where they build (x86), else portable
+    here = make_plan("bf16", "cpu", "invariant")
+    assert here.op("products").startswith("fixed-order kernel" if here.kernel_isa else "portable")
+    # another device: the portable path, natively
     gpu = make_plan("bf16", "gpu", "invariant")
     assert gpu.op("products").startswith(f"portable: one shape, rows in chunks of {PORTABLE_ROWS_OTHER} "
                                          "(16-bit operands native, f32 accumulation)")
