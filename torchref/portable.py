@@ -32,6 +32,7 @@ from . import fast, ops
 from .dtypes import cast, dt
 from .fast import times_in_place as times  # noqa: F401 (the same bits as ops.times)
 from .invariant import KEY_BLOCK, LAYOUT_MULTIPLE, ROPE_CHUNK, rope_cos_sin  # noqa: F401 (one layout; tables)
+from .invariant import _in_order as in_order  # blocks added in order: the kernels' rule
 from .ops import apply_rope, cache_dtype, kv_round, rope_inv_freq, rotate_half, write_cache  # noqa: F401 (as is)
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -120,15 +121,6 @@ def _pow2(e: torch.Tensor, f32: bool) -> torch.Tensor:
     if f32:
         return ((e.clamp(-126, 127) + 127) << 23).view(torch.float32)
     return ((e.clamp(-1022, 1023) + 1023) << 52).view(torch.float64)
-
-
-def in_order(parts: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over `dim` one block after the other: a fixed order, and trailing blocks that hold
-    only zeros leave the sum unchanged, whatever their number."""
-    acc = parts.select(dim, 0)
-    for i in range(1, parts.shape[dim]):
-        acc = acc + parts.select(dim, i)
-    return acc
 
 
 # ----- products at one fixed shape ---------------------------------------------------------
