@@ -47,7 +47,7 @@ from llamaspec import portable as spec
 from . import ops
 from .dtypes import matmul_precision, of
 from .fast import Fast, write_cache  # noqa: F401 (as invariant.py: a prompt's keys as one block)
-from .ops import kv_dtype, norm_weight, rope_inv_freq, rotate_half, scanned  # noqa: F401 (as is)
+from .ops import norm_weight, rope_inv_freq, rotate_half, scanned  # noqa: F401 (as is)
 
 kv_round = ops.kv_round        # called in every attention call; as is without kv_cache (plan.declines it)
 fp8_linear = ops.fp8_linear    # reached only with weight_fp8 / act_fp8, which plan.declines
@@ -271,7 +271,6 @@ class Portable:
     apply_rope = staticmethod(apply_rope)
     kv_round = staticmethod(kv_round)
     fp8_linear = staticmethod(fp8_linear)
-    kv_dtype = staticmethod(kv_dtype)
     write_cache = staticmethod(write_cache)
     scanned = staticmethod(scanned)
     rope_inv_freq = staticmethod(rope_inv_freq)
@@ -288,6 +287,12 @@ class Portable:
             w = layout.put_replicated(to_host(w))
         compute = of(policy.compute_dtype)
         return w.astype(compute).astype(_F32) if self.widen and compute.itemsize < 4 else w
+
+    def kv_dtype(self, policy: Policy):
+        """ops.kv_dtype; a 16-bit cache kept in f32 where the products widen (the same values:
+        XLA:CPU writes a 16-bit row into a larger array by converting the whole array, every step)."""
+        compute = of(policy.compute_dtype)
+        return _F32 if self.widen and compute.itemsize < 4 else compute
 
     def linear(self, x, w, b, policy: Policy, out_dtype=None):
         run = functools.partial(linear, policy=policy, out_dtype=out_dtype, rows=self.rows, widen=self.widen)
