@@ -17,7 +17,6 @@ import torch
 from llamaspec import Policy
 from llamaspec import fixed_order as fo
 from llamaspec.errors import InvarianceError
-from llamaspec.selfcheck import check_rows
 
 from . import fast, ops
 from .dtypes import dt
@@ -197,74 +196,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
 # ----- the self-check -------------------------------------------------------------------
 
 def self_check(module) -> None:
-    """Verifies on this machine, once per process, configuration and policy, that every
-    op the invariant model runs gives a row the same bits alone and inside batches of
-    several sizes (llamaspec.selfcheck.check_rows); raises InvarianceError naming the op
-    otherwise. Uses the network's (a model.Llama) own weights for the linears, random rows
-    for the rest."""
-    key = (module.cfg, module.policy.name, module.policy)
-    if key in _CHECKED:
-        return
-    cfg, policy = module.cfg, module.policy
-    compute = dt(policy.compute_dtype)
-    gen = torch.Generator().manual_seed(0)
-    # Values spread over 2^-8..2^8: with bf16 operands of similar size every order sums
-    # exactly, and an order that changed with the batch would go unseen.
-    def rand(*shape):
-        scale = torch.exp2(torch.randint(-8, 9, shape, generator=gen).float())
-        return (torch.randn(*shape, generator=gen) * scale).to(compute)
-    pool = 24
-    layer = module.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    x_d, x_f, x_o = rand(pool, 1, d), rand(pool, 1, f), rand(pool, 1, cfg.num_attention_heads * hd)
-    with torch.inference_mode():
-        def rows_of(fn, x):
-            return lambda idx: fn(x[torch.as_tensor(idx)]).float().numpy()
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        checks = {
-            "linear q/k/v": rows_of(lambda x: torch.cat(module.ops.linears(
-                x, [m.weight for m in qkv], [m.bias for m in qkv], policy), -1), x_d),
-            "linear o_proj": rows_of(lambda x: attn.o_proj(x, policy), x_o),
-            "linear gate/up": rows_of(lambda x: torch.cat(module.ops.linears(
-                x, [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias],
-                policy), -1), x_d),
-            "linear down_proj": rows_of(lambda x: mlp.down_proj(x, policy), x_f),
-            "lm_head": rows_of(lambda x: module.ops.linear(x, module.head_weight(), None, policy,
-                                                          policy.logits_dtype), x_d),
-            "rms_norm": rows_of(lambda x: layer.input_layernorm(x, policy), x_d),
-            "silu": rows_of(module.ops.silu, x_f),
-            "attention": _attention_rows(module, gen),
-        }
-        check_rows(checks, pool)
-    _CHECKED.add(key)
+    """Verifies on the model's device, once per process, configuration, policy and namespace,
+    that every op the invariant model runs gives a row the same bits alone and inside batches
+    of several sizes; raises InvarianceError naming the op otherwise. One check for both of the
+    invariant backend's implementations: portable.self_check (which reads the ops from the
+    model's namespace, these kernels' included)."""
+    from .portable import self_check as check  # portable imports this module: imported here
+    check(module)
 
-
-def _attention_rows(model, gen):
-    """Rows for the attention check: sequences of random lengths (one to two key blocks),
-    each row's keys at slots [0, n) as the canonical layout puts them."""
-    cfg, policy = model.cfg, model.policy
-    compute = dt(policy.compute_dtype)
-    H, Hkv, D, S = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, KEY_BLOCK + 16
-    pool = 24
-    q = torch.randn(pool, S, H, D, generator=gen).to(compute)
-    k = torch.randn(pool, S, Hkv, D, generator=gen).to(compute)
-    v = torch.randn(pool, S, Hkv, D, generator=gen).to(compute)
-    lens = torch.randint(1, S + 1, (pool,), generator=gen)
-    slots = torch.arange(S)
-    allowed = (slots[None, None, :] <= slots[None, :, None]) & (slots[None, None, :] < lens[:, None, None])
-
-    def rows(idx):
-        i = torch.as_tensor(idx)
-        width = int(lens[i].max())  # the batch's longest row sets the width, as in the model
-        width = -(-width // LAYOUT_MULTIPLE) * LAYOUT_MULTIPLE
-        out = model.ops.attention(q[i, :width], k[i, :width], v[i, :width], allowed[i, :width, :width], policy)
-        full = torch.zeros((len(idx), S, H, D), dtype=out.dtype)
-        full[:, :width] = out
-        real = slots[None, :, None, None] < lens[i][:, None, None, None]
-        full = torch.where(real, full, torch.zeros((), dtype=full.dtype))  # real queries only
-        return full.float().numpy()
-    return rows
-
-
-_CHECKED: set = set()
