@@ -26,6 +26,10 @@ from .fast import Fast, write_cache  # noqa: F401 (a prompt's keys as one block:
 from .kernels import PackedWeight
 from .ops import kv_dtype, norm_weight, rope_cos_sin, rope_inv_freq, rotate_half, scanned  # noqa: F401 (as is)
 
+# the self-check: portable.self_check, one check for both implementations (it reads the ops from
+# the model's namespace, this module's included)
+from .portable import self_check  # noqa: F401
+
 apply_rope = Fast.apply_rope   # elementwise, the same bits in any batch (bf16: fast's vector form)
 kv_round = ops.kv_round        # called in every attention call; as is without kv_cache (plan.declines it)
 fp8_linear = ops.fp8_linear    # reached only with weight_fp8 / act_fp8, which plan.declines
@@ -146,89 +150,3 @@ def attention(q, k, v, allowed, policy: Policy):
     parts = kernels.gemm_batched(probs.astype(acc), vb.astype(acc), w_kn=True)    # [B*Hkv, nk, M, D]
     ctx = _in_order(parts.reshape(B, Hkv, nk, M, D), 2).astype(compute)           # [B, Hkv, M, D]
     return ctx.reshape(B, Hkv, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
-
-
-# ----- the self-check -------------------------------------------------------------------
-
-def self_check(module) -> None:
-    """Verifies on this machine, once per process, configuration and policy, that the ops
-    the invariant model runs give a row the same bits alone and inside batches of several
-    sizes (llamaspec.selfcheck.check_rows): the linears on the model's own weights, one
-    token per row (decode) and LAYOUT_MULTIPLE tokens per row (prefill), RMSNorm, silu,
-    attention and RoPE's tables on random rows; raises InvarianceError naming the op otherwise. Each op is
-    compiled with the batch-invariant compiler options, as the model's programs are."""
-    from llamaspec.selfcheck import check_rows
-
-    from .dtypes import compiler_options
-    cfg, policy = module.cfg, module.policy
-    key = (cfg, policy)
-    if key in _CHECKED:
-        return
-    compute, rope = of(policy.compute_dtype), of(policy.rope_dtype)
-    rng = np.random.default_rng(0)
-    pool = 24
-    jit = functools.partial(jax.jit, compiler_options=compiler_options(True))
-
-    def rand(*shape):  # spread over 2^-8..2^8, as torchref's check: the summation order shows
-        return jnp.asarray(rng.standard_normal(shape) * 2.0 ** rng.integers(-8, 9, shape), compute)
-
-    def rows_of(fn, x, *params):  # params go in as arguments: constants would slow the compile
-        f = jit(fn)
-        return lambda idx: np.asarray(f(x[np.asarray(idx)], *params).astype(jnp.float32))
-
-    layer = module.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    d, f, o = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
-    T = LAYOUT_MULTIPLE
-    x1, xt = rand(pool, 1, d), rand(pool, T, d)
-
-    def lin(m, x, out_dtype=None):
-        bias = None if m.bias is None else m.bias[...]
-        return rows_of(lambda x, w, b: linear(x, w, b, policy, out_dtype), x, m.weight.get_value(), bias)
-
-    checks = {
-        "linear q_proj (one token)": lin(attn.q_proj, x1),
-        f"linear q_proj ({T} tokens)": lin(attn.q_proj, xt),
-        "linear o_proj (one token)": lin(attn.o_proj, rand(pool, 1, o)),
-        "linear gate_proj (one token)": lin(mlp.gate_proj, x1),
-        f"linear down_proj ({T} tokens)": lin(mlp.down_proj, rand(pool, T, f)),
-        "lm_head (one token)": rows_of(lambda x, w: linear(x, w, None, policy, of(policy.logits_dtype)), x1,
-                                       module.head_weight()),
-        "rms_norm": rows_of(lambda x, w: rms_norm(x, w, cfg.rms_norm_eps, policy), xt,
-                            layer.input_layernorm.weight[...]),
-        "silu": rows_of(silu, rand(pool, T, f)),
-        "attention": _attention_rows(cfg, policy, rng, jit, pool),
-        # RoPE's cos and sin stay in XLA (elementwise): checked, at random positions
-        "rope tables": rows_of(lambda p, f: jnp.concatenate(rope_cos_sin(f, p, rope), -1),
-                               jnp.asarray(rng.integers(0, cfg.max_position_embeddings, (pool, T))),
-                               rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
-                                             cfg.max_position_embeddings, rope)),
-    }
-    check_rows(checks, pool, sizes=SELF_CHECK_SIZES)
-    _CHECKED.add(key)
-
-
-def _attention_rows(cfg, policy: Policy, rng, jit, pool):
-    """Rows for the attention check: sequences of random lengths (up to two key blocks),
-    keys at slots [0, n) as the canonical layout puts them; the batch's longest row sets
-    the width, rounded up to LAYOUT_MULTIPLE, as in the model."""
-    compute = of(policy.compute_dtype)
-    H, Hkv, D, S = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, KEY_BLOCK + LAYOUT_MULTIPLE
-    q, k, v = (np.asarray(rng.standard_normal((pool, S, h, D)), np.float32) for h in (H, Hkv, Hkv))
-    lens = rng.integers(1, S + 1, pool)
-    slots = np.arange(S)
-    allowed = (slots[None, None, :] <= slots[None, :, None]) & (slots[None, None, :] < lens[:, None, None])
-    fn = jit(lambda q, k, v, a: attention(q.astype(compute), k.astype(compute), v.astype(compute), a, policy))
-
-    def rows(idx):
-        idx = np.asarray(idx)
-        width = -(-int(lens[idx].max()) // LAYOUT_MULTIPLE) * LAYOUT_MULTIPLE
-        out = np.asarray(fn(q[idx, :width], k[idx, :width], v[idx, :width], allowed[idx, :width, :width])
-                         .astype(jnp.float32))
-        full = np.zeros((len(idx), S, H, D), np.float32)
-        full[:, :width] = out
-        return np.where(slots[None, :, None, None] < lens[idx][:, None, None, None], full, 0)
-    return rows
-
-
-_CHECKED: set = set()

@@ -23,9 +23,10 @@ from .dtypes import dt
 from .fast import times_in_place as times  # noqa: F401 (the same bits as ops.times)
 from .ops import apply_rope, cache_dtype, kv_round, rope_inv_freq, rotate_half, write_cache  # noqa: F401 (invariant as is)
 
-LAYOUT_MULTIPLE = 4  # canonical widths are multiples of this (fewer shapes; order-free)
-KEY_BLOCK = 64       # keys per attention block: every attention product has this shape
-ROPE_CHUNK = 4096    # RoPE tables are computed for this many positions at a time
+# the layout, RoPE tables, in-order block sums and the self-check: one definition for both implementations
+from .portable import KEY_BLOCK, LAYOUT_MULTIPLE, ROPE_CHUNK, rope_cos_sin, self_check  # noqa: F401
+from .portable import in_order as _in_order
+
 _WTYPE = {torch.float32: fo.WTYPES["float32"], torch.float64: fo.WTYPES["float64"]}  # batched products
 
 
@@ -117,42 +118,6 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return (h / (1 + _exp(-h))).to(x.dtype)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops.rope_cos_sin gathered from tables of ROPE_CHUNK positions (one fixed shape, so an
-    entry's cos and sin never depend on which positions the batch holds)."""
-    chunks = int(positions.max()) // ROPE_CHUNK + 1 if positions.numel() else 1
-    key = (inv_freq.to(torch.float64).cpu().numpy().tobytes(), dtype)
-    tables = [_rope_table(key, c, inv_freq) for c in range(chunks)]
-    cos, sin = torch.cat([t[0] for t in tables]), torch.cat([t[1] for t in tables])
-    flat = positions.reshape(-1).cpu()
-    shape = (*positions.shape, cos.shape[-1])
-    return cos[flat].reshape(shape).to(positions.device), sin[flat].reshape(shape).to(positions.device)
-
-
-def _rope_table(key, chunk: int, inv_freq: torch.Tensor):
-    """cos, sin for positions [chunk * ROPE_CHUNK, (chunk + 1) * ROPE_CHUNK), computed once per
-    key (the inverse frequencies' values and the dtype: a new tensor of the same values, as
-    every call makes, finds the table)."""
-    if (key, chunk) not in _ROPE_TABLES:
-        positions = torch.arange(chunk * ROPE_CHUNK, (chunk + 1) * ROPE_CHUNK)[None]
-        cos, sin = ops.rope_cos_sin(inv_freq.cpu(), positions, key[1])
-        _ROPE_TABLES[(key, chunk)] = cos[0], sin[0]
-    return _ROPE_TABLES[(key, chunk)]
-
-
-_ROPE_TABLES: dict = {}  # ((inv_freq bytes, dtype), chunk) -> (cos, sin)
-
-
-def _in_order(parts: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over `dim` one block after the other: a fixed order, and trailing blocks that
-    hold only zeros leave the sum unchanged, whatever their number."""
-    acc = parts.select(dim, 0)
-    for i in range(1, parts.shape[dim]):
-        acc = acc + parts.select(dim, i)
-    return acc
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
               policy: Policy) -> torch.Tensor:
     """ops.attention, computed per KEY_BLOCK block of keys in a fixed order.
@@ -195,12 +160,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
 
 # ----- the self-check -------------------------------------------------------------------
 
-def self_check(module) -> None:
-    """Verifies on the model's device, once per process, configuration, policy and namespace,
-    that every op the invariant model runs gives a row the same bits alone and inside batches
-    of several sizes; raises InvarianceError naming the op otherwise. One check for both of the
-    invariant backend's implementations: portable.self_check (which reads the ops from the
-    model's namespace, these kernels' included)."""
-    from .portable import self_check as check  # portable imports this module: imported here
-    check(module)
 

@@ -31,9 +31,49 @@ from llamaspec.selfcheck import check_rows
 from . import fast, ops
 from .dtypes import cast, dt
 from .fast import times_in_place as times  # noqa: F401 (the same bits as ops.times)
-from .invariant import KEY_BLOCK, LAYOUT_MULTIPLE, ROPE_CHUNK, rope_cos_sin  # noqa: F401 (one layout; tables)
-from .invariant import _in_order as in_order  # blocks added in order: the kernels' rule
 from .ops import apply_rope, cache_dtype, kv_round, rope_inv_freq, rotate_half, write_cache  # noqa: F401 (as is)
+
+LAYOUT_MULTIPLE = 4  # canonical widths are multiples of this (fewer shapes; order-free); both implementations
+KEY_BLOCK = 64       # keys per attention block: both implementations
+ROPE_CHUNK = 4096    # RoPE tables are computed for this many positions at a time
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.rope_cos_sin gathered from tables of ROPE_CHUNK positions (one fixed shape, so an
+    entry's cos and sin never depend on which positions the batch holds)."""
+    chunks = int(positions.max()) // ROPE_CHUNK + 1 if positions.numel() else 1
+    key = (inv_freq.to(torch.float64).cpu().numpy().tobytes(), dtype)
+    tables = [_rope_table(key, c, inv_freq) for c in range(chunks)]
+    cos, sin = torch.cat([t[0] for t in tables]), torch.cat([t[1] for t in tables])
+    flat = positions.reshape(-1).cpu()
+    shape = (*positions.shape, cos.shape[-1])
+    return cos[flat].reshape(shape).to(positions.device), sin[flat].reshape(shape).to(positions.device)
+
+
+def _rope_table(key, chunk: int, inv_freq: torch.Tensor):
+    """cos, sin for positions [chunk * ROPE_CHUNK, (chunk + 1) * ROPE_CHUNK), computed once per
+    key (the inverse frequencies' values and the dtype: a new tensor of the same values, as
+    every call makes, finds the table)."""
+    if (key, chunk) not in _ROPE_TABLES:
+        positions = torch.arange(chunk * ROPE_CHUNK, (chunk + 1) * ROPE_CHUNK)[None]
+        cos, sin = ops.rope_cos_sin(inv_freq.cpu(), positions, key[1])
+        _ROPE_TABLES[(key, chunk)] = cos[0], sin[0]
+    return _ROPE_TABLES[(key, chunk)]
+
+
+_ROPE_TABLES: dict = {}  # ((inv_freq bytes, dtype), chunk) -> (cos, sin)
+
+
+def in_order(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` one block after the other: a fixed order, and trailing blocks that
+    hold only zeros leave the sum unchanged, whatever their number."""
+    acc = parts.select(dim, 0)
+    for i in range(1, parts.shape[dim]):
+        acc = acc + parts.select(dim, i)
+    return acc
+
+
 
 _HALF = (torch.bfloat16, torch.float16)
 # Elements of one elementwise product tensor in attention (the q.k and p.v trees work through
