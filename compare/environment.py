@@ -81,6 +81,8 @@ _XLA_KERNEL_FLAG = re.compile(r"xla_gpu_\w*(cublas|cudnn|triton|autotun|determin
 CUDA_DETERMINISM_ENV = ("CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
                         "TF_CUDNN_DETERMINISTIC", "TF_DETERMINISTIC_OPS")
 UNSET = "(unset)"
+# the key of a determinism record that says JAX was asked (its backend); absent: torch only
+JAX_BACKEND = "jax backend"
 NO_GPU = ("no GPU: the CUDA, cuBLAS, cuDNN and XLA:GPU settings here are recorded as set and decide "
           "nothing on this machine")
 
@@ -128,7 +130,7 @@ def _jax_determinism() -> dict:
     check_xla_flags()       # before JAX starts: XLA ends the process on a flag it does not know
     import jax  # slow import, and only after the flags are checked
     precision = jax.config.jax_default_matmul_precision
-    return {"jax backend": jax.default_backend(),
+    return {JAX_BACKEND: jax.default_backend(),
             "jax_default_matmul_precision": str(precision) if precision is not None else
             "unset (XLA's DEFAULT for a product that states none: TF32-class f32 products on a GPU)"}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from ..environment import NO_GPU
+from ..environment import JAX_BACKEND, NO_GPU
 
 FINDINGS = {
     "pad_keys": "the pad keys are attended (B's attention output matches a float64 recompute that attends "
@@ -130,7 +130,7 @@ def rerun_settings(record: dict, others: dict | None = None) -> str:
         names = [k for k in _RERUN_CPU if k in record]
         text = "no GPU here, so no CUDA or XLA:GPU setting decides a rerun"
     else:
-        names = [k for k in (_RERUN_GPU_JAX if "jax backend" in record else _RERUN_GPU_TORCH) if k in record]
+        names = [k for k in (_RERUN_GPU_JAX if JAX_BACKEND in record else _RERUN_GPU_TORCH) if k in record]
         text = f"what decides a rerun's bits on {record.get('gpu settings', 'the GPU').removeprefix('apply: ')}"
     text += "".join(f"{', ' if i else ': '}{k}={record[k]}" for i, k in enumerate(names))
     for label, other in (others or {}).items():
