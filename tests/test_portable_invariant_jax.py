@@ -239,11 +239,12 @@ def test_tensor_and_data_parallel_meshes_give_the_one_device_bits(meshes, tmp_pa
     logits and greedy tokens on each mesh, bf16, bit for bit those of one device (weights whole on
     every device, each device's rows of the batch multiplied there; tensor=4 keeps each of the 2
     KV heads twice)."""
+    from llamaspec.files import atomic_write
     from llamaspec.testing import make_checkpoint
     ckpt = make_checkpoint(tmp_path / "gqa", num_attention_heads=4, num_key_value_heads=2)
     job, out = tmp_path / "job.json", tmp_path / "out.npz"
-    job.write_text(json.dumps({"checkpoint": str(ckpt), "devices": 4, "policies": ["bf16"],
-                               "meshes": [None, *meshes], "invariant": True}))
+    atomic_write(job, json.dumps({"checkpoint": str(ckpt), "devices": 4, "policies": ["bf16"],
+                               "meshes": [None, *meshes], "invariant": True}), "sharding job")
     done = subprocess.run([sys.executable, str(WORKER), str(job), str(out)], capture_output=True, text=True,
                           timeout=600, env={**os.environ, INVARIANT_ENV: "portable", "PYTHONHASHSEED": "0"})
     assert done.returncode == 0, done.stderr[-4000:]
