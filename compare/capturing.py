@@ -204,7 +204,7 @@ def capture(checkpoint, impl="jaxmodel", policy=None, inputs=None, out=None, tap
     progress(f"loading {impl if isinstance(impl, str) else type(impl).__name__}")
     side, policy = _resolve(impl, str(folder), policy, batch_invariant)
     try:
-        names = tapnames.select(taps, cfg.num_hidden_layers, side.taps,
+        names = tapnames.select(taps, cfg, side.taps,
                                 lambda pattern, t: f"{side.name} cannot capture '{t}' (asked for as '{pattern}')")
     except KeyError as e:      # a tap this model lacks (layers.9.out of a 2-layer model): bad input
         raise DumpError(f"--taps: {e.args[0]}") from None

@@ -868,7 +868,7 @@ class LlamaModel:
         Activations keep their dtype (bf16 stays bf16, via ml_dtypes). inject: {layer
         index: array [B, T, hidden]} replaces the input of those layers (teacher forcing).
         The set of injected layers is part of the compiled program's structure."""
-        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
+        names = tapnames.resolve(taps, self.cfg)
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
         forced = self._forced(check_inject(self.cfg, inject, ids.shape), run)
@@ -918,7 +918,7 @@ class LlamaModel:
         prefill's stays as it is."""
         if self.batch_invariant:
             raise NotImplementedError("prefill_capture: not in batch-invariant mode")
-        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
+        names = tapnames.resolve(taps, self.cfg)
         shape, run, inputs, cache_len = self._prefill_inputs(ids, mask, total_len)
         forced = self._forced(check_inject(self.cfg, inject, shape), run)
         logits, cache, acts = _prefill_capture_program(self.graphdef)(
@@ -945,7 +945,7 @@ class LlamaModel:
         inject {layer: [B, 1, hidden]}: teacher forcing of the new position."""
         if self.batch_invariant:
             raise NotImplementedError("decode_capture: not in batch-invariant mode")
-        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
+        names = tapnames.resolve(taps, self.cfg)
         (B, S), index = cache["mask"].shape, int(cache["index"])
         next_ids = check_next_ids(self.cfg, next_ids, B, index, S)
         forced = self._forced(check_inject(self.cfg, inject, (B, 1)))

@@ -294,17 +294,18 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama checkpoint of this config must hold, with its shape."""
+    """Every tensor a checkpoint of this config must hold, with its shape (the family's norms,
+    q/k norms and biases: llamaspec.config)."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    qk_norm = {"head": (hd, hd), "projection": (nq, nkv)}.get(cfg.qk_norm)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
+        shapes.update({p + name + ".weight": (d,) for name in cfg.norm_modules.values()})
         shapes.update({
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
             p + "self_attn.q_proj.weight": (nq, d),
             p + "self_attn.k_proj.weight": (nkv, d),
             p + "self_attn.v_proj.weight": (nkv, d),
@@ -313,9 +314,13 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (f, d),
             p + "mlp.down_proj.weight": (d, f),
         })
+        if qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (qk_norm[0],), p + "self_attn.k_norm.weight": (qk_norm[1],)})
         if cfg.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (nq,), p + "self_attn.k_proj.bias": (nkv,),
-                           p + "self_attn.v_proj.bias": (nkv,), p + "self_attn.o_proj.bias": (d,)})
+                           p + "self_attn.v_proj.bias": (nkv,)})
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (d,)
         if cfg.mlp_bias:
             shapes.update({p + "mlp.gate_proj.bias": (f,), p + "mlp.up_proj.bias": (f,),
                            p + "mlp.down_proj.bias": (d,)})

@@ -56,6 +56,59 @@ class LlamaConfig(Shape):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # The family's features (FAMILIES below): Llama's values by default.
+    model_type: str = "llama"
+    o_bias: bool | None = None          # o_proj's bias: attention_bias unless the family says (Qwen2: none)
+    qk_norm: str | None = None          # None | "head" (over head_dim, per head) | "projection" (over all heads)
+    norm_offset: float = 0.0            # an RMSNorm multiplies by (offset + weight): Gemma's 1
+    norm_weight_in_norm_dtype: bool = False   # the family's norm applies its weight before rounding (Gemma, OLMo 2)
+    norms: str = "pre"                  # "pre" (Llama), "sandwich" (Gemma 2/3), "post" (OLMo 2)
+    sliding_window: tuple = ()          # per layer: the window in tokens, or None (global); () = every layer global
+    attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    query_scale: float | None = None    # the scores' scale; None: head_dim ** -0.5
+    embed_scale: bool = False           # embeddings times sqrt(hidden_size) (Gemma)
+    activation: str = "silu"            # "silu" | "gelu_tanh" (transformers' gelu_pytorch_tanh)
+    local_rope: RopeConfig | None = None    # the RoPE of the sliding-window layers where it differs (Gemma 3)
+
+    def __post_init__(self):
+        if self.o_bias is None:
+            object.__setattr__(self, "o_bias", self.attention_bias)
+
+    @property
+    def norm_modules(self) -> dict[str, str]:
+        """{the norm's role (its tap name): its module's name in a layer's checkpoint keys}: the
+        same checkpoint name plays another role in another family (Gemma's and OLMo 2's
+        post_attention_layernorm normalises the attention's output, Llama's the MLP's input)."""
+        return NORM_MODULES[self.norms]
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (a query sees the keys less than this many positions
+        back, itself included), or None: every earlier key."""
+        return self.sliding_window[layer] if self.sliding_window else None
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        """The RoPE layer `layer` rotates by: local_rope on a sliding-window layer where set."""
+        return self.local_rope if self.local_rope is not None and self.window(layer) is not None else self.rope
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' scale: query_scale, else 1/sqrt(head_dim)."""
+        return self.head_dim ** -0.5 if self.query_scale is None else self.query_scale
+
+    @property
+    def layer_steps(self) -> tuple[str, ...]:
+        """The tap names of one layer's steps in execution order (llamaspec.taps.steps_of)."""
+        from .taps import steps_of
+        return steps_of(self)
+
+    def features(self) -> dict:
+        """The family features that differ from Llama's, {name: value}, for reports and hints."""
+        plain = {"qk_norm": None, "norm_offset": 0.0, "norm_weight_in_norm_dtype": False, "norms": "pre",
+                 "sliding_window": (), "attn_softcap": None, "final_softcap": None, "query_scale": None,
+                 "embed_scale": False, "activation": "silu", "local_rope": None,
+                 "attention_bias": False, "o_bias": self.attention_bias, "mlp_bias": False}
+        return {n: getattr(self, n) for n, v in plain.items() if getattr(self, n) != v}
 
     @property
     def n_rep(self) -> int:
@@ -149,30 +202,88 @@ class _Fields:
         return value
 
 
+# The families read as features of one model: model_type -> (the architectures' class-name prefix,
+# transformers' config-class defaults of the math fields a config.json may leave out, the fields
+# that family's config may carry besides Llama's). Defaults are checked against transformers'
+# config classes in tests/test_families.py.
+FAMILIES = {
+    "llama": ("Llama", {}, ()),
+    "smollm": ("Llama", {}, ()),
+    "smollm2": ("Llama", {}, ()),
+    "mistral": ("Mistral", {"sliding_window": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}, ()),
+    "qwen2": ("Qwen2", {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_sliding_window": False,
+                        "sliding_window": 4096, "max_window_layers": 28},
+              ("use_sliding_window", "max_window_layers", "layer_types")),
+    "qwen3": ("Qwen3", {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_sliding_window": False,
+                        "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128},
+              ("use_sliding_window", "max_window_layers", "layer_types")),
+    "gemma2": ("Gemma2", {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "head_dim": 256,
+                          "sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"},
+               ("layer_types", "query_pre_attn_scalar", "hidden_activation", "use_bidirectional_attention",
+                "cache_implementation")),
+    "gemma3_text": ("Gemma3", {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "head_dim": 256,
+                               "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                               "hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0,
+                               "rope_theta": 1000000.0,
+                               "_sliding_window_pattern": 6},
+                    ("layer_types", "query_pre_attn_scalar", "hidden_activation", "use_bidirectional_attention",
+                     "rope_local_base_freq", "_sliding_window_pattern", "sliding_window_pattern",
+                     "cache_implementation")),
+    "olmo2": ("Olmo2", {"rms_norm_eps": 1e-5, "tie_word_embeddings": False}, ()),
+}
+# Where a family's layer norms sit: {norms: {role (its tap name): module name in the checkpoint}}.
+NORM_MODULES = {
+    "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+    "sandwich": {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                 "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"},
+    "post": {"post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"},
+}
+# transformers' names of the activations (ACT2FN) the models compute, and ours
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def _parse(d: dict[str, Any], source: str, from_file: bool = False) -> LlamaConfig:
     if not isinstance(d, dict):
         raise ConfigError(f"{source}: must hold a JSON object of config fields, got a {type(d).__name__}")
-    f = _Fields(d, source)
     model_type = d.get("model_type", None if from_file else "llama")
     if model_type is None:   # every config.json transformers writes names it
         raise ConfigError(f"{source}: field 'model_type' is missing (a Llama config says \"llama\")")
-    if model_type not in ("llama", "smollm", "smollm2"):
-        raise ConfigError(f"{source}: model_type '{model_type}' is not a Llama model")
+    if model_type not in FAMILIES:
+        also = " (a Gemma 3 checkpoint with a vision tower: convert its text model, model_type 'gemma3_text')" \
+            if model_type == "gemma3" else ""
+        raise ConfigError(f"{source}: model_type {model_type!r} is not a model llama-parity implements "
+                          f"(it reads {', '.join(FAMILIES)}){also}")
+    prefix, class_defaults, own_fields = FAMILIES[model_type]
     arch = d.get("architectures")
     if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)
-                             or not any(a.startswith("Llama") for a in arch)):
-        raise ConfigError(f"{source}: architectures {arch!r} names no Llama class (expected "
-                          "e.g. [\"LlamaForCausalLM\"])")
+                             or not any(a.startswith(prefix) for a in arch)):
+        raise ConfigError(f"{source}: architectures {arch!r} names no {prefix} class (model_type "
+                          f"{model_type!r} expects e.g. [\"{prefix}ForCausalLM\"])")
+    # a field left out takes the family's config-class default (transformers writes only what differs)
+    d = {**class_defaults, **{k: v for k, v in d.items() if v is not None or k not in class_defaults}}
+    f = _Fields(d, source)
+    family = model_type if model_type in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2") else "llama"
 
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"{source}: hidden_act '{act}' is not supported (only 'silu')")
+    act = d.get("hidden_activation") if family.startswith("gemma") else d.get("hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        key = "hidden_activation" if family.startswith("gemma") else "hidden_act"
+        raise ConfigError(f"{source}: {key} {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
     tp = d.get("pretraining_tp", 1)
     if tp not in (None, 1):
         raise ConfigError(f"{source}: pretraining_tp={tp} changes the math and is not supported")
-    for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
-        if d.get(key) not in (None, False):
-            raise ConfigError(f"{source}: field '{key}'={d[key]!r} is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: field 'use_bidirectional_attention'={d['use_bidirectional_attention']!r}: "
+                          "non-causal attention is not supported")
+    softcaps = ("attn_logit_softcapping", "final_logit_softcapping")
+    for key in ("sliding_window", *softcaps):
+        if family == "llama" and d.get(key) not in (None, False):
+            raise ConfigError(f"{source}: field '{key}'={d[key]!r} is not supported for model_type "
+                              f"{model_type!r}")
+    if family in ("mistral", "qwen2", "qwen3", "olmo2") and any(d.get(k) is not None for k in softcaps):
+        raise ConfigError(f"{source}: field '{next(k for k in softcaps if d.get(k) is not None)}' is not part "
+                          f"of a {model_type} model")
 
     vocab = f.int("vocab_size")
     hidden = f.int("hidden_size")
@@ -187,30 +298,84 @@ def _parse(d: dict[str, Any], source: str, from_file: bool = False) -> LlamaConf
     if head_dim % 2:
         raise ConfigError(f"{source}: head_dim={head_dim} must be even for RoPE")
     max_pos = f.int("max_position_embeddings")
+    n_layers = f.int("num_hidden_layers", limit=MAX_LAYERS)
 
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     bos, pad = d.get("bos_token_id"), d.get("pad_token_id")
 
-    _reject_unknown(d, source)
+    _reject_unknown(d, source, own_fields, family)
+    rope, local_rope = _parse_ropes(d, source, max_pos, family)
+    attention_bias = True if family == "qwen2" else f.bool("attention_bias")
+    gemma = family.startswith("gemma")
     return _check_numerics(source, LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=f.int("intermediate_size"),
-        num_hidden_layers=f.int("num_hidden_layers", limit=MAX_LAYERS),
+        num_hidden_layers=n_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=f.float("rms_norm_eps"),
         max_position_embeddings=max_pos,
-        rope=_parse_rope(d, source, max_pos),
+        rope=rope,
         tie_word_embeddings=f.bool("tie_word_embeddings"),
-        attention_bias=f.bool("attention_bias"),
+        attention_bias=attention_bias,
         mlp_bias=f.bool("mlp_bias"),
         bos_token_id=None if bos is None else f.token("bos_token_id", bos, vocab),
         eos_token_ids=tuple(f.token("eos_token_id", e, vocab) for e in eos_ids),
         pad_token_id=None if pad is None else f.token("pad_token_id", pad, vocab),
+        model_type=family,
+        o_bias=False if family == "qwen2" else attention_bias,
+        qk_norm={"qwen3": "head", "gemma3_text": "head", "olmo2": "projection"}.get(family),
+        norm_offset=1.0 if gemma else 0.0,
+        norm_weight_in_norm_dtype=gemma or family == "olmo2",
+        norms="sandwich" if gemma else "post" if family == "olmo2" else "pre",
+        sliding_window=_windows(f, d, source, family, n_layers),
+        attn_softcap=None if not gemma or d.get(softcaps[0]) is None else f.float(softcaps[0]),
+        final_softcap=None if not gemma or d.get(softcaps[1]) is None else f.float(softcaps[1]),
+        query_scale=f.float("query_pre_attn_scalar") ** -0.5 if gemma else None,
+        embed_scale=gemma,
+        activation=_ACTIVATIONS[act],
+        local_rope=local_rope,
     ))
+
+
+def _windows(f: "_Fields", d: dict, source: str, family: str, n_layers: int) -> tuple:
+    """The sliding window of each layer (None: global), () when no layer has one, as transformers'
+    config classes derive it: Mistral's sliding_window on every layer; Qwen2/3's on the layers from
+    max_window_layers on when use_sliding_window; Gemma's on the layers layer_types names
+    "sliding_attention" (by default every other layer, Gemma 3: five of every six)."""
+    types = d.get("layer_types")
+    if family == "llama":
+        return ()
+    if family == "mistral":
+        w = d.get("sliding_window")
+        return () if w is None else (f.int("sliding_window"),) * n_layers
+    if family in ("qwen2", "qwen3"):
+        use = f.bool("use_sliding_window")
+        if not use or d.get("sliding_window") is None:
+            if types is not None and "sliding_attention" in types:
+                raise ConfigError(f"{source}: field 'layer_types' names sliding_attention layers but "
+                                  "use_sliding_window is false (transformers' classes disagree on such a config)")
+            return ()
+        first = f.int("max_window_layers", limit=MAX_LAYERS) if d.get("max_window_layers") else 0
+        derived = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    elif family == "olmo2":
+        return ()
+    else:       # gemma2, gemma3_text
+        every = 2 if family == "gemma2" else f.int("sliding_window_pattern", default=None) \
+            if d.get("sliding_window_pattern") is not None else f.int("_sliding_window_pattern")
+        derived = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n_layers or any(t not in _LAYER_TYPES for t in types):
+            raise ConfigError(f"{source}: field 'layer_types' = {types!r} must list one of "
+                              f"{', '.join(_LAYER_TYPES)} for each of the {n_layers} layers")
+        derived = types
+    if "sliding_attention" not in derived:
+        return ()
+    w = f.int("sliding_window")
+    return tuple(w if t == "sliding_attention" else None for t in derived)
 
 
 _PARSED = {
@@ -223,14 +388,45 @@ _PARSED = {
 }
 
 
-def _reject_unknown(d: dict[str, Any], source: str) -> None:
+def _reject_unknown(d: dict[str, Any], source: str, own_fields=(), family: str = "llama") -> None:
     if d.get("quantization_config"):
         raise ConfigError(f"{source}: 'quantization_config' is set; dequantize the "
                           "checkpoint first (weights must be plain fp32/bf16/fp16)")
-    unknown = sorted(k for k in d if k not in _PARSED and k not in _HARMLESS)
+    if family == "qwen2" and d.get("attention_bias") is not None:
+        raise ConfigError(f"{source}: field 'attention_bias' is not read by Qwen2 (q, k and v always carry a "
+                          "bias, o_proj none): a config that sets it means another model")
+    unknown = sorted(k for k in d if k not in _PARSED and k not in _HARMLESS and k not in own_fields)
     if unknown:
         raise ConfigError(f"{source}: unsupported config field(s) {unknown}: they may change "
                           "the math and llama-parity does not implement them")
+
+
+def _parse_ropes(d: dict[str, Any], source: str, max_pos: int, family: str) -> tuple[RopeConfig, RopeConfig | None]:
+    """(the RoPE of every layer, or of the global ones; the sliding-window layers' where it differs:
+    Gemma 3's, from rope_parameters per layer type or rope_local_base_freq)."""
+    if family != "gemma3_text":
+        return _parse_rope(d, source, max_pos), None
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and set(params) & set(_LAYER_TYPES):
+        if set(params) - set(_LAYER_TYPES):
+            raise ConfigError(f"{source}: field 'rope_parameters' mixes layer types {_LAYER_TYPES} with "
+                              f"{sorted(set(params) - set(_LAYER_TYPES))}")
+        if d.get("rope_scaling") is not None:
+            raise ConfigError(f"{source}: fields 'rope_scaling' and 'rope_parameters' per layer type are both "
+                              "set; give one")
+        ropes = {}
+        for t in _LAYER_TYPES:
+            p = params.get(t) or {}
+            if not isinstance(p, dict):
+                raise ConfigError(f"{source}: field 'rope_parameters' {t!r} = {p!r} must be a JSON object")
+            theta = d["rope_local_base_freq"] if t == "sliding_attention" else d.get("rope_theta")
+            p = {"rope_theta": theta, **p} if theta is not None else p
+            ropes[t] = _parse_rope({"rope_parameters": p}, f"{source} (rope_parameters {t!r})", max_pos)
+        glob, local = ropes["full_attention"], ropes["sliding_attention"]
+    else:
+        glob = _parse_rope(d, source, max_pos)
+        local = _parse_rope({"rope_theta": _Fields(d, source).float("rope_local_base_freq")}, source, max_pos)
+    return glob, (None if local == glob else local)
 
 
 def _parse_rope(d: dict[str, Any], source: str, max_pos: int) -> RopeConfig:

@@ -70,6 +70,39 @@ def declines(policy) -> str | None:
     return ", ".join(what) or None
 
 
+# The family features (llamaspec.config) the backends' ops take as they are: projections with
+# biases, and a sliding window (a mask, which every backend's attention reads). Any other feature
+# changes an op's arithmetic: the fast backend runs that op by the reference (family_declines),
+# the invariant backend refuses the model (invariant_refuses).
+_BACKEND_FEATURES = ("attention_bias", "o_bias", "mlp_bias", "sliding_window")
+
+
+def family_declines(cfg) -> dict[str, str]:
+    """{op: the family features of `cfg` its backend implementation does not take, in words}: on
+    such a model that op runs the reference's function and the plan says why. The family's own
+    steps (soft-caps, GELU, the embedding scale, q/k norms' placement) are reference functions in
+    every backend; the ops they feed are listed here."""
+    out = {}
+    norm = [w for on, w in ((cfg.norm_offset, f"the ({cfg.norm_offset:g} + weight) norm"),
+                            (cfg.qk_norm, f"q/k norm over the {cfg.qk_norm}")) if on]
+    attention = [w for on, w in ((cfg.attn_softcap is not None, f"attention soft-capping ({cfg.attn_softcap:g})"
+                                  if cfg.attn_softcap is not None else ""),
+                                 (cfg.query_scale is not None, "a query scale other than 1/sqrt(head_dim)")) if on]
+    mlp = [f"the {cfg.activation} activation"] if cfg.activation != "silu" else []
+    logits = [f"final logit soft-capping ({cfg.final_softcap:g})"] if cfg.final_softcap is not None else []
+    for op, what in (("norm", norm), ("attention", attention), ("mlp", mlp), ("logits", logits)):
+        if what:
+            out[op] = ", ".join(what)
+    return out
+
+
+def invariant_refuses(cfg) -> str | None:
+    """The family features of `cfg` the invariant backend does not take (its ops are built for
+    Llama's arithmetic; a reference op in their place would not be batch-invariant), or None."""
+    what = sorted(set(cfg.features()) - set(_BACKEND_FEATURES))
+    return ", ".join(what) or None
+
+
 class SettingError(PolicyError):
     """An environment variable set to a value outside the ones it takes (exit 2, naming both)."""
 

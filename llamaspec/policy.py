@@ -16,8 +16,11 @@ Knob meanings (both models implement exactly this):
 - accum_dtype: accumulation dtype of every matmul (JAX preferred_element_type); the
   result is then rounded to compute_dtype.
 - norm_dtype: RMSNorm computes mean(x^2) and rsqrt in this dtype.
-- norm_cast_before_weight: HF convention. The normalised x is rounded back to the
-  input dtype before it is multiplied by the norm weight.
+- norm_cast_before_weight: True: the normalised x is rounded back to the input dtype before it
+  is multiplied by the norm weight (transformers' Llama, Qwen, Mistral); False: the weight is
+  applied in norm_dtype and the product rounded once (transformers' Gemma and OLMo 2: their
+  modeling files say so). None (every preset): the model's family's convention, read from its
+  config at load (llamaspec.config.LlamaConfig.norm_weight_in_norm_dtype; Policy.for_family).
 - softmax_dtype: attention scores are cast to this dtype for the mask and softmax;
   probabilities are rounded to compute_dtype afterwards.
 - rope_dtype: inverse frequencies, angles and cos/sin are computed in this dtype
@@ -79,7 +82,7 @@ class Policy:
     rope_dtype: str
     residual_dtype: str
     logits_dtype: str
-    norm_cast_before_weight: bool = True
+    norm_cast_before_weight: bool | None = None
     weight_fp8: str | None = None
     act_fp8: str | None = None
     kv_cache: str | None = None
@@ -100,9 +103,9 @@ class Policy:
                               "accumulation is not something either framework exposes")
         if self.matmul not in MATMUL:
             raise PolicyError(f"policy '{self.name}': matmul={self.matmul!r} is not one of {MATMUL}")
-        if not isinstance(self.norm_cast_before_weight, bool):
+        if self.norm_cast_before_weight is not None and not isinstance(self.norm_cast_before_weight, bool):
             raise PolicyError(f"policy '{self.name}': norm_cast_before_weight={self.norm_cast_before_weight!r} "
-                              "must be True or False (a string is not a boolean)")
+                              "must be True or False (a string is not a boolean), or None (the family's convention)")
         if not isinstance(self.name, str) or not self.name:
             raise PolicyError(f"policy name {self.name!r} must be a non-empty string")
 
@@ -156,6 +159,15 @@ class Policy:
     def quantizes_weights(self) -> bool:
         """Whether any layer quantizes its projection weights (weight_fp8)."""
         return any(p.weight_fp8 for p in (self, *(p for _, p in self.layers)))
+
+    def for_family(self, weight_in_norm_dtype: bool) -> "Policy":
+        """This policy with norm_cast_before_weight left to the family (None) set to the family's
+        convention (weight_in_norm_dtype: the family's norm applies its weight in norm_dtype), per
+        layer too; the name unchanged (the convention is the family's, the policy's to_dict shows it)."""
+        def fill(p):
+            return p if p.norm_cast_before_weight is not None else dataclasses.replace(
+                p, norm_cast_before_weight=not weight_in_norm_dtype)
+        return dataclasses.replace(fill(self), layers=tuple((sel, fill(p)) for sel, p in self.layers))
 
     def for_layer(self, i: int, n_layers: int) -> "Policy":
         """The policy layer i of n computes its block by: the override naming it, else this one."""

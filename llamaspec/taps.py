@@ -15,25 +15,55 @@ from typing import NamedTuple
 LAYER_TAPS = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "attn_ctx", "attn_out",
               "resid_mid", "mlp_norm", "gate", "up", "act", "mlp_out", "out")
 
+# Every layer step of the family's models in execution order (llamaspec.config.FAMILIES): a
+# model's layers have the steps its config names (steps_of), Llama's are LAYER_TAPS.
+# q_norm, k_norm: the queries and keys after their norm (Qwen3, Gemma 3 per head; OLMo 2 over
+# the whole projection), before RoPE; post_attn_norm, post_mlp_norm: a sublayer's output after
+# its norm, before the residual add (Gemma 2/3's sandwich norms, OLMo 2's).
+STEPS = ("attn_norm", "q", "k", "v", "q_norm", "k_norm", "q_rope", "k_rope", "attn_ctx", "attn_out",
+         "post_attn_norm", "resid_mid", "mlp_norm", "gate", "up", "act", "mlp_out", "post_mlp_norm", "out")
+
 # Tap kinds with a heads axis ([B, T, heads, head_dim] in both models).
-PER_HEAD = ("q", "k", "v", "q_rope", "k_rope")
+PER_HEAD = ("q", "k", "v", "q_norm", "k_norm", "q_rope", "k_rope")
 COMPONENTS = ("embed", "attn_norm", "attn", "mlp_norm", "mlp", "final_norm", "lm_head")
 
 _COMPONENT_OF_LAYER_TAP = {
-    "attn_norm": "attn_norm", "q": "attn", "k": "attn", "v": "attn", "q_rope": "attn",
-    "k_rope": "attn", "attn_ctx": "attn", "attn_out": "attn", "resid_mid": "attn",
-    "mlp_norm": "mlp_norm", "gate": "mlp", "up": "mlp", "act": "mlp", "mlp_out": "mlp",
-    "out": "mlp",
+    "attn_norm": "attn_norm", "q": "attn", "k": "attn", "v": "attn", "q_norm": "attn", "k_norm": "attn",
+    "q_rope": "attn", "k_rope": "attn", "attn_ctx": "attn", "attn_out": "attn", "post_attn_norm": "attn_norm",
+    "resid_mid": "attn", "mlp_norm": "mlp_norm", "gate": "mlp", "up": "mlp", "act": "mlp", "mlp_out": "mlp",
+    "post_mlp_norm": "mlp_norm", "out": "mlp",
 }
+
+
+def steps_of(cfg) -> tuple[str, ...]:
+    """The layer steps (tap kinds) of a model of config `cfg` (a llamaspec.LlamaConfig), in order."""
+    skip = set()
+    if cfg.qk_norm is None:
+        skip |= {"q_norm", "k_norm"}
+    if cfg.norms == "pre":
+        skip |= {"post_attn_norm", "post_mlp_norm"}
+    if cfg.norms == "post":
+        skip |= {"attn_norm", "mlp_norm"}
+    return tuple(s for s in STEPS if s not in skip)
+
+
+def _layers_and_steps(model) -> tuple[int, tuple[str, ...]]:
+    """(layers, steps) of `model`: a layer count (a Llama's steps), a llamaspec.LlamaConfig (its
+    family's), or another config with num_hidden_layers (a third-party port's: a Llama's)."""
+    if isinstance(model, int):
+        return model, LAYER_TAPS
+    return model.num_hidden_layers, steps_of(model) if hasattr(model, "norms") else LAYER_TAPS
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.([a-z_]+)$")
 
 
-def all_taps(num_layers: int) -> list[str]:
-    """Every tap name of a model with this many layers, in execution order."""
+def all_taps(model) -> list[str]:
+    """Every tap name of a model, in execution order: `model` a config (its family's steps), or a
+    layer count (a Llama's)."""
+    num_layers, steps = _layers_and_steps(model)
     names = ["embed"]
     for i in range(num_layers):
-        names += [f"layers.{i}.{t}" for t in LAYER_TAPS]
+        names += [f"layers.{i}.{t}" for t in steps]
     return names + ["final_norm", "logits"]
 
 
@@ -88,7 +118,7 @@ def component_of(tap: str) -> str:
     return _COMPONENT_OF_LAYER_TAP[name]
 
 
-def resolve(requested, num_layers: int) -> tuple[str, ...]:
+def resolve(requested, model) -> tuple[str, ...]:
     """Expands names and glob patterns ('layers.*.out', '*') into concrete tap names.
 
     Unknown names are an error that lists what exists: a typo must not silently
@@ -98,20 +128,21 @@ def resolve(requested, num_layers: int) -> tuple[str, ...]:
         return ()
     if isinstance(requested, str):
         requested = [requested]
-    names = all_taps(num_layers)
+    num_layers, steps = _layers_and_steps(model)
+    names = all_taps(model)
     out: list[str] = []
     for pattern in requested:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
             raise KeyError(f"unknown tap '{pattern}' for a {num_layers}-layer model; taps are "
-                           f"embed, layers.<0..{num_layers - 1}>.{{{','.join(LAYER_TAPS)}}}, "
+                           f"embed, layers.<0..{num_layers - 1}>.{{{','.join(steps)}}}, "
                            "final_norm, logits")
         out += [h for h in hits if h not in out]
     return tuple(sorted(out, key=names.index))
 
 
-def select(requested, num_layers: int, available, missing) -> tuple[str, ...]:
-    """Names and globs -> the concrete taps of `available` (in its order) that they name.
+def select(requested, num_layers, available, missing) -> tuple[str, ...]:
+    """(num_layers: a layer count or a config, as resolve takes.) Names and globs -> the concrete taps of `available` (in its order) that they name.
     A glob expands over the available taps; a name outside the vocabulary is resolve's
     KeyError; a name (or a glob matching only such taps) that `available` lacks is a
     KeyError with the text missing(pattern, the first tap lacking)."""

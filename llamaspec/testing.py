@@ -61,7 +61,8 @@ def make_checkpoint(folder, dtype="float32", seed=0, shards=1, scale=0.5,
     tensors = {}
     for key, shape in expected_shapes(cfg).items():
         if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
-            w = 1.0 + 0.2 * rng.standard_normal(shape)
+            # around 1 as the norm multiplies: (offset + weight) for Gemma's (1 + w) norms
+            w = 1.0 - cfg.norm_offset + 0.2 * rng.standard_normal(shape)
         elif key.endswith(".bias"):
             w = 0.1 * rng.standard_normal(shape)
         elif "embed" in key:
@@ -96,4 +97,23 @@ TINY_CONFIGS = {
                                      high_freq_factor=4.0, original_max_position_embeddings=32)),
     "linear": dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0)),
     "dynamic": dict(rope_scaling=dict(type="dynamic", factor=2.0)),
+}
+
+
+# Tiny configs of the Llama family's relatives (llamaspec.config.FAMILIES), each with its features
+# switched on where a tiny prompt reaches them: windows shorter than the tests' prompts (8-12
+# tokens), soft-caps small enough that tanh bends (random scores and logits are O(1)), a query
+# scale that is not a power of two, a head_dim other than hidden / heads, a Gemma 3 local RoPE base.
+TINY_FAMILIES = {
+    "qwen2": dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "qwen3": dict(model_type="qwen3", head_dim=16, use_sliding_window=False),
+    "mistral": dict(model_type="mistral", sliding_window=5),
+    "gemma2": dict(model_type="gemma2", hidden_act=None, hidden_activation="gelu_pytorch_tanh", head_dim=8,
+                   query_pre_attn_scalar=12, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+                   sliding_window=4, tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "gemma3_text": dict(model_type="gemma3_text", hidden_act=None, hidden_activation="gelu_pytorch_tanh",
+                        head_dim=16, query_pre_attn_scalar=16, sliding_window=4, tie_word_embeddings=True,
+                        layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=100.0,
+                        rope_scaling=dict(rope_type="linear", factor=2.0), rms_norm_eps=1e-6),
+    "olmo2": dict(model_type="olmo2", tie_word_embeddings=False),
 }

@@ -409,10 +409,10 @@ CASES = [
          r"tokenizer\.json: the tokenizer has ids up to 199 \(200 ids\) but .*config\.json has vocab_size 96"),
     # 8. another architecture (llamaspec.config refuses these already)
     Case("config-gpt2", "good", _config(model_type="gpt2"), ConfigError,
-         r"config\.json: model_type 'gpt2' is not a Llama model"),
-    Case("config-mistral-sliding-window", "good",
-         _config(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096), ConfigError,
-         r"config\.json: model_type 'mistral' is not a Llama model"),
+         r"config\.json: model_type 'gpt2' is not a model llama-parity implements"),
+    Case("config-gemma3-with-vision", "good",
+         _config(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]), ConfigError,
+         r"config\.json: model_type 'gemma3' is not a model .*convert its text model, model_type 'gemma3_text'"),
     Case("config-llama-with-sliding-window", "good", _config(sliding_window=4096), ConfigError,
          r"config\.json: .*sliding_window"),
     # 5. the cached model: a changed file is noticed on use (size/mtime, then sha256) or by --verify

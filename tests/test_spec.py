@@ -65,7 +65,7 @@ def test_rope_v4_and_v5_spellings_agree():
     (dict(quantization_config={"quant_method": "gguf"}), ["quantization_config"]),
     (dict(rms_norm_eps=0), ["rms_norm_eps"]),
     (dict(vocab_size=None), ["'vocab_size' is missing"]),
-    (dict(model_type="gpt2"), ["not a Llama"]),
+    (dict(model_type="gpt2"), ["not a model llama-parity implements"]),
 ])
 def test_config_rejects_math_it_does_not_implement(kw, words):
     with pytest.raises(ConfigError) as e:

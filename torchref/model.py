@@ -75,14 +75,17 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops):
+    def __init__(self, dim: int, eps: float, ops, offset: float = 0.0):
         super().__init__()
         self.weight = _weight(dim)
         self.eps = eps
         self.ops = ops
+        # Gemma's norms multiply by (1 + weight): an argument only where set (the plan runs such a
+        # model's norms on the reference, llamaspec.plan.family_declines)
+        self.family = {"offset": offset} if offset else {}
 
     def forward(self, x, policy: Policy):
-        return self.ops.rms_norm(x, self.weight, self.eps, policy)
+        return self.ops.rms_norm(x, self.weight, self.eps, policy, **self.family)
 
 
 class Attention(nn.Module):
@@ -93,7 +96,15 @@ class Attention(nn.Module):
         self.q_proj = Linear(d, self.heads * hd, b, ops)
         self.k_proj = Linear(d, self.kv_heads * hd, b, ops)
         self.v_proj = Linear(d, self.kv_heads * hd, b, ops)
-        self.o_proj = Linear(self.heads * hd, d, b, ops)
+        self.o_proj = Linear(self.heads * hd, d, cfg.o_bias, ops)
+        # q/k norm (Qwen3, Gemma 3: over head_dim, per head; OLMo 2: over the whole projection)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            dims = (hd, hd) if cfg.qk_norm == "head" else (self.heads * hd, self.kv_heads * hd)
+            self.q_norm, self.k_norm = (RMSNorm(n, cfg.rms_norm_eps, ops, cfg.norm_offset) for n in dims)
+        # Gemma's scale and soft-cap: arguments only where set (the plan runs such a model's
+        # attention on the reference)
+        self.family = {k: v for k, v in (("scale", cfg.query_scale), ("softcap", cfg.attn_softcap)) if v is not None}
         self.ops = ops
 
     def forward(self, x, ctx: Context, rec: Recorder, cache: KV | None = None, layer: int = 0):
@@ -104,6 +115,12 @@ class Attention(nn.Module):
         q = rec("q", q.view(B, T, self.heads, self.head_dim))
         k = rec("k", k.view(B, T, self.kv_heads, self.head_dim))
         v = rec("v", v.view(B, T, self.kv_heads, self.head_dim))
+        if self.qk_norm == "head":
+            q = rec("q_norm", self.q_norm(q, ctx.policy))
+            k = rec("k_norm", self.k_norm(k, ctx.policy))
+        elif self.qk_norm == "projection":
+            q = rec("q_norm", self.q_norm(q.reshape(B, T, -1), ctx.policy).view(q.shape))
+            k = rec("k_norm", self.k_norm(k.reshape(B, T, -1), ctx.policy).view(k.shape))
         cos, sin = self.key_tables(ctx, cache)
         q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
         k = rec("k_rope", self.ops.apply_rope(k, cos, sin))
@@ -121,7 +138,7 @@ class Attention(nn.Module):
             allowed = self.cache_allowed(ctx.allowed, cache.index)
             S = allowed.shape[-1]  # the slots this call may see (all of them by default)
             k, v = (t.narrow(2, 0, S).transpose(1, 2) for t in (k_all, v_all))
-        out = rec("attn_ctx", self.ops.attention(q, k, v, allowed, ctx.policy).reshape(B, T, -1))
+        out = rec("attn_ctx", self.ops.attention(q, k, v, allowed, ctx.policy, **self.family).reshape(B, T, -1))
         return self.o_proj(out, ctx.policy), cache
 
     # Seams: one step each of the cache path, which a planted-bug control may replace on one
@@ -148,32 +165,45 @@ class MLP(nn.Module):
         super().__init__()
         d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj, self.up_proj, self.down_proj = Linear(d, f, b, ops), Linear(d, f, b, ops), Linear(f, d, b, ops)
+        self.activation = cfg.activation      # the name of an op: "silu" or "gelu_tanh" (Gemma)
         self.ops = ops
 
     def forward(self, x, policy: Policy, rec: Recorder):
         gate, up = project(self.ops, x, (self.gate_proj, self.up_proj), policy)
         rec("gate", gate), rec("up", up)
-        act = rec("act", self.ops.times(self.ops.silu(gate), up, gate))
+        act = rec("act", self.ops.times(getattr(self.ops, self.activation)(gate), up, gate))
         del gate, up   # freed before down_proj's result is made
         return self.down_proj(act, policy)
 
 
 class Block(nn.Module):
+    """One layer. Its norms sit where the family puts them (cfg.norm_modules: role -> checkpoint
+    name): attn_norm / mlp_norm on a sublayer's input (Llama; Gemma), post_attn_norm /
+    post_mlp_norm on its output before the residual add (Gemma's sandwich, OLMo 2 without the
+    input ones)."""
+
     def __init__(self, cfg: LlamaConfig, ops):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.roles = cfg.norm_modules
+        for name in self.roles.values():
+            self.add_module(name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, cfg.norm_offset))
         self.self_attn = Attention(cfg, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, ops)
 
+    def norm(self, role: str, x, policy: Policy, rec: Recorder):
+        """The norm of this role applied to x (recorded as its tap), or x where the family has none."""
+        name = self.roles.get(role)
+        return x if name is None else rec(role, getattr(self, name)(x, policy))
+
     def forward(self, h, ctx: Context, rec: Recorder, cache: KV | None = None, layer: int = 0):
-        residual = dt(ctx.policy.residual_dtype)
+        residual, p = dt(ctx.policy.residual_dtype), ctx.policy
         h = cast(h, residual)      # a per-layer policy's residual dtype (a no-op otherwise)
-        x = rec("attn_norm", self.input_layernorm(h, ctx.policy))
-        a, cache = self.self_attn(x, ctx, rec, cache, layer)
-        h = rec("resid_mid", h + cast(rec("attn_out", a), residual))
-        x = rec("mlp_norm", self.post_attention_layernorm(h, ctx.policy))
-        h = rec("out", h + cast(rec("mlp_out", self.mlp(x, ctx.policy, rec)), residual))
+        a, cache = self.self_attn(self.norm("attn_norm", h, p, rec), ctx, rec, cache, layer)
+        a = self.norm("post_attn_norm", rec("attn_out", a), p, rec)
+        h = rec("resid_mid", h + cast(a, residual))
+        m = self.mlp(self.norm("mlp_norm", h, p, rec), p, rec)
+        m = self.norm("post_mlp_norm", rec("mlp_out", m), p, rec)
+        h = rec("out", h + cast(m, residual))
         return h, cache
 
 
@@ -188,14 +218,15 @@ class Llama(nn.Module):
                  quantized: dict | None = None):
         super().__init__()
         backend = backend_name(backend, batch_invariant)
+        policy = policy.for_family(cfg.norm_weight_in_norm_dtype)    # the family's norm convention where left to it
         self.cfg, self.policy, self.batch_invariant = cfg, policy, backend == "invariant"
         policy.check_layers(cfg.num_hidden_layers)
         self.layer_policies = [policy.for_layer(i, cfg.num_hidden_layers) for i in range(cfg.num_hidden_layers)]
         self.device = torch.device(device)
-        self.plan, self.ops = make_backend(policy, self.device, backend)
+        self.plan, self.ops = make_backend(policy, self.device, backend, cfg)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, self.ops) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops, cfg.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, self.ops)
         if weights is not None:
             self._load(weights, quantized or {})
@@ -247,15 +278,20 @@ class Llama(nn.Module):
         if qs is not None:      # the fp8 values and scales, for quantized() (a Linear's attribute)
             self.get_submodule(key.removeprefix("model.").rpartition(".")[0]).fp8 = qs
 
-    def contexts(self, positions: torch.Tensor, allowed: torch.Tensor) -> list[Context]:
-        """Each layer's Context: its policy and the RoPE tables of that policy (computed once per
-        distinct rope / compute dtype pair)."""
-        tables, out = {}, []
-        for p in self.layer_policies:
-            key = (p.rope_dtype, p.compute_dtype)
+    def contexts(self, positions: torch.Tensor, allowed: torch.Tensor, first_slots=None) -> list[Context]:
+        """Each layer's Context: its policy, the RoPE tables of its rope and policy (computed once
+        per distinct rope / rope dtype / compute dtype), and its mask: `allowed`, within the layer's
+        sliding window where it has one (sliding_allowed; first_slots [B]: the cache slot of each
+        row's first query, None: slot 0)."""
+        tables, masks, out = {}, {}, []
+        for i, p in enumerate(self.layer_policies):
+            rope, window = self.cfg.rope_of(i), self.cfg.window(i)
+            key = (rope, p.rope_dtype, p.compute_dtype)
             if key not in tables:
-                tables[key] = rope_tables(self.cfg, p, self.ops, positions)
-            out.append(Context(*tables[key], allowed, p, positions))
+                tables[key] = rope_tables(self.cfg, p, self.ops, positions, rope)
+            if window not in masks:
+                masks[window] = allowed if window is None else sliding_allowed(allowed, window, first_slots)
+            out.append(Context(*tables[key], masks[window], p, positions))
         return out
 
     def _set(self, key: str, p: nn.Parameter) -> None:
@@ -276,10 +312,10 @@ class Llama(nn.Module):
         policy = self.policy
         residual = dt(policy.residual_dtype)
         rec = Recorder(taps)
-        h = rec("embed", self.embed_tokens(ids).to(residual))
-        ctxs = self.contexts(positions, allowed)
+        h = rec("embed", self.embedding(self.embed_tokens(ids)))
         if cache is not None and isinstance(cache.index, np.ndarray):
             cache = cache._replace(index=torch.as_tensor(cache.index, device=ids.device))   # once per call
+        ctxs = self.contexts(positions, allowed, None if cache is None else cache.index)
         for i, block in enumerate(self.layers):
             if inject and i in inject:
                 h = inject[i]       # rounded to the layer's residual dtype by the block, as any input
@@ -287,8 +323,15 @@ class Llama(nn.Module):
         x = rec("final_norm", self.norm(cast(h, residual), policy))
         if last is not None:
             x = _take_slots(x, last)
-        logits = rec("logits", head_logits(x, self.head_weight(), self.ops, policy))
+        logits = rec("logits", head_logits(x, self.head_weight(), self.ops, policy, self.cfg.final_softcap))
         return logits, rec.acts, cache
+
+    def embedding(self, rows: torch.Tensor) -> torch.Tensor:
+        """The embedding tap from the table's rows (as the model keeps them): scaled by
+        sqrt(hidden_size) where the family says (Gemma), then rounded to the residual dtype."""
+        if self.cfg.embed_scale:
+            rows = self.ops.scale_embedding(rows, self.cfg.hidden_size)
+        return rows.to(dt(self.policy.residual_dtype))
 
 
 def checkpoint_key(name: str) -> str:
@@ -296,21 +339,23 @@ def checkpoint_key(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions: torch.Tensor):
+def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions: torch.Tensor, rope_config=None):
     """cos, sin [B, T, head_dim] for positions [B, T] (dynamic NTK reads the longest), computed in
     rope_dtype and rounded to compute_dtype, the dtype of the queries and keys apply_rope rounds
     them to: once per call here, not twice a layer there (the same values; HF's rotary embedding
-    also rounds its tables once)."""
+    also rounds its tables once). rope_config: a layer's (cfg.rope_of), cfg.rope by default."""
     rope = dt(policy.rope_dtype)
-    inv_freq = ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, int(positions.max()) + 1,
-                                 rope).to(positions.device)
+    inv_freq = ops.rope_inv_freq(rope_config or cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
+                                 int(positions.max()) + 1, rope).to(positions.device)
     return tuple(t.to(dt(policy.compute_dtype)) for t in ops.rope_cos_sin(inv_freq, positions, rope))
 
 
-def head_logits(x: torch.Tensor, head: torch.Tensor, ops, policy: Policy) -> torch.Tensor:
+def head_logits(x: torch.Tensor, head: torch.Tensor, ops, policy: Policy, softcap: float | None = None
+                ) -> torch.Tensor:
     """The lm_head: final_norm output x times the [vocab, hidden] matrix (or a chunk of its rows),
-    rounded to the policy's logits dtype."""
-    return ops.linear(x, head, None, policy, policy.logits_dtype)
+    rounded to the policy's logits dtype; soft-capped there where the family caps them (Gemma 2)."""
+    logits = ops.linear(x, head, None, policy, policy.logits_dtype)
+    return logits if softcap is None else ops.soft_cap(logits, softcap)
 
 
 class LlamaModel(nn.Module):
@@ -379,7 +424,7 @@ class LlamaModel(nn.Module):
         inject: {layer index: array [B, T, hidden]} replaces the input of those layers
         (teacher forcing: feed every layer the oracle's input to measure its local error).
         """
-        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
+        names = tapnames.resolve(taps, self.cfg)
         ids, mask = check_tokens(self.cfg, tokens, attention_mask)
         run = self._layout(ids, mask)
         forced = {i: self._tensor(run.place(x)) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
@@ -417,7 +462,7 @@ class LlamaModel(nn.Module):
         """prefill, also returning the prompt's activations as the prefill computed them:
         (logits [B, V], cache, {tap: numpy [B, T, ...]}; logits and final_norm at the last
         slot only). probe where's decode circumstance feeds them back (teacher forcing)."""
-        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
+        names = tapnames.resolve(taps, self.cfg)
         ids, mask = check_prefill(self.cfg, ids, mask, total_len)
         forced = {i: self._tensor(x) for i, x in check_inject(self.cfg, inject, ids.shape).items()}
         if self.batch_invariant:
@@ -448,7 +493,7 @@ class LlamaModel(nn.Module):
         them (compare.ladder.decode judges them against a full recompute). inject {layer:
         [B, 1, hidden]}: teacher forcing of the new position (compare.ladder.decode's
         inherited taps)."""
-        names = tapnames.resolve(taps, self.cfg.num_hidden_layers)
+        names = tapnames.resolve(taps, self.cfg)
         if self.batch_invariant:
             if inject:
                 raise NotImplementedError("decode_capture: inject is not taken in batch-invariant mode")
@@ -543,7 +588,7 @@ class LayerRunner:
     def embed(self, rows: np.ndarray) -> np.ndarray:
         """The embedding tap from the table's rows of the batch's ids ([B, T, hidden]):
         gathering then rounding equals rounding the table then gathering."""
-        return to_numpy(self._residual(self.module._param(rows)))
+        return to_numpy(self.module.embedding(self.module._param(rows)))
 
     @torch.inference_mode()
     def block(self, i: int, weights: dict[str, np.ndarray], h: np.ndarray, taps=()) -> dict[str, np.ndarray]:
@@ -568,14 +613,14 @@ class LayerRunner:
         m = self.module
         m._install("model.norm.weight", weight, (self.cfg.hidden_size,))
         with check_matmul_settings(self.policy, m.device):
-            return to_numpy(m.norm(self._residual(self._tensor(h)), self.policy))
+            return to_numpy(m.norm(self._residual(self._tensor(h)), m.policy))
 
     @torch.inference_mode()
     def logits(self, x: np.ndarray, head_rows: np.ndarray) -> np.ndarray:
         """The logits of final_norm output x for the lm_head rows given (a vocabulary chunk)."""
         m = self.module
         with check_matmul_settings(self.policy, m.device):
-            return to_numpy(head_logits(self._tensor(x), m._param(head_rows), m.ops, self.policy))
+            return to_numpy(head_logits(self._tensor(x), m._param(head_rows), m.ops, m.policy, self.cfg.final_softcap))
 
 
 def _take_slots(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -585,6 +630,19 @@ def _take_slots(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     if bool((last == x.shape[1] - 1).all()):
         return x[:, -1:]
     return x[torch.arange(x.shape[0], device=x.device), last][:, None]
+
+
+def sliding_allowed(allowed: torch.Tensor, window: int, first_slots=None) -> torch.Tensor:
+    """allowed [B, T, S] where query t (at cache slot first_slots[b] + t; None: slot t) may also see
+    key slot s only if it is less than `window` slots back (transformers: kv_idx > q_idx - window).
+    A row's tokens fill consecutive slots in every layout the models use (left padding, the
+    cache, the canonical layout), so slots apart are positions apart."""
+    B, T, S = allowed.shape
+    q_slot = torch.arange(T, device=allowed.device)[None, :]
+    if first_slots is not None:
+        q_slot = q_slot + torch.as_tensor(first_slots, device=allowed.device).reshape(-1, 1)
+    near = torch.arange(S, device=allowed.device)[None, None, :] > (q_slot[..., None] - window)
+    return allowed & near
 
 
 def causal_allowed(mask: torch.Tensor, n_queries: int, first_query_slot: int = 0) -> torch.Tensor:

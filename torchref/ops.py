@@ -23,19 +23,26 @@ from . import quant
 from .dtypes import cast, dt
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, policy: Policy) -> torch.Tensor:
-    """mean(x^2) and rsqrt in norm_dtype; result in compute_dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, policy: Policy, offset: float = 0.0
+             ) -> torch.Tensor:
+    """mean(x^2) and rsqrt over the last axis in norm_dtype; result in compute_dtype. offset: the
+    norm multiplies by (offset + weight) (Gemma's 1)."""
     h = cast(x, dt(policy.norm_dtype))
-    return norm_weight(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), x, weight, policy)
+    return norm_weight(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), x, weight, policy, offset)
 
 
-def norm_weight(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, policy: Policy) -> torch.Tensor:
-    """The normalised h (in norm_dtype) times the weight, in compute_dtype. HF convention
-    (norm_cast_before_weight): h is rounded back to x's dtype first."""
-    compute = dt(policy.compute_dtype)
-    if policy.norm_cast_before_weight:
-        return cast(weight, compute) * cast(cast(h, x.dtype), compute)
-    return cast(cast(weight, h.dtype) * h, compute)
+def norm_weight(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, policy: Policy, offset: float = 0.0
+                ) -> torch.Tensor:
+    """The normalised h (in norm_dtype) times (offset + weight), in compute_dtype. norm_cast_before_weight
+    True or None (Llama's convention): h is rounded back to x's dtype first and the product is in
+    compute_dtype; False (Gemma's, OLMo 2's): the weight (plus offset) and the product in norm_dtype,
+    rounded once."""
+    if policy.norm_cast_before_weight is not False:
+        compute = dt(policy.compute_dtype)
+        w = cast(weight, compute) + offset if offset else cast(weight, compute)
+        return w * cast(cast(h, x.dtype), compute)
+    w = cast(weight, h.dtype) + offset if offset else cast(weight, h.dtype)
+    return cast(w * h, dt(policy.compute_dtype))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
@@ -149,18 +156,20 @@ def linears(x: torch.Tensor, ws, bs, policy: Policy, out_dtype: str | None = Non
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-              policy: Policy) -> torch.Tensor:
+              policy: Policy, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal GQA attention, transformers' eager order. q [B, T, Hq, D]; k, v [B, S, Hkv, D];
-    allowed [B, T, S]; out [B, T, Hq, D] in compute_dtype.
+    allowed [B, T, S] (a sliding window is in it); out [B, T, Hq, D] in compute_dtype.
 
-    Query head h reads kv head h // G (repeat_kv). scores = (q @ k^T) * scale, or q * scale first
-    where that gives the same bits (llamaspec.forward.scale_queries); masked scores get the
-    softmax dtype's lowest finite value, so a query that may see nothing (padding) averages every
-    value instead of giving NaN; the probabilities are rounded to compute_dtype before @ v."""
+    Query head h reads kv head h // G (repeat_kv). scores = (q @ k^T) * scale (scale: D ** -0.5
+    unless the family says, Gemma's query_pre_attn_scalar ** -0.5), or q * scale first where that
+    gives the same bits (llamaspec.forward.scale_queries); soft-capped where the family caps them
+    (Gemma 2: softcap(scores) in compute_dtype); masked scores get the softmax dtype's lowest
+    finite value, so a query that may see nothing (padding) averages every value instead of giving
+    NaN; the probabilities are rounded to compute_dtype before @ v."""
     B, T, Hq, D = q.shape
     G = Hq // k.shape[2]
     compute, soft, wide = dt(policy.compute_dtype), dt(policy.softmax_dtype), _wide(policy)
-    scale = D ** -0.5
+    scale = D ** -0.5 if scale is None else scale
     early = scale_queries(scale, policy.compute_dtype)
     q = cast(q, compute).transpose(1, 2)                                      # [B, Hq, T, D]
     k, v = (cast(t, compute).transpose(1, 2).repeat_interleave(G, dim=1) for t in (k, v))   # [B, Hq, S, D]
@@ -169,6 +178,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     scores = cast(torch.matmul(cast(q, wide), cast(k, wide).transpose(-1, -2)), compute)
     if not early:
         scores = scores * scale
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
     scores = cast(scores, soft).masked_fill(~allowed.bool()[:, None], torch.finfo(soft).min)
     probs = cast(softmax(scores), compute)
     ctx = cast(torch.matmul(cast(probs, wide), cast(v, wide)), compute)       # [B, Hq, T, D]
@@ -190,6 +201,24 @@ def softmax(s: torch.Tensor) -> torch.Tensor:
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (Gemma's gelu_pytorch_tanh): torch's kernel, which computes
+    a 16-bit x in f32 and rounds once, as silu's does."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) in x's dtype, each step rounded there (Gemma 2's attention scores and
+    final logits, transformers' order)."""
+    return torch.tanh(x / cap) * cap
+
+
+def scale_embedding(rows: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """Embedding rows times sqrt(hidden_size) rounded to the rows' dtype, multiplied there (Gemma:
+    transformers multiplies by its scale cast to the embedding weight's dtype)."""
+    return rows * torch.tensor(hidden_size ** 0.5, dtype=rows.dtype, device=rows.device)
 
 
 def times(a: torch.Tensor, b: torch.Tensor, *made_from: torch.Tensor) -> torch.Tensor:

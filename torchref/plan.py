@@ -31,6 +31,8 @@ from llamaspec.plan import (
     Plan,
     backend_name,
     declines,
+    family_declines,
+    invariant_refuses,
     read_settings,
     setting,
 )
@@ -110,10 +112,41 @@ def choices(policy: Policy, device: torch.device, env: dict) -> fast.Choices:
         mkl_off_intel=torch.backends.mkl.is_available() and cpuinfo.vendor() not in ("", "GenuineIntel"))
 
 
-def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast"):
-    """(Plan, the ops namespace every module calls) for `backend` at `policy` on `device`."""
+# The functions of each op a backend may decline for a family (llamaspec.plan.family_declines).
+_FUNCTIONS = {"norm": ("rms_norm", "norm_weight"), "attention": ("attention",), "mlp": ("silu", "gelu_tanh"),
+              "logits": ()}
+
+
+class WithReference:
+    """A backend's op namespace where the functions of `declined` ops, and any function the backend
+    does not define (a family's own steps: gelu_tanh, soft_cap, scale_embedding), are the
+    reference's (ops.py)."""
+
+    def __init__(self, backend, declined):
+        self.backend, self.declined = backend, frozenset(declined)
+        self._reference = {f for op in self.declined for f in _FUNCTIONS[op]}
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("backend", "declined", "_reference"):
+            raise AttributeError(name)
+        if name in self._reference or not hasattr(self.backend, name):
+            return getattr(ops, name)
+        return getattr(self.backend, name)
+
+    def __repr__(self) -> str:
+        return f"WithReference({self.backend!r}, declined={sorted(self.declined)})"
+
+
+def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast", cfg=None):
+    """(Plan, the ops namespace every module calls) for `backend` at `policy` on `device`, for a
+    model of config `cfg` (None: Llama's features)."""
     policy, device = Policy.get(policy), torch.device(device)
     backend = backend_name(backend, False)
+    refused = None if cfg is None else invariant_refuses(cfg)
+    if refused and backend == "invariant":
+        raise PolicyError(f"model_type {cfg.model_type!r}: the invariant backend does not take {refused} "
+                          "(its ops are Llama's; backend='reference' or 'fast' compute this family)")
+    family = {} if cfg is None or backend == "reference" else family_declines(cfg)
     env = {n: os.environ[n] for n in SETTINGS if n in os.environ}
     name, flags = cpuinfo.name_and_flags()
     isa, error = None, None
@@ -139,6 +172,10 @@ def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast
             described = describe_portable(namespace)
     else:
         namespace, described = ops, {}
+    for op, what in family.items():
+        described[op] = f"reference (the {backend} backend declines {what})"
+    if cfg is not None and cfg.features() and namespace is not ops:
+        namespace = WithReference(namespace, family)
     plan = Plan(backend=backend, framework="torch", device=str(device), policy=policy.name, cpu=name,
                 cpu_vendor=cpuinfo.vendor(), cpu_flags=tuple(f for f in ISA_FLAGS if f in flags),
                 kernel_isa=None if isa is None else _isa_name(isa), kernel_error=error,

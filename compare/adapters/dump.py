@@ -436,13 +436,13 @@ class Dump:
             raise DumpError(f"dump {self.path} holds taps for other inputs than the ones asked for: {differ}; "
                             "compare on the dump's inputs (Dump.inputs)")
         if inject:
-            names = tapnames.select(taps, self.cfg.num_hidden_layers, self.forced_taps if self.supports_inject
+            names = tapnames.select(taps, self.cfg, self.forced_taps if self.supports_inject
                                     else self.taps, lambda pattern, t:
                                     f"dump {self.path} holds no teacher-forced '{t}' (asked for as '{pattern}')")
             self._check_inject(inject, names)
             out = self._read(names, self.forced_file_of)
             return None, {t: out[t] for t in names}
-        names = tapnames.select(taps, self.cfg.num_hidden_layers, self.taps,
+        names = tapnames.select(taps, self.cfg, self.taps,
                                 lambda pattern, t: f"dump {self.path} holds no tap '{t}' (asked for as '{pattern}')")
         out = self._read(names + (("logits",) if "logits" in self.taps and "logits" not in names else ()),
                          self.file_of)

@@ -91,7 +91,7 @@ class OurModel:
             f"{self.package} (mesh {', '.join(f'{a}={n}' for a, n in mesh.shape.items())})")
         if self.backend == "reference":   # the plain reference, said where it is not the default
             self.name += " (reference backend)"
-        self.taps = tuple(tapnames.all_taps(model.cfg.num_hidden_layers))
+        self.taps = tuple(tapnames.all_taps(model.cfg))
 
     @classmethod
     def load(cls, package: str, checkpoint, policy, batch_invariant: bool = False, mesh=None,

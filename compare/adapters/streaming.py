@@ -188,7 +188,7 @@ class CheckpointModel(OurModel):
         self.checkpoint = checkpoint
         self._policy = Policy.get(policy)
         self._cfg = check_checkpoint(checkpoint).config
-        self.taps = tuple(tapnames.all_taps(self._cfg.num_hidden_layers))
+        self.taps = tuple(tapnames.all_taps(self._cfg))
         self._model = self._plan = None
         self._weights = self._ckpt = None      # OurModel.weight_sources' reads, on first use
 

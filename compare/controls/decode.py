@@ -47,7 +47,7 @@ class DecodeControl:
         for m in (at_p, at_64):
             self.patch(m)
         return Side(f"torchref+{self.name}", OurModel(at_p), OurModel(at_64), False,
-                    tuple(tapnames.all_taps(at_p.cfg.num_hidden_layers)))
+                    tuple(tapnames.all_taps(at_p.cfg)))
 
 
 def _cache_bug(slot=None, hide_newest=False, key_shift=0, store=None):

@@ -69,7 +69,7 @@ def torch_side(patch, knobs=None):
         for m in (at_p, at_64):
             patch(m)
         name = "torchref+" + (",".join(f"{k}={v}" for k, v in knobs.items()) if knobs else "bug")
-        return Side(name, OurModel(at_p), OurModel(at_64), False, tuple(tapnames.all_taps(at_p.cfg.num_hidden_layers)))
+        return Side(name, OurModel(at_p), OurModel(at_64), False, tuple(tapnames.all_taps(at_p.cfg)))
     return build
 
 
@@ -329,7 +329,7 @@ def _jax_side(doctor):
         write_safetensors(out / "model.safetensors", weights, {"format": "pt"})
         at_p, at_64 = (jaxmodel.from_pretrained(out, policy=p) for p in (policy, "fp64"))
         return Side("jaxmodel+bug", OurModel(at_p), OurModel(at_64), False,
-                    tuple(tapnames.all_taps(cfg.num_hidden_layers)))
+                    tuple(tapnames.all_taps(cfg)))
     return build
 
 

@@ -50,7 +50,7 @@ def sharded_side(patch, mesh=None):
             patch(module, layout)
             models.append(OurModel(LlamaModel(module), folder))
         name = models[0].name + ("" if patch is _none else "+bug")
-        return Side(name, *models, False, tuple(tapnames.all_taps(cfg.num_hidden_layers)))
+        return Side(name, *models, False, tuple(tapnames.all_taps(cfg)))
     return build
 
 

@@ -62,7 +62,7 @@ def stream_capture(impl: CheckpointModel, ids, mask, taps=("layers.*.out",),
     """One implementation's capture(ids, mask, taps), walked layer by layer (the tests hold
     it bitwise equal to the loaded model's capture); the lm_head in chunks of head_chunk_bytes."""
     cfg = impl.cfg
-    names = set(tapnames.resolve(taps, cfg.num_hidden_layers))
+    names = set(tapnames.resolve(taps, cfg))
     ids, mask = check_tokens(cfg, ids, mask)
     reader, run = LayerReader([impl.checkpoint], head_chunk_bytes), impl.layer_run(ids, mask)
     out = {}
@@ -75,7 +75,7 @@ def stream_capture(impl: CheckpointModel, ids, mask, taps=("layers.*.out",),
     x = run("final_norm", reader.norm(run.folder), h)
     out["final_norm"] = x
     out["logits"] = logits = lm_head({"run": run}, {"run": x}, reader)["run"]
-    return logits, {t: out[t] for t in tapnames.resolve(taps, cfg.num_hidden_layers)}
+    return logits, {t: out[t] for t in tapnames.resolve(taps, cfg)}
 
 
 class _Judge:

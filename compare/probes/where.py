@@ -537,7 +537,7 @@ def _by_name(name, circumstance, checkpoint, policy, stream, other, hf):
     if name in PACKAGES and circumstance_of(circumstance).streamed and stream is not False:
         cfg = check_checkpoint(checkpoint).config
         return _Setup(f"{name} {pol.name} default", name, pol, "default", False, cfg, {},
-                      tuple(tapnames.all_taps(cfg.num_hidden_layers)), name, str(checkpoint), spec)
+                      tuple(tapnames.all_taps(cfg)), name, str(checkpoint), spec)
     main = _load(spec)
     impls = {"main": main, "twin": main.float64(rounded_weights=True)}     # on main's device
     if circumstance_of(circumstance).needs_other:

@@ -40,7 +40,7 @@ def stage_taps(stage, available) -> list[str]:
     elif stage == "final":
         names = ["final_norm", "logits"]
     else:
-        names = [f"layers.{stage}.{k}" for k in tapnames.LAYER_TAPS]
+        names = [f"layers.{stage}.{k}" for k in tapnames.STEPS]
     have = set(available)
     return [n for n in names if n in have]
 
@@ -80,7 +80,7 @@ class StreamSource:
                 if patch is not None and not twin:
                     patch(runner)
                 self.layer_runs[(r.key, twin)] = LayerRun(runner, folder, r.ids, r.mask, _label((r.key, twin)))
-        self.taps = tuple(tapnames.all_taps(self.cfg.num_hidden_layers))
+        self.taps = tuple(tapnames.all_taps(self.cfg))
         self.weights: dict = {}
 
     @property
