@@ -314,3 +314,21 @@ def test_decode_with_cache_equals_full_recompute(framework, family, family_dir):
         full = np.asarray(logits_of(m, ids, mask))[:, -1]
         np.testing.assert_allclose(np.asarray(step), full, rtol=1e-12, atol=1e-12)
         nxt = np.argmax(np.asarray(step), -1)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_window_counts_tokens_not_pad_slots(framework, family, family_dir):
+    """Pad slots inside a row (interior padding) do not count toward the window: the window is
+    measured in the row's tokens, so a row's logits at its tokens are those without the pads
+    (transformers measures it in slots, the same wherever a row's tokens are contiguous)."""
+    m = load(framework, family_dir(family), "fp64", backend="reference")
+    ids, _ = prompt(B=1, T=10, pad=0, seed=4)
+    plain = logits_of(m, ids, np.ones_like(ids))
+    gap = 3     # pad slots after the 6th token
+    padded = np.concatenate([ids[:, :6], np.zeros((1, gap), ids.dtype), ids[:, 6:]], 1)
+    mask = np.ones_like(padded)
+    mask[:, 6:6 + gap] = 0
+    out = logits_of(m, padded, mask)
+    keep = mask[0].astype(bool)
+    np.testing.assert_allclose(out[0, keep], plain[0], rtol=1e-12, atol=1e-12)

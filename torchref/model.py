@@ -278,11 +278,10 @@ class Llama(nn.Module):
         if qs is not None:      # the fp8 values and scales, for quantized() (a Linear's attribute)
             self.get_submodule(key.removeprefix("model.").rpartition(".")[0]).fp8 = qs
 
-    def contexts(self, positions: torch.Tensor, allowed: torch.Tensor, first_slots=None) -> list[Context]:
+    def contexts(self, positions: torch.Tensor, allowed: torch.Tensor) -> list[Context]:
         """Each layer's Context: its policy, the RoPE tables of its rope and policy (computed once
         per distinct rope / rope dtype / compute dtype), and its mask: `allowed`, within the layer's
-        sliding window where it has one (sliding_allowed; first_slots [B]: the cache slot of each
-        row's first query, None: slot 0)."""
+        sliding window where it has one (sliding_allowed)."""
         tables, masks, out = {}, {}, []
         for i, p in enumerate(self.layer_policies):
             rope, window = self.cfg.rope_of(i), self.cfg.window(i)
@@ -290,7 +289,7 @@ class Llama(nn.Module):
             if key not in tables:
                 tables[key] = rope_tables(self.cfg, p, self.ops, positions, rope)
             if window not in masks:
-                masks[window] = allowed if window is None else sliding_allowed(allowed, window, first_slots)
+                masks[window] = allowed if window is None else sliding_allowed(allowed, window)
             out.append(Context(*tables[key], masks[window], p, positions))
         return out
 
@@ -315,7 +314,7 @@ class Llama(nn.Module):
         h = rec("embed", self.embedding(self.embed_tokens(ids)))
         if cache is not None and isinstance(cache.index, np.ndarray):
             cache = cache._replace(index=torch.as_tensor(cache.index, device=ids.device))   # once per call
-        ctxs = self.contexts(positions, allowed, None if cache is None else cache.index)
+        ctxs = self.contexts(positions, allowed)
         for i, block in enumerate(self.layers):
             if inject and i in inject:
                 h = inject[i]       # rounded to the layer's residual dtype by the block, as any input
@@ -632,17 +631,14 @@ def _take_slots(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return x[torch.arange(x.shape[0], device=x.device), last][:, None]
 
 
-def sliding_allowed(allowed: torch.Tensor, window: int, first_slots=None) -> torch.Tensor:
-    """allowed [B, T, S] where query t (at cache slot first_slots[b] + t; None: slot t) may also see
-    key slot s only if it is less than `window` slots back (transformers: kv_idx > q_idx - window).
-    A row's tokens fill consecutive slots in every layout the models use (left padding, the
-    cache, the canonical layout), so slots apart are positions apart."""
-    B, T, S = allowed.shape
-    q_slot = torch.arange(T, device=allowed.device)[None, :]
-    if first_slots is not None:
-        q_slot = q_slot + torch.as_tensor(first_slots, device=allowed.device).reshape(-1, 1)
-    near = torch.arange(S, device=allowed.device)[None, None, :] > (q_slot[..., None] - window)
-    return allowed & near
+def sliding_allowed(allowed: torch.Tensor, window: int) -> torch.Tensor:
+    """allowed [B, T, S] limited to the keys less than `window` tokens back from each query
+    (transformers: kv_idx > q_idx - window). Counted in the mask's own keys, not in slots: a query
+    at position p sees its row's real keys at positions 0..p (the causal mask), so the key at
+    position j has p - j allowed keys after it. Pad slots anywhere (left, interior, a cache's
+    unused ones) then count for nothing, in every layout and cache the models use."""
+    seen = allowed.to(torch.int32).cumsum(-1)
+    return allowed & (seen[..., -1:] - seen < window)
 
 
 def causal_allowed(mask: torch.Tensor, n_queries: int, first_query_slot: int = 0) -> torch.Tensor:
