@@ -81,7 +81,7 @@ def family_declines(cfg) -> dict[str, str]:
     """{op: the family features of `cfg` its backend implementation does not take, in words}: on
     such a model that op runs the reference's function and the plan says why. The family's own
     steps (soft-caps, GELU, the embedding scale, q/k norms' placement) are reference functions in
-    every backend; the ops they feed are listed here."""
+    every backend; the ops they feed are listed here (the final soft-cap: final_cap_note)."""
     out = {}
     norm = [w for on, w in ((cfg.norm_offset, f"the ({cfg.norm_offset:g} + weight) norm"),
                             (cfg.qk_norm, f"q/k norm over the {cfg.qk_norm}")) if on]
@@ -89,11 +89,29 @@ def family_declines(cfg) -> dict[str, str]:
                                   if cfg.attn_softcap is not None else ""),
                                  (cfg.query_scale is not None, "a query scale other than 1/sqrt(head_dim)")) if on]
     mlp = [f"the {cfg.activation} activation"] if cfg.activation != "silu" else []
-    logits = [f"final logit soft-capping ({cfg.final_softcap:g})"] if cfg.final_softcap is not None else []
-    for op, what in (("norm", norm), ("attention", attention), ("mlp", mlp), ("logits", logits)):
+    for op, what in (("norm", norm), ("attention", attention), ("mlp", mlp)):
         if what:
             out[op] = ", ".join(what)
     return out
+
+
+def final_cap_note(cfg) -> str:
+    """What a plan adds to its logits op where the family soft-caps the logits ("" elsewhere)."""
+    if cfg.final_softcap is None:
+        return ""
+    return f"; then final logit soft-capping ({cfg.final_softcap:g}) by the reference"
+
+
+def describe_family(cfg) -> str:
+    """A config's family and the features that differ from Llama's, in one line for a plan."""
+    features = cfg.features()
+    if "sliding_window" in features:        # one entry per layer: the windows and their layers
+        windows = features["sliding_window"]
+        features["sliding_window"] = ", ".join(f"{w} on {sum(x == w for x in windows)} of {len(windows)} layers"
+                                               for w in sorted({x for x in windows if x is not None}))
+    if "local_rope" in features:
+        features["local_rope"] = f"theta {features['local_rope'].theta:g} ({features['local_rope'].type})"
+    return cfg.model_type + "".join(f"; {k}={v}" for k, v in features.items())
 
 
 def invariant_refuses(cfg) -> str | None:
@@ -206,6 +224,7 @@ class Plan:
     settings: tuple[tuple[str, str], ...]  # every environment variable the plan read that was set
     libraries: tuple[tuple[str, str], ...]  # library states the plan read (torch's BLAS, oneDNN, XLA's ISA cap)
     ops: tuple[tuple[str, str], ...]      # (op, how it runs) for each of OPS
+    model: str = ""                       # the model's family and its features (describe_family), "" if not given
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -226,6 +245,8 @@ class Plan:
                "fixed-order kernels": self.kernel_isa or (f"unavailable: {self.kernel_error}" if self.kernel_error
                                                           else "not used"),
                "settings": ", ".join(f"{k}={v}" for k, v in self.settings) or "none"}
+        if self.model:
+            out["model"] = self.model
         out.update({f"library {k}": v for k, v in self.libraries})
         out.update({f"op {k}": v for k, v in self.ops})
         return out

@@ -31,7 +31,9 @@ from llamaspec.plan import (
     Plan,
     backend_name,
     declines,
+    describe_family,
     family_declines,
+    final_cap_note,
     invariant_refuses,
     read_settings,
     setting,
@@ -113,8 +115,7 @@ def choices(policy: Policy, device: torch.device, env: dict) -> fast.Choices:
 
 
 # The functions of each op a backend may decline for a family (llamaspec.plan.family_declines).
-_FUNCTIONS = {"norm": ("rms_norm", "norm_weight"), "attention": ("attention",), "mlp": ("silu", "gelu_tanh"),
-              "logits": ()}
+_FUNCTIONS = {"norm": ("rms_norm", "norm_weight"), "attention": ("attention",), "mlp": ("silu", "gelu_tanh")}
 
 
 class WithReference:
@@ -174,13 +175,16 @@ def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast
         namespace, described = ops, {}
     for op, what in family.items():
         described[op] = f"reference (the {backend} backend declines {what})"
+    if cfg is not None and cfg.final_softcap is not None:
+        described["logits"] = described.get("logits", "reference") + final_cap_note(cfg)
     if cfg is not None and cfg.features() and namespace is not ops:
         namespace = WithReference(namespace, family)
     plan = Plan(backend=backend, framework="torch", device=str(device), policy=policy.name, cpu=name,
                 cpu_vendor=cpuinfo.vendor(), cpu_flags=tuple(f for f in ISA_FLAGS if f in flags),
                 kernel_isa=None if isa is None else _isa_name(isa), kernel_error=error,
                 settings=read_settings(SETTINGS), libraries=_libraries(),
-                ops=tuple((op, described.get(op, "reference")) for op in OPS))
+                ops=tuple((op, described.get(op, "reference")) for op in OPS),
+                model="" if cfg is None else describe_family(cfg))
     return plan, namespace
 
 
