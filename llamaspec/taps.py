@@ -47,12 +47,20 @@ def steps_of(cfg) -> tuple[str, ...]:
     return tuple(s for s in STEPS if s not in skip)
 
 
+class Vocabulary(NamedTuple):
+    """Layers and their steps, for all_taps / resolve / select: e.g. Vocabulary(n, STEPS), every
+    step of every family (what a third-party port may map, whatever its family)."""
+    num_hidden_layers: int
+    layer_steps: tuple[str, ...]
+
+
 def _layers_and_steps(model) -> tuple[int, tuple[str, ...]]:
     """(layers, steps) of `model`: a layer count (a Llama's steps), a llamaspec.LlamaConfig (its
-    family's), or another config with num_hidden_layers (a third-party port's: a Llama's)."""
+    family's) or a Vocabulary, or another config with num_hidden_layers (a third-party port's: a
+    Llama's)."""
     if isinstance(model, int):
         return model, LAYER_TAPS
-    return model.num_hidden_layers, steps_of(model) if hasattr(model, "norms") else LAYER_TAPS
+    return model.num_hidden_layers, tuple(getattr(model, "layer_steps", LAYER_TAPS))
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.([a-z_]+)$")
 

@@ -70,8 +70,14 @@ HF_LLAMA_TAPS = {
     "logits": "lm_head",
 }
 
-_VALID = ("embed, layers.{i}.<" + "|".join(tapnames.LAYER_TAPS) + ">, final_norm, logits "
+_VALID = ("embed, layers.{i}.<" + "|".join(tapnames.STEPS) + ">, final_norm, logits "
           "({i}: every layer, or a layer number)")
+
+
+def _vocabulary(num_layers: int) -> tapnames.Vocabulary:
+    """The taps a port may name: every family's steps (llamaspec.taps.STEPS) at every layer (a
+    glob expands over a Llama's steps: name a family's own steps, e.g. layers.{i}.q_norm, to map them)."""
+    return tapnames.Vocabulary(num_layers, tapnames.STEPS)
 
 
 # ----- what a port is handed -----------------------------------------------------------------
@@ -148,8 +154,9 @@ def _layer_count(names, num_layers, what) -> int:
 
 def expand_taps(names, num_layers: int, what: str = "taps") -> tuple[str, ...]:
     """Names with "{i}" (every layer) or globs -> concrete vocabulary names, in execution
-    order; a name outside the vocabulary is a ValueError listing the valid ones."""
-    valid = tapnames.all_taps(num_layers)
+    order; a name outside the vocabulary (every family's steps) is a ValueError listing the valid
+    ones. A glob expands over a Llama's steps (a family's own steps are named)."""
+    valid = tapnames.all_taps(_vocabulary(num_layers))
     out = []
     for name in names:
         if "{i}" in name:
@@ -158,8 +165,9 @@ def expand_taps(names, num_layers: int, what: str = "taps") -> tuple[str, ...]:
                 raise ValueError(f"{what}: '{name}' is not a tap name of the shared vocabulary; tap names are "
                                  f"{_VALID}")
         else:
+            glob = any(c in name for c in "*?[")
             try:
-                hits = list(tapnames.resolve([name], num_layers))
+                hits = list(tapnames.resolve([name], num_layers if glob else _vocabulary(num_layers)))
             except KeyError:
                 raise ValueError(f"{what}: '{name}' is not a tap name of the shared vocabulary for a "
                                  f"{num_layers}-layer model; tap names are {_VALID}") from None
@@ -175,7 +183,7 @@ def _expand_map(taps_map: dict, num_layers: int, what: str) -> dict[str, str]:
         for tap in expand_taps([pattern], num_layers, what):
             layer = tapnames.layer_of(tap)
             out[tap] = path.replace("{i}", str(layer)) if layer is not None else path
-    order = {n: i for i, n in enumerate(tapnames.all_taps(num_layers))}
+    order = {n: i for i, n in enumerate(tapnames.all_taps(_vocabulary(num_layers)))}
     return dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
 
 
@@ -191,7 +199,7 @@ class _Port:
     def resolve(self, requested) -> tuple[str, ...]:
         """Names and globs -> concrete taps this port returns; an explicitly named tap it
         does not return is a KeyError listing the ones it does."""
-        return tapnames.select(requested, self.num_layers, self.taps, lambda pattern, _: (
+        return tapnames.select(requested, _vocabulary(self.num_layers), self.taps, lambda pattern, _: (
             f"tap '{pattern}' is not returned by {self.name}; it returns: {', '.join(self.taps) or 'nothing'}"))
 
     def _set_taps(self, taps):
