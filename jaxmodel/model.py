@@ -28,6 +28,13 @@ its fp8 values and scales beside it (LlamaModel.quantized(), from_weights(..., q
 the float64 twin); weight_fp8 / act_fp8 projections run ops.fp8_linear. The fast and invariant
 backends decline these knobs (plan.declines): such a model runs on the reference ops.
 
+Llama's relatives (llamaspec.config's families: Qwen2/3, Mistral, Gemma 2/3, OLMo 2) are features
+of the same modules, as in torchref: a block's norms by role (cfg.norm_modules; checkpoint keys
+unchanged), q/k norms, o_proj's own bias, the activation by op name, the embedding scale, soft-caps,
+each layer's RoPE (cfg.rope_of) and sliding window (a mask: sliding_allowed); the policy's norm
+convention is the family's where the policy leaves it open (Policy.for_family, at load). The plan
+runs the ops a feature changes on the reference (plan.WithReference) and says so.
+
 Every module computes with `self.ops`, the backend's op namespace (ops.py: the reference;
 fast.Fast; invariant.py or portable.Portable), chosen once by the plan (plan.py; model.plan) and the seam a
 planted-bug control replaces on one layer. Matrices are held as the backend's `prepare` makes
@@ -179,25 +186,40 @@ class Embedding(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, weights, key, dtype, eps: float, ops):
+    def __init__(self, weights, key, dtype, eps: float, ops, offset: float = 0.0):
         self.weight = nnx.Param(_param(weights, key + ".weight", dtype))
         self.eps = eps
         self.ops = ops
+        # Gemma's norms multiply by (1 + weight): an argument only where set (the plan runs such a
+        # model's norms on the reference, llamaspec.plan.family_declines). Keyword pairs, not a
+        # dict: a graphdef's static attributes are hashed
+        self.family = (("offset", offset),) if offset else ()
 
     def __call__(self, x, policy: Policy):
-        return self.ops.rms_norm(x, self.weight[...], self.eps, policy)
+        return self.ops.rms_norm(x, self.weight[...], self.eps, policy, **dict(self.family))
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, weights, prefix, dtype, ops, policy: Policy, quantized: dict | None = None):
+        b = cfg.attention_bias
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            Linear(weights, prefix + name, dtype, cfg.attention_bias, ops, policy, split, quantized)
-            for name, split in (("q_proj", None), ("k_proj", None), ("v_proj", None), ("o_proj", "heads")))
+            Linear(weights, prefix + name, dtype, bias, ops, policy, split, quantized)
+            for name, bias, split in (("q_proj", b, None), ("k_proj", b, None), ("v_proj", b, None),
+                                      ("o_proj", cfg.o_bias, "heads")))
         self.layout = _layout_of(weights)
         repeat = 1 if self.layout is None else self.layout.kv_repeat
         # kv_heads as stored: on a mesh with fewer KV heads than shards each is kept `repeat` times
         self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.kv_heads = cfg.num_key_value_heads * repeat
+        # q/k norm (Qwen3, Gemma 3: over head_dim, per head; OLMo 2: over the whole projection)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = (RMSNorm(weights, prefix + name, dtype, cfg.rms_norm_eps, ops, cfg.norm_offset)
+                                        for name in ("q_norm", "k_norm"))
+        # Gemma's scale and soft-cap: arguments only where set (the plan runs such a model's
+        # attention on the reference); keyword pairs, as RMSNorm's
+        self.family = tuple((k, v) for k, v in (("scale", cfg.query_scale), ("softcap", cfg.attn_softcap))
+                            if v is not None)
         self.ops = ops
 
     def __call__(self, x, ctx: Context, rec: Recorder, cache: KV | None = None, layer=0):
@@ -212,6 +234,12 @@ class Attention(nnx.Module):
                                         "batch", None, "kv_heads", None))
         v = self.kv_tap(rec, "v", shard(lay, self.v_proj(x, ctx.policy).reshape(B, T, self.kv_heads, self.head_dim),
                                         "batch", None, "kv_heads", None))
+        if self.qk_norm == "head":
+            q = rec("q_norm", self.q_norm(q, ctx.policy))
+            k = self.kv_tap(rec, "k_norm", self.k_norm(k, ctx.policy))
+        elif self.qk_norm == "projection":
+            q = rec("q_norm", self.q_norm(q.reshape(B, T, -1), ctx.policy).reshape(q.shape))
+            k = self.kv_tap(rec, "k_norm", self.k_norm(k.reshape(B, T, -1), ctx.policy).reshape(k.shape))
         q = rec("q_rope", self.ops.apply_rope(q, ctx.cos, ctx.sin))
         k = self.kv_tap(rec, "k_rope", self.ops.apply_rope(k, *self.key_tables(ctx, cache)))
         # keys and values as the policy's kv_cache keeps them, in every call (the taps show them
@@ -230,7 +258,7 @@ class Attention(nnx.Module):
             # values read back exactly
             kv = self.ops.kv_dtype(ctx.policy)
             k, v = cache.k[layer].astype(kv), cache.v[layer].astype(kv)
-        out = self.ops.attention(q, k, v, allowed, ctx.policy)
+        out = self.ops.attention(q, k, v, allowed, ctx.policy, **dict(self.family))
         out = shard(lay, out, "batch", None, "heads", None)
         out = rec("attn_ctx", out.reshape(B, T, -1))
         return self.o_proj(out, ctx.policy), cache
@@ -268,6 +296,7 @@ class MLP(nnx.Module):
         self.gate_proj, self.up_proj, self.down_proj = (
             Linear(weights, prefix + name, dtype, cfg.mlp_bias, ops, policy, split, quantized)
             for name, split in (("gate_proj", None), ("up_proj", None), ("down_proj", "mlp")))
+        self.activation = cfg.activation      # the name of an op: "silu" or "gelu_tanh" (Gemma)
         self.ops = ops
         self.layout = _layout_of(weights)
 
@@ -276,35 +305,44 @@ class MLP(nnx.Module):
         columns = ("batch", None, "mlp")
         gate = rec("gate", shard(self.layout, self.gate_proj(x, policy), *columns))
         up = rec("up", shard(self.layout, self.up_proj(x, policy), *columns))
-        act = rec("act", self.ops.silu(gate) * up)
+        act = rec("act", getattr(self.ops, self.activation)(gate) * up)
         return self.down_proj(act, policy)
 
 
 class Block(nnx.Module):
     """One layer, built by its policy (policy.for_layer; dtype: its param_dtype), which it keeps as
     a static attribute: blocks of different policies differ in structure (Llama.same_blocks) and
-    run one after the other. Called with the Context of that policy (Llama.contexts)."""
+    run one after the other. Called with the Context of that policy (Llama.contexts).
+
+    Its norms sit where the family puts them (cfg.norm_modules: role -> checkpoint name):
+    attn_norm / mlp_norm on a sublayer's input (Llama; Gemma), post_attn_norm / post_mlp_norm on
+    its output before the residual add (Gemma's sandwich, OLMo 2 without the input ones)."""
 
     def __init__(self, cfg: LlamaConfig, weights, i, dtype, ops, policy: Policy, quantized: dict | None = None):
         p = f"model.layers.{i}."
         self.policy = policy
-        self.input_layernorm = RMSNorm(weights, p + "input_layernorm", dtype, cfg.rms_norm_eps, ops)
+        self.roles = tuple(cfg.norm_modules.items())     # (role, checkpoint name) pairs: hashable
+        for name in cfg.norm_modules.values():
+            setattr(self, name, RMSNorm(weights, p + name, dtype, cfg.rms_norm_eps, ops, cfg.norm_offset))
         self.self_attn = Attention(cfg, weights, p + "self_attn.", dtype, ops, policy, quantized)
-        self.post_attention_layernorm = RMSNorm(weights, p + "post_attention_layernorm", dtype, cfg.rms_norm_eps,
-                                                ops)
         self.mlp = MLP(cfg, weights, p + "mlp.", dtype, ops, policy, quantized)
         self.layout = _layout_of(weights)
 
+    def norm(self, role: str, x, policy: Policy, rec: Recorder):
+        """The norm of this role applied to x (recorded as its tap), or x where the family has none."""
+        name = dict(self.roles).get(role)
+        return x if name is None else rec(role, getattr(self, name)(x, policy))
+
     def __call__(self, h, ctx: Context, rec: Recorder, cache: KV | None = None, layer=0):
-        residual = of(ctx.policy.residual_dtype)
+        residual, p = of(ctx.policy.residual_dtype), ctx.policy
         h = h.astype(residual)     # a per-layer policy's residual dtype (a no-op otherwise)
-        x = rec("attn_norm", self.input_layernorm(h, ctx.policy))
-        a, cache = self.self_attn(x, ctx, rec, cache, layer)
+        a, cache = self.self_attn(self.norm("attn_norm", h, p, rec), ctx, rec, cache, layer)
+        a = self.norm("post_attn_norm", rec("attn_out", a), p, rec)
         # the residual stream is whole on every tensor shard (o_proj's partial sums all-reduced)
-        h = rec("resid_mid", shard(self.layout, h + rec("attn_out", a).astype(residual), "batch", None, None))
-        x = rec("mlp_norm", self.post_attention_layernorm(h, ctx.policy))
-        h = rec("out", shard(self.layout, h + rec("mlp_out", self.mlp(x, ctx.policy, rec)).astype(residual),
-                             "batch", None, None))
+        h = rec("resid_mid", shard(self.layout, h + a.astype(residual), "batch", None, None))
+        m = self.mlp(self.norm("mlp_norm", h, p, rec), p, rec)
+        m = self.norm("post_mlp_norm", rec("mlp_out", m), p, rec)
+        h = rec("out", shard(self.layout, h + m.astype(residual), "batch", None, None))
         return h, cache
 
 
@@ -316,12 +354,13 @@ class Llama(nnx.Module):
                  batch_invariant: bool = False, layout: MeshLayout | None = None, backend: str | None = None,
                  quantized: dict | None = None):
         backend = backend_name(backend, batch_invariant)
+        policy = policy.for_family(cfg.norm_weight_in_norm_dtype)    # the family's norm convention where left to it
         n = cfg.num_hidden_layers
         policy.check_layers(n)
         # each block's policy (per-layer overrides); the embedding, final norm and lm_head follow the base
         self.layer_policies = tuple(policy.for_layer(i, n) for i in range(n))
         self.plan: Plan
-        self.plan, self.ops = plans.load(policy, None, backend, layout)
+        self.plan, self.ops = plans.load(policy, None, backend, layout, cfg)
         self.cfg, self.policy, self.batch_invariant = cfg, policy, backend == "invariant"
         self.layout = layout   # None: one device; else the mesh layout of sharding.py
         if layout is not None:
@@ -338,7 +377,7 @@ class Llama(nnx.Module):
                                       policy)
         self.layers = nnx.List([Block(cfg, weights, i, numpy_dtype(p.param_dtype), self.ops, p, quantized)
                                 for i, p in enumerate(self.layer_policies)])
-        self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, self.ops)
+        self.norm = RMSNorm(weights, "model.norm", dt, cfg.rms_norm_eps, self.ops, cfg.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(weights, "lm_head", dt, False, self.ops, policy)
 
     def policy_of(self, key: str) -> Policy:
@@ -347,14 +386,39 @@ class Llama(nnx.Module):
         return self.policy if layer is None else self.layer_policies[layer]
 
     def contexts(self, positions, allowed) -> list[Context]:
-        """Each layer's Context: its policy and the RoPE tables of that policy's rope_dtype (computed
-        once per distinct rope_dtype; apply_rope rounds them to the queries' and keys' dtype)."""
-        tables, out = {}, []
-        for p in self.layer_policies:
-            if p.rope_dtype not in tables:
-                tables[p.rope_dtype] = rope_tables(self.cfg, p, self.ops, positions)
-            out.append(Context(*tables[p.rope_dtype], allowed, p, positions))
+        """Each layer's Context: its policy, the RoPE tables of its rope (cfg.rope_of) and its policy's
+        rope_dtype (computed once per distinct pair; apply_rope rounds them to the queries' and keys'
+        dtype), and its mask: `allowed`, within the layer's sliding window where it has one
+        (sliding_allowed)."""
+        tables, masks, out = {}, {}, []
+        for i, p in enumerate(self.layer_policies):
+            rope, window = self.cfg.rope_of(i), self.cfg.window(i)
+            key = (rope, p.rope_dtype)
+            if key not in tables:
+                tables[key] = rope_tables(self.cfg, p, self.ops, positions, rope)
+            if window not in masks:
+                masks[window] = allowed if window is None else sliding_allowed(allowed, window)
+            out.append(Context(*tables[key], masks[window], p, positions))
         return out
+
+    def scan_contexts(self, ctxs: list[Context]):
+        """The Context of layer i (a traced index) inside the layers' scan: the first layer's where
+        every layer rotates by its RoPE and sees through its window (Llama), else the distinct
+        contexts' tables and masks stacked (Gemma's sliding and global layers: two of them) and
+        the layer's read by index, so that one scan, and one block program, still runs them all."""
+        cfg = self.cfg
+        keys = [(cfg.rope_of(i), cfg.window(i)) for i in range(cfg.num_hidden_layers)]
+        distinct = list(dict.fromkeys(keys))
+        if len(distinct) == 1:
+            return lambda i: ctxs[0]
+        which = jnp.asarray([distinct.index(k) for k in keys])
+        first = [ctxs[keys.index(k)] for k in distinct]
+        cos, sin, allowed = (jnp.stack([getattr(c, f) for c in first]) for f in ("cos", "sin", "allowed"))
+        return lambda i: ctxs[0]._replace(cos=cos[which[i]], sin=sin[which[i]], allowed=allowed[which[i]])
+
+    def embedding(self, rows):
+        """The embedding tap from the table's rows (as the model holds them): embed_rows."""
+        return embed_rows(self.cfg, self.policy, self.ops, rows)
 
     def head_weight(self):
         """The lm_head's matrix as the ops take it (the embedding table when tied)."""
@@ -372,7 +436,7 @@ class Llama(nnx.Module):
         policy = self.policy
         residual = of(policy.residual_dtype)
         rec = Recorder(taps)
-        h = rec("embed", shard(self.layout, self.embed_tokens(ids).astype(residual), "batch", None, None))
+        h = rec("embed", shard(self.layout, self.embedding(self.embed_tokens(ids)), "batch", None, None))
         ctxs = self.contexts(positions, allowed)
         if scan:
             h, acts = self._scan_layers(h, ctxs, taps, inject, stacked)
@@ -385,7 +449,7 @@ class Llama(nnx.Module):
         x = rec("final_norm", self.norm(h.astype(residual), policy))
         if last is not None:
             x = x[jnp.arange(x.shape[0]), last][:, None]
-        logits = rec("logits", head_logits(x, self.head_weight(), self.ops, policy))
+        logits = rec("logits", head_logits(x, self.head_weight(), self.ops, policy, self.cfg.final_softcap))
         return logits, rec.acts, cache
 
     def _scan_layers(self, h, ctxs: list[Context], taps, inject, stacked=None):
@@ -399,13 +463,14 @@ class Llama(nnx.Module):
         "layers.*.<name>" [L, ...], and the caller picks the layers (one output per layer
         would cost compile time per output). inject {i: h}: layer i's input is replaced by
         h (a select, so exact). ctxs: each layer's Context (the same policy in each, where one
-        scan runs them).
+        scan runs them; a family's layers may differ in RoPE tables and window: scan_contexts).
         """
         n_layers = self.cfg.num_hidden_layers
         graphdef = nnx.graphdef(scan_block(self.layers[0]))
         names = frozenset(t.split(".", 2)[2] for t in taps if t.startswith("layers."))
         if not self.same_blocks():
             return self._loop_layers(h, ctxs, names, inject)
+        context_of = self.scan_contexts(ctxs)
         ctx = ctxs[0]
         # the carry in the blocks' residual dtype, as each block casts its input (an injected state too)
         layer_resid = of(ctx.policy.residual_dtype)
@@ -424,7 +489,7 @@ class Llama(nnx.Module):
             if h_in is not None:
                 h = jnp.where(on, h_in, h)
             rec = Recorder(names)
-            h, _ = nnx.merge(graphdef, weights)(h, ctx, rec, None, i)
+            h, _ = nnx.merge(graphdef, weights)(h, context_of(i), rec, None, i)
             # 16-bit taps leave the loop widened to f32 (exact) and are rounded back after it (exact
             # again): XLA:CPU writes a bf16 slice into the stacked output by converting the whole
             # stack to f32 and back on every layer (docs/performance.md)
@@ -508,16 +573,31 @@ def to_residual(x, policy: Policy) -> np.ndarray:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions):
-    """cos, sin [B, T, head_dim] for positions [B, T] (dynamic NTK reads the longest)."""
+def rope_tables(cfg: LlamaConfig, policy: Policy, ops, positions, rope_config=None):
+    """cos, sin [B, T, head_dim] for positions [B, T] (dynamic NTK reads the longest). rope_config:
+    a layer's (cfg.rope_of), cfg.rope by default."""
     rope = of(policy.rope_dtype)
-    inv_freq = ops.rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, jnp.max(positions) + 1, rope)
+    inv_freq = ops.rope_inv_freq(rope_config or cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
+                                 jnp.max(positions) + 1, rope)
     return ops.rope_cos_sin(inv_freq, positions, rope)
 
 
-def head_logits(x, head, ops, policy: Policy):
-    """The lm_head: final_norm output x times the [vocab, hidden] matrix (or a chunk of its rows)."""
-    return ops.linear(x, head, None, policy, of(policy.logits_dtype))
+def head_logits(x, head, ops, policy: Policy, softcap: float | None = None):
+    """The lm_head: final_norm output x times the [vocab, hidden] matrix (or a chunk of its rows),
+    in the policy's logits dtype; soft-capped there where the family caps them (Gemma 2)."""
+    logits = ops.linear(x, head, None, policy, of(policy.logits_dtype))
+    return logits if softcap is None else ops.soft_cap(logits, softcap)
+
+
+def embed_rows(cfg: LlamaConfig, policy: Policy, ops, rows):
+    """The embedding tap from the table's rows: scaled by sqrt(hidden_size) where the family says
+    (Gemma), in the dtype torchref keeps the table in (param_dtype, or compute_dtype where wider:
+    the same values as a widened copy here), then rounded to the residual dtype."""
+    if cfg.embed_scale:
+        param, compute = of(policy.param_dtype), of(policy.compute_dtype)
+        rows = ops.scale_embedding(rows.astype(compute if compute.itemsize > param.itemsize else param),
+                                   cfg.hidden_size)
+    return rows.astype(of(policy.residual_dtype))
 
 
 class LayerRunner:
@@ -532,28 +612,33 @@ class LayerRunner:
         if backend == "invariant":
             raise PolicyError("LayerRunner: the invariant backend runs whole models only (its canonical "
                               "layout is the batch's); stream with backend='fast' or 'reference'")
-        self.cfg, self.policy = cfg, Policy.get(policy)
+        # the family's norm convention where the policy leaves it to the family, as Llama fills it
+        self.cfg, self.policy = cfg, Policy.get(policy).for_family(cfg.norm_weight_in_norm_dtype)
         self.policy.check_layers(cfg.num_hidden_layers)
         self.layer_policies = [self.policy.for_layer(i, cfg.num_hidden_layers) for i in range(cfg.num_hidden_layers)]
-        self.plan, self.ops = plans.load(self.policy, None, backend)
+        self.plan, self.ops = plans.load(self.policy, None, backend, cfg=cfg)
         self.dtype = numpy_dtype(self.policy.param_dtype)
         self.tables = None
 
     def start(self, ids, mask) -> None:
-        """The RoPE tables (per rope_dtype of the layers' policies) and the causal mask of one
-        batch, for every later call."""
+        """The RoPE tables (per rope and rope_dtype of the layers) and the causal mask (per sliding
+        window of the layers) of one batch, for every later call, as Llama.contexts makes them."""
         ids, mask = check_tokens(self.cfg, ids, mask)
         positions = positions_from_mask(mask)
-        tables = {}
-        for p in self.layer_policies:
-            if p.rope_dtype not in tables:
-                tables[p.rope_dtype] = _piece_programs(self.cfg, p, self.ops)[0](positions)
-        self.tables = (tables, causal_allowed(jnp.asarray(mask), ids.shape[1]))
+        allowed = causal_allowed(jnp.asarray(mask), ids.shape[1])
+        tables, masks = {}, {}
+        for i, p in enumerate(self.layer_policies):
+            rope, window = self.cfg.rope_of(i), self.cfg.window(i)
+            if (rope, p.rope_dtype) not in tables:
+                tables[rope, p.rope_dtype] = _piece_programs(self.cfg, p, self.ops)[0](positions, rope)
+            if window not in masks:
+                masks[window] = allowed if window is None else sliding_allowed(allowed, window)
+        self.tables = (tables, masks)
 
     def embed(self, rows) -> np.ndarray:
         """The embedding tap from the table's rows of the batch's ids ([B, T, hidden]):
-        gathering then rounding equals rounding the table then gathering."""
-        return np.asarray(jnp.asarray(rows.astype(self.dtype)).astype(of(self.policy.residual_dtype)))
+        gathering then rounding equals rounding the table then gathering (embed_rows)."""
+        return np.asarray(embed_rows(self.cfg, self.policy, self.ops, jnp.asarray(rows.astype(self.dtype))))
 
     def block(self, i: int, weights: dict, h, taps=()) -> dict:
         """Layer i on the hidden state h (layer i's input); {tap name: numpy} for the
@@ -563,14 +648,15 @@ class LayerRunner:
         block = scan_block(Block(self.cfg, weights, i, numpy_dtype(p.param_dtype), self.ops, p))
         graphdef, state = nnx.split(block)
         names = tuple(sorted({tapnames.parse(t)[1] for t in taps} | {"out"}))
-        tables, allowed = self.tables
+        tables, masks = self.tables
         # h in the layer's residual dtype (on the host), as Block casts any input
         acts = _block_program(graphdef, p, names)(state, jnp.asarray(to_residual(h, p)),
-                                                  *tables[p.rope_dtype], allowed)
+                                                  *tables[self.cfg.rope_of(i), p.rope_dtype], masks[self.cfg.window(i)])
         return {f"layers.{i}.{n}": np.asarray(a) for n, a in acts.items()}
 
     def final_norm(self, weight, h) -> np.ndarray:
-        norm = RMSNorm({"model.norm.weight": weight}, "model.norm", self.dtype, self.cfg.rms_norm_eps, self.ops)
+        norm = RMSNorm({"model.norm.weight": weight}, "model.norm", self.dtype, self.cfg.rms_norm_eps, self.ops,
+                       self.cfg.norm_offset)
         return np.asarray(_piece_programs(self.cfg, self.policy, self.ops)[1](norm.weight[...], jnp.asarray(h)))
 
     def logits(self, x, head_rows) -> np.ndarray:
@@ -597,12 +683,24 @@ def _piece_programs(cfg: LlamaConfig, policy: Policy, ops):
     """The jitted RoPE tables, final norm and lm_head (chunk) of LayerRunner, with `ops`."""
     jit = functools.partial(jax.jit, compiler_options=compiler_options(False))
     resid = of(policy.residual_dtype)
-    return (jit(lambda positions: rope_tables(cfg, policy, ops, positions)),
-            jit(lambda w, h: ops.rms_norm(h.astype(resid), w, cfg.rms_norm_eps, policy)),
-            jit(lambda x, w: head_logits(x, w, ops, policy)))
+    offset = {"offset": cfg.norm_offset} if cfg.norm_offset else {}     # as RMSNorm passes it
+    return (jit(lambda positions, rope: rope_tables(cfg, policy, ops, positions, rope), static_argnums=1),
+            jit(lambda w, h: ops.rms_norm(h.astype(resid), w, cfg.rms_norm_eps, policy, **offset)),
+            jit(lambda x, w: head_logits(x, w, ops, policy, cfg.final_softcap)))
 
 
 # ---- pure functions of (graphdef, state, inputs), jit-compiled per model ----
+
+def sliding_allowed(allowed, window: int):
+    """allowed [B, T, S] limited to the keys less than `window` tokens back from each query
+    (transformers: kv_idx > q_idx - window). Counted in the mask's own keys, not in slots: a query
+    at position p sees its row's real keys at positions 0..p (the causal mask), so the key at
+    position j has p - j allowed keys after it. Pad slots anywhere (left, interior, a shape
+    bucket's front padding, a cache's unused ones) then count for nothing, in every layout and
+    cache the models use."""
+    seen = jnp.cumsum(allowed.astype(jnp.int32), axis=-1)
+    return allowed & (seen[..., -1:] - seen < window)
+
 
 def causal_allowed(mask, n_queries: int, first_query_slot=0):
     """allowed[b, t, s]: slot s holds a real token and is not after query slot first + t."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from llamaspec import Policy, RopeConfig
@@ -25,19 +26,25 @@ from .dtypes import matmul_precision, of, opmath
 ROW_PARALLEL = True
 
 
-def rms_norm(x, weight, eps: float, policy: Policy):
-    """mean(x^2) and rsqrt in norm_dtype; result in compute_dtype."""
+def rms_norm(x, weight, eps: float, policy: Policy, offset: float = 0.0):
+    """mean(x^2) and rsqrt over the last axis in norm_dtype; result in compute_dtype. offset: the
+    norm multiplies by (offset + weight) (Gemma's 1)."""
     h = x.astype(of(policy.norm_dtype))
-    return norm_weight(h * lax.rsqrt(add_scalar(jnp.mean(h * h, axis=-1, keepdims=True), eps)), x, weight, policy)
+    return norm_weight(h * lax.rsqrt(add_scalar(jnp.mean(h * h, axis=-1, keepdims=True), eps)), x, weight, policy,
+                       offset)
 
 
-def norm_weight(h, x, weight, policy: Policy):
-    """The normalised h (in norm_dtype) times the weight, in compute_dtype. HF convention
-    (norm_cast_before_weight): h is rounded back to x's dtype first."""
-    compute = of(policy.compute_dtype)
-    if policy.norm_cast_before_weight:
-        return weight.astype(compute) * h.astype(x.dtype).astype(compute)
-    return (weight.astype(h.dtype) * h).astype(compute)
+def norm_weight(h, x, weight, policy: Policy, offset: float = 0.0):
+    """The normalised h (in norm_dtype) times (offset + weight), in compute_dtype. norm_cast_before_weight
+    True or None (Llama's convention): h is rounded back to x's dtype first and the product is in
+    compute_dtype; False (Gemma's, OLMo 2's): the weight (plus offset) and the product in norm_dtype,
+    rounded once. The offset is added as torch adds a scalar: in opmath, rounded once (add_scalar)."""
+    if policy.norm_cast_before_weight is not False:
+        compute = of(policy.compute_dtype)
+        w = add_scalar(weight.astype(compute), offset) if offset else weight.astype(compute)
+        return w * h.astype(x.dtype).astype(compute)
+    w = add_scalar(weight.astype(h.dtype), offset) if offset else weight.astype(h.dtype)
+    return (w * h).astype(of(policy.compute_dtype))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int, seq_len, dtype):
@@ -168,17 +175,59 @@ def silu(x):
     return (xf * lax.logistic(xf)).astype(x.dtype)
 
 
-def attention(q, k, v, allowed, policy: Policy):
-    """Scaled dot-product attention with a boolean mask.
+# torch's GELU tanh constants (its kernel's kBeta = M_SQRT2 * M_2_SQRTPI * 0.5 and kKappa), as C
+# computes them in double before they meet the opmath dtype
+_GELU_BETA = 1.41421356237309504880 * 1.12837916709551257390 * 0.5
+_GELU_KAPPA = 0.044715
 
-    q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S]. GQA by reshaping q to
-    [B, T, Hkv, G, D] (query head h reads kv head h // G, as HF's repeat_kv), so K/V
-    are never repeated. Returns [B, T, Hq, D] in compute_dtype.
+
+def gelu_tanh(x):
+    """GELU with the tanh approximation (Gemma's gelu_pytorch_tanh), torch's formula and order:
+    0.5 * x * (1 + tanh(kBeta * (x + kKappa * x^3))), computed in opmath and rounded once (torch's
+    kernel takes a 16-bit x in f32, as silu's does)."""
+    xf = x.astype(opmath(x.dtype))
+    inner = _GELU_BETA * (xf + _GELU_KAPPA * (xf * xf * xf))
+    return (0.5 * xf * (1 + tanh(inner))).astype(x.dtype)
+
+
+def soft_cap(x, cap: float):
+    """cap * tanh(x / cap) in x's dtype, each step rounded there (Gemma 2's attention scores and
+    final logits, transformers' order; each step as torch computes it: in opmath, rounded once)."""
+    t = tanh(div_scalar(x, cap).astype(opmath(x.dtype))).astype(x.dtype)
+    return mul_scalar(t, cap)
+
+
+def tanh(x):
+    """tanh as torch's CPU kernel computes it, within an ulp of the exact value: XLA's float32 tanh
+    is a faster approximation some ulps off (most float32 results differ from torch's), so a
+    float32 x goes through float64 and is rounded once (the correctly rounded tanh, which torch's
+    gives for all but a few values in 1000)."""
+    if x.dtype.itemsize >= 8:
+        return jnp.tanh(x)
+    return jnp.tanh(x.astype(jnp.float64)).astype(x.dtype)
+
+
+def scale_embedding(rows, hidden_size: int):
+    """Embedding rows times sqrt(hidden_size) rounded to the rows' dtype, multiplied there (Gemma:
+    transformers multiplies by its scale cast to the embedding weight's dtype; torch rounds the
+    double to a 16-bit dtype through f32, as here)."""
+    scale = np.asarray(hidden_size ** 0.5, opmath(rows.dtype)).astype(rows.dtype)
+    return rows * scale
+
+
+def attention(q, k, v, allowed, policy: Policy, scale: float | None = None, softcap: float | None = None):
+    """Scaled dot-product attention with a boolean mask, transformers' eager order.
+
+    q [B, T, Hq, D]; k, v [B, S, Hkv, D]; allowed [B, T, S] (a sliding window is in it). GQA by
+    reshaping q to [B, T, Hkv, G, D] (query head h reads kv head h // G, as HF's repeat_kv), so
+    K/V are never repeated. Returns [B, T, Hq, D] in compute_dtype. scale: D ** -0.5 unless the
+    family says (Gemma's query_pre_attn_scalar ** -0.5); softcap: the scores soft-capped in
+    compute_dtype after scaling, before the mask (Gemma 2).
     """
     compute, smx = of(policy.compute_dtype), of(policy.softmax_dtype)
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
-    scale = D ** -0.5
+    scale = D ** -0.5 if scale is None else scale
     early = scale_queries(scale, policy.compute_dtype)   # HF's order, matmul, round, then scale, in fewer steps
     qg = q.astype(compute)
     qg = (mul_scalar(qg, scale) if early else qg).reshape(B, T, Hkv, Hq // Hkv, D)
@@ -186,6 +235,8 @@ def attention(q, k, v, allowed, policy: Policy):
     s = _dot(qg, k, (((4,), (3,)), ((0, 2), (0, 2))), policy).astype(compute)
     if not early:
         s = mul_scalar(s, scale)
+    if softcap is not None:
+        s = soft_cap(s, softcap)
     s = s.astype(smx)
     # A finite fill (not -inf) keeps fully masked rows (padding queries) free of NaN.
     s = jnp.where(allowed[:, None, :, None, :], s, jnp.finfo(smx).min)
@@ -209,6 +260,15 @@ def mul_scalar(x, c: float):
 
 def add_scalar(x, c: float):
     return (x.astype(opmath(x.dtype)) + c).astype(x.dtype)
+
+
+def div_scalar(x, c: float):
+    """x / c as PyTorch computes a tensor-scalar division: in opmath, rounded once. The divisor is
+    an array of x's shape behind an optimization barrier: XLA's simplifier turns a division by a
+    broadcast scalar into a product with its reciprocal, which rounds twice (a third of float32
+    quotients by 1.5 differ); the barrier hides the broadcast from it and goes before code is made."""
+    wide = opmath(x.dtype)
+    return (x.astype(wide) / lax.optimization_barrier(jnp.full(x.shape, c, wide))).astype(x.dtype)
 
 
 # ---- how the model holds weights and the KV cache (a backend may keep them otherwise) ----

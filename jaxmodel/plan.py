@@ -38,6 +38,10 @@ from llamaspec.plan import (
     backend_name,
     check_xla_flags,
     declines,
+    describe_family,
+    family_declines,
+    final_cap_note,
+    invariant_refuses,
     read_settings,
     setting,
 )
@@ -61,19 +65,74 @@ PORTABLE_ROWS = {"cpu": 16}
 PORTABLE_ROWS_OTHER = 128
 
 
-def make_plan(policy, device: str = "cpu", backend: str = "fast") -> Plan:
+def make_plan(policy, device: str = "cpu", backend: str = "fast", cfg=None) -> Plan:
     """The plan for `policy` (a preset name or a Policy) on `device` ("cpu", "gpu", ...) with
-    `backend` (one of llamaspec.plan.BACKENDS)."""
+    `backend` (one of llamaspec.plan.BACKENDS), for a model of config `cfg` (None: Llama's features)."""
     check_xla_flags()
-    return _decide(Policy.get(policy), device, backend_name(backend, False))[0]
+    backend = backend_name(backend, False)
+    _check_family(cfg, backend)
+    return _for_family(*_decide(Policy.get(policy), device, backend), backend, cfg)[0]
 
 
-def load(policy, device: str | None, backend: str, layout=None):
+def load(policy, device: str | None, backend: str, layout=None, cfg=None):
     """(plan, op namespace) for a model being loaded (device None: JAX's default backend; layout:
-    its sharding.MeshLayout or None)."""
+    its sharding.MeshLayout or None; cfg: its config, None for Llama's features)."""
     check_xla_flags()
-    plan, namespace = _decide(Policy.get(policy), device or jax.default_backend(), backend_name(backend, False))
-    return plan, _with_layout(namespace, layout)
+    backend = backend_name(backend, False)
+    _check_family(cfg, backend)
+    plan, namespace = _decide(Policy.get(policy), device or jax.default_backend(), backend)
+    return _for_family(plan, _with_layout(namespace, layout), backend, cfg)
+
+
+def _check_family(cfg, backend: str) -> None:
+    """A PolicyError naming the family features the invariant backend does not take (its ops are
+    Llama's; a reference op in their place would not be batch-invariant: llamaspec.plan)."""
+    refused = None if cfg is None else invariant_refuses(cfg)
+    if refused and backend == "invariant":
+        raise PolicyError(f"model_type {cfg.model_type!r}: the invariant backend does not take {refused} "
+                          "(its ops are Llama's; backend='reference' or 'fast' compute this family)")
+
+
+def _for_family(plan: Plan, namespace, backend: str, cfg):
+    """(plan, namespace) for a model of config `cfg`: the ops its family's features change run the
+    reference's functions (llamaspec.plan.family_declines), and the plan says so (the final
+    soft-cap: a reference step after the backend's logits, final_cap_note) and names the family;
+    the functions a backend lacks (a family's own steps) come from the reference too
+    (WithReference)."""
+    if cfg is None:
+        return plan, namespace
+    family = {} if backend == "reference" else family_declines(cfg)
+    described = dict(plan.ops)
+    for op, what in family.items():
+        described[op] = f"reference (the {backend} backend declines {what})"
+    described["logits"] += final_cap_note(cfg)
+    if cfg.features() and namespace is not ops:
+        namespace = WithReference(namespace, frozenset(family))
+    return dataclasses.replace(plan, ops=tuple((op, described[op]) for op in OPS),
+                               model=describe_family(cfg)), namespace
+
+
+# The functions of each op a backend may decline for a family (llamaspec.plan.family_declines).
+_FUNCTIONS = {"norm": ("rms_norm", "norm_weight"), "attention": ("attention",), "mlp": ("silu", "gelu_tanh")}
+
+
+@dataclasses.dataclass(frozen=True)
+class WithReference:
+    """A backend's op namespace where the functions of `declined` ops, and any function the backend
+    does not define (a family's own steps: gelu_tanh, soft_cap, scale_embedding), are the
+    reference's (ops.py). Hashable, as the namespaces it wraps: part of a model's graphdef."""
+    backend: object
+    declined: frozenset
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("backend", "declined"):
+            raise AttributeError(name)
+        if any(name in _FUNCTIONS[op] for op in self.declined) or not hasattr(self.backend, name):
+            return getattr(ops, name)
+        return getattr(self.backend, name)
+
+    def __repr__(self) -> str:
+        return f"WithReference({self.backend!r}, declined={sorted(self.declined)})"
 
 
 def _with_layout(namespace, layout):

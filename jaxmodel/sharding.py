@@ -19,7 +19,11 @@ Sizes (checked when the model is built, each error names the config field and th
   original, so this changes no number; taps and weights() show each head once. Anything else
   (5 KV heads over tensor=2) is an error;
 - vocab_size: the embedding and lm_head rows are sharded when it divides, else replicated;
-- the batch must divide by the data size (an error at the call, naming both).
+- the batch must divide by the data size (an error at the call, naming both);
+- a family's q/k norm over the whole projection (OLMo 2: qk_norm "projection") takes no tensor
+  axis (its sum of squares spans every head); the other family features (llamaspec.config: norms
+  by role, per-head q/k norms, soft-caps, sliding windows, the embedding scale, GELU) are per head
+  or per element and lay out as Llama's steps do.
 
 The two products whose sums cross shards (o_proj over the heads, down_proj over the MLP
 columns) add their per-shard partial sums in shard order (row_parallel): each shard's partial
@@ -317,6 +321,10 @@ def _size_problems(cfg: LlamaConfig, t: int) -> tuple[list[str], int]:
                             "(KV heads are sharded, or each stored tensor / num_key_value_heads times)")
         else:
             kv_repeat = t // kv
+    if cfg.qk_norm == "projection" and t > 1:
+        problems.append(f"qk_norm 'projection' (model_type {cfg.model_type!r}: q and k normalised over all heads "
+                        f"at once) does not split over tensor={t}: its sums would cross the head shards in XLA's "
+                        "order; use a data-only mesh (tensor=1)")
     return problems, kv_repeat
 
 
