@@ -1,4 +1,4 @@
-"""A transformers LlamaForCausalLM under the Implementation protocol.
+"""A transformers LlamaForCausalLM (or a relative's *ForCausalLM) under the Implementation protocol.
 
 One wrapper for everything the package does with a user's transformers model:
 
@@ -19,7 +19,22 @@ touched):
     attn_ctx    o_proj input                                   mlp_out    mlp output
     attn_out    o_proj output                                  out        decoder layer output
     resid_mid   post_attention_layernorm input                 final_norm model.norm output
-                                                               logits     lm_head output
+                                                               logits     what the model returns
+
+The relatives (llamaspec.config.FAMILIES: Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2) are
+the same modules with the family's steps (llamaspec.taps.steps_of), read by role from the
+config (cfg.norm_modules: which checkpoint module is which norm):
+
+    attn_norm, mlp_norm         the module cfg.norm_modules names for the role, output (OLMo 2
+                                has neither: its norms follow the sublayers)
+    post_attn_norm, post_mlp_norm   likewise (Gemma 2/3's sandwich norms, OLMo 2's)
+    resid_mid                   the input of the mlp_norm module, or of the mlp where there is none
+    q_norm, k_norm              self_attn.q_norm / k_norm output, per head [B,T,H,D] (Qwen3 norms
+                                [B,T,H,D], Gemma 3 [B,H,T,D], OLMo 2 the whole [B,T,H*D] projection)
+    q_rope, k_rope              recomputed from q_norm / k_norm's output where the family has them
+    embed                       embed_tokens output: Gemma's scaled embedding (times
+                                sqrt(hidden_size)), the hidden state entering layer 0
+    logits                      after the final soft-cap (Gemma 2), as the model returns them
 
     q_rope, k_rope   q_proj / k_proj output with RoPE applied by the model's own
                      apply_rotary_pos_emb, with the cos/sin this layer's self_attn was
@@ -63,6 +78,7 @@ from llamaspec import ConfigError, LlamaConfig, Policy, Sampling, check_tokens, 
 from llamaspec import generate as run_generation
 from llamaspec import taps as tapnames
 from llamaspec.checkpoint import validated
+from llamaspec.config import FAMILIES
 from llamaspec.inputs import check_inject, check_next_ids, check_prefill, check_token_array
 from torchref.dtypes import TORCH, dt, from_numpy, to_numpy
 
@@ -71,6 +87,19 @@ from .generic import first_input, first_tensor, forcing_hook
 # Tap kinds a transformers Llama cannot give, with the reason (none today: q_rope/k_rope
 # are recomputed, see the module docstring). Subclasses for other architectures add theirs.
 UNAVAILABLE: dict[str, str] = {}
+
+# Where a family's q_norm / k_norm run: on [B, T, H, D] (per head, before the transpose), on
+# [B, H, T, D] (per head, after it: Gemma 3), or on the whole projection [B, T, H*D] (OLMo 2).
+BEFORE_TRANSPOSE, AFTER_TRANSPOSE, PROJECTION = "heads", "heads first", "projection"
+QK_NORM_LAYOUT = {"qwen3": BEFORE_TRANSPOSE, "gemma3_text": AFTER_TRANSPOSE, "olmo2": PROJECTION}
+
+
+def causal_lm_class(model_type: str) -> str:
+    """transformers' *ForCausalLM class name of a config's model_type (llamaspec.config.FAMILIES)."""
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model_type {model_type!r} is not a model llama-parity implements "
+                          f"(it reads {', '.join(FAMILIES)})")
+    return FAMILIES[model_type][0] + "ForCausalLM"
 
 
 def _apply_rope(attention):
@@ -133,10 +162,14 @@ POSITIONS = ("mask", "default")
 
 
 def _config(model) -> LlamaConfig | types.SimpleNamespace:
-    """Our config for the generation loop's checks (length limit, EOS, pad id)."""
+    """Our config: the family's tap steps and norm roles, and the generation loop's checks (length
+    limit, EOS, pad id). A Llama config with a field we do not implement still gets the loop's
+    fields (a Llama's taps); a relative's is refused (its norms' roles come from the config)."""
     try:
         return LlamaConfig.from_dict(model.config.to_dict(), source="transformers config")
     except ConfigError:  # a field we do not implement: the loop needs only these
+        if FAMILIES.get(getattr(model.config, "model_type", None), ("",))[0] != "Llama":
+            raise
         c = model.config
         eos = c.eos_token_id if isinstance(c.eos_token_id, (list, tuple)) else (
             [] if c.eos_token_id is None else [c.eos_token_id])
@@ -147,8 +180,9 @@ def _config(model) -> LlamaConfig | types.SimpleNamespace:
 
 
 class TransformersModel:
-    """Taps, logits, prefill/decode and greedy generation on a transformers LlamaForCausalLM,
-    numpy in and out, under llamaspec's tap names and position convention."""
+    """Taps, logits, prefill/decode and greedy generation on a transformers LlamaForCausalLM or a
+    relative's class (llamaspec.config.FAMILIES), numpy in and out, under llamaspec's tap names
+    and position convention."""
 
     package = "transformers"
     unavailable_taps = dict(UNAVAILABLE)
@@ -157,11 +191,20 @@ class TransformersModel:
     def __init__(self, model, positions: str = "mask", checkpoint=None, unpadded_rows: bool = False):
         backbone = getattr(model, "model", None)
         layers = getattr(backbone, "layers", None)
-        needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        cfg = _config(model) if getattr(model, "config", None) is not None else None
+        norms = tuple(cfg.norm_modules.values()) if isinstance(cfg, LlamaConfig) else (
+            "input_layernorm", "post_attention_layernorm")
+        needed = ("self_attn", "mlp", *norms) + (("self_attn.q_norm", "self_attn.k_norm")
+                                                 if getattr(cfg, "qk_norm", None) else ())
         if layers is None or getattr(model, "lm_head", None) is None or not all(
-                hasattr(layer, n) for layer in layers for n in needed):
-            raise TypeError(f"TransformersModel needs a transformers LlamaForCausalLM (model.model.layers[i]."
+                _has(layer, n) for layer in layers for n in needed):
+            what = (f"a transformers {causal_lm_class(cfg.model_type)}" if isinstance(cfg, LlamaConfig)
+                    else "a transformers LlamaForCausalLM")
+            raise TypeError(f"TransformersModel needs {what} (model.model.layers[i]."
                             f"{{{','.join(needed)}}}, model.lm_head), got {type(model).__name__}")
+        if getattr(cfg, "qk_norm", None) and cfg.model_type not in QK_NORM_LAYOUT:
+            raise ValueError(f"model_type {cfg.model_type!r} norms its queries and keys ({cfg.qk_norm}), but "
+                             "QK_NORM_LAYOUT does not say on which layout its transformers class calls q_norm")
         if positions not in POSITIONS:
             raise ValueError(f"positions={positions!r}: use one of {POSITIONS}")
         if model.training and getattr(model.config, "attention_dropout", 0.0):
@@ -174,24 +217,33 @@ class TransformersModel:
         # EAGER_F64_LEFT_PADDING); real positions see the same math, padding slots hold 0
         self.unpadded_rows = unpadded_rows
         self.config = model.config
-        self.cfg = _config(model)
+        self.cfg = cfg
         self.num_layers = len(layers)
         self.attn_implementation = getattr(model.config, "_attn_implementation", None)
-        self.taps = tuple(t for t in tapnames.all_taps(self.num_layers)
+        self.taps = tuple(t for t in tapnames.all_taps(self._shape)
                           if tapnames.parse(t)[1] not in self.unavailable_taps)
         params = inspect.signature(model.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
+    @property
+    def _shape(self):
+        """What llamaspec.taps reads the tap names from: our config (the family's steps), or the
+        layer count (a Llama's steps) for a config we do not implement."""
+        return self.cfg if isinstance(self.cfg, LlamaConfig) else self.num_layers
+
     @classmethod
     def from_pretrained(cls, folder, policy="fp32", attn_implementation: str = "eager",
                         positions: str = "mask") -> "TransformersModel":
-        """Loads the folder at the policy's param dtype (transformers then runs its own
-        dtype handling: f32 norm, RoPE and softmax inside a bf16 model)."""
-        from transformers import LlamaForCausalLM  # transformers: slow import; this module loads without it
+        """Loads the folder at the policy's param dtype with transformers' class for its config's
+        model_type (LlamaForCausalLM, Qwen2ForCausalLM, Gemma2ForCausalLM...: causal_lm_class);
+        transformers then runs its own dtype handling (f32 norm, RoPE and softmax inside a bf16
+        model)."""
+        import transformers  # slow import; this module loads without it
         policy = Policy.get(policy)
-        validated(folder)     # refused as torchref / jaxmodel / the streamed ladder refuse it (a tied lm_head...)
-        model = LlamaForCausalLM.from_pretrained(str(folder), dtype=dt(policy.param_dtype),
-                                                 attn_implementation=attn_implementation).eval()
+        # refused as torchref / jaxmodel / the streamed ladder refuse it (a tied lm_head...)
+        cfg = validated(folder).config
+        model = getattr(transformers, causal_lm_class(cfg.model_type)).from_pretrained(
+            str(folder), dtype=dt(policy.param_dtype), attn_implementation=attn_implementation).eval()
         return cls(model, positions, checkpoint=folder)
 
     @property
@@ -221,6 +273,7 @@ class TransformersModel:
         cannot turn left padding into NaN (EAGER_F64_LEFT_PADDING): a copy made by this
         package must never be the source of a finding."""
         twin = copy_at(self.model, torch.float64)
+        _exact_embed_scale(twin)
         if (not rounded_weights and self.checkpoint is not None
                 and self.dtype in (torch.bfloat16, torch.float16)):
             _full_precision_weights(twin, self.model, self.checkpoint)
@@ -234,7 +287,7 @@ class TransformersModel:
         def why(pattern, lacking):
             kind = tapnames.parse(lacking)[1]
             return f"tap '{pattern}' is not available from a transformers model: {kind}: {self.unavailable_taps[kind]}"
-        return tapnames.select(requested, self.num_layers, self.taps, why)
+        return tapnames.select(requested, self._shape, self.taps, why)
 
     # ----- inputs ----------------------------------------------------------------------
 
@@ -271,6 +324,10 @@ class TransformersModel:
         # soft-cap, a scaling), read from the model's own output, not from the lm_head module
         top = {"embed": (m.model.embed_tokens, "post"), "final_norm": (m.model.norm, "post"),
                "logits": (m, "returned")}
+        cfg = self.cfg if isinstance(self.cfg, LlamaConfig) else None
+        roles = cfg.norm_modules if cfg is not None else {"attn_norm": "input_layernorm",
+                                                          "mlp_norm": "post_attention_layernorm"}
+        layout = QK_NORM_LAYOUT[cfg.model_type] if cfg is not None and cfg.qk_norm else None
         for tap in wanted:
             layer, kind = tapnames.parse(tap)
             if layer is None:
@@ -279,25 +336,37 @@ class TransformersModel:
             blk = m.model.layers[layer]
             att, mlp = blk.self_attn, blk.mlp
             head_dim = att.head_dim
-            def per_head(x, d=head_dim):
-                return (x.view(*x.shape[:-1], -1, d))
 
-            def rotated(x, d=head_dim, att=att, layer=layer):
-                """[B, T, H*D] projection -> [B, T, H, D] after the model's RoPE."""
+            def per_head(x, d=head_dim):
+                return x.view(*x.shape[:-1], -1, d)
+
+            def normed(x, d=head_dim, layout=layout):
+                """q_norm / k_norm's output as [B, T, H, D], whatever layout the family norms in."""
+                if layout == AFTER_TRANSPOSE:
+                    return x.transpose(1, 2)
+                return x if layout == BEFORE_TRANSPOSE else x.view(*x.shape[:-1], -1, d)
+
+            def rotated(x, heads=per_head, att=att, layer=layer):
+                """[B, T, ...] queries or keys -> [B, T, H, D] after the model's RoPE."""
                 cos, sin = tables[layer]
-                q = x.view(*x.shape[:-1], -1, d).transpose(1, 2)
+                q = heads(x).transpose(1, 2)
                 return _apply_rope(att)(q, q, cos, sin)[0].transpose(1, 2)
+            qk = ({"q": att.q_norm, "k": att.k_norm} if layout is not None
+                  else {"q": att.q_proj, "k": att.k_proj})
+            heads = normed if layout is not None else per_head
+            norm_of = {role: getattr(blk, name) for role, name in roles.items()}
             where = {
-                "attn_norm": (blk.input_layernorm, "post", None),
                 "q": (att.q_proj, "post", per_head), "k": (att.k_proj, "post", per_head),
                 "v": (att.v_proj, "post", per_head),
-                "q_rope": (att.q_proj, "post", rotated), "k_rope": (att.k_proj, "post", rotated),
+                "q_norm": (qk["q"], "post", heads), "k_norm": (qk["k"], "post", heads),
+                "q_rope": (qk["q"], "post", lambda x, r=rotated, h=heads: r(x, h)),
+                "k_rope": (qk["k"], "post", lambda x, r=rotated, h=heads: r(x, h)),
                 "attn_ctx": (att.o_proj, "pre", None), "attn_out": (att.o_proj, "post", None),
-                "resid_mid": (blk.post_attention_layernorm, "pre", None),
-                "mlp_norm": (blk.post_attention_layernorm, "post", None),
+                "resid_mid": (norm_of.get("mlp_norm", mlp), "pre", None),
                 "gate": (mlp.gate_proj, "post", None), "up": (mlp.up_proj, "post", None),
                 "act": (mlp.down_proj, "pre", None), "mlp_out": (mlp, "post", None),
                 "out": (blk, "post", None),
+                **{role: (module, "post", None) for role, module in norm_of.items()},
             }[kind]
             plan.append((where[0], where[1], tap, where[2]))
         return plan
@@ -373,7 +442,7 @@ class TransformersModel:
         missing = [t for t in wanted if t not in acts]
         if missing:
             raise RuntimeError(f"taps {missing} were not produced: the model did not call the hooked "
-                               "modules (is it a LlamaForCausalLM with its standard forward?)")
+                               f"modules (is it a {type(self.model).__name__} with its standard forward?)")
         return result, {t: acts[t] for t in wanted}
 
     def _capture_rows(self, tokens, attention_mask, taps, inject):
@@ -457,6 +526,28 @@ class TransformersModel:
         """Greedy new ids [B, N] through llamaspec's loop (the same token choice as ours)."""
         return run_generation(self.cfg, self.prefill, self.decode, tokens, attention_mask,
                               max_new_tokens, eos_token_ids, pad_token_id, Sampling())
+
+
+def _has(module, path: str) -> bool:
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return False
+    return True
+
+
+def _exact_embed_scale(model) -> None:
+    """A Gemma embedding's scale, sqrt(hidden_size), at the model's float64: the buffer a
+    float32 model holds is that number rounded to float32, which copy_at's cast keeps, so the
+    twin's embed tap would be the oracle's times a rounded scale (transformers' own float64
+    model, loaded at float64, holds it exactly: its _init_weights sets it from the Python
+    float)."""
+    for module in model.modules():
+        scale = getattr(module, "scalar_embed_scale", None)
+        buffer = getattr(module, "embed_scale", None)
+        if scale is not None and isinstance(buffer, torch.Tensor):
+            with torch.no_grad():
+                buffer.fill_(scale)
 
 
 def _full_precision_weights(twin, model, checkpoint) -> bool:

@@ -127,7 +127,7 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
         run.h = run("embed", reader.embedding(run.folder, ids))
     judge.hidden = runs["o"].h.shape[-1]
     judge(["embed"], *({"embed": runs[k].h} for k in ("r", "c", "o", "c64")))
-    rows, last_o, last_forced = _layers(runs, reader, judge, cfg.num_hidden_layers, real, teacher_forcing, progress)
+    rows, last_o, last_forced = _layers(runs, reader, judge, cfg, real, teacher_forcing, progress)
     agreement, captured, o_final = _head(runs, reader, judge, cfg, real, "logits" in taps, last_o, progress)
     verdicts = judge.verdicts
     settle_conventions(verdicts)     # before inherit picks the first finding
@@ -144,8 +144,10 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
     return Streamed(verdicts, worst, divergence, rows, agreement, seconds, captured)
 
 
-def _layers(runs: dict, reader: LayerReader, judge: _Judge, n: int, real, teacher_forcing: bool, progress):
-    """Every layer on every run, judged on the spot (one layer's weights held at a time);
+def _layers(runs: dict, reader: LayerReader, judge: _Judge, cfg: LlamaConfig, real, teacher_forcing: bool,
+            progress):
+    """Every layer on every run, judged on the spot (one layer's weights held at a time), each with
+    its family's steps (cfg.layer_steps);
     with teacher forcing, each side's layer also fed the oracle's input: its local error.
     (rows of local errors per layer, the oracle's last layer output as context for the final norm,
     the last layer's forced runs: {"in": the oracle's input to it, run key: its forced output})"""
@@ -153,8 +155,9 @@ def _layers(runs: dict, reader: LayerReader, judge: _Judge, n: int, real, teache
     rows = []     # teacher forcing's local errors, per layer
     last = {}
     t_start = t_first = time.perf_counter()
+    n = cfg.num_hidden_layers
     for i in range(n):
-        layer_taps = [f"layers.{i}.{k}" for k in tapnames.LAYER_TAPS]
+        layer_taps = [f"layers.{i}.{k}" for k in cfg.layer_steps]
         weights = {}
         acts, forced_in = {}, runs["o"].h
         for k, run in runs.items():
