@@ -171,7 +171,7 @@ def _forced(side, folder, cfg, ids, mask, names, progress):
     _, o = stream_capture(CheckpointModel("torchref", str(folder), "fp64"), ids, mask, ["embed", "layers.*.out"])
     inject = tapnames.layer_inputs(o, n)
     kinds = dict.fromkeys([tapnames.tap(t).kind for t in names if tapnames.layer_of(t) is not None] + ["out"])
-    want = tapnames.select([f"layers.*.{k}" for k in kinds], n, side.taps,
+    want = tapnames.select([f"layers.*.{k}" for k in kinds], cfg, side.taps,
                            lambda pattern, t: f"{side.name} cannot capture '{t}' (asked for as '{pattern}')")
     progress(f"teacher forcing: {side.name} with every layer fed the oracle's input (the whole model loaded)")
     given = HandedOver(ids=ids, mask=mask)

@@ -27,6 +27,8 @@ import dataclasses
 import functools
 import inspect
 import sys
+
+from llamaspec.config import FAMILIES
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -42,10 +44,15 @@ from .ours import PACKAGES, OurModel, fp64_policy, package_of
 
 
 def is_transformers_llama(obj) -> bool:
-    """True for a transformers LlamaForCausalLM (checked without importing transformers:
-    an instance of one means transformers is imported already)."""
+    """True for a transformers *ForCausalLM of a family llama-parity implements (LlamaForCausalLM,
+    Qwen2ForCausalLM, ..., Olmo2ForCausalLM: llamaspec.config.FAMILIES), checked without importing
+    transformers: an instance of one means transformers is imported already."""
     mod = sys.modules.get("transformers")
-    return mod is not None and isinstance(obj, mod.LlamaForCausalLM)
+    if mod is None:
+        return False
+    classes = tuple(getattr(mod, c) for c in {prefix + "ForCausalLM" for prefix, _, _ in FAMILIES.values()}
+                    if hasattr(mod, c))
+    return isinstance(obj, classes)
 
 
 def __getattr__(name):

@@ -54,6 +54,7 @@ def expected_shape(tap: str, cfg: LlamaConfig, batch: int, length: int) -> tuple
     """The shape every implementation gives `tap` (llamaspec.taps): [B, T, ...]."""
     kind = tapnames.tap(tap).kind
     tail = {"q": (cfg.num_attention_heads, cfg.head_dim), "q_rope": (cfg.num_attention_heads, cfg.head_dim),
+            "q_norm": (cfg.num_attention_heads, cfg.head_dim), "k_norm": (cfg.num_key_value_heads, cfg.head_dim),
             "k": (cfg.num_key_value_heads, cfg.head_dim), "k_rope": (cfg.num_key_value_heads, cfg.head_dim),
             "v": (cfg.num_key_value_heads, cfg.head_dim), "attn_ctx": (cfg.num_attention_heads * cfg.head_dim,),
             "gate": (cfg.intermediate_size,), "up": (cfg.intermediate_size,), "act": (cfg.intermediate_size,),
@@ -292,7 +293,7 @@ class Dump:
             raise DumpError(f"{where}: field '{field}taps' must be a non-empty list of tap names and '{field}files' "
                             "an object {file name: [tap names]}")
         try:
-            taps = tapnames.resolve([str(t) for t in taps], n)   # execution order; unknown names refused
+            taps = tapnames.resolve([str(t) for t in taps], self.cfg)   # execution order; unknown names refused
         except KeyError as e:
             raise DumpError(f"{where}: field '{field}taps': {e.args[0]}") from None
         listed = {t: name for name, ts in files.items() for t in (ts if isinstance(ts, list) else [])}
