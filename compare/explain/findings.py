@@ -25,6 +25,8 @@ _CONVENTION = {
     "sees_next": "causal mask off by one: each query also sees the next token",
     "misses_self": "causal mask off by one: each query misses its own token",
     "no_causal_mask": "no causal mask: every query sees the whole sequence",
+    "head_dim_scale": ("attention scale 1/sqrt(head_dim) where the config scales by another "
+                       "(query_pre_attn_scalar ** -0.5)"),
 }
 NOISE_LIKE = "noise-like: no systematic pattern (consistent with rounding)"
 
@@ -69,8 +71,23 @@ def _rope_what(d) -> str:
 
 
 def _norm_convention(d) -> str:
-    return {"one_plus_w": "(1 + w) instead of w", "w": "w instead of (1 + w)"}.get(
+    """The weight the candidate's norm multiplies by against the reference's: w vs (1 + w); against
+    the config's own offset (ref_offset: Gemma's 1) where the pair is neither of those two."""
+    named = {"one_plus_w": "(1 + w) instead of w", "w": "w instead of (1 + w)"}.get(
         d["convention"], f"w + {d['a']:.4g} instead of w")
+    if d.get("ref_offset") is None or d["convention"] is None:
+        return named
+    ref = round(d["ref_offset"])
+    cand = ref + (1 if d["convention"] == "one_plus_w" else -1)
+    if {ref, cand} == {0, 1}:
+        return named
+    return (f"{_offset_weight(cand)} instead of {_offset_weight(ref)}: a weight stored for the other convention "
+            "(w vs (1 + w))")
+
+
+def _offset_weight(offset: int) -> str:
+    """The weight a norm multiplies by with an integer offset: w, (1 + w), (w - 1)."""
+    return "w" if offset == 0 else f"({offset} + w)" if offset > 0 else f"(w - {-offset})"
 
 
 def _detail_scales(kind, d) -> str | None:
@@ -131,9 +148,14 @@ def _detail_rope_attention(kind, d) -> str | None:
                 + ("angle error = position x frequency error at every row"
                    if d["linear"] else "angle error not proportional to position"))
     if kind == "attention_convention" and d["convention"] == "scale":
+        ref = d.get("ref_scale", d["head_dim"] ** -0.5)
         return (f"the candidate's attention output equals attention of the oracle's q/k/v "
                 f"with softmax scale {d['scale']:.6g} (rel L2 {d['rel_l2']:.1e}); the reference uses "
-                f"1/sqrt({d['head_dim']}) = {d['head_dim'] ** -0.5:.6g}")
+                f"{ref:.6g} = {ref * d['head_dim'] ** 0.5:.4g} / sqrt({d['head_dim']})")
+    if kind == "attention_convention" and d["convention"] in ("softcap", "window"):
+        return (f"the candidate's attention output equals attention of the oracle's q/k/v with "
+                f"{_attention_change(d)} (rel L2 {d['rel_l2']:.1e}; {d['base']:.1e} with the reference's "
+                f"{_attention_own(d)}); the largest |score| before any cap is {d['max_score']:.3g}")
     if kind == "attention_convention":
         return (f"the candidate's attention output equals attention of the oracle's "
                 f"q/k/v with {_CONVENTION[d['convention']]} (rel L2 {d['rel_l2']:.1e}; {d['base']:.1e} "
@@ -153,9 +175,51 @@ def _cause_rope_attention(kind, d) -> str | None:
     if kind == "attention_convention" and d["convention"] == "scale":
         return (f"wrong attention scale: {d['scale']:.6g} = {d['scale'] * d['head_dim'] ** 0.5:.4g} "
                 "/ sqrt(head_dim)")
+    if kind == "attention_convention" and d["convention"] == "softcap":
+        return _softcap_cause("attention", d["softcap"], d["ref_softcap"], "attn_logit_softcapping",
+                              "scores", d["max_score"])
+    if kind == "attention_convention" and d["convention"] == "window":
+        return _window_cause(d["window"], d["ref_window"])
     if kind == "attention_convention":
         return _CONVENTION[d["convention"]]
     return None
+
+
+def _attention_change(d) -> str:
+    if d["convention"] == "softcap":
+        return "no soft-cap" if d["softcap"] is None else f"the scores soft-capped at {d['softcap']:.6g}"
+    return "no sliding window" if d["window"] is None else f"a sliding window of {d['window']} keys"
+
+
+def _attention_own(d) -> str:
+    cap = "no soft-cap" if d["ref_softcap"] is None else f"soft-cap {d['ref_softcap']:g}"
+    window = "no window" if d["ref_window"] is None else f"window {d['ref_window']}"
+    return f"conventions: scale {d['ref_scale']:.6g}, {cap}, {window}"
+
+
+def _softcap_cause(what, cap, ref, field, values, largest) -> str:
+    """A soft-cap (cap x tanh(x / cap)) left out, put where the reference has none, or another value."""
+    reach = f"the largest |{values[:-1]}| before the cap is {largest:.3g}"
+    if cap is None:
+        return (f"{what} soft-cap missing: the {values} are not capped where the reference caps them at {ref:g} "
+                f"(cap x tanh(x / cap), {field}; {reach})")
+    if ref is None:
+        return (f"{what} soft-cap {cap:.4g} where the reference has none (cap x tanh(x / cap): a cap of another "
+                f"model of the family; {reach})")
+    return f"{what} soft-cap {cap:.4g} instead of {ref:g} ({field}; {reach})"
+
+
+def _window_cause(window, ref) -> str:
+    """A sliding window (a query sees the last `window` keys, itself included) against the reference's."""
+    if window is None:
+        return (f"sliding window missing: the candidate's queries see every earlier key where the reference's "
+                f"layer sees the last {ref} (sliding_window, layer_types)")
+    if ref is None:
+        return (f"sliding window applied to a global layer: the candidate's queries see only the last {window} keys "
+                "where the reference's layer sees every earlier key (layer_types: which layers slide)")
+    off = " off by one" if abs(window - ref) == 1 else ""
+    return (f"sliding window{off}: the candidate's queries see the last {window} keys, the reference's {ref} "
+            f"(itself included: kv_idx > q_idx - window); the first {min(window, ref)} positions agree")
 
 
 def _cause_other(kind, d) -> str | None:
@@ -274,7 +338,7 @@ def _detail_new(kind, d) -> str | None:
     if kind == "swapped_projection":
         mine = "q" if d["other"] == "k" else "k"
         return f"the candidate's {mine} equals the reference's {d['other']} (exact to rounding)"
-    return None
+    return _detail_family(kind, d)
 
 
 def _cause_new(kind, d) -> str | None:
@@ -294,4 +358,84 @@ def _cause_new(kind, d) -> str | None:
     if kind == "swapped_projection":
         return "q_proj and k_proj swapped (the candidate's q is the reference's k)" if d["other"] == "k" else \
             "q_proj and k_proj swapped (the candidate's k is the reference's q)"
+    return _cause_family(kind, d)
+
+
+# --- the family's slips (compare.judge.family) ---------------------------------------------------
+
+_AXIS = {"head": "per head (over each head's {D} features)",
+         "projection": "over the whole projection (all {H} heads x {D} features)"}
+
+
+def _axis(name, d) -> str:
+    return _AXIS[name].format(H=d["heads"], D=d["head_dim"])
+
+
+def _norm_name(step) -> str:
+    return "q/k norm" if step in ("q_norm", "k_norm") else f"the {step} RMSNorm"
+
+
+def _detail_family(kind, d) -> str | None:
+    if kind == "norm_skipped":
+        return (f"the candidate's {d['step']} equals its own input (to rounding), the reference's does not: "
+                "no normalisation")
+    if kind == "norm_axis":
+        return (f"the candidate's {d['step']} is the RMSNorm of its own input {_axis(d['cand'], d)} with the "
+                f"reference's per-feature weight (to rounding); the reference's {_axis(d['ref'], d)}")
+    if kind == "soft_cap":
+        cand = "z itself" if d["cap"] is None else f"{d['cap']:.6g} x tanh(z / {d['cap']:.6g})"
+        z = ("the reference's logits before its cap ({:g})".format(d["ref_cap"]) if d["ref_cap"] is not None
+             and d["cap"] is not None else "the reference's logits before its cap" if d["ref_cap"] is not None
+             else "the reference's logits")
+        if d["cap"] is None and d["ref_cap"] is not None:
+            return (f"the candidate's logits equal z = {d['ref_cap']:.6g} x atanh(ref / {d['ref_cap']:.6g}), "
+                    f"{z}, to rounding: uncapped (|z| up to {d['max_raw']:.3g})")
+        return f"the candidate's logits equal {cand} with z {z}, to rounding (|z| up to {d['max_raw']:.3g})"
+    if kind == "embedding_scale":
+        return (f"cand = {d['factor']:.6g} x ref over the whole embedding = sqrt({d['hidden']}) ** {d['power']} "
+                f"(hidden_size {d['hidden']}; fit explains {d['explained']:.1%})")
+    if kind == "projection_bias":
+        return (f"d ≈ the same vector at every position of {d['projection']}'s output (its mean explains "
+                f"{d['explained']:.1%} of the error; |mean d| / rms ref = {d['mean_over_rms']:.3g})")
     return None
+
+
+def _cause_family(kind, d) -> str | None:
+    if kind == "norm_skipped":
+        return (f"{_norm_name(d['step'])} missing: the candidate's {d['step']} returns its input unchanged where "
+                "the reference normalises it" + (" (q_norm / k_norm: Qwen3, Gemma 3, OLMo 2)"
+                                                 if d["step"] in ("q_norm", "k_norm") else ""))
+    if kind == "norm_axis":
+        return (f"q/k norm axis: the candidate normalises {_axis(d['cand'], d)} where the reference normalises "
+                f"{_axis(d['ref'], d)} (Qwen3 and Gemma 3 per head, OLMo 2 over the projection)")
+    if kind == "soft_cap":
+        return _softcap_cause("final logit", d["cap"], d["ref_cap"], "final_logit_softcapping", "logits",
+                              d["max_raw"])
+    if kind == "embedding_scale":
+        return _embedding_cause(d)
+    if kind == "projection_bias":
+        p, field = d["projection"], d["field"]
+        if d["reference_bias"] is False:
+            return (f"a bias on {p} where the model has none: a constant offset, one vector added at every position "
+                    f"of its output (the config's {field} gives {p} no bias)")
+        if d["reference_bias"]:
+            return (f"{p}'s bias missing or another one: a constant offset, one vector at every position of its "
+                    f"output (the config's {field} gives {p} a bias)")
+        return f"constant offset at {p}'s output: a bias added to or missing from {p}"
+    return None
+
+
+def _embedding_cause(d) -> str:
+    h, power, scales = d["hidden"], d["power"], d["reference_scales"]
+    if power == -1 and scales is not False:
+        return (f"embedding scale sqrt(hidden_size) missing: the candidate's embeddings are the reference's "
+                f"/ sqrt({h}) (the model multiplies them by sqrt(hidden_size): Gemma's normalizer)")
+    if power == 1 and scales:
+        return (f"embedding scale sqrt(hidden_size) applied twice: the candidate's embeddings are sqrt({h}) x the "
+                "reference's, which already scales them (a port that scales inputs_embeds before a model that "
+                "scales again)")
+    if power == 1 and scales is False:
+        return (f"embedding scale sqrt(hidden_size) applied where the model has none: the candidate's embeddings "
+                f"are sqrt({h}) x the reference's (Gemma's normalizer on another family)")
+    return (f"embedding scale sqrt(hidden_size) off: the candidate's embeddings are sqrt({h}) ** {power} x the "
+            "reference's (missing, applied twice, or where the model has none)")

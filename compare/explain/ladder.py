@@ -23,12 +23,12 @@ PRECISION_STEP = {
 }
 # Where a semantic difference with no simple structure first shows: what sits there.
 COMPONENT_HINT = {
-    "embed": "the embedding table or token ids",
+    "embed": "the embedding table or token ids (or the embedding's scale)",
     "attn_norm": "the input RMSNorm (epsilon, weight convention, normalisation)",
     "mlp_norm": "the post-attention RMSNorm (epsilon, weight convention, normalisation)",
     "final_norm": "the final RMSNorm",
     "lm_head": "the lm_head matrix: everything before the logits agrees (tied vs untied "
-               "embeddings, a transposed or another matrix)",
+               "embeddings, a transposed or another matrix, or the logits' soft-cap)",
 }
 _PART = {"attn": "attention", "mlp": "MLP", "attn_norm": "input RMSNorm", "mlp_norm": "post-attention RMSNorm",
          "embed": "embedding", "final_norm": "final RMSNorm", "lm_head": "lm_head"}

@@ -31,7 +31,7 @@ from llamaspec.policy import DTYPES
 
 from ..evidence import Noise
 from ..metrics import as64, rel_l2, unit_roundoff
-from .conventions import ATOL_MATCH, MATCH_SHARE, attention64
+from .conventions import ATOL_MATCH, MATCH_SHARE, attention64, reference_keywords
 
 # (name in words, dtype or fp8 format, scaling): fp8 with one scale per token and kv head (the
 # policy's kv_cache "channel"), one per call over the layer's keys (or values), or unscaled
@@ -69,18 +69,20 @@ def stored(x, dtype: str, scaling: str | None) -> np.ndarray:
         return quant.dequantize(q, s, spec, "float64").reshape(x.shape)
 
 
-def kv_storage(cand, q, k, v, mask=None) -> Noise | None:
+def kv_storage(cand, q, k, v, mask=None, conventions=None) -> Noise | None:
     """The storage whose rounding of k and v the candidate's attn_ctx (fp64 rung) matches, as a
     Noise of shape "kv_cache" (dtype: the storage's; size: the difference in its unit roundoffs;
-    scheme: the storage in words); None when none does. q, k, v: the oracle's q_rope, k_rope, v."""
+    scheme: the storage in words); None when none does. q, k, v: the oracle's q_rope, k_rope, v;
+    conventions: the layer's (conventions.reference_keywords), Llama's by default."""
     c = as64(cand)
-    exact = attention64(q, k, v, mask)
+    kw = reference_keywords(conventions)
+    exact = attention64(q, k, v, mask, **kw)
     base = rel_l2(c, exact)
     if not base > 0 or not math.isfinite(base):
         return None
     for name, dtype, scaling in STORAGES:
         with np.errstate(over="ignore", invalid="ignore"):
-            e = rel_l2(c, attention64(q, stored(k, dtype, scaling), stored(v, dtype, scaling), mask))
+            e = rel_l2(c, attention64(q, stored(k, dtype, scaling), stored(v, dtype, scaling), mask, **kw))
         if e <= ATOL_MATCH and e <= MATCH_SHARE * base:
             return Noise(dtype, base / unit_roundoff(dtype), shape="kv_cache", scheme=name)
     return None

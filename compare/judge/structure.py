@@ -777,7 +777,8 @@ def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0, pre=None,
     floor of a few hundred f32 unit roundoffs separates those from math differences.
     pre=(cand_pre, ref_pre): at a q_rope / k_rope tap, both sides' q / k before RoPE, so
     rope_finding can say which pairs each side rotates and at which frequencies.
-    norm_input: at a norm tap, the norm's input (so norm_epsilon can test an epsilon).
+    norm_input: at a norm tap, the norm's input (so norm_epsilon can test an epsilon); at a q/k
+    norm, [B, T, H, D] for one over head_dim, [B, T, H x D] for one over the projection.
     inputs: {name: (cand's, ref's)} of the step that made the tap (tap_inputs): the
     activation, transposed-projection, residual and swapped-projection tests.
     """
@@ -792,10 +793,10 @@ def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0, pre=None,
     if bad or not t.d.any():
         return [bad] if bad else []
     fits = _scale_fits(t)
+    rows = _norm_rows(c, r, norm_input, mask) if norm_input is not None else None
     found = [f for f in (rope_finding(c, r, *pre, mask) if pre is not None else None,
-                         norm_epsilon(c, r, norm_input, mask) if norm_input is not None else None,
-                         norm_weight_offset(c, r, norm_input, mask) if norm_input is not None
-                         else None,
+                         norm_epsilon(*rows) if rows is not None else None,
+                         norm_weight_offset(*rows) if rows is not None else None,
                          causal_edge(c, r, mask),
                          _permutation(t), _global_scale(t, fits), _per_row_scale(t, fits),
                          _per_feature_scale(t, fits), _offset(t), _position_trend(t),
@@ -806,6 +807,21 @@ def analyse(cand, ref, mask=None, per_head=False, floor: float = 0.0, pre=None,
         found += [f for f in (_sign_bias(t),) if f]
     found = [f for f in found if not f.size < floor]
     return sorted(found, key=lambda f: (-round(f.score, 3), PRIORITY.index(f.kind)))
+
+
+def _norm_rows(c, r, x, mask) -> tuple:
+    """(c, r, x, mask) as the norm tests read them, one row per normalised vector: a per-head
+    norm's tap and input ([B, T, H, D]: q_norm over head_dim) as [B, T x H, D]; a per-head tap
+    whose norm ran over the whole projection (OLMo 2's q_norm: input [B, T, H x D]) in its
+    input's shape; any other tap as it is."""
+    x = as64(x)
+    if x.shape != c.shape and x.size == c.size:
+        return c.reshape(x.shape), r.reshape(x.shape), x, mask
+    if c.ndim == 4 and x.shape == c.shape:
+        B, T, H, D = c.shape
+        m = None if mask is None else np.repeat(np.asarray(mask, bool), H, axis=1)
+        return c.reshape(B, T * H, D), r.reshape(B, T * H, D), x.reshape(B, T * H, D), m
+    return c, r, x, mask
 
 
 def hint(findings: list[Finding]) -> str:

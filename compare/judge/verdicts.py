@@ -80,7 +80,8 @@ from ..vocabulary import (
     drift_factor,
     precision_floor,
 )
-from .conventions import MATCH_SHARE, explain_attention
+from . import family
+from .conventions import ATOL_MATCH, MATCH_SHARE, explain_attention
 from .storage import kv_storage, kv_storage_dtype, weight_storage, weight_storage_dtype
 from .structure import analyse, head_permutation, spearman, tap_inputs
 
@@ -151,19 +152,33 @@ class Divergence:
 
 def _findings(tap, cand64, oracle, mask, keeps_f32, context) -> list:
     """Structure of the fp64-rung difference at one tap (structure.analyse, RoPE pairs with
-    the pre-RoPE inputs, attention conventions with the oracle's q/k/v)."""
+    the pre-RoPE inputs, attention conventions with the oracle's q/k/v and the layer's own
+    conventions, the family's slips: family.findings)."""
     kind = tapnames.tap(tap).kind
     per_head = kind in tapnames.PER_HEAD
     c64, o = np.asarray(cand64, np.float64), np.asarray(oracle, np.float64)
     found = analyse(c64, o, mask, per_head=per_head, pre=context.get("pre"),
                     norm_input=context.get("norm_input"), inputs=context.get("inputs"))
-    if kind == "attn_ctx" and context.get("qkv") is not None:
-        conv = explain_attention(c64, *context["qkv"], mask)
+    found = family.findings(tap, c64, o, mask, context, found)
+    if kind == "attn_ctx" and context.get("qkv") is not None and _same_attention_inputs(context, mask):
+        conv = explain_attention(c64, *context["qkv"], mask, context.get("step"))
         found = ([conv] if conv else []) + found
     if keeps_f32:
         found = [f for f in found
                  if f.size > (F32_STEPS_FLOOR if f.kind in _F32_STEP_KINDS else STRUCT_F32_FLOOR)]
     return found
+
+
+def _same_attention_inputs(context, mask) -> bool:
+    """Whether the candidate's own q_rope, k_rope and v ("qkv_cand") are the oracle's ("qkv") to
+    ATOL_MATCH: only then can its attention output be another convention over the oracle's
+    inputs (explain_attention's test; attention moves its output about as much as its inputs
+    move). Past a first divergence upstream they differ, and the search (fitted scale and cap,
+    dozens of attentions each) is skipped. True where the candidate's inputs are not given."""
+    if context.get("qkv_cand") is None:
+        return True
+    pairs = zip(context["qkv_cand"], context["qkv"])
+    return all(rel_l2(_real(c, mask), _real(o, mask)) <= ATOL_MATCH for c, o in pairs)
 
 
 def _real(a, mask) -> np.ndarray:
@@ -472,7 +487,7 @@ def _noise_of(t: _Tap, err64, found, keeps_f32, context, noise_from) -> tuple[No
     rounding made (a norm's statistics) is noise, not a finding; with no finding, the noise
     carried from an earlier tap, or this tap's own (values, or RoPE angles)."""
     if t.kind == "attn_ctx" and context.get("qkv") is not None and noise_from is None:
-        kv = kv_storage(t.full["c64"], *context["qkv"], t.given_mask)
+        kv = kv_storage(t.full["c64"], *context["qkv"], t.given_mask, context.get("step"))
         if kv is not None:      # attention over narrower keys and values, exactly: that explains it all
             return kv, []
     if context.get("projection") is not None and noise_from is None:
@@ -783,31 +798,53 @@ PROJECTION_OF = {"q": ("attn_norm", "self_attn.q_proj"), "k": ("attn_norm", "sel
                  "mlp_out": ("act", "mlp.down_proj")}
 
 
-def context_for(tap, c64, o, weights=None) -> dict:
+def context_for(tap, c64, o, weights=None, cfg=None) -> dict:
     """What classify's structure analysis needs besides the tap itself (see classify), and
     the step's own inputs on both sides (structure.tap_inputs: the activation, transposed-
     projection, residual and swapped-projection tests). weights(key) -> (the reference's weights
     as a port may have quantized them from: [out, in] arrays, bias or None), or None: at a
-    projection's output, "projection" holds the candidate's own input and those (storage.py)."""
+    projection's output, "projection" holds the candidate's own input and those (storage.py).
+    cfg: the reference's llamaspec config, or None: "step" holds what it says about this tap's
+    step (family.step_features: the attention's conventions, a cap, a scale, a norm's epsilon
+    and axis, a projection's bias); at a norm, "norm_inputs" holds both sides' input to it."""
     t = tapnames.tap(tap)
     layer, kind = t.layer, t.kind
     p = f"layers.{layer}."
     inputs = tap_inputs(tap, c64, o)
     out = {"inputs": inputs} if inputs else {}
+    step = family.step_features(tap, cfg)
+    if step:
+        out["step"] = step
     source, key = PROJECTION_OF.get(kind, (None, None))
     if weights is not None and source and p + source in c64 and p + source in o:
         out["projection"] = (c64[p + source], o[p + source], lambda: weights(f"model.layers.{layer}.{key}"))
-    norm_in = {"attn_norm": "embed" if not layer else f"layers.{layer - 1}.out",
-               "mlp_norm": p + "resid_mid",
-               "final_norm": max((t for t in o if t.endswith(".out")), default=None,
-                                 key=lambda t: tapnames.tap(t).layer)}.get(kind)
-    if norm_in in o:
+    norm_in = _norm_input(tap, o)
+    if norm_in in o and norm_in in c64:
+        out["norm_inputs"] = (c64[norm_in], o[norm_in])
+    if norm_in in o and kind not in family.QK_NORMS:
         return {**out, "norm_input": o[norm_in]}
+    if norm_in in o and step.get("axis") is not None:   # a q/k norm runs over head_dim, or the whole projection
+        x = np.asarray(o[norm_in])
+        return {**out, "norm_input": x if step["axis"] == "head" else x.reshape(x.shape[:2] + (-1,))}
     if kind in ("q_rope", "k_rope") and p + kind[0] in c64 and p + kind[0] in o:
         return {**out, "pre": (c64[p + kind[0]], o[p + kind[0]])}
     if kind == "attn_ctx" and all(p + t in o for t in ("q_rope", "k_rope", "v")):
-        return {**out, "qkv": (o[p + "q_rope"], o[p + "k_rope"], o[p + "v"])}
+        names = [p + t for t in ("q_rope", "k_rope", "v")]
+        mine = tuple(c64[t] for t in names) if all(t in c64 for t in names) else None
+        return {**out, "qkv": (o[p + "q_rope"], o[p + "k_rope"], o[p + "v"]), "qkv_cand": mine}
     return out
+
+
+def _norm_input(tap, o) -> str | None:
+    """The tap a norm tap's norm reads (the layer's input, resid_mid, a sublayer's output, q or k,
+    the last layer's output); None for another tap."""
+    t = tapnames.tap(tap)
+    p = f"layers.{t.layer}."
+    if t.kind == "final_norm":
+        return max((name for name in o if name.endswith(".out")), default=None, key=lambda n: tapnames.tap(n).layer)
+    return {"attn_norm": tapnames.input_tap(t.layer) if t.layer is not None else None, "mlp_norm": p + "resid_mid",
+            "post_attn_norm": p + "attn_out", "post_mlp_norm": p + "mlp_out", "q_norm": p + "q",
+            "k_norm": p + "k"}.get(t.kind)
 
 
 def standing(v: TapVerdict) -> str:

@@ -123,7 +123,8 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     if has_twin:
         t0 = _lap(seconds, f"c64 ({cand.name} at fp64)", t0)
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
-    verdicts = judge_taps(taps, r, c, o, c64, real, policy, keeps_f32, getattr(ref.at_policy, "weight_sources", None))
+    verdicts = judge_taps(taps, r, c, o, c64, real, policy, keeps_f32, getattr(ref.at_policy, "weight_sources", None),
+                          _config_of(ref, cand))
     settle_conventions(verdicts)     # before inherit picks the first finding
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
               if "logits" in taps else {})
@@ -267,15 +268,16 @@ def _noted(check: CaptureCheck) -> CaptureCheck:
     return check
 
 
-def judge_taps(taps, r, c, o, c64, real, policy: Policy, keeps_f32: bool, weights=None) -> list[TapVerdict]:
+def judge_taps(taps, r, c, o, c64, real, policy: Policy, keeps_f32: bool, weights=None, cfg=None) -> list[TapVerdict]:
     """classify every tap in execution order (dtype noise found at one tap is carried to the
     next), with the pair metrics of candidate vs reference. c64 None: no float64 twin. weights:
-    the reference's weight_sources (OurModel), for the stored-weights test, or None."""
+    the reference's weight_sources (OurModel), for the stored-weights test, or None. cfg: the
+    reference's llamaspec config (its family's steps as the hints read them), or None."""
     hidden = np.shape(o["embed"])[-1] if "embed" in o else None
     verdicts, noise_from = [], None
     for t in taps:
         v = classify(t, r[t], c[t], o[t], None if c64 is None else c64[t], real, policy, keeps_f32,
-                     context_for(t, c if c64 is None else c64, o, weights), hidden, noise_from)
+                     context_for(t, c if c64 is None else c64, o, weights, cfg), hidden, noise_from)
         if v.noise_dtype and noise_from is None:
             noise_from = v
         v.metrics = pair_metrics(c[t][real], r[t][real], tapnames.dtype_of(t, policy))

@@ -81,8 +81,8 @@ def stream_capture(impl: CheckpointModel, ids, mask, taps=("layers.*.out",),
 class _Judge:
     """classify each tap as it comes, in execution order, carrying the dtype noise."""
 
-    def __init__(self, policy: Policy, real, keeps_f32: bool, taps):
-        self.policy, self.real, self.keeps_f32 = policy, real, keeps_f32
+    def __init__(self, policy: Policy, real, keeps_f32: bool, taps, cfg=None):
+        self.policy, self.real, self.keeps_f32, self.cfg = policy, real, keeps_f32, cfg   # cfg: context_for's
         self.taps = set(taps)
         self.verdicts, self.noise_from, self.hidden = [], None, None
         self.local = {}     # teacher forcing's local verdicts of the suspects (teacher.judge_forced)
@@ -92,7 +92,7 @@ class _Judge:
         context_o = {**(o_context or {}), **o}
         for t in names:
             if t in self.taps:
-                v = self.verdict(t, r[t], c[t], o[t], c64[t], context_for(t, c64, context_o))
+                v = self.verdict(t, r[t], c[t], o[t], c64[t], context_for(t, c64, context_o, cfg=self.cfg))
                 self.metrics(v, r[t], c[t])
 
     def verdict(self, t, r, c, o, c64, context):
@@ -122,7 +122,7 @@ def streamed_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_fo
     impls = {"r": ref.at_policy, "c": cand.at_policy, "o": ref.at_fp64, "c64": cand.at_fp64}
     reader = LayerReader((impl.checkpoint for impl in impls.values()), head_chunk_bytes)
     runs = {k: impl.layer_run(ids, mask) for k, impl in impls.items()}
-    judge = _Judge(policy, real, keeps_f32, taps)
+    judge = _Judge(policy, real, keeps_f32, taps, cfg)
     for k, run in runs.items():
         run.h = run("embed", reader.embedding(run.folder, ids))
     judge.hidden = runs["o"].h.shape[-1]
