@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.controls                 # tiny random checkpoint (seconds)
     .venv/bin/python -m bench.controls --smollm2       # the real SmolLM2-135M (minutes)
     .venv/bin/python -m bench.controls --only rope_layout clean --tokens 64
+    .venv/bin/python -m bench.controls --families      # the family slips, each on a tiny checkpoint of its family
 
 Positive controls (compare/controls/prefill.py): one bug planted at layer 1 of torchref, of a
 transformers LlamaForCausalLM, or of a doctored checkpoint copy read by jaxmodel;
@@ -28,6 +29,7 @@ import numpy as np
 
 from compare.controls import CONTROLS, check, clean, run_control
 from compare.vocabulary import FLOOR_ULPS, M
+from llamaspec.files import atomic_write
 
 TINY_HEAD_DIM = 32   # RoPE tables in bf16 need angles > ~30 rad to show: wide heads, 128 tokens
 CLEAN = [("jaxmodel", p) for p in ("fp64", "fp32", "bf16", "fp16")] + \
@@ -71,7 +73,12 @@ def main(argv=None):
     ap.add_argument("--no-jax-bugs", action="store_true", help="skip jaxmodel doctored checkpoints")
     ap.add_argument("--no-twin", action="store_true",
                     help="drop each candidate's float64 twin: judged by structure alone")
+    ap.add_argument("--families", action="store_true",
+                    help="the family slips (compare/controls/families.py) and each family's clean runs, "
+                         "each on a tiny random checkpoint of its family")
     args = ap.parse_args(argv)
+    if args.families:
+        return families(args)
 
     if args.smollm2:
         from llama_parity.fetch import default_model_dir
@@ -94,14 +101,40 @@ def main(argv=None):
         controls = [c for c in controls if c.name in args.only
                     or ("clean" in args.only and c.tap is None)]
 
+    run_all(controls, lambda c: folder, ids, mask, label, args.no_twin)
+
+
+def families(args):
+    """The family controls, each on its family's tiny checkpoint (written once per family)."""
+    import tempfile
+
+    from compare.controls.families import FAMILY_CONTROLS, FAMILY_OF, clean_family, family_checkpoint
+    from llamaspec.testing import TINY_FAMILIES
+    root = Path(tempfile.mkdtemp())
+    folders = {f: family_checkpoint(root / f, f) for f in TINY_FAMILIES}
+    controls = list(FAMILY_CONTROLS.values())
+    of = dict(FAMILY_OF)
+    for f in TINY_FAMILIES:
+        for where in ("torchref", "transformers"):
+            for p in ("fp32", "bf16"):
+                c = clean_family(f, p, where)
+                controls.append(c)
+                of[c.name] = f
+    if args.only:
+        controls = [c for c in controls if c.name in args.only or ("clean" in args.only and c.tap is None)]
+    ids = np.random.default_rng(0).integers(3, 96, (args.batch, args.tokens or 12))
+    run_all(controls, lambda c: folders[of[c.name]], ids, np.ones_like(ids), "families", args.no_twin)
+
+
+def run_all(controls, folder_of, ids, mask, label, no_twin):
     rows = []
     head = f"{'control':24s} {'where':12s} {'policy':6s} {'verdict':9s} {'tap':20s} {'L':>2s} " \
            f"{'component':10s} {'tf':3s} {'ok':3s} {'s':>5s}  key number | hint"
-    print(f"checkpoint {folder} ({label}), inputs {ids.shape[0]}x{ids.shape[1]} tokens\n{head}")
+    print(f"checkpoints: {label}, inputs {ids.shape[0]}x{ids.shape[1]} tokens\n{head}")
     for c in controls:
         t0 = time.perf_counter()
         try:
-            report = run_control(c, folder, ids, mask, twin=not args.no_twin)
+            report = run_control(c, folder_of(c), ids, mask, twin=not no_twin)
         except Exception as e:  # a control that cannot run is a row, not a crash
             rows.append(dict(control=c.name, where=c.where, policy=c.policy, error=repr(e)))
             print(f"{c.name:24s} {c.where:12s} {c.policy:6s} ERROR {e!r}")
@@ -128,11 +161,11 @@ def main(argv=None):
     bad = [r["control"] for r in rows if r.get("ok") == "NO" or "error" in r]
     print(f"\n{len(rows) - len(bad)} of {len(rows)} controls as expected"
           + (f"; failing: {', '.join(bad)}" if bad else ""))
-    label += "-no-twin" if args.no_twin else ""
+    label += "-no-twin" if no_twin else ""
     out = Path(__file__).parent / "results" / f"controls-{label}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(dict(checkpoint=str(folder), label=label, inputs=list(ids.shape),
-                                   M=M, floor_ulps=FLOOR_ULPS, rows=rows), indent=1, default=str))
+    atomic_write(out, json.dumps(dict(checkpoints=label, label=label, inputs=list(ids.shape), M=M,
+                                      floor_ulps=FLOOR_ULPS, rows=rows), indent=1, default=str), "controls table")
     print(f"wrote {out}")
     return 1 if bad else 0
 

@@ -150,7 +150,8 @@ def resolve(requested, model) -> tuple[str, ...]:
 
 
 def select(requested, num_layers, available, missing) -> tuple[str, ...]:
-    """(num_layers: a layer count or a config, as resolve takes.) Names and globs -> the concrete taps of `available` (in its order) that they name.
+    """Names and globs -> the concrete taps of `available` (in its order) that they name
+    (num_layers: a layer count or a config, as resolve takes).
     A glob expands over the available taps; a name outside the vocabulary is resolve's
     KeyError; a name (or a glob matching only such taps) that `available` lacks is a
     KeyError with the text missing(pattern, the first tap lacking)."""

@@ -288,7 +288,7 @@ class Dump:
         """Every listed tap in its file, under its own name, with the config's shape and a
         float dtype (the policy's dtype for a dump of ours). Returns (taps in execution
         order, {tap: file name}). field: '' or 'teacher_forcing.' (where the lists are)."""
-        where, n = self.where, self.cfg.num_hidden_layers
+        where = self.where
         if not isinstance(taps, list) or not taps or not isinstance(files, dict):
             raise DumpError(f"{where}: field '{field}taps' must be a non-empty list of tap names and '{field}files' "
                             "an object {file name: [tap names]}")

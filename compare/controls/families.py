@@ -220,7 +220,7 @@ def clean_family(family: str, policy: str, where: str = "torchref") -> Control:
     f32 islands inside a 16-bit model)."""
     def build(folder, pol):
         if where == "transformers":
-            from ..adapters.transformers import TransformersModel  # transformers: slow import
+            from ..adapters.transformers import TransformersModel  # lazy: imports torch and transformers (slow)
             return Side.of(TransformersModel.from_pretrained(folder, pol))
         if where != "torchref":
             return resolve_side(where, folder, pol)

@@ -61,7 +61,7 @@ import time
 
 import numpy as np
 
-from llamaspec import InputError, Policy
+from llamaspec import InputError, LlamaConfig, Policy
 from llamaspec import taps as tapnames
 from llamaspec.inputs import left_align
 
@@ -309,8 +309,9 @@ class _StepJudge:
     """classify on each step's one position, with evidence pooled over the steps where one
     position is too few (module docstring; _pool says which rung pools what)."""
 
-    def __init__(self, runs: _Runs, taps, policy: Policy, keeps_f32: bool, own_full):
+    def __init__(self, runs: _Runs, taps, policy: Policy, keeps_f32: bool, own_full, cfg=None):
         self.runs, self.taps, self.policy, self.keeps_f32 = runs, taps, policy, keeps_f32
+        self.cfg = cfg if isinstance(cfg, LlamaConfig) else None    # the family's steps, for context_for
         self.hidden = np.shape(runs.o["embed"])[-1] if "embed" in runs.o else None
         self.floor64 = F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR
         self.steps = runs.fed.shape[1]
@@ -326,7 +327,7 @@ class _StepJudge:
         real = np.ones((len(runs.fed), 1), bool)
         verdicts, noise_from = [], None
         for t in self.taps:
-            ctx = context_for(t, c64s, os_)
+            ctx = context_for(t, c64s, os_, cfg=self.cfg)
             ctx.pop("qkv", None)    # explain_attention needs every query of a sequence
             v = classify(t, rs[t], cs[t], os_[t], c64s[t], real, self.policy, self.keeps_f32, ctx, self.hidden,
                          noise_from)
@@ -398,7 +399,7 @@ class _StepJudge:
     def _pooled_kind(self, t: str) -> str:
         """classify's kind over every step at once (N positions per batch row)."""
         runs = self.runs
-        ctx = context_for(t, runs.c64, runs.o)
+        ctx = context_for(t, runs.c64, runs.o, cfg=self.cfg)
         ctx.pop("qkv", None)
         return classify(t, runs.r[t], runs.c[t], runs.o[t], runs.c64[t], np.ones(runs.fed.shape, bool), self.policy,
                         self.keeps_f32, ctx, self.hidden).kind
@@ -427,7 +428,7 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
         return {t: np.asarray(a)[:, ids.shape[1]:] for t, a in x.items()}
 
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
-    judge = _StepJudge(runs, taps, policy, keeps_f32, own_full)
+    judge = _StepJudge(runs, taps, policy, keeps_f32, own_full, getattr(ref.at_fp64, "cfg", None))
     verdicts = [judge.taps_of(s) for s in range(steps)]
     forcing = _inherit_steps(ref, cand, ids, mask, runs, taps, verdicts, policy, keeps_f32, slack, progress)
     if forcing == "run":
@@ -490,7 +491,7 @@ def _inherit_steps(ref: Side, cand: Side, ids, mask, runs: _Runs, taps, verdicts
         return f"not run: {e} (teacher forcing needs it)"
     o = {t: x[:, :n] for t, x in runs.o.items()}
     fjudge = _StepJudge(dataclasses.replace(runs, r=forced[0], c=forced[1], c64=forced[2], o=o, fed=fed),
-                        taps, policy, keeps_f32, own_full=None)
+                        taps, policy, keeps_f32, own_full=None, cfg=getattr(ref.at_fp64, "cfg", None))
     for s in range(n):
         local = fjudge.taps_of(s)
         if s in wanted:

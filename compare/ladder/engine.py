@@ -295,7 +295,7 @@ def _inherit(forced: ForcedRuns, ref: Side, cand: Side, o, real, verdicts, polic
         return False
     progress("teacher forcing: are the later findings the first one's, inherited?")
     try:
-        local = local_verdicts(forced, o, real, verdicts, policy, keeps_f32)
+        local = local_verdicts(forced, o, real, verdicts, policy, keeps_f32, _config_of(ref, cand))
     except InjectUnsupported:
         return False
     inherit(verdicts, local)

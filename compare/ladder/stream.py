@@ -178,7 +178,7 @@ def _layers(runs: dict, reader: LayerReader, judge: _Judge, cfg: LlamaConfig, re
                 forced["c64"] = runs["c64"]("block", i, weights[runs["c64"].folder], forced_in, wanted)
                 judge.local.update(judge_forced([v.tap for v in suspect], forced["r"], forced["c"],
                                                 {**prev_o, **acts["o"]}, forced["c64"], real, judge.policy,
-                                                judge.keeps_f32, judge.hidden))
+                                                judge.keeps_f32, judge.hidden, judge.cfg))
             last = {"in": forced_in, **{k: f[t] for k, f in forced.items()}}
         for k, run in runs.items():
             run.h = acts[k][f"layers.{i}.out"]
@@ -249,7 +249,7 @@ def _final_local(runs: dict, reader: LayerReader, judge: _Judge, cfg: LlamaConfi
             forced[k]["logits"] = logits[k]
         o["logits"] = logits["o"]
     judge.local.update(judge_forced([v.tap for v in suspect], forced["r"], forced["c"], o, forced["c64"],
-                                    judge.real, judge.policy, judge.keeps_f32, judge.hidden))
+                                    judge.real, judge.policy, judge.keeps_f32, judge.hidden, judge.cfg))
 
 
 def _logits(runs: dict, reader: LayerReader, x: dict) -> dict:

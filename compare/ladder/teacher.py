@@ -195,18 +195,19 @@ def forced_taps(suspect: list[TapVerdict], available) -> list[str]:
 
 
 def judge_forced(taps, fr: dict, fc: dict, o: dict, fc64: dict | None, real, policy: Policy, keeps_f32: bool,
-                 hidden) -> dict[str, TapVerdict]:
-    """classify on the forced runs (each layer fed the oracle's input): the taps' local verdicts."""
+                 hidden, cfg=None) -> dict[str, TapVerdict]:
+    """classify on the forced runs (each layer fed the oracle's input): the taps' local verdicts.
+    cfg: the reference's llamaspec config (the family's steps, for the structure analysis), or None."""
     out = {}
     for t in taps:
         c64 = None if fc64 is None else fc64[t]
         out[t] = classify(t, fr[t], fc[t], o[t], c64, real, policy, keeps_f32,
-                          context_for(t, fc if fc64 is None else fc64, o), hidden)
+                          context_for(t, fc if fc64 is None else fc64, o, cfg=cfg), hidden)
     return out
 
 
 def local_verdicts(forced: ForcedRuns, oracle, real, verdicts, policy: Policy,
-                   keeps_f32: bool) -> dict[str, TapVerdict]:
+                   keeps_f32: bool, cfg=None) -> dict[str, TapVerdict]:
     """The full ladder's forced runs for the suspects (suspects): ref and cand at P, cand at
     fp64 when it has a twin; their local verdicts. The runs also hold what local_errors reads
     afterwards (every layer's output, and every layer's tap of each kind a finding has: the
@@ -221,7 +222,7 @@ def local_verdicts(forced: ForcedRuns, oracle, real, verdicts, policy: Policy,
     fr, fc = forced.get("ref", taps), forced.get("cand", taps)
     fc64 = forced.get("cand64", taps) if forced.impls["cand64"] is not None else None
     hidden = np.shape(oracle["embed"])[-1]
-    return judge_forced([v.tap for v in suspect], fr, fc, oracle, fc64, real, policy, keeps_f32, hidden)
+    return judge_forced([v.tap for v in suspect], fr, fc, oracle, fc64, real, policy, keeps_f32, hidden, cfg)
 
 
 def inherit(verdicts: list[TapVerdict], local: dict[str, TapVerdict]) -> int:

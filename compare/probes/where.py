@@ -58,7 +58,7 @@ import time
 
 import numpy as np
 
-from llamaspec import Policy, caps
+from llamaspec import LlamaConfig, Policy, caps
 from llamaspec import taps as tapnames
 from llamaspec.checkpoint import check_checkpoint
 from llamaspec.taps import input_tap
@@ -236,11 +236,12 @@ class Yardstick:
     m: float
     floor: float
     twin_floor: float
+    cfg: object = None       # the model's llamaspec config (the family's steps, for the structure analysis)
 
     @classmethod
-    def of(cls, policy: Policy, hidden: int, keeps_f32: bool) -> "Yardstick":
+    def of(cls, policy: Policy, hidden: int, keeps_f32: bool, cfg=None) -> "Yardstick":
         return cls(policy, hidden, keeps_f32, drift_factor(policy), precision_floor(policy, hidden),
-                   F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR)
+                   F32_STEPS_FLOOR if keeps_f32 else FP64_FLOOR, cfg)
 
 
 def _positions(a: np.ndarray, b: np.ndarray) -> tuple[int | None, int | None]:
@@ -272,7 +273,7 @@ def verdict(tap: str, a, b, oa, ob, yard: Yardstick, context: dict | None = None
     None). context: the twins' taps of the layer, {"c64": ..., "o": ...} (context_for: what the
     structure analysis reads)."""
     real = np.ones((1, len(a)), bool)
-    ctx = context_for(tap, context["c64"], context["o"]) if context else None
+    ctx = context_for(tap, context["c64"], context["o"], cfg=yard.cfg) if context else None
     return classify(tap, np.asarray(a)[None], np.asarray(b)[None], np.asarray(oa)[None],
                     None if ob is None else np.asarray(ob)[None], real, yard.policy, yard.keeps_f32, ctx, yard.hidden)
 
@@ -783,7 +784,8 @@ def probe_where(model, circumstance: str = "batch", ids=None, *, checkpoint=None
     source = _source(setup, runs, pairs, rows_of, progress, cap)
     sides = _sides(setup, source, cap, options["labels"]) if circ.other_device else {}
     details = _details(setup, source, circumstance)
-    yard = Yardstick.of(setup.policy, int(setup.cfg.hidden_size), setup.keeps_f32)
+    yard = Yardstick.of(setup.policy, int(setup.cfg.hidden_size), setup.keeps_f32,
+                        setup.cfg if isinstance(setup.cfg, LlamaConfig) else None)
     pairings = [_Pairing(p, _comparison(p, by_key), by_key[p.b.run].mask[p.b.row],
                          p.own_twin and twin_computes(setup, by_key[p.b.run])) for p in pairs]
     t_walk, ran_before = time.perf_counter(), sum(source.seconds.values())
