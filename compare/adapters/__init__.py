@@ -27,8 +27,6 @@ import dataclasses
 import functools
 import inspect
 import sys
-
-from llamaspec.config import FAMILIES
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -36,6 +34,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from llamaspec import ConfigError, LlamaConfig, LlamaParityError, Policy
+from llamaspec.config import FAMILIES
 
 from .dump import expected_shape
 from .errors import PortError
