@@ -496,15 +496,23 @@ _MAX_ROPE_FACTOR = 2.0 ** 16
 
 
 def _check_numerics(source: str, cfg: LlamaConfig) -> LlamaConfig:
-    rope, problems = cfg.rope, []
-    if not 1.0 < rope.theta <= _F32_MAX:
-        problems.append(f"'rope_theta' = {rope.theta!r} must be above 1 and at most {_F32_MAX:.4g} (float32's "
-                        "largest): the RoPE frequencies theta^(-2i/d) are computed in float32, where a base at or "
-                        "below 1 turns a frequency into more than a radian per position, or into Inf (NaN angles)")
-    if rope.type != "default" and not 1.0 <= rope.factor <= _MAX_ROPE_FACTOR:
-        problems.append(f"rope factor ('rope_scaling' / 'rope_parameters' 'factor') = {rope.factor!r} must be in "
-                        f"[1, {_MAX_ROPE_FACTOR:g}] for rope type '{rope.type}': a smaller one multiplies the "
-                        "frequencies up to Inf in float32, a larger one cancels dynamic scaling's stretch to 0")
+    problems = []
+    for rope, name in ((cfg.rope, "rope_theta"), (cfg.local_rope, "rope_local_base_freq")):
+        if rope is None:
+            continue
+        if not 1.0 < rope.theta <= _F32_MAX:
+            problems.append(f"'{name}' = {rope.theta!r} must be above 1 and at most {_F32_MAX:.4g} (float32's "
+                            "largest): the RoPE frequencies theta^(-2i/d) are computed in float32, where a base at "
+                            "or below 1 turns a frequency into more than a radian per position, or into Inf (NaN "
+                            "angles)")
+        if rope.type != "default" and not 1.0 <= rope.factor <= _MAX_ROPE_FACTOR:
+            problems.append(f"rope factor ('rope_scaling' / 'rope_parameters' 'factor') = {rope.factor!r} must be "
+                            f"in [1, {_MAX_ROPE_FACTOR:g}] for rope type '{rope.type}': a smaller one multiplies the "
+                            "frequencies up to Inf in float32, a larger one cancels dynamic scaling's stretch to 0")
+    for cap, name in ((cfg.attn_softcap, "attn_logit_softcapping"), (cfg.final_softcap, "final_logit_softcapping")):
+        if cap is not None and not _F32_TINY <= cap <= _F32_MAX:
+            problems.append(f"'{name}' = {cap!r} must be a normal float32 number: the cap divides the scores "
+                            "in the model's dtype")
     if cfg.rms_norm_eps < _F32_TINY:
         problems.append(f"'rms_norm_eps' = {cfg.rms_norm_eps!r} must be at least {_F32_TINY:.4g} (float32's "
                         "smallest normal number): below it the epsilon is 0 or subnormal in float32 and bfloat16, "

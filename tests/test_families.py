@@ -165,6 +165,10 @@ def test_features_per_family():
     (dict(model_type="gemma3_text", rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0}}),
      "yarn"),
     (dict(model_type="mistral", some_new_field=1), "some_new_field"),
+    (dict(model_type="gemma3_text", rope_local_base_freq=0.5), "rope_local_base_freq"),
+    (dict(model_type="gemma2", attn_logit_softcapping=1e-300), "attn_logit_softcapping"),
+    (dict(model_type="gemma2", query_pre_attn_scalar=0), "query_pre_attn_scalar"),
+    (dict(model_type="mistral", sliding_window=0), "sliding_window"),
 ])
 def test_family_configs_that_change_the_math_are_refused(config, match):
     with pytest.raises(ConfigError, match=match):
