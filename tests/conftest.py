@@ -80,6 +80,44 @@ def _hf_logits(folder, ids, mask=None, true_f64=False):
         torch.set_default_dtype(saved[2])
 
 
+def _hf_family_logits(folder, ids, mask):
+    """The transformers class of the folder's family (its config's model_type: LlamaForCausalLM,
+    Qwen2ForCausalLM, ..., Olmo2ForCausalLM), eager attention, float64 end to end: its modeling
+    module's torch.float / float32 name float64 (as _hf_logits' true_f64), and Tensor.float widens
+    to float64 for the call (Gemma's norms call x.float())."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import importlib
+
+    from transformers import modeling_rope_utils
+
+    from compare.adapters.transformers import causal_lm_class
+    from llamaspec import LlamaConfig
+    cls = causal_lm_class(LlamaConfig.from_file(folder).model_type)
+    stem = cls.removesuffix("ForCausalLM").lower()
+    mod = importlib.import_module(f"transformers.models.{stem}.modeling_{stem}")
+    saved = mod.torch, modeling_rope_utils.torch, torch.get_default_dtype(), torch.Tensor.float
+    mod.torch = modeling_rope_utils.torch = _TorchAllF64("torch", torch)
+    torch.set_default_dtype(torch.float64)
+    torch.Tensor.float = lambda self, *a, **k: self.to(torch.float64)
+    try:
+        model = getattr(transformers, cls).from_pretrained(folder, dtype=torch.float64,
+                                                           attn_implementation="eager").eval()
+        with torch.no_grad():
+            ids, mask = (torch.from_numpy(np.asarray(a)) for a in (ids, mask))
+            return model(ids, attention_mask=mask).logits.numpy()
+    finally:
+        mod.torch, modeling_rope_utils.torch = saved[:2]
+        torch.set_default_dtype(saved[2])
+        torch.Tensor.float = saved[3]
+
+
+@pytest.fixture
+def hf_family_logits():
+    """transformers' float64 logits of a folder of any family (see _hf_family_logits)."""
+    return _hf_family_logits
+
+
 @pytest.fixture
 def hf_logits():
     """transformers' logits for a folder (see _hf_logits); skips without transformers."""

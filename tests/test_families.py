@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import types
 
 import numpy as np
 import pytest
@@ -52,41 +51,6 @@ def prompt(B=2, T=10, pad=3, seed=0):
     mask = np.ones((B, T), np.int64)
     mask[-1, :pad] = 0
     return ids, mask
-
-
-class _TorchAllF64(types.ModuleType):
-    """`torch` for transformers' modeling module with torch.float / float32 naming float64: the
-    class's float32 islands (norms, RoPE tables, softmax) run in float64, its formulas untouched."""
-
-    def __init__(self, torch):
-        super().__init__("torch")
-        self._torch, self.float, self.float32 = torch, torch.float64, torch.float64
-
-    def __getattr__(self, name):
-        return getattr(self._torch, name)
-
-
-def hf_logits(folder, family, ids, mask):
-    """transformers' own class for the family, eager attention, float64 end to end (Gemma's
-    `x.float()` included: Tensor.float widens to float64 for the call)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from transformers import modeling_rope_utils
-    stem = HF[family]
-    mod = importlib.import_module(f"transformers.models.{stem.lower()}.modeling_{stem.lower()}")
-    saved = mod.torch, modeling_rope_utils.torch, torch.get_default_dtype(), torch.Tensor.float
-    mod.torch = modeling_rope_utils.torch = _TorchAllF64(torch)
-    torch.set_default_dtype(torch.float64)
-    torch.Tensor.float = lambda self, *a, **k: self.to(torch.float64)
-    try:
-        model = getattr(transformers, stem + "ForCausalLM").from_pretrained(
-            folder, dtype=torch.float64, attn_implementation="eager").eval()
-        with torch.no_grad():
-            return model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
-    finally:
-        mod.torch, modeling_rope_utils.torch = saved[:2]
-        torch.set_default_dtype(saved[2])
-        torch.Tensor.float = saved[3]
 
 
 def rel(a, b, mask):
@@ -179,13 +143,14 @@ def test_family_configs_that_change_the_math_are_refused(config, match):
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_fp64_matches_transformers_class(framework, family, family_dir):
-    """Each family at fp64 agrees with transformers' own class run in float64 end to end: windows
-    shorter than the prompt, soft-caps that bend, left padding (the last row)."""
+def test_fp64_matches_transformers_class(framework, family, family_dir, hf_family_logits):
+    """Each family at fp64 agrees with transformers' own class run in float64 end to end
+    (conftest's hf_family_logits): windows shorter than the prompt, soft-caps that bend, left
+    padding (the last row)."""
     folder = family_dir(family)
     ids, mask = prompt()
     err = rel(logits_of(load(framework, folder, "fp64", backend="reference"), ids, mask),
-              hf_logits(folder, family, ids, mask), mask)
+              hf_family_logits(folder, ids, mask), mask)
     assert err <= 1e-12, f"{framework}/{family}: rel L2 {err:.2e} vs transformers' class in float64"
 
 

@@ -10,9 +10,6 @@ plain text after BOS, which is what a base model continues.
 
 from __future__ import annotations
 
-import importlib
-import types
-
 import numpy as np
 import pytest
 
@@ -56,40 +53,6 @@ def gemma3():
 def tokenizer(gemma3):
     from llamaspec.tokenizer import Tokenizer
     return Tokenizer.from_pretrained(gemma3)
-
-
-class _TorchAllF64(types.ModuleType):
-    """`torch` for transformers' Gemma 3 modeling module (and its RoPE helpers) with torch.float
-    and torch.float32 naming float64: the class's float32 islands (norms, RoPE tables, softmax)
-    run in float64, its formulas untouched (as tests/test_families.py does on tiny configs)."""
-
-    def __init__(self, torch):
-        super().__init__("torch")
-        self._torch = torch
-        self.float = self.float32 = torch.float64
-
-    def __getattr__(self, name):
-        return getattr(self._torch, name)
-
-
-def hf64_logits(folder, ids, mask) -> np.ndarray:
-    """transformers' Gemma3ForCausalLM, eager attention, float64 end to end."""
-    transformers = pytest.importorskip("transformers")
-    from transformers import modeling_rope_utils
-    mod = importlib.import_module("transformers.models.gemma3.modeling_gemma3")
-    saved = mod.torch, modeling_rope_utils.torch, torch.get_default_dtype(), torch.Tensor.float
-    mod.torch = modeling_rope_utils.torch = _TorchAllF64(torch)
-    torch.set_default_dtype(torch.float64)
-    torch.Tensor.float = lambda self, *a, **k: self.to(torch.float64)
-    try:
-        model = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float64,
-                                                                attn_implementation="eager").eval()
-        with torch.no_grad():
-            return model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
-    finally:
-        mod.torch, modeling_rope_utils.torch = saved[:2]
-        torch.set_default_dtype(saved[2])
-        torch.Tensor.float = saved[3]
 
 
 def test_cached_folder_reads_as_gemma3(gemma3):
@@ -157,12 +120,12 @@ def _window_prompt(tokenizer):
 
 
 @pytest.mark.slow
-def test_fp64_matches_transformers_class(gemma3, tokenizer):
+def test_fp64_matches_transformers_class(gemma3, tokenizer, hf_family_logits):
     """torchref at fp64 agrees with transformers' Gemma3ForCausalLM run in float64 end to end on
     the real weights, over a prompt longer than the sliding window (and a left-padded row)."""
     ids, mask = _window_prompt(tokenizer)
     ours = np.asarray(torchref.from_pretrained(gemma3, policy="fp64", backend="reference")(ids, mask))
-    theirs = hf64_logits(gemma3, ids, mask)
+    theirs = hf_family_logits(gemma3, ids, mask)
     real = mask.astype(bool)
     err = rel_l2(ours[real], theirs[real])
     print(f"\nMEASURED gemma3 fp64 torchref vs transformers Gemma3ForCausalLM (float64) logits rel L2 = {err:.3e} "
