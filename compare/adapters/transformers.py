@@ -118,7 +118,8 @@ EAGER_F64_LEFT_PADDING = (
     "real token (left padding): the float64 mask minimum becomes -inf in its float32 softmax, "
     "and from the next layer on the NaN reaches the row's real positions through 0 * NaN in "
     "probs @ V. Use attn_implementation='sdpa' for float64 runs (copy_at(model, 'float64', "
-    "attn_implementation='sdpa')), right padding, or one row per call.")
+    "attn_implementation='sdpa'); not for Gemma 2, whose soft-capped attention transformers runs "
+    "eager only), right padding, or one row per call.")
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy copy (the hooked tensor may be reused by the model), bf16 kept as bf16."""
