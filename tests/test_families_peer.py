@@ -365,3 +365,25 @@ def test_cli_make_checkpoint_of_a_smaller_vocabulary_has_no_tokenizer(tmp_path, 
     assert "without a tokenizer" in printed and not (out / "tokenizer.json").exists()
     assert json.loads((out / "config.json").read_text())["architectures"] == ["MistralForCausalLM"]
     assert set(SHAPES) >= set(FAMILY_SHAPES)
+
+
+# Gemma 3's real window (512) is longer than this prompt: its windows are engaged at fp64 in
+# tests/test_families.py (tiny) and at fp32 in test_real_shape_streamed_matches_transformers.
+FP64_SHAPE_TOKENS = 24
+
+
+@pytest.mark.parametrize("shape", FAMILY_SHAPES)
+def test_real_shape_streamed_at_fp64_matches_transformers_class(shape, tmp_path, hf_family_logits):
+    """The fp64 agreement at each relative's real widths, heads and features (one layer, a
+    512-token vocabulary): torchref walked layer by layer at fp64 vs transformers' class loaded
+    whole and run in float64 end to end (conftest's hf_family_logits), within 1e-12."""
+    folder = write_checkpoint(tmp_path / shape, shape, "bfloat16", layers=1, vocab_size=512)
+    ids = np.random.default_rng(7).integers(3, 512, (2, FP64_SHAPE_TOKENS))
+    mask = np.ones_like(ids)
+    mask[1, :5] = 0                     # a left-padded row
+    ours, _ = stream_capture(CheckpointModel("torchref", str(folder), "fp64"), ids, mask, ["logits"])
+    theirs = hf_family_logits(folder, ids, mask)
+    real = mask.astype(bool)
+    err = rel_l2(np.asarray(ours)[real], theirs[real])
+    print(f"\nMEASURED {shape} one layer streamed fp64 vs transformers: rel L2 {err:.2e}")
+    assert err <= 1e-12, f"{shape}: rel L2 {err:.2e} streamed fp64 vs transformers' class in float64"
