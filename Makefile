@@ -46,7 +46,8 @@ CAP_TESTS := tests/test_fixed_order.py tests/test_batch_invariant.py tests/test_
 	tests/test_engine.py tests/test_controls.py tests/test_decode.py tests/test_steps.py tests/test_fused_attention.py \
 	tests/test_torchref_products.py tests/test_torchref_attention.py tests/test_kernel_attention.py \
 	tests/test_torchref_step.py tests/test_jaxmodel_matvec.py tests/test_backends.py tests/test_policy_knobs.py \
-	tests/test_policy_knobs_jax.py tests/test_portable_invariant_torch.py tests/test_portable_invariant_jax.py
+	tests/test_policy_knobs_jax.py tests/test_portable_invariant_torch.py tests/test_portable_invariant_jax.py \
+	tests/test_families.py tests/test_families_jax.py tests/test_family_controls.py
 # The caps' variables: llamaspec/caps.py (CAPS, the one table); `python -m llamaspec.caps NAME` prints
 # them as one `env` line, and refuses (exit 2) a cap it does not know or this CPU cannot honour.
 CAP_ENV = $$($(BIN)/python -m llamaspec.caps $*)

@@ -85,22 +85,31 @@ def test_embedding_scale_and_offset_norm_weights_are_torchrefs_bits(dtype):
         np.testing.assert_allclose(ours, theirs, rtol=ulp, atol=ulp)
 
 
+# One unit roundoff of each dtype (half an ulp at 1).
+_EPS = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_soft_cap_and_gelu_are_torchrefs_bits_but_for_tanh(dtype):
-    """soft_cap: each step rounded as torch rounds it, the division a true one (XLA would multiply
-    by the reciprocal): 16-bit results are torchref's bits; float32 ones differ only where torch's
-    tanh (within an ulp) and the correctly rounded one differ. gelu_tanh: torch's formula, order and
-    constants, computed in opmath and rounded once; its tanh is the correctly rounded one, not
-    torch's, which the (1 + tanh) cancellation shows in a few values in a thousand."""
+def test_soft_cap_and_gelu_agree_with_torchref_to_rounding(dtype):
+    """soft_cap and gelu_tanh: torch's formula, order and constants, each step in opmath, rounded
+    once to the dtype. Both frameworks' tanh are within an ulp or two of the exact value (XLA's
+    float32 tanh is not: jaxmodel takes it through float64), but which values they round the other
+    way depends on the CPU's code path (torch's vector and scalar tanh differ), so the bound is one
+    any CPU meets: |jax - torch| <= 4 unit roundoffs of the dtype times the value's scale (|x| for
+    GELU, whose 1 + tanh cancels where x is very negative; the result for the cap)."""
     import jax
+    import torch
 
     from torchref import ops as tops
     t, j = _pair(dtype)
-    for cap in (1.5, 30.0, 50.0):
-        differ = _bits(tops.soft_cap(t, cap), jax.jit(jops.soft_cap, static_argnums=1)(j, cap)).mean()
-        assert differ <= (0 if dtype != "float32" else 2e-3), (cap, differ)
-    differ = _bits(tops.gelu_tanh(t), jax.jit(jops.gelu_tanh)(j)).mean()
-    assert differ <= 2e-2, differ
+    x = t.to(torch.float64).numpy()
+    cap_of = jax.jit(jops.soft_cap, static_argnums=1)
+    pairs = [(f"soft_cap {cap}", tops.soft_cap(t, cap), cap_of(j, cap)) for cap in (1.5, 30.0, 50.0)]
+    for name, theirs, ours in pairs + [("gelu_tanh", tops.gelu_tanh(t), jax.jit(jops.gelu_tanh)(j))]:
+        a, b = theirs.to(torch.float64).numpy(), np.asarray(ours.astype("float64"))
+        scale = np.maximum(np.abs(x), np.abs(a)) if name == "gelu_tanh" else np.abs(a)
+        worst = float((np.abs(a - b) / (_EPS[dtype] * np.maximum(scale, np.finfo(np.float64).tiny))).max())
+        assert worst <= 4, (name, dtype, worst)
 
 
 def test_attention_scale_and_softcap_follow_the_reference_order():
