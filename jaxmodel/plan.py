@@ -30,18 +30,19 @@ from llamaspec import Policy, cpuinfo
 from llamaspec import fixed_order as fo
 from llamaspec.errors import InvarianceError, PolicyError
 from llamaspec.plan import (
+    DECLINABLE_FUNCTIONS,
     INVARIANT_ENV,
     INVARIANT_PATHS,
     ISA_FLAGS,
     OPS,
     Plan,
     backend_name,
+    check_family,
     check_xla_flags,
     declines,
     describe_family,
     family_declines,
-    final_cap_note,
-    invariant_refuses,
+    family_ops,
     read_settings,
     setting,
 )
@@ -70,7 +71,7 @@ def make_plan(policy, device: str = "cpu", backend: str = "fast", cfg=None) -> P
     `backend` (one of llamaspec.plan.BACKENDS), for a model of config `cfg` (None: Llama's features)."""
     check_xla_flags()
     backend = backend_name(backend, False)
-    _check_family(cfg, backend)
+    check_family(cfg, backend)
     return _for_family(*_decide(Policy.get(policy), device, backend), backend, cfg)[0]
 
 
@@ -79,18 +80,9 @@ def load(policy, device: str | None, backend: str, layout=None, cfg=None):
     its sharding.MeshLayout or None; cfg: its config, None for Llama's features)."""
     check_xla_flags()
     backend = backend_name(backend, False)
-    _check_family(cfg, backend)
+    check_family(cfg, backend)
     plan, namespace = _decide(Policy.get(policy), device or jax.default_backend(), backend)
     return _for_family(plan, _with_layout(namespace, layout), backend, cfg)
-
-
-def _check_family(cfg, backend: str) -> None:
-    """A PolicyError naming the family features the invariant backend does not take (its ops are
-    Llama's; a reference op in their place would not be batch-invariant: llamaspec.plan)."""
-    refused = None if cfg is None else invariant_refuses(cfg)
-    if refused and backend == "invariant":
-        raise PolicyError(f"model_type {cfg.model_type!r}: the invariant backend does not take {refused} "
-                          "(its ops are Llama's; backend='reference' or 'fast' compute this family)")
 
 
 def _for_family(plan: Plan, namespace, backend: str, cfg):
@@ -101,19 +93,11 @@ def _for_family(plan: Plan, namespace, backend: str, cfg):
     (WithReference)."""
     if cfg is None:
         return plan, namespace
-    family = {} if backend == "reference" else family_declines(cfg)
-    described = dict(plan.ops)
-    for op, what in family.items():
-        described[op] = f"reference (the {backend} backend declines {what})"
-    described["logits"] += final_cap_note(cfg)
+    described = family_ops(dict(plan.ops), backend, cfg, namespace is ops)
     if cfg.features() and namespace is not ops:
-        namespace = WithReference(namespace, frozenset(family))
+        namespace = WithReference(namespace, frozenset(family_declines(cfg)))
     return dataclasses.replace(plan, ops=tuple((op, described[op]) for op in OPS),
                                model=describe_family(cfg)), namespace
-
-
-# The functions of each op a backend may decline for a family (llamaspec.plan.family_declines).
-_FUNCTIONS = {"norm": ("rms_norm", "norm_weight"), "attention": ("attention",), "mlp": ("silu", "gelu_tanh")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +111,7 @@ class WithReference:
     def __getattr__(self, name):
         if name.startswith("__") or name in ("backend", "declined"):
             raise AttributeError(name)
-        if any(name in _FUNCTIONS[op] for op in self.declined) or not hasattr(self.backend, name):
+        if any(name in DECLINABLE_FUNCTIONS[op] for op in self.declined) or not hasattr(self.backend, name):
             return getattr(ops, name)
         return getattr(self.backend, name)
 

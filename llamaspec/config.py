@@ -364,8 +364,9 @@ def _windows(f: "_Fields", d: dict, source: str, family: str, n_layers: int) -> 
     elif family == "olmo2":
         return ()
     else:       # gemma2, gemma3_text
-        every = 2 if family == "gemma2" else f.int("sliding_window_pattern", default=None) \
-            if d.get("sliding_window_pattern") is not None else f.int("_sliding_window_pattern")
+        # Gemma 2: every other layer; Gemma 3: the pattern (older configs spell it without the "_")
+        pattern = "sliding_window_pattern" if d.get("sliding_window_pattern") is not None else "_sliding_window_pattern"
+        every = 2 if family == "gemma2" else f.int(pattern)
         derived = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
     if types is not None:
         if not isinstance(types, list) or len(types) != n_layers or any(t not in _LAYER_TYPES for t in types):

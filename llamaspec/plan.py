@@ -83,12 +83,17 @@ def family_declines(cfg) -> dict[str, str]:
     steps (soft-caps, GELU, the embedding scale, q/k norms' placement) are reference functions in
     every backend; the ops they feed are listed here (the final soft-cap: final_cap_note)."""
     out = {}
-    norm = [w for on, w in ((cfg.norm_offset, f"the ({cfg.norm_offset:g} + weight) norm"),
-                            (cfg.qk_norm, f"q/k norm over the {cfg.qk_norm}")) if on]
-    attention = [w for on, w in ((cfg.attn_softcap is not None, f"attention soft-capping ({cfg.attn_softcap:g})"
-                                  if cfg.attn_softcap is not None else ""),
-                                 (cfg.query_scale is not None, "a query scale other than 1/sqrt(head_dim)")) if on]
-    mlp = [f"the {cfg.activation} activation"] if cfg.activation != "silu" else []
+    norm, attention, mlp = [], [], []
+    if cfg.norm_offset:
+        norm.append(f"the ({cfg.norm_offset:g} + weight) norm")
+    if cfg.qk_norm:
+        norm.append(f"q/k norm over the {cfg.qk_norm}")
+    if cfg.attn_softcap is not None:
+        attention.append(f"attention soft-capping ({cfg.attn_softcap:g})")
+    if cfg.query_scale is not None:
+        attention.append("a query scale other than 1/sqrt(head_dim)")
+    if cfg.activation != "silu":
+        mlp.append(f"the {cfg.activation} activation")
     for op, what in (("norm", norm), ("attention", attention), ("mlp", mlp)):
         if what:
             out[op] = ", ".join(what)
@@ -119,6 +124,35 @@ def invariant_refuses(cfg) -> str | None:
     Llama's arithmetic; a reference op in their place would not be batch-invariant), or None."""
     what = sorted(set(cfg.features()) - set(_BACKEND_FEATURES))
     return ", ".join(what) or None
+
+
+def check_family(cfg, backend: str) -> None:
+    """A PolicyError naming the family features of `cfg` (None: Llama's) the invariant backend does
+    not take, when that backend is asked for; both models' plans call it before deciding anything."""
+    refused = None if cfg is None else invariant_refuses(cfg)
+    if refused and backend == "invariant":
+        raise PolicyError(f"model_type {cfg.model_type!r}: the invariant backend does not take {refused} "
+                          "(its ops are Llama's; backend='reference' or 'fast' compute this family)")
+
+
+# The functions (the same names in both models' ops.py) of each op a backend may decline for a family.
+DECLINABLE_FUNCTIONS = {"norm": ("rms_norm", "norm_weight"), "attention": ("attention",),
+                        "mlp": ("silu", "gelu_tanh")}
+
+
+def family_ops(described: dict, backend: str, cfg, on_reference: bool) -> dict:
+    """A plan's {op: words} for a model of config `cfg` (None: Llama's): the ops its family's
+    features make the backend decline say so, unless the whole model runs on the reference already
+    (on_reference: its words say why), and the logits op names the final soft-cap."""
+    out = dict(described)
+    if cfg is None:
+        return out
+    if not on_reference and backend != "reference":
+        out.update({op: f"reference (the {backend} backend declines {what})"
+                    for op, what in family_declines(cfg).items()})
+    if cfg.final_softcap is not None:
+        out["logits"] = out.get("logits", "reference") + final_cap_note(cfg)
+    return out
 
 
 class SettingError(PolicyError):

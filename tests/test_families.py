@@ -301,3 +301,12 @@ def test_sliding_window_counts_tokens_not_pad_slots(framework, family, family_di
     out = logits_of(m, padded, mask)
     keep = mask[0].astype(bool)
     np.testing.assert_allclose(out[0, keep], plain[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_policy_the_fast_backend_declines_keeps_its_reason_on_a_family(framework, family_dir):
+    """Where the whole model runs on the reference for the policy's sake (a KV-cache knob), the plan
+    says that, not the family's reasons; the final soft-cap is named either way."""
+    plan = load(framework, family_dir("gemma2"), "bf16+kv_cache=e4m3:channel").plan
+    assert plan.op("attention") == "reference (the fast backend declines kv_cache)"
+    assert plan.op("logits").endswith("final logit soft-capping (2) by the reference")

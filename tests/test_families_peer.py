@@ -281,7 +281,7 @@ def test_family_shapes_are_the_real_configs_as_transformers_reads_them(tmp_path)
     for shape, family in FAMILY_SHAPES.items():
         folder = tmp_path / shape
         folder.mkdir()
-        (folder / "config.json").write_text(json.dumps(shape_config(shape)))
+        atomic_write(folder / "config.json", json.dumps(shape_config(shape)), "config.json")
         ours = LlamaConfig.from_file(folder)
         theirs = LlamaConfig.from_dict(transformers.AutoConfig.from_pretrained(folder).to_dict(), "transformers")
         assert ours.model_type == family and dataclasses.replace(theirs, pad_token_id=None) == ours, shape

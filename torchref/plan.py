@@ -24,17 +24,18 @@ from llamaspec import Policy, cpuinfo
 from llamaspec.errors import InvarianceError, PolicyError
 from llamaspec.fixed_order import KernelSettingError
 from llamaspec.plan import (
+    DECLINABLE_FUNCTIONS,
     INVARIANT_ENV,
     INVARIANT_PATHS,
     ISA_FLAGS,
     OPS,
     Plan,
     backend_name,
+    check_family,
     declines,
     describe_family,
     family_declines,
-    final_cap_note,
-    invariant_refuses,
+    family_ops,
     read_settings,
     setting,
 )
@@ -114,10 +115,6 @@ def choices(policy: Policy, device: torch.device, env: dict) -> fast.Choices:
         mkl_off_intel=torch.backends.mkl.is_available() and cpuinfo.vendor() not in ("", "GenuineIntel"))
 
 
-# The functions of each op a backend may decline for a family (llamaspec.plan.family_declines).
-_FUNCTIONS = {"norm": ("rms_norm", "norm_weight"), "attention": ("attention",), "mlp": ("silu", "gelu_tanh")}
-
-
 class WithReference:
     """A backend's op namespace where the functions of `declined` ops, and any function the backend
     does not define (a family's own steps: gelu_tanh, soft_cap, scale_embedding), are the
@@ -125,7 +122,7 @@ class WithReference:
 
     def __init__(self, backend, declined):
         self.backend, self.declined = backend, frozenset(declined)
-        self._reference = {f for op in self.declined for f in _FUNCTIONS[op]}
+        self._reference = {f for op in self.declined for f in DECLINABLE_FUNCTIONS[op]}
 
     def __getattr__(self, name):
         if name.startswith("__") or name in ("backend", "declined", "_reference"):
@@ -143,11 +140,7 @@ def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast
     model of config `cfg` (None: Llama's features)."""
     policy, device = Policy.get(policy), torch.device(device)
     backend = backend_name(backend, False)
-    refused = None if cfg is None else invariant_refuses(cfg)
-    if refused and backend == "invariant":
-        raise PolicyError(f"model_type {cfg.model_type!r}: the invariant backend does not take {refused} "
-                          "(its ops are Llama's; backend='reference' or 'fast' compute this family)")
-    family = {} if cfg is None or backend == "reference" else family_declines(cfg)
+    check_family(cfg, backend)
     env = {n: os.environ[n] for n in SETTINGS if n in os.environ}
     name, flags = cpuinfo.name_and_flags()
     isa, error = None, None
@@ -173,12 +166,9 @@ def make_backend(policy: str | Policy, device="cpu", backend: str | None = "fast
             described = describe_portable(namespace)
     else:
         namespace, described = ops, {}
-    for op, what in family.items():
-        described[op] = f"reference (the {backend} backend declines {what})"
-    if cfg is not None and cfg.final_softcap is not None:
-        described["logits"] = described.get("logits", "reference") + final_cap_note(cfg)
+    described = family_ops(described, backend, cfg, namespace is ops)
     if cfg is not None and cfg.features() and namespace is not ops:
-        namespace = WithReference(namespace, family)
+        namespace = WithReference(namespace, family_declines(cfg))
     plan = Plan(backend=backend, framework="torch", device=str(device), policy=policy.name, cpu=name,
                 cpu_vendor=cpuinfo.vendor(), cpu_flags=tuple(f for f in ISA_FLAGS if f in flags),
                 kernel_isa=None if isa is None else _isa_name(isa), kernel_error=error,
