@@ -2,7 +2,8 @@
 
     TorchModule(module, {"layers.{i}.attn_out": "model.layers.{i}.self_attn", ...})
         a PyTorch module tree and a map from tap names to submodule paths (forward hooks);
-        "pre:<path>" taps a module's input instead of its output
+        "pre:<path>" taps a module's input instead of its output; "<path>#n" its n-th call
+        (from 0) inside the tap's layer, for a module that runs more than once per layer
     JaxFunction(fn, params, taps=("embed", "layers.{i}.out", ...), num_layers=L)
         a plain JAX function fn(params, ids, mask, positions) -> (logits, {tap: array})
     NnxModule(module, {"layers.{i}.out": "layers.{i}", ...})
@@ -39,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import re
+import warnings
 
 import numpy as np
 
@@ -264,6 +267,13 @@ def _accepts(fn, name: str) -> bool:
     return name in params   # named: a **kwargs catch-all does not say it uses the argument
 
 
+def _takes_any_keyword(fn) -> bool:
+    try:
+        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+
+
 def _config_value(obj, *names):
     cfg = getattr(obj, "config", None) or getattr(obj, "cfg", None)
     for n in names:
@@ -339,6 +349,17 @@ def _torch_numpy(t):
     return to_numpy(t).copy()
 
 
+def _call_index(path: str, tap: str) -> tuple[str, int | None]:
+    """"<path>#n" -> (path, n); a path without "#" -> (path, None)."""
+    if "#" not in path:
+        return path, None
+    m = re.fullmatch(r"(.+)#(\d+)", path)
+    if m is None:
+        raise ValueError(f"tap '{tap}': path '{path}': a call index is '#' and a number at the end "
+                         "(e.g. 'layers.0.attn.pos_embeddings#1', the second call, from 0)")
+    return m.group(1), int(m.group(2))
+
+
 def forcing_hook(h):
     """Forward pre-hook (with_kwargs): the layer's hidden-state input, positional or the
     keyword hidden_states (else the first tensor keyword), becomes h in its dtype/device."""
@@ -358,25 +379,68 @@ def forcing_hook(h):
 
 
 def default_torch_forward(module, ids, mask, positions):
-    """module(input_ids=, attention_mask=, position_ids=[, use_cache=False]) where its
-    forward takes those keywords, else module(ids); .logits, element 0 of a tuple, or the
-    tensor itself."""
+    """module(input_ids=, attention_mask=, position_ids=[, use_cache=False]) where its forward
+    takes those keywords; .logits, element 0 of a tuple, or the tensor itself.
+
+    Nothing it was given is dropped without a word: a forward without `input_ids` is called as
+    module(ids) only for a batch without padding (mask all ones, positions 0..T-1: nothing to
+    hand over), with a warning; a padded batch is a ValueError, as is one whose positions are
+    not 0..T-1 (left or interior padding) for a forward that takes no `position_ids`. Pass
+    forward= to hand such a port the mask and positions its own way."""
     fwd = getattr(module, "forward", module)
-    if _accepts(fwd, "input_ids"):
-        kw = {"input_ids": ids, "attention_mask": mask}
+    padded = not bool(mask.all())
+    shifted = padded and not bool((positions == torch_arange_like(positions))[mask.bool()].all())
+    if not _accepts(fwd, "input_ids"):
+        if padded:
+            raise ValueError(f"its forward{_signature(fwd)} takes no input_ids / attention_mask keywords, so the "
+                             "default forward cannot hand it this batch's padding mask and positions; pass "
+                             "forward=lambda module, ids, mask, positions: ... (docs/ports.md), or unpadded input")
+        _warn_once(module, f"{type(module).__name__}: its forward{_signature(fwd)} takes no input_ids keyword: "
+                   "called as module(ids) without the attention mask and positions (this batch has no padding, so "
+                   "nothing is lost); a padded batch will be refused. Pass forward= to hand them over")
+        out = module(ids)
+    else:
+        kw = {"input_ids": ids}
+        if _accepts(fwd, "attention_mask") or _takes_any_keyword(fwd):
+            kw["attention_mask"] = mask
+        elif padded:
+            raise ValueError(f"its forward{_signature(fwd)} takes no attention_mask keyword, so the default forward "
+                             "cannot hand it this batch's padding; pass forward=... (docs/ports.md), or unpadded input")
         if _accepts(fwd, "position_ids"):
             kw["position_ids"] = positions
-        try:
-            params = inspect.signature(fwd).parameters
-        except (TypeError, ValueError):
-            params = {}
-        if "use_cache" in params:
+        elif shifted:
+            raise ValueError(f"its forward{_signature(fwd)} takes no position_ids keyword, and this batch's positions "
+                             "are not 0..T-1 (left or interior padding); pass forward=... (docs/ports.md), or right "
+                             "padding")
+        if _accepts(fwd, "use_cache"):
             kw["use_cache"] = False
         out = module(**kw)
-    else:
-        out = module(ids)
     out = getattr(out, "logits", out)
     return first_tensor(out, "logits")
+
+
+def torch_arange_like(positions):
+    """0..T-1 in every row of a [B, T] position tensor."""
+    import torch  # torch: slow import; JAX ports never load it
+    return torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)
+
+
+def _signature(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+_WARNED: set = set()
+
+
+def _warn_once(module, message: str) -> None:
+    """One warning per module object and message, not one per capture."""
+    key = (id(module), message)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 class TorchModule(_Port):
@@ -385,20 +449,30 @@ class TorchModule(_Port):
     taps_map: e.g. {"embed": "model.embed_tokens", "layers.{i}.attn_out":
     "model.layers.{i}.self_attn", "logits": "lm_head"} (HF_LLAMA_TAPS is the whole map for a
     Hugging Face-layout Llama). A path is a submodule's output (element 0 of a tuple);
-    "pre:<path>" is its first input. forward(module, ids, mask, positions) -> logits tensor
+    "pre:<path>" is its first input. "<path>#n" is the module's n-th call (from 0) while the
+    tap's layer runs (the layers: inject_map's modules), or in the whole forward for a tap
+    outside the layers: a module that runs more than once per layer, such as one RoPE module
+    shared by every attention and called for q then k ("layers.{i}.q_rope":
+    "layers.{i}.attn.pos_embeddings#0", "layers.{i}.k_rope": "...#1"); a module mapped
+    without "#n" must run once per forward. forward(module, ids, mask, positions) -> logits tensor
     (default_torch_forward by default; ids, mask, positions are int64 tensors on the
     module's device). num_layers: counted from the container that "{i}" indexes, or the
     module's config. inject_map: the decoder layer path ("model.layers.{i}") whose first
     input inject replaces; by default the path of "layers.{i}.out". head_dim reshapes
     per-head taps (default: the module's config). checkpoint: the folder the module was
-    loaded from, for float64() to read the weights at full precision (see there).
+    loaded from, for float64() to read the weights at full precision (see there). config: the
+    architecture as the port computes it (hidden_size, num_hidden_layers, ...), for the
+    report's config check and `probe where`; by default the module's own `config` when it has
+    a hidden_size.
     """
 
     def __init__(self, module, taps_map: dict, name: str | None = None, forward=None, num_layers: int | None = None,
                  inject_map: str | None = None, head_dim: int | None = None, vocab_size: int | None = None,
-                 keeps_f32: bool = False, checkpoint=None):
+                 keeps_f32: bool = False, checkpoint=None, config=None):
         self.module = module
         self.checkpoint = checkpoint
+        own = getattr(module, "config", None)
+        self.config = config if config is not None else own if getattr(own, "hidden_size", None) else None
         self.taps_map = dict(taps_map)
         self.name = name or type(module).__name__
         self.forward = forward or default_torch_forward
@@ -409,11 +483,6 @@ class TorchModule(_Port):
             self.head_dim = _config_value(module, "hidden_size") // _config_value(module, "num_attention_heads")
         self.num_layers = self._count_layers(num_layers, "pre:")
         self.paths = _expand_map(self.taps_map, self.num_layers, f"{self.name} taps_map")
-        self._targets = {}
-        for tap, path in self.paths.items():
-            self._targets[tap] = (_walk(module, path.removeprefix("pre:"), tap),
-                                  "pre" if path.startswith("pre:") else "post")
-        self._set_taps(self.paths)
         out_path = self.taps_map.get("layers.{i}.out", "")
         self.inject_map = inject_map or (out_path if out_path and not out_path.startswith("pre:") else None)
         self.supports_inject = self.inject_map is not None
@@ -421,6 +490,15 @@ class TorchModule(_Port):
                            "to them), or compare with teacher_forcing=False")
         self._layers = ([_walk(module, self.inject_map.replace("{i}", str(i)), f"inject_map layer {i}")
                          for i in range(self.num_layers)] if self.supports_inject else [])
+        self._targets = {}
+        for tap, path in self.paths.items():
+            where, call = _call_index(path, tap)
+            if call is not None and tapnames.layer_of(tap) is not None and not self._layers:
+                raise ValueError(f"{self.name}: tap '{tap}' ({path}) counts calls inside its layer: name the decoder "
+                                 "layers with inject_map='model.layers.{i}' (or map 'layers.{i}.out' to them)")
+            self._targets[tap] = (_walk(module, where.removeprefix("pre:"), tap),
+                                  "pre" if where.startswith("pre:") else "post", call)
+        self._set_taps(self.paths)
 
     def _device(self):
         p = next(iter(self.module.parameters()), None) if hasattr(self.module, "parameters") else None
@@ -434,24 +512,51 @@ class TorchModule(_Port):
         forced = self._inject(inject, ids)
         dev = self._device()
         acts, fired, handles = {}, {}, []
+        running = []          # the layers whose forward is running (innermost last)
+        calls = {}            # tap -> calls of its module seen inside its layer (or the forward)
 
-        def record(tap, when):
-            def post(module, args, kwargs, output):
+        def counted(tap, call) -> bool:
+            """Whether this call of the tap's module is the one the tap reads."""
+            if call is None:
                 fired[tap] = fired.get(tap, 0) + 1
-                acts[tap] = _torch_numpy(first_tensor(output, tap))
+                return True
+            layer = tapnames.layer_of(tap)
+            if layer is not None and (not running or running[-1] != layer):
+                return False
+            seen = calls[tap] = calls.get(tap, -1) + 1
+            if seen == call:
+                fired[tap] = fired.get(tap, 0) + 1
+            return seen == call
+
+        def record(tap, when, call):
+            def post(module, args, kwargs, output):
+                if counted(tap, call):
+                    acts[tap] = _torch_numpy(first_tensor(output, tap))
 
             def pre(module, args, kwargs):
-                fired[tap] = fired.get(tap, 0) + 1
-                acts[tap] = _torch_numpy(first_input(args, kwargs, tap))
+                if counted(tap, call):
+                    acts[tap] = _torch_numpy(first_input(args, kwargs, tap))
             return pre if when == "pre" else post
 
+        def entering(i):
+            def pre(module, args, kwargs):
+                running.append(i)
+            return pre
+
+        def leaving(module, args, kwargs, output):
+            running.pop()
+
         try:
+            if any(self._targets[t][2] is not None for t in wanted):
+                for i, layer in enumerate(self._layers):
+                    handles.append(layer.register_forward_pre_hook(entering(i), with_kwargs=True))
+                    handles.append(layer.register_forward_hook(leaving, with_kwargs=True))
             for i, h in forced.items():   # first, so the layer's own taps see the forced input
                 h = h.clone() if isinstance(h, torch.Tensor) else torch.from_numpy(np.array(h))   # the port's own
                 handles.append(self._layers[i].register_forward_pre_hook(forcing_hook(h), with_kwargs=True))
             for tap in wanted:
-                mod, when = self._targets[tap]
-                hook = record(tap, when)
+                mod, when, call = self._targets[tap]
+                hook = record(tap, when, call)
                 handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True) if when == "pre"
                                else mod.register_forward_hook(hook, with_kwargs=True))
             given = [a.astype(np.int64) for a in (ids, mask, pos)]
@@ -466,7 +571,8 @@ class TorchModule(_Port):
         if twice:
             raise RuntimeError(f"{self.name}: " + "; ".join(f"tap '{t}' ({self.paths[t]}) fired {n} times"
                                                           for t, n in twice.items())
-                               + " in one forward: map a module called once per forward")
+                               + " in one forward: map a module called once per forward, or name the call "
+                               "(a path ending in '#n', the n-th call inside the tap's layer, from 0)")
         return self._finish(_torch_numpy(first_tensor(logits, "logits")), acts, wanted, self.paths)
 
     def float64(self, checkpoint=None) -> "TorchModule":
@@ -488,7 +594,8 @@ class TorchModule(_Port):
         if checkpoint is not None:
             checkpoint_weights(twin, self.module, checkpoint)
         return TorchModule(twin, self.taps_map, self.name, self.forward, self.num_layers, self.inject_map,
-                           self.head_dim, self.vocab_size, self.keeps_f32, checkpoint)
+                           self.head_dim, self.vocab_size, self.keeps_f32, checkpoint,
+                           None if self.config is getattr(self.module, "config", None) else self.config)
 
 
 def checkpoint_weights(twin, module, checkpoint) -> bool:
