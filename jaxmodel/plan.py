@@ -19,10 +19,8 @@ Settings read (llamaspec.plan.read_settings records the ones set):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import platform
-import warnings
 
 import jax
 
@@ -156,7 +154,7 @@ class _Kernels:
                 raise
             self.error = str(e)
             if warn:
-                _warn_once(str(e))
+                fo.kernels_unavailable(str(e))
             return False
         self.isa = fo.ISA_NAMES[lib.fo_isa()]
         return True
@@ -164,19 +162,6 @@ class _Kernels:
     def reach(self, isa: str) -> bool:
         """Whether they build and their code path is `isa` or better."""
         return self.build(False) and fo.ISAS[self.isa] >= fo.ISAS[isa]
-
-
-@functools.cache
-def _warn_once(error: str) -> None:
-    warnings.warn(f"jaxmodel's fixed-order kernels are not available ({error}); attention and one-row 16-bit "
-                  f"products run in XLA ({ATTENTION_ENV}=reference and {PRODUCTS_ENV}=reference silence this)",
-                  RuntimeWarning, stacklevel=4)
-
-
-@functools.cache
-def _warn_portable_once(error: str) -> None:
-    warnings.warn(f"jaxmodel's fixed-order kernels are not available ({error}); the invariant backend runs its "
-                  f"portable path ({INVARIANT_ENV}=portable silences this)", RuntimeWarning, stacklevel=4)
 
 
 def _namespace(device: str, backend: str, kern: "_Kernels"):
@@ -202,7 +187,7 @@ def _invariant(device: str, kern: "_Kernels"):
     if path == "auto" and device == "cpu" and _x86():
         if kern.build(False, warn=False):
             return invariant
-        _warn_portable_once(kern.error)
+        fo.kernels_unavailable(kern.error)
     return portable.Portable(rows=PORTABLE_ROWS.get(device, PORTABLE_ROWS_OTHER), widen=device == "cpu")
 
 

@@ -53,12 +53,37 @@ BF16_PAIRS = 4  # bf16 weights packed for the pair program (x bf16 too): vdpbf16
 PANEL = 16
 
 
+class NoCompiler(InvarianceError):
+    """No C++ compiler to build the fixed-order kernels with (the message names the one tried)."""
+
+
+_WITHOUT = ("the fixed-order kernels (llamaspec/fixed_order.cc) are compiled on first use; without them the fast "
+            "backends run their framework's ops and the invariant backends their portable path")
+
+
 def compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise InvarianceError("the batch-invariant mode compiles its fixed-order kernels with a C++ "
-                              "compiler, and none was found (g++, c++ or $CXX); install g++")
-    return cxx
+    """$CXX when set (a name on PATH or a path), else g++ or c++ on PATH: NoCompiler naming what
+    was tried when it is not an executable file."""
+    given = os.environ.get("CXX")
+    if given:
+        if shutil.which(given) is None:
+            raise NoCompiler(f"no C++ compiler: CXX={given} is not an executable file ({_WITHOUT}; set CXX to a "
+                             "C++17 compiler, or unset it to use g++ or c++ from PATH)")
+        return given
+    found = shutil.which("g++") or shutil.which("c++")
+    if found is None:
+        raise NoCompiler(f"no C++ compiler: CXX is not set and neither g++ nor c++ is on PATH ({_WITHOUT}; install "
+                         "g++ or set CXX)")
+    return found
+
+
+@functools.cache
+def kernels_unavailable(error: str) -> None:
+    """The one warning of a process whose kernels cannot be had, whichever model asked first
+    (each plan records the reason as its kernel_error)."""
+    said = "" if _WITHOUT in error else f" ({_WITHOUT})"
+    warnings.warn(f"llama-parity: the fixed-order kernels are not available: {error}{said}; each model's plan "
+                  "records this as its kernel_error, in every report", RuntimeWarning, stacklevel=2)
 
 
 def kernel_dir() -> Path:
@@ -102,8 +127,25 @@ def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise InvarianceError(f"the fixed-order kernels are written for x86-64; this machine is "
                               f"{platform.machine()}")
-    cxx = compiler()
+    try:
+        cxx = compiler()
+    except NoCompiler as e:
+        _FAILED["compiler"] = e     # for state(); cheap to find again, so not cached
+        raise
     target = library_path(name, sources, extra_flags, key_parts)
+    if str(target) in _FAILED and not rebuild:      # tried once in this process: not again at every load
+        raise _FAILED[str(target)]
+    try:
+        return _build(cxx, target, sources, extra_flags, rebuild)
+    except InvarianceError as e:
+        _FAILED[str(target)] = e
+        raise
+
+
+_FAILED: dict[str, InvarianceError] = {}     # library path (or "compiler") -> why this process could not build it
+
+
+def _build(cxx: str, target: Path, sources: list[Path], extra_flags: tuple[str, ...], rebuild: bool) -> Path:
     digest = target.with_name(target.name + ".sha256")
     if not rebuild:
         problem = _cached_problem(target, digest)
@@ -133,6 +175,11 @@ def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), key
         errors = [line for line in e.stderr.splitlines() if any(w in line for w in ("error", "No space", "fatal"))]
         raise InvarianceError(f"compiling {', '.join(p.name for p in sources)} with {cxx} failed:\n"
                               + "\n".join((errors or e.stderr.splitlines()[-20:])[:20])) from None
+    except FileNotFoundError as e:
+        if e.filename == cxx:       # the compiler went away after compiler() found it
+            raise NoCompiler(f"no C++ compiler: {cxx} cannot be run ({e.strerror}; {_WITHOUT})") from None
+        raise InvarianceError(f"{target.parent}: cannot write the compiled kernel there ({e}); "
+                              + cache_hint()) from None
     except OSError as e:
         raise InvarianceError(f"{target.parent}: cannot write the compiled kernel there ({e}); "
                               + cache_hint()) from None
@@ -350,7 +397,8 @@ def isa() -> str:
 def state() -> str:
     """What the kernels use in this process, for run records; never builds."""
     if library.cache_info().currsize == 0:
-        return "not loaded in this process"
+        failed = next(iter(_FAILED.values()), None)
+        return f"unavailable: {failed}" if failed is not None else "not loaded in this process"
     return f"fixed_order ({isa()} path)"
 
 

@@ -16,13 +16,12 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import warnings
 
 import torch
 
 from llamaspec import Policy, cpuinfo
 from llamaspec.errors import InvarianceError, PolicyError
-from llamaspec.fixed_order import KernelSettingError
+from llamaspec.fixed_order import KernelSettingError, kernels_unavailable
 from llamaspec.plan import (
     DECLINABLE_FUNCTIONS,
     INVARIANT_ENV,
@@ -88,8 +87,7 @@ def _kernel_isa(needed: bool, strict: bool) -> tuple[int | None, str | None]:
     except InvarianceError as e:
         if strict or isinstance(e, KernelSettingError):    # a bad $LLAMA_PARITY_KERNEL_ISA is refused
             raise
-        warnings.warn(f"torchref's fixed-order kernels are not available ({e}); the fast backend runs "
-                      "torch's ops in their place", RuntimeWarning, stacklevel=4)
+        kernels_unavailable(str(e))
         return None, str(e)
 
 
@@ -200,8 +198,7 @@ def invariant_path(device: torch.device, env: dict) -> tuple[str, int | None, st
             raise
         if choice == "kernels":
             raise InvarianceError(f"{INVARIANT_ENV}=kernels: the fixed-order kernels do not build here ({e})") from e
-        warnings.warn(f"torchref's fixed-order kernels are not available ({e}); the invariant backend runs "
-                      "its portable path", RuntimeWarning, stacklevel=4)
+        kernels_unavailable(str(e))
         return "portable", None, str(e)
 
 
