@@ -4,16 +4,20 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model model-gemma3 demo lint test test-caps test-all bench clean-venv
+.PHONY: setup model model-gemma3 demo lint test test-caps test-all test-wheel bench clean-venv
 
-$(STAMP): pyproject.toml
+# The library states ranges (pyproject.toml); this environment installs the exact versions of
+# dev-constraints.txt (torch 2.13.0's CPU build among them: an unconstrained torch would pull CUDA
+# wheels here).
+CONSTRAINTS := -c dev-constraints.txt
+
+$(STAMP): pyproject.toml dev-constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch is pinned to the CPU build (2.13.0); an unpinned torch would pull CUDA wheels.
-	$(BIN)/python -m pip install --quiet -e ".[hf,test,ports]"
+	$(BIN)/python -m pip install --quiet $(CONSTRAINTS) -e ".[hf,test,ports,torchtune,lens,nnsight]"
 	# keras-hub and litgpt without their dependencies: keras-hub's pull tensorflow, litgpt's pin
 	# an older huggingface-hub than transformers 5 needs (docs/ports.md)
-	$(BIN)/python -m pip install --quiet --no-deps keras-hub==0.32.0 litgpt==0.5.13
+	$(BIN)/python -m pip install --quiet $(CONSTRAINTS) --no-deps keras-hub litgpt
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -57,6 +61,12 @@ test-caps: $(addprefix test-cap-,$(CAPS))
 
 test-cap-%: model
 	@cap="$(CAP_ENV)" && echo "== tests under cap $*: $$cap" && env $$cap $(BIN)/python -m pytest -q $(CAP_TESTS)
+
+# The library as a user installs it: the wheel, built here, installed into a fresh virtual
+# environment that already holds another torch (2.14.1, from this machine's disk), which must stay;
+# then .ci/smoke.py against the installed package, from outside the source tree (.ci/wheel).
+test-wheel:
+	bash .ci/wheel
 
 # Everything, including tests marked slow.
 test-all: model
