@@ -8,6 +8,7 @@ from llamaspec import taps as tapnames
 
 from .. import evidence as ev
 from ..metrics import unit_roundoff
+from ..results import NONE, NONE_AT_FP64, RETURNED
 from ..vocabulary import FLOOR_ULPS, KINDS, NOISE_BAND, ONE_ROUNDING, TREND_BUCKETS
 from .findings import hint as findings_hint
 
@@ -392,6 +393,60 @@ def capture_lines(r) -> tuple[list[str], list[str]]:
     return warn, [_capture_brief(role, c) for role, c in checks if not c.ran or c.bitwise]
 
 
+# ----- what was judged (compare.results.Coverage) ---------------------------------------------
+
+def _steps(unjudged: dict) -> str:
+    """{step: [tap, ...]} as "q (layers 0-29), k_rope (layer 3), logits"."""
+    parts = []
+    for step, taps in unjudged.items():
+        layers = sorted({n for n in (tapnames.layer_of(t) for t in taps) if n is not None})
+        parts.append(step if not layers else f"{step} ({_layer_list(layers)})")
+    return ", ".join(parts)
+
+
+def _layer_list(layers: list[int]) -> str:
+    if len(layers) == 1:
+        return f"layer {layers[0]}"
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"layers {layers[0]}-{layers[-1]}"
+    return "layers " + ", ".join(map(str, layers))
+
+
+def coverage_line(c) -> str:
+    """Report.coverage (compare.results.Coverage) in one line: how the logits were judged where
+    a side has no "logits" tap, the lm_head not judged, and the reference's taps the candidate
+    does not return; "" when every tap was judged."""
+    if c is None:
+        return ""
+    names = {"reference": c.reference, "candidate": c.candidate}
+    parts = []
+    returned = [names[role] for role, how in c.logits.items() if how == RETURNED]
+    if c.logits_judged and returned:
+        parts.append(f"logits judged from what {' and '.join(returned)} returns (its capture's first element: it "
+                     "has no 'logits' tap), so the lm_head and whatever follows it are judged")
+    if not c.logits_judged:
+        why = [f"{names[role]} returns no logits and has no 'logits' tap" if how == NONE else
+               f"{names[role]}'s float64 run returns no logits and {names[role]} has no 'logits' tap"
+               for role, how in c.logits.items() if how in (NONE, NONE_AT_FP64)]
+        parts.append("lm_head not judged: " + "; ".join(why))
+    others = {step: taps for step, taps in c.unjudged.items() if step != "logits"}
+    if others:
+        n = sum(map(len, others.values()))
+        parts.append(f"not judged, {n} of the reference's {c.reference_taps} taps ({c.candidate} returns no such "
+                     f"tap): {_steps(others)}")
+    if c.candidate_only:
+        parts.append(f"{c.candidate}'s taps the reference has no oracle for, not judged: "
+                     f"{_steps(_by_step(c.candidate_only))}")
+    return "; ".join(parts)
+
+
+def _by_step(taps) -> dict:
+    out: dict = {}
+    for t in taps:
+        out.setdefault(tapnames.parse(t)[1], []).append(t)
+    return out
+
+
 def report_summary(r) -> str:
     """The ladder's Report (compare.ladder.engine.Report) in a few lines; a capture that
     changes a side's numbers leads (the verdict is unchanged: it judges the taps as captured)."""
@@ -406,6 +461,9 @@ def report_summary(r) -> str:
     if inherited:
         lines.append(f"{len(inherited)} later tap(s) inherit it (teacher forcing: nothing of their own), "
                      f"not findings: {inherited[0].tap} .. {inherited[-1].tap}")
+    cover = coverage_line(getattr(r, "coverage", None))
+    if cover:
+        lines.append(cover)
     lines += convention_lines(r.taps)
     if getattr(r, "nonfinite", None):
         lines.append(r.nonfinite.get("note") or nonfinite_line(r.nonfinite))

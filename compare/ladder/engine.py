@@ -44,7 +44,7 @@ from ..judge.verdicts import (
 )
 from ..metrics import logits_agreement, pair_metrics
 from ..report.ladder import write_html
-from ..results import JsonResult
+from ..results import NONE, NONE_AT_FP64, RETURNED, TAP, Coverage, JsonResult, coverage
 from ..vocabulary import KINDS
 from .capture_check import CaptureCheck, capture_check, has_forward, not_checked, reason_not_to_check, streamed_check
 from .stream import checkpoint_side, streamable, streamed_ladder
@@ -81,6 +81,10 @@ class Report(JsonResult):
     # the candidate's float64 twin as checked before it was trusted (twins.check_twin): its
     # weights, its arithmetic, and what the ladder did (accepted, keeps_f32 inferred, refused)
     twin: TwinCheck | None = None
+    # what was judged (compare.results.Coverage): how each side's logits were judged (a port without
+    # a "logits" tap: the logits its capture returns), the lm_head not judged, the reference's taps
+    # the candidate does not return; its note is the summary's line
+    coverage: Coverage | None = None
 
     def to_html(self, path) -> Path:
         return write_html(self, path)
@@ -116,26 +120,28 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     capture = capture_checks(ref, cand, ids, mask, taps, (r_logits, c_logits), progress)
     t0 = _lap(seconds, "capture check", t0)
     progress("oracle: reference at fp64")
-    _, o = ref.at_fp64.capture(ids, mask, ref.taps)   # all of them: context for the hints
+    o_logits, o = ref.at_fp64.capture(ids, mask, ref.taps)   # all of them: context for the hints
     t0 = _lap(seconds, f"o ({ref.name} at fp64)", t0)
     has_twin = cand.at_fp64 is not None
-    c64, twin, cand = _twin(cand, ids, mask, taps, o, real, policy, progress)
+    c64, twin, cand, c64_logits = _twin(cand, ids, mask, taps, o, real, policy, progress)
     if has_twin:
         t0 = _lap(seconds, f"c64 ({cand.name} at fp64)", t0)
+    judged, cover, (fref, fcand) = _returned_logits(ref, cand, taps, {"r": (r_logits, r), "c": (c_logits, c),
+                                                                      "o": (o_logits, o), "c64": (c64_logits, c64)})
     keeps_f32 = ref.keeps_f32 or cand.keeps_f32
-    verdicts = judge_taps(taps, r, c, o, c64, real, policy, keeps_f32, getattr(ref.at_policy, "weight_sources", None),
-                          _config_of(ref, cand))
+    verdicts = judge_taps(judged, r, c, o, c64, real, policy, keeps_f32,
+                          getattr(ref.at_policy, "weight_sources", None), _config_of(ref, cand))
     settle_conventions(verdicts)     # before inherit picks the first finding
     logits = (logits_agreement(r["logits"], c["logits"], o["logits"], real)
-              if "logits" in taps else {})
+              if "logits" in judged else {})
     t0 = _lap(seconds, "judging", t0)
-    forced = ForcedRuns(ref, cand, ids, mask, o) if teacher_forcing else None
-    if teacher_forcing and _inherit(forced, ref, cand, o, real, verdicts, policy, keeps_f32, progress):
+    forced = ForcedRuns(fref, fcand, ids, mask, o) if teacher_forcing else None
+    if teacher_forcing and _inherit(forced, fref, fcand, o, real, verdicts, policy, keeps_f32, progress):
         t0 = _lap(seconds, "inherited taps (teacher forcing)", t0)
     worst, divergence = first_divergence(verdicts)
     local, forcing = [], "off"
     if teacher_forcing:
-        local, forcing = _teacher_forcing(ref, cand, ids, mask, o, real, divergence, policy, keeps_f32, progress,
+        local, forcing = _teacher_forcing(fref, fcand, ids, mask, o, real, divergence, policy, keeps_f32, progress,
                                           forced)
         if forcing == "run":
             _lap(seconds, "teacher forcing", t0)
@@ -146,25 +152,82 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
                   logits, environment(policy, uses_jax, sides_of(ref, cand)), differences, forcing, rung,
                   run={"path": "full", "seconds": seconds}, capture=capture,
-                  nonfinite=_nonfinite(verdicts, ref, cand, policy, mask), twin=twin)
+                  nonfinite=_nonfinite(verdicts, ref, cand, policy, mask), twin=twin, coverage=cover)
 
 
 def _twin(cand: Side, ids, mask, taps, o, real, policy: Policy, progress):
-    """(c64, TwinCheck, cand as the ladder runs it): the candidate's float64 twin captured and
-    checked before it is trusted (twins.check_twin); c64 None without a twin or when refused
-    (judged by structure alone, verdicts.classify_without_twin); TwinCheck None for a twin this
-    project builds (not a user's port: adapters.Checked)."""
+    """(c64, TwinCheck, cand as the ladder runs it, the logits the twin's capture returned): the
+    candidate's float64 twin captured and checked before it is trusted (twins.check_twin); c64
+    None without a twin or when refused (judged by structure alone,
+    verdicts.classify_without_twin); TwinCheck None for a twin this project builds (not a
+    user's port: adapters.Checked)."""
     if cand.at_fp64 is None:
         progress(f"candidate at fp64: not run ({cand.name} has no float64())")
-        return None, TwinCheck(NO_TWIN), cand
+        return None, TwinCheck(NO_TWIN), cand, None
     progress("candidate at fp64 (semantic rung)")
-    _, c64 = cand.at_fp64.capture(ids, mask, taps)
+    c64_logits, c64 = cand.at_fp64.capture(ids, mask, taps)
     if not isinstance(cand.at_fp64, Checked):
         # ours, transformers' and a CheckpointModel's twins are built here from the checkpoint's
         # weights at float64 (the streamed ladder's too, which has no whole-run taps to check)
-        return c64, None, cand
+        return c64, None, cand, c64_logits
     twin, cand = check_side(cand, c64, o, taps, real, policy.param_dtype, progress)
-    return (None if twin.refused else c64), twin, cand
+    return (None if twin.refused else c64), twin, cand, c64_logits
+
+
+def _returned_logits(ref: Side, cand: Side, taps, runs: dict):
+    """(the taps to judge, Report.coverage, (ref, cand) Sides for teacher forcing). A tap is
+    judged where both sides have it; the logits also where a side lacks the "logits" tap but its
+    capture returns logits (the protocol's pair, element 0: generic.TorchModule returns its
+    forward's output whatever its map): they are added to the runs (runs: {"r", "c", "o", "c64":
+    (returned logits, taps)}, c64's taps None without a twin) as the "logits" tap and judged as
+    one, against the oracle's logits, and such a side's implementations return them as the tap in
+    the forced runs too (_ReturnedLogitsTap). A side with neither leaves the lm_head unjudged,
+    which the coverage says."""
+    (r_logits, _), (c_logits, _), (o_logits, _), (c64_logits, c64) = (runs[k] for k in ("r", "c", "o", "c64"))
+    how = {"reference": TAP if "logits" in ref.taps else
+           NONE if r_logits is None else NONE_AT_FP64 if o_logits is None else RETURNED,
+           "candidate": TAP if "logits" in cand.taps else
+           NONE if c_logits is None else NONE_AT_FP64 if c64 is not None and c64_logits is None else RETURNED}
+    judged, sides = tuple(taps), (ref, cand)
+    if "logits" not in judged and all(h in (TAP, RETURNED) for h in how.values()):
+        judged += ("logits",)
+        for k, (returned, acts) in runs.items():
+            if acts is not None and "logits" not in acts:
+                acts["logits"] = np.asarray(returned)
+        sides = tuple(side if h == TAP else _with_logits_tap(side) for side, h in zip((ref, cand), how.values()))
+    cover = coverage(ref.name, cand.name, ref.taps, cand.taps, judged, how)
+    cover.note = explain.coverage_line(cover)
+    return judged, cover, sides
+
+
+def _with_logits_tap(side: Side) -> Side:
+    return dataclasses.replace(side, at_policy=_ReturnedLogitsTap(side.at_policy), taps=(*side.taps, "logits"),
+                               at_fp64=None if side.at_fp64 is None else _ReturnedLogitsTap(side.at_fp64))
+
+
+class _ReturnedLogitsTap:
+    """A side's implementation (a port without a "logits" tap) whose capture returns the logits
+    it returns (element 0 of its pair) as its "logits" tap too: teacher forcing asks for the tap
+    by name. Everything else is the implementation's own (its name, inject support, its port)."""
+
+    def __init__(self, impl):
+        self.impl, self.name, self.taps = impl, impl.name, (*impl.taps, "logits")
+
+    def __getattr__(self, key):
+        if key == "impl":
+            raise AttributeError(key)
+        return getattr(self.impl, key)
+
+    def capture(self, tokens, attention_mask, taps, inject=None):
+        own = [t for t in taps if t != "logits"]
+        logits, acts = (self.impl.capture(tokens, attention_mask, own) if inject is None else
+                        self.impl.capture(tokens, attention_mask, own, inject=inject))
+        if "logits" in taps:
+            if logits is None:
+                raise PortError(f"{self.name}: capture returned no logits (with inject), where its capture without "
+                                "inject did; the ladder judges them as its 'logits' tap")
+            acts = {**acts, "logits": np.asarray(logits)}
+        return logits, acts
 
 
 def _nonfinite(verdicts, ref: Side, cand: Side, policy: Policy, mask) -> dict:
@@ -337,10 +400,16 @@ def _run_streamed(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forc
         capture[role] = _noted(streamed_check(side.at_policy, ids, mask, s.captured.pop(k), taps))
     _lap(s.seconds, "capture check", t0)
     uses_jax = "jaxmodel" in (ref.at_policy.package, cand.at_policy.package)
+    # both sides are ours (streamable): every tap of theirs, the logits as a tap; what they do not
+    # share (another family's steps) is said as the whole-run path says it
+    cover = coverage(ref.name, cand.name, ref.taps, cand.taps, [v.tap for v in s.verdicts],
+                     {"reference": TAP if "logits" in ref.taps else NONE,
+                      "candidate": TAP if "logits" in cand.taps else NONE})
+    cover.note = explain.coverage_line(cover)
     return Report(ref.name, cand.name, policy.to_dict(), s.worst, s.divergence, s.verdicts, s.local, s.logits,
                   environment(policy, uses_jax, sides_of(ref, cand)), differences, "run" if teacher_forcing else "off",
                   run={"path": "streamed", "seconds": s.seconds}, capture=capture,
-                  nonfinite=_nonfinite(s.verdicts, ref, cand, policy, mask))
+                  nonfinite=_nonfinite(s.verdicts, ref, cand, policy, mask), coverage=cover)
 
 
 # The default input: one chat prompt of 258 tokens with SmolLM2's tokenizer, long enough for position-

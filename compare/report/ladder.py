@@ -14,6 +14,7 @@ from pathlib import Path
 from llamaspec import Policy
 from llamaspec.files import atomic_write
 
+from ..results import NONE, NONE_AT_FP64, RETURNED, TAP
 from ..vocabulary import KIND_HEX, TAP_KINDS, drift_factor, kind_hex, precision_floor
 from .page import environment_section, escape, figure, head, kv_table, number, png, pyplot
 
@@ -340,6 +341,9 @@ def _notes(r: dict, pname: str) -> list[str]:
     twin = r.get("twin")                # a refused twin's note is in the fp64 rung's line above
     if isinstance(twin, dict) and twin.get("note") and twin.get("status") != "refused":
         notes.append(str(twin["note"]))
+    cover = r.get("coverage")
+    if isinstance(cover, dict) and cover.get("note"):
+        notes.append(str(cover["note"]))
     if not notes:
         return []
     return ["<div class='div' style='border-color:#555555'>" + "<br>".join(escape(n) for n in notes) + "</div>"]
@@ -380,6 +384,38 @@ def _capture_section(capture: dict) -> list[str]:
             "taps as captured.</p>",
             f"<table>{_CAPTURE_HEAD}{''.join(_capture_rows(role, c) for role, c in capture.items())}</table>",
             f"<ul>{notes}</ul>"]
+
+
+def _coverage_section(cover) -> str:
+    """Report.coverage: the reference's taps that were not judged (the candidate returns no such
+    tap), by step, the lm_head first where it was not judged, and how each side's logits were
+    judged where a side has no "logits" tap."""
+    if not isinstance(cover, dict):
+        return ""
+    unjudged = dict(cover.get("unjudged") or {})
+    logits = dict(cover.get("logits") or {})
+    others = [str(t) for t in cover.get("candidate_only") or []]
+    if not unjudged and not others and all(h == TAP for h in logits.values()):
+        return ""
+    order = (["logits"] if "logits" in unjudged else []) + [k for k in unjudged if k != "logits"]
+    rows = "".join(f"<tr><td class='t'>{escape(step)}</td><td class='n'>{len(unjudged[step])}</td>"
+                   f"<td>{escape(', '.join(map(str, unjudged[step])))}</td></tr>" for step in order)
+    how = "".join(f"<li>{escape(role)} <code>{escape(cover.get(role))}</code>: logits judged from its "
+                  f"{escape(_LOGITS_FROM.get(h, h))}</li>" for role, h in logits.items())
+    table = (f"<table><tr><th>step</th><th>taps</th><th>not judged</th></tr>{rows}</table>" if rows else
+             "<p>Every tap of the reference was judged.</p>")
+    extra = (f"<p>The candidate's taps the reference has no oracle for (not judged): "
+             f"{escape(', '.join(others))}</p>" if others else "")
+    return ("<h2>Not judged</h2><p class='cap'>A tap is judged where both sides return it: the reference's taps "
+            f"below were not looked at ({escape(cover.get('judged'))} of its {escape(cover.get('reference_taps'))} "
+            "taps were judged). The lm_head is judged at the logits: where a side has no \"logits\" tap, the "
+            "logits its capture returns stand in for it.</p>" + f"<ul>{how}</ul>" + table + extra)
+
+
+# How each side's logits were judged (compare.results.Coverage.logits), for the page.
+_LOGITS_FROM = {TAP: "'logits' tap", RETURNED: "capture's returned logits (it has no 'logits' tap)",
+                NONE: "nothing: it returns no logits and has no 'logits' tap: the lm_head is not judged",
+                NONE_AT_FP64: "nothing: its float64 run returns no logits: the lm_head is not judged"}
 
 
 def render_html(report_dict: dict) -> str:
@@ -424,6 +460,7 @@ def render_html(report_dict: dict) -> str:
                  "more than 16 unit roundoffs of the element or of the tap's RMS) compare the "
                  "candidate with the reference at the policy.</p>")
     parts.append(_tap_table(taps))
+    parts.append(_coverage_section(r.get("coverage")))
 
     parts.append("<h2>Policy</h2>")
     parts.append(kv_table(policy))
