@@ -38,10 +38,11 @@ from .metrics import (
     topk_overlap,
     unit_roundoff,
 )
+from .repro import write_repro
 from .vocabulary import KINDS
 
 __all__ = ["KINDS", "DecodeReport", "Dump", "DumpError", "Finding", "GreedyReport", "Implementation", "Report",
            "Row", "analyse", "as_implementation", "assert_parity", "capture", "compare_decode", "compare_greedy",
            "compare_models", "cosine", "fingerprint", "frac_beyond", "hint", "kl_per_position", "layer_summary",
            "max_abs", "max_ulp", "nonfinite", "nonfinite_report", "rel_l2", "tap_metrics", "top1_agreement",
-           "top_margin", "topk_overlap", "unit_roundoff"]
+           "top_margin", "topk_overlap", "unit_roundoff", "write_repro"]

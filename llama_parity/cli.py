@@ -5,6 +5,7 @@ examples, one per verb (`llama-parity VERB --help`: its flags and more examples)
     llama-parity compare MY_HF_FOLDER --policy bf16    # jaxmodel vs torchref on your checkpoint
     llama-parity probe batch --policy bf16 --mode default,invariant
     llama-parity capture --impl jaxmodel --policy bf16 --out /tmp/jax-bf16
+    llama-parity repro parity-report/REPORT.json --out case   # its first divergent unit, for upstream
     llama-parity sweep --policies fp32,bf16,fp16 --max-tokens 4096   # what each policy costs on a text
     llama-parity fetch-smollm2                         # prints the cached model's folder
     llama-parity fetch-gemma3                          # Gemma 3 270M, a second real model (tests)
@@ -198,6 +199,7 @@ def cmd_compare(args) -> int:
     args.reference, args.candidate, args.policy = _label(ref_spec), _label(cand_spec), policy.name
     _say_dumps(dumps)
     json_path, html_path = _report_paths(args)
+    repro_dir = _repro_folder(args.repro, "--repro") if args.repro else None
     decode_json = (output_file(json_path.with_name(json_path.stem + "-decode.json"), "--json", args.force, say)
                    if args.decode and json_path else None)
     greedy_json = (output_file(json_path.with_name(json_path.stem + "-greedy.json"), "--json", args.force, say)
@@ -220,6 +222,8 @@ def cmd_compare(args) -> int:
         say(f"JSON report: {report.to_json(unchanged_or_beside(json_path, say))}")
     if html_path:
         say(f"HTML report: {report.to_html(unchanged_or_beside(html_path, say))}")
+    if repro_dir is not None:
+        _write_repro(report, ref, cand, folder, repro_dir, (ids, mask), policy, progress)
     verdict = report.verdict
     if args.decode:
         from compare.ladder.decode import run_decode
@@ -295,6 +299,99 @@ def cmd_capture(args) -> int:
             batch_invariant=args.batch_invariant, teacher_forcing=args.teacher_forcing, force=args.force,
             progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
     say(str(out))
+    return EXIT_OK
+
+
+def _repro_folder(path, what: str) -> Path:
+    """A repro case's folder, checked before anything runs: new, empty, or an earlier case
+    (compare.repro.case_folder)."""
+    from compare.repro import ReproError, case_folder
+    try:
+        return case_folder(path)
+    except ReproError as e:
+        raise UsageError(f"{what}: {e}") from None
+
+
+def _write_repro(report, ref, cand, folder, out, inputs, policy, progress) -> None:
+    from compare.repro import write_repro
+    case = write_repro(report, ref, cand, folder, out, inputs=inputs, policy=policy, progress=progress)
+    for note in case.notes:
+        say(f"repro: {printable(note)}")
+    say(f"repro case of {case.unit.name} ({len(case.taps)} taps): {case.folder}")
+    say(f"  run it anywhere with Python 3 and numpy: python {case.folder / 'repro.py'}")
+
+
+def _remade(role: str, name: str, dump):
+    """How a JSON report's side is made again (compare.repro.recipe), or a UsageError that says why
+    it cannot be: a Python object (a port, a patched model) is not in a report."""
+    from compare.repro import recipe
+    r = recipe(name)
+    if r is None:
+        raise UsageError(f"the report's {role} is {printable(name)}: not an implementation the command line can make "
+                         "again (torchref, jaxmodel, transformers[eager|sdpa, dtype], or a dump given with "
+                         f"--{role}-dump). "
+                         "A Python object (your port, a patched model) cannot be re-created from a JSON report: call "
+                         "compare.write_repro(report, reference, candidate, checkpoint, out) with the objects "
+                         "themselves (docs/repro.md)")
+    if r.kind == "dump":
+        if dump is None:
+            raise UsageError(f"the report's {role} is a dump ({printable(name)}): give its folder with --{role}-dump")
+        if dump.name != name:
+            raise UsageError(f"--{role}-dump {dump.path} holds {dump.name}; the report's {role} is {printable(name)}")
+        return dump
+    if dump is not None:
+        raise UsageError(f"--{role}-dump: the report's {role} is {printable(name)}, not a dump")
+    return r
+
+
+def _made(spec, folder, policy):
+    """A side for write_repro from _remade's answer: a Dump as it is, torchref / jaxmodel by name
+    (their reference backend where the report's name says so), transformers' class at its dtype."""
+    from compare.adapters.dump import Dump
+    if isinstance(spec, Dump):
+        return spec
+    if spec.kind == "transformers":
+        from compare.adapters.transformers import TransformersModel  # lazy: imports torch and transformers
+        attn, preset = spec.detail
+        return TransformersModel.from_pretrained(folder, preset, attn_implementation=attn)
+    from compare.ladder.stream import checkpoint_side
+    return checkpoint_side(spec.kind, folder, policy, spec.detail[0])
+
+
+def _unit(text):
+    """--unit: a layer index, layers.N, embed or head (compare.repro.unit_of checks it on the model)."""
+    return int(text) if text.isdigit() else text
+
+
+def cmd_repro(args) -> int:
+    """A JSON report's first divergent unit as a standalone case (compare.repro.write_repro), its
+    sides made again by name; the report holds no token ids, so the inputs are given again (the
+    compare run's --prompt / --random-tokens, or its dumps)."""
+    check_xla_flags()     # XLA would end the process on a bad flag: named here, exit 2
+    from compare.repro import ReproError, summarize, write_repro
+    from llamaspec.budget import load_json
+    doc = load_json(args.report, UsageError, what="report")
+    try:
+        summary = summarize(doc)
+    except ReproError as e:
+        raise UsageError(f"{args.report}: {e}") from None
+    out = _repro_folder(args.out, "--out")
+    dumps = _dumps(args)
+    specs = {role: _remade(role, getattr(summary, role), dumps.get(role)) for role in ("reference", "candidate")}
+    checkpoint = _dump_checkpoint(args.checkpoint, dumps)
+    folder = _input_folder(args, checkpoint) if not dumps else checkpoint_folder(checkpoint)
+    inputs = None if dumps else _inputs(args, folder)
+    t0 = time.perf_counter()
+    say(f"{args.report}: {summary.verdict}" + (f", first divergence {summary.divergence.tap}" if summary.divergence
+                                              else "") + f"; {summary.candidate} vs {summary.reference} at "
+        f"{summary.policy.name}")
+    sides = [_made(specs[role], folder, summary.policy) for role in ("reference", "candidate")]
+    case = write_repro(doc, *sides, folder, out, inputs=inputs, unit=args.unit,
+                       progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
+    for note in case.notes:
+        say(f"repro: {printable(note)}")
+    say(f"repro case of {case.unit.name} ({len(case.taps)} taps): {case.folder}")
+    say(f"  run it anywhere with Python 3 and numpy: python {case.folder / 'repro.py'}")
     return EXIT_OK
 
 
@@ -517,6 +614,8 @@ def _add_compare_parser(sub, common) -> None:
     p.add_argument("--no-teacher-forcing", action="store_true")
     p.add_argument("--no-stream", action="store_true",
                    help="capture whole runs instead of walking the checkpoint layer by layer (more memory)")
+    p.add_argument("--repro", metavar="DIR", help="also write the first divergent unit (a layer, the embedding or "
+                   "the head) as a standalone case runnable with numpy alone (docs/repro.md)")
     p.add_argument("--mesh", metavar="AXES", help="run jaxmodel sharded on a JAX mesh, e.g. tensor=3 or "
                    "data=2,tensor=3 (on a CPU: as many host devices; docs/sharding.md)")
     _add_compare_extras(p)
@@ -533,6 +632,29 @@ def _add_compare_extras(p) -> None:
                    "the reference's top-1/top-2 margin and the cause (near tie, drift / the ladder's finding on "
                    "the common prefix)")
     p.add_argument("--no-colour", action="store_true")
+
+
+def _add_repro_parser(sub, common) -> None:
+    p = _verb(sub, common, "repro", "a report's first divergent unit as a case to hand upstream",
+              "Writes the first divergent unit of a compare report (a decoder layer, the embedding, or the head)\n"
+              "as a standalone case: its weights, the oracle's input to it, both sides' outputs at every tap\n"
+              "inside it, and repro.py, which recomputes the unit in float64 with numpy alone and shows where\n"
+              "the candidate leaves the reference's rounding (docs/repro.md). The sides are made again from the\n"
+              "report's names (torchref, jaxmodel, transformers, a dump); a Python port needs\n"
+              "compare.write_repro. The report holds no token ids: give the compare run's inputs again.",
+              "  llama-parity compare --candidate transformers --json r.json && llama-parity repro r.json --out case\n"
+              "  llama-parity repro r.json MY_HF_FOLDER --random-tokens 2x64 --out case --unit layers.3\n"
+              "  python case/repro.py")
+    p.add_argument("report", help="a compare JSON report (--json)")
+    p.add_argument("checkpoint", nargs="?", default=None, help="the HF folder it compared (default: cached SmolLM2, "
+                   "or the one a dump recorded)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the case's folder (new, empty, or an earlier case)")
+    _add_input_flags(p)
+    p.add_argument("--reference-dump", metavar="DIR", help="the report's reference, when it was a dump")
+    p.add_argument("--candidate-dump", metavar="DIR", help="the report's candidate, when it was a dump")
+    p.add_argument("--unit", type=_unit, default=None, help="another unit than the first divergence's: a layer "
+                   "index, layers.N, embed or head")
+    p.set_defaults(func=cmd_repro, reference=None, candidate=None, decode=None, generate=None)
 
 
 def _add_capture_parser(sub, common) -> None:
@@ -614,8 +736,8 @@ def main(argv=None) -> int:
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the traceback of an internal error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="VERB")
-    for add in (_add_demo_parser, _add_compare_parser, _add_capture_parser, _add_sweep_parser, _add_fetch_parser,
-                _add_make_checkpoint_parser):
+    for add in (_add_demo_parser, _add_compare_parser, _add_repro_parser, _add_capture_parser, _add_sweep_parser,
+                _add_fetch_parser, _add_make_checkpoint_parser):
         add(sub, common)
     from .probe_cli import add_parser as add_probe_parser
     add_probe_parser(sub, common)
