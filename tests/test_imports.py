@@ -19,7 +19,8 @@ ROOMS = {"compare.vocabulary": 0, "compare.metrics": 0, "compare.environment": 0
          "compare.adapters": 1, "compare.report": 1,
          "compare.judge": 2,      # the one judge of a tap, shared by the ladder and the probes
          "compare.ladder": 3, "compare.probes": 3, "compare.sweep": 3,
-         "compare.controls": 4}   # the planted-bug catalogue: calibrates the engine, never imported by it
+         "compare.controls": 4,   # the planted-bug catalogue: calibrates the engine, never imported by it
+         "compare.repro": 4}      # a finding as a case to hand upstream: on top of the ladder
 
 
 def _module_name(path: Path) -> str:

@@ -264,8 +264,9 @@ def check_repeats(impl, ids, mask, taps, first, progress=lambda msg: None) -> No
     before = _digests(first, taps, real)
     again = impl.capture(ids, mask, taps)
     after = _digests(first, taps, real)
+    again_digests = _digests(again, taps, real)      # once: not once per tap
     reused = next((t for t in before if before[t] != after[t]), None)
-    differs = next((t for t in before if before[t] != _digests(again, taps, real).get(t)), None)
+    differs = next((t for t in before if before[t] != again_digests.get(t)), None)
     if reused is None and differs is None:
         return
     what = (f"changed the arrays it returned the first time when called again, first at tap '{reused}' (it "
