@@ -47,8 +47,11 @@ class Coverage:
     unjudged: {step: [tap, ...]}, the reference's taps that were not judged (the candidate
     returns no such tap), grouped by step (the tap's kind within its layer, "q", "k_rope", or
     "embed", "final_norm", "logits" outside the layers), in execution order; candidate_only:
-    the candidate's taps the reference has no oracle for (not judged either). note: the
-    report's sentence (compare.explain.ladder.coverage_line), "" when everything was judged."""
+    the candidate's taps the reference has no oracle for (not judged either). withheld: {tap:
+    why} for unjudged taps the candidate computes but declares another quantity than the
+    reference's (its optional `not_comparable`, e.g. a norm whose weight was folded away),
+    display only. note: the report's sentence (compare.explain.ladder.coverage_line), "" when
+    everything was judged."""
     reference: str
     candidate: str
     logits: dict
@@ -58,6 +61,7 @@ class Coverage:
     unjudged: dict = dataclasses.field(default_factory=dict)
     candidate_only: list = dataclasses.field(default_factory=list)
     note: str = ""
+    withheld: dict = dataclasses.field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -65,14 +69,18 @@ class Coverage:
         return not self.unjudged and not self.candidate_only and all(s == TAP for s in self.logits.values())
 
 
-def coverage(reference: str, candidate: str, ref_taps, cand_taps, judged, logits: dict) -> Coverage:
+def coverage(reference: str, candidate: str, ref_taps, cand_taps, judged, logits: dict,
+             not_comparable: dict | None = None) -> Coverage:
     """The Coverage of a comparison: the sides' names and tap names, the taps judged (in
-    order), each side's logits source ({role: TAP | RETURNED | NONE | NONE_AT_FP64})."""
+    order), each side's logits source ({role: TAP | RETURNED | NONE | NONE_AT_FP64}), and the
+    candidate's not_comparable {tap: why} (its reasons for the unjudged taps it withholds)."""
     judged = tuple(judged)
     done, theirs = set(judged), set(ref_taps)
     unjudged: dict = {}
     for t in ref_taps:
         if t not in done:
             unjudged.setdefault(tapnames.parse(t)[1], []).append(t)
+    why = {t: str(r) for t, r in (not_comparable or {}).items() if t in theirs and t not in done}
     return Coverage(reference, candidate, {r: logits[r] for r in ROLES}, "logits" in done, len(judged),
-                    len(theirs), unjudged, [t for t in cand_taps if t not in theirs and t not in done])
+                    len(theirs), unjudged, [t for t in cand_taps if t not in theirs and t not in done],
+                    withheld=why)

@@ -182,3 +182,20 @@ def test_a_twin_that_returns_no_logits_leaves_the_lm_head_unjudged_and_says_why(
     assert c.logits["candidate"] == NONE_AT_FP64 and not c.logits_judged and "logits" not in _kinds(report)
     assert ("lm_head not judged: half a port's float64 run returns no logits and half a port has no 'logits' tap"
             in report.summary()), report.summary()
+
+
+def test_a_port_that_withholds_taps_says_why(tiny_dir):
+    """A port whose norms hold another quantity (TransformerLens' folded norms) leaves them out
+    of its map and states why (`not_comparable`): the report lists them with its reason, apart
+    from the taps it simply does not return."""
+    folder = tiny_dir("gqa")
+    taps = {t: p for t, p in HF_LLAMA_TAPS.items() if t != "layers.{i}.attn_norm"}
+    port = TorchModule(_hf(folder), taps, name="folded", keeps_f32=True)
+    port.not_comparable = {f"layers.{i}.attn_norm": "fold_ln: its norm weight is folded into q/k/v" for i in range(2)}
+    report = compare.compare_models("torchref", port, folder, inputs=_inputs(), policy="fp32")
+    assert report.verdict in ("exact", "drift"), report.summary()
+    cover = report.coverage
+    assert set(cover.withheld) == {"layers.0.attn_norm", "layers.1.attn_norm"}
+    assert "withheld by folded, not judged: attn_norm (layers 0-1) (fold_ln: its norm weight is folded" in cover.note
+    assert "not judged, 4 of the reference's" in cover.note          # q_rope and k_rope: not returned, no reason
+    assert json.loads(json.dumps(report.to_dict(), default=str))["coverage"]["withheld"] == cover.withheld

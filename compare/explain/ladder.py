@@ -429,11 +429,19 @@ def coverage_line(c) -> str:
                f"{names[role]}'s float64 run returns no logits and {names[role]} has no 'logits' tap"
                for role, how in c.logits.items() if how in (NONE, NONE_AT_FP64)]
         parts.append("lm_head not judged: " + "; ".join(why))
-    others = {step: taps for step, taps in c.unjudged.items() if step != "logits"}
+    withheld = getattr(c, "withheld", None) or {}
+    others = {step: [t for t in taps if t not in withheld] for step, taps in c.unjudged.items() if step != "logits"}
+    others = {step: taps for step, taps in others.items() if taps}
     if others:
         n = sum(map(len, others.values()))
         parts.append(f"not judged, {n} of the reference's {c.reference_taps} taps ({c.candidate} returns no such "
                      f"tap): {_steps(others)}")
+    if withheld:
+        reasons: dict = {}
+        for t, why in withheld.items():
+            reasons.setdefault(why, []).append(t)
+        parts.append(f"withheld by {c.candidate}, not judged: " + "; ".join(
+            f"{_steps(_by_step(taps))} ({why})" for why, taps in reasons.items()))
     if c.candidate_only:
         parts.append(f"{c.candidate}'s taps the reference has no oracle for, not judged: "
                      f"{_steps(_by_step(c.candidate_only))}")

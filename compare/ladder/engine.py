@@ -195,7 +195,8 @@ def _returned_logits(ref: Side, cand: Side, taps, runs: dict):
             if acts is not None and "logits" not in acts:
                 acts["logits"] = np.asarray(returned)
         sides = tuple(side if h == TAP else _with_logits_tap(side) for side, h in zip((ref, cand), how.values()))
-    cover = coverage(ref.name, cand.name, ref.taps, cand.taps, judged, how)
+    cover = coverage(ref.name, cand.name, ref.taps, cand.taps, judged, how,
+                     getattr(cand.at_policy, "not_comparable", None))
     cover.note = explain.coverage_line(cover)
     return judged, cover, sides
 
