@@ -23,6 +23,16 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def right_padded_pair():
+    """Two rows of 16 random ids, the second right-padded after 11 tokens, as compare's own text
+    batches are: the third-party port tests' batch (tests/test_ports.py, test_port_*.py)."""
+    ids = np.random.default_rng(1).integers(3, 96, (2, 16))
+    mask = np.ones_like(ids)
+    mask[1, 11:] = 0
+    return ids, mask
+
+
 def smollm2_dir() -> Path | None:
     from llama_parity.fetch import default_model_dir
     d = default_model_dir()

@@ -60,12 +60,8 @@ def port(tok_folder):
 
 
 @pytest.fixture(scope="module")
-def batch():
-    """Right-padded, as compare's own text batches are."""
-    ids = np.random.default_rng(1).integers(3, 96, (2, 16))
-    mask = np.ones_like(ids)
-    mask[1, 11:] = 0
-    return ids, mask
+def batch(right_padded_pair):
+    return right_padded_pair
 
 
 def test_transformers_model_is_exact_or_drift_with_teacher_forcing(port, tok_folder, batch):

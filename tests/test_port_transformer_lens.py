@@ -33,11 +33,8 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def batch():
-    ids = np.random.default_rng(1).integers(3, 96, (2, 16))
-    mask = np.ones_like(ids)
-    mask[1, 11:] = 0
-    return ids, mask
+def batch(right_padded_pair):
+    return right_padded_pair
 
 
 @pytest.fixture(scope="module")

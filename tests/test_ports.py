@@ -31,12 +31,8 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def batch():
-    """Right-padded, as compare's own text batches are."""
-    ids = np.random.default_rng(1).integers(3, 96, (2, 16))
-    mask = np.ones_like(ids)
-    mask[1, 11:] = 0
-    return ids, mask
+def batch(right_padded_pair):
+    return right_padded_pair
 
 
 def compared(port, folder, batch, policy="fp32", twin=None):
