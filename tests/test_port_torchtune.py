@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 import pytest
+from port_checks import assert_clean, assert_found
 
 import compare
 import torchref
@@ -59,17 +60,6 @@ def compared(p, folder, batch, policy="fp32", twin=None):
     return compare.compare_models("torchref", cand, folder, inputs=batch, policy=policy)
 
 
-def assert_clean(report):
-    assert report.verdict in ("exact", "drift"), report.summary()
-    assert report.teacher_forcing == "run" and report.semantic_rung == "run", report.summary()
-    assert [row["layer"] for row in report.local] == [0, 1]
-
-
-def assert_found(report, tap, component):
-    d = report.first_divergence
-    assert report.verdict == "semantic" and d is not None, report.summary()
-    assert (d.tap, d.layer, d.component) == (tap, int(tap.split(".")[1]), component), report.summary()
-    return d
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])

@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 import pytest
+from port_checks import assert_clean, assert_found
 
 import compare
 import torchref
@@ -41,17 +42,6 @@ def compared(port, folder, batch, policy="fp32", twin=None):
     return compare.compare_models("torchref", cand, folder, inputs=batch, policy=policy)
 
 
-def assert_clean(report):
-    assert report.verdict in ("exact", "drift"), report.summary()
-    assert report.teacher_forcing == "run" and report.semantic_rung == "run"
-    assert [row["layer"] for row in report.local] == [0, 1]
-
-
-def assert_found(report, tap, component):
-    d = report.first_divergence
-    assert report.verdict == "semantic" and d is not None, report.summary()
-    assert (d.tap, d.layer, d.component) == (tap, int(tap.split(".")[1]), component), report.summary()
-    return d
 
 
 def twin_error(port, folder, batch):
