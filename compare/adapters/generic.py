@@ -42,6 +42,7 @@ import copy
 import inspect
 import re
 import warnings
+import weakref
 
 import numpy as np
 
@@ -259,19 +260,20 @@ class _Port:
         return np.asarray(logits), {t: self._per_head(t, np.asarray(acts[t])) for t in wanted}
 
 
-def _accepts(fn, name: str) -> bool:
+def _parameters(fn) -> dict:
+    """fn's parameters by name ({} when its signature cannot be read)."""
     try:
-        params = inspect.signature(fn).parameters
+        return dict(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        return False
-    return name in params   # named: a **kwargs catch-all does not say it uses the argument
+        return {}
+
+
+def _accepts(fn, name: str) -> bool:
+    return name in _parameters(fn)   # named: a **kwargs catch-all does not say it uses the argument
 
 
 def _takes_any_keyword(fn) -> bool:
-    try:
-        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return False
+    return any(p.kind is p.VAR_KEYWORD for p in _parameters(fn).values())
 
 
 def _config_value(obj, *names):
@@ -389,7 +391,6 @@ def default_torch_forward(module, ids, mask, positions):
     forward= to hand such a port the mask and positions its own way."""
     fwd = getattr(module, "forward", module)
     padded = not bool(mask.all())
-    shifted = padded and not bool((positions == torch_arange_like(positions))[mask.bool()].all())
     if not _accepts(fwd, "input_ids"):
         if padded:
             raise ValueError(f"its forward{_signature(fwd)} takes no input_ids / attention_mask keywords, so the "
@@ -408,7 +409,7 @@ def default_torch_forward(module, ids, mask, positions):
                              "cannot hand it this batch's padding; pass forward=... (docs/ports.md), or unpadded input")
         if _accepts(fwd, "position_ids"):
             kw["position_ids"] = positions
-        elif shifted:
+        elif padded and not bool((positions == torch_arange_like(positions))[mask.bool()].all()):
             raise ValueError(f"its forward{_signature(fwd)} takes no position_ids keyword, and this batch's positions "
                              "are not 0..T-1 (left or interior padding); pass forward=... (docs/ports.md), or right "
                              "padding")
@@ -432,14 +433,15 @@ def _signature(fn) -> str:
         return "(...)"
 
 
-_WARNED: set = set()
+_WARNED = weakref.WeakKeyDictionary()     # module -> the messages it was warned with
 
 
 def _warn_once(module, message: str) -> None:
-    """One warning per module object and message, not one per capture."""
-    key = (id(module), message)
-    if key not in _WARNED:
-        _WARNED.add(key)
+    """One warning per module object and message, not one per capture (a module gone, its entry
+    goes: an id reused by a new module does not silence that one's warning)."""
+    said = _WARNED.setdefault(module, set())
+    if message not in said:
+        said.add(message)
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
