@@ -222,9 +222,7 @@ def cmd_compare(args) -> int:
         say(f"JSON report: {report.to_json(unchanged_or_beside(json_path, say))}")
     if html_path:
         say(f"HTML report: {report.to_html(unchanged_or_beside(html_path, say))}")
-    if repro_dir is not None:
-        _write_repro(report, ref, cand, folder, repro_dir, (ids, mask), policy, progress)
-    verdict = report.verdict
+    verdict, repro_of = report.verdict, report
     if args.decode:
         from compare.ladder.decode import run_decode
         from llamaspec.inputs import left_align
@@ -233,7 +231,11 @@ def cmd_compare(args) -> int:
         say(decoded.summary())
         if decode_json:
             say(f"decode JSON report: {decoded.to_json(decode_json)}")
+        if KINDS.index(decoded.verdict) > KINDS.index(verdict):     # the decode found worse: its step's case
+            repro_of = decoded
         verdict = max(verdict, decoded.verdict, key=KINDS.index)
+    if repro_dir is not None:
+        _write_repro(repro_of, ref, cand, folder, repro_dir, (ids, mask), policy, progress)
     finding = KINDS.index(verdict) > KINDS.index("drift")
     if args.generate:
         from compare.ladder.greedy import run_greedy
@@ -314,10 +316,15 @@ def _repro_folder(path, what: str) -> Path:
 
 def _write_repro(report, ref, cand, folder, out, inputs, policy, progress) -> None:
     from compare.repro import write_repro
-    case = write_repro(report, ref, cand, folder, out, inputs=inputs, policy=policy, progress=progress)
+    _said(write_repro(report, ref, cand, folder, out, inputs=inputs, policy=policy, progress=progress))
+
+
+def _said(case) -> None:
+    """What a written repro case is and how to run it."""
     for note in case.notes:
         say(f"repro: {printable(note)}")
-    say(f"repro case of {case.unit.name} ({len(case.taps)} taps): {case.folder}")
+    at = "" if case.step is None else f" at decode step {case.step.step}"
+    say(f"repro case of {case.unit.name}{at} ({len(case.taps)} taps): {case.folder}")
     say(f"  run it anywhere with Python 3 and numpy: python {case.folder / 'repro.py'}")
 
 
@@ -386,12 +393,12 @@ def cmd_repro(args) -> int:
                                               else "") + f"; {summary.candidate} vs {summary.reference} at "
         f"{summary.policy.name}")
     sides = [_made(specs[role], folder, summary.policy) for role in ("reference", "candidate")]
-    case = write_repro(doc, *sides, folder, out, inputs=inputs, unit=args.unit,
-                       progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
-    for note in case.notes:
-        say(f"repro: {printable(note)}")
-    say(f"repro case of {case.unit.name} ({len(case.taps)} taps): {case.folder}")
-    say(f"  run it anywhere with Python 3 and numpy: python {case.folder / 'repro.py'}")
+    try:
+        case = write_repro(doc, *sides, folder, out, inputs=inputs, unit=args.unit, step=args.step,
+                           progress=lambda m: say(f"[{time.perf_counter() - t0:5.1f}s] {m}"))
+    except ReproError as e:
+        raise UsageError(f"{args.report}: {e}") from None
+    _said(case)
     return EXIT_OK
 
 
@@ -645,7 +652,7 @@ def _add_repro_parser(sub, common) -> None:
               "  llama-parity compare --candidate transformers --json r.json && llama-parity repro r.json --out case\n"
               "  llama-parity repro r.json MY_HF_FOLDER --random-tokens 2x64 --out case --unit layers.3\n"
               "  python case/repro.py")
-    p.add_argument("report", help="a compare JSON report (--json)")
+    p.add_argument("report", help="a compare JSON report (--json), or its decode report (-decode.json)")
     p.add_argument("checkpoint", nargs="?", default=None, help="the HF folder it compared (default: cached SmolLM2, "
                    "or the one a dump recorded)")
     p.add_argument("--out", required=True, metavar="DIR", help="the case's folder (new, empty, or an earlier case)")
@@ -654,6 +661,8 @@ def _add_repro_parser(sub, common) -> None:
     p.add_argument("--candidate-dump", metavar="DIR", help="the report's candidate, when it was a dump")
     p.add_argument("--unit", type=_unit, default=None, help="another unit than the first divergence's: a layer "
                    "index, layers.N, embed or head")
+    p.add_argument("--step", type=positive_int, default=None, help="a decode report's step (default: its first "
+                   "divergent step, else the step it lists)")
     p.set_defaults(func=cmd_repro, reference=None, candidate=None, decode=None, generate=None)
 
 

@@ -6,7 +6,8 @@
 JOB: {"checkpoint": folder, "devices": 8, "policies": [...], "meshes": [null or {"data": 2, ...}] (a mesh's
 "sums" key: shard_sums),
 "invariant": bool, "process": [id, count, port] (optional: jax.distributed on localhost),
-"controls": bool (compare/controls/sharding.py's controls through the ladder),
+"controls": bool (compare/controls/sharding.py's controls through the ladder), "repro": a folder (each
+control's report also written as a repro case there, tests/test_repro_more.py),
 "where": bool (probe where --circumstance sharding), "port": bool (a user's sharded JaxFunction)}.
 OUT holds, per policy and mesh, the raw results (logits, taps, greedy tokens, decode logits,
 per-device parameter bytes, the cache's shard shape); the test compares them. Only process 0
@@ -54,6 +55,10 @@ if job.get("controls"):       # the planted sharding bugs and the clean sharded 
         d = report.first_divergence
         out[name] = np.asarray([report.verdict, d.tap if d else "", str(d.layer) if d else "",
                                 d.component if d else "", "; ".join(check(control, report)), report.candidate])
+        if job.get("repro"):      # the report's first divergent unit as a case, the sides made again
+            from compare.repro import write_repro
+            write_repro(report, "torchref", control.side(job["checkpoint"]), job["checkpoint"],
+                        Path(job["repro"]) / name, inputs=(ids[:2], mask[:2]))
 if job.get("where"):          # probe where --circumstance sharding, default and batch-invariant mode
     from compare.probes import load_model
     from compare.probes.where import probe_where

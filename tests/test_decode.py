@@ -280,7 +280,7 @@ def _static_rope(model):
 def test_dynamic_rope_decode_past_the_trained_length_is_clean(candidate, dynamic):
     """A full recompute rotates every key with the final length's frequencies, a cache keeps
     each key as written: past the trained length they disagree in a correct model, so the
-    oracle is the reference's fp64 decode through its cache (decode._oracle_kind)."""
+    oracle is the reference's fp64 decode through its cache (decode.oracle_kind)."""
     ids = IDS[:, 4:]        # rows of one length (see the refusal below)
     if candidate == "transformers":
         transformers = pytest.importorskip("transformers")

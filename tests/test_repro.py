@@ -15,12 +15,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from repro_checks import first_difference, run_case, unit_name
 
 from compare import compare_models
 from compare.adapters import HF_LLAMA_TAPS, TorchModule, resolve_side
@@ -39,16 +37,6 @@ from llamaspec.testing import TINY_FAMILIES, make_checkpoint
 HEAD_DIM = 32       # tests/test_controls.py's checkpoint: RoPE tables in bf16 need wide heads and 128 positions
 IDS = np.random.default_rng(0).integers(3, 96, (2, 128))
 SHORT = IDS[:, :48]
-BLOCKED = ("llamaspec", "compare", "torchref", "jaxmodel", "llama_parity", "torch", "jax", "transformers")
-# The bootstrap of the fresh process: none of the project's packages (nor the frameworks) can be
-# imported, whatever sys.path holds; then repro.py runs as a script.
-BOOTSTRAP = ("import runpy, sys\n"
-             f"for name in {BLOCKED!r}:\n"
-             "    sys.modules[name] = None\n"
-             "script = sys.argv[1]\n"
-             "sys.argv = [script]\n"
-             "runpy.run_path(script, run_name='__main__')\n")
-
 # What the repro shows where it is not the control's tap with exit 1, and why (docs/repro.md):
 # softmax_bf16 is informational (tests/test_controls.py): under bf16 the policy already rounds the
 # scores and probabilities to bf16, and the ladder calls the one more rounding drift; so does the
@@ -88,27 +76,6 @@ def family_dir(tmp_path_factory):
 def outside(tmp_path_factory):
     """A working folder outside the repository for the fresh processes."""
     return tmp_path_factory.mktemp("repro_run")
-
-
-def run_case(case: Path, cwd: Path) -> subprocess.CompletedProcess:
-    """repro.py of `case` in a fresh process that cannot import the project (BOOTSTRAP), isolated
-    from PYTHONPATH and the user's site (-I), from `cwd`."""
-    return subprocess.run([sys.executable, "-I", "-c", BOOTSTRAP, str(case / "repro.py")], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
-
-
-def first_difference(out: str) -> str | None:
-    """The tap repro.py names as the first difference, or None when it says there is none."""
-    for line in out.splitlines():
-        if line.startswith("first difference at "):
-            return line.removeprefix("first difference at ").split(":")[0]
-    return None
-
-
-def unit_name(tap: str) -> str:
-    """The unit a tap belongs to: layers.<i>, embed, or head (final_norm, logits)."""
-    layer = tapnames.layer_of(tap)
-    return f"layers.{layer}" if layer is not None else "embed" if tap == "embed" else "head"
 
 
 def as_reported(control, ref, cand, policy) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from repro_checks import first_difference, run_case
 
 from compare.metrics import rel_l2
 from llamaspec import LlamaConfig
@@ -217,17 +218,24 @@ def test_planted_sharding_bugs_are_found_at_their_layer_and_component(tmp_path):
     """compare/controls/sharding.py through the ladder, tensor-parallel jaxmodel (tensor=2, GQA 8
     heads / 2 KV heads) against torchref at fp32: the clean sharded run is drift; a missing
     cross-shard sum of o_proj, query heads reading the next shard's KV heads and RoPE applied
-    per head_dim shard are each semantic, first at layer 1's attn_out, attn_ctx and q_rope."""
+    per head_dim shard are each semantic, first at layer 1's attn_out, attn_ctx and q_rope.
+    Each report's repro case (written in the worker, the sharded side made again there) shows the
+    bug at that tap when run without the project (tests/repro_checks.py), the clean one none."""
     from compare.controls.sharding import SHARDING_CONTROLS
     ckpt = make_checkpoint(tmp_path / "gqa", num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
                            intermediate_size=128, num_hidden_layers=3)
-    (r,) = run_workers([{"checkpoint": str(ckpt), "devices": 8, "controls": True}], tmp_path)
+    cases = tmp_path / "cases"
+    (r,) = run_workers([{"checkpoint": str(ckpt), "devices": 8, "controls": True, "repro": str(cases)}], tmp_path)
     assert set(r) - {"mask"} == set(SHARDING_CONTROLS)
     for name, control in SHARDING_CONTROLS.items():
         verdict, tap, layer, component, problems, candidate = r[name].tolist()
         assert candidate.startswith("jaxmodel (mesh data=1, tensor=2)"), candidate
         assert problems == "", f"{name}: {problems} (verdict {verdict}, first at {tap} {component})"
         assert verdict == control.verdict and tap == (control.expected_tap or "")
+        done = run_case(cases / name, tmp_path)
+        want = (0, None) if control.expected_tap is None else (1, control.expected_tap)
+        assert (done.returncode, first_difference(done.stdout)) == want, f"{name}:\n{done.stdout}{done.stderr}"
+        assert "mesh data=1, tensor=2" in (cases / name / "README.txt").read_text()
 
 
 @pytest.mark.slow     # on demand (make test-all): the default suite keeps the fp64, process and control tests

@@ -115,7 +115,7 @@ class DecodeReport(JsonResult):
     timing: dict = dataclasses.field(default_factory=dict)
     environment: dict = dataclasses.field(default_factory=dict)
     config_differences: list = dataclasses.field(default_factory=list)
-    oracle: str = "reference at fp64, full recompute without a cache"   # or _oracle_kind's other answer
+    oracle: str = "reference at fp64, full recompute without a cache"   # or oracle_kind's other answer
     teacher_forcing: str = "not needed"     # "run" | "not needed" | "not run: <why>" (_inherit_steps)
     # the candidate's float64 twin as checked before its decode was trusted as the semantic rung
     # (twins.check_twin, on the decoded steps' taps); None for a twin this project builds
@@ -128,7 +128,7 @@ class DecodeReport(JsonResult):
 FULL_RECOMPUTE = "reference at fp64, full recompute without a cache"
 
 
-def _oracle_kind(ref: Side, length: int) -> str:
+def oracle_kind(ref: Side, length: int) -> str:
     """What each decode step is judged against. A full recompute without a cache, except
     for dynamic NTK RoPE past the trained length: there the frequencies depend on the
     length of the call (transformers' dynamic_rope_update, which torchref and jaxmodel
@@ -161,20 +161,20 @@ def _stepper(impl, taps, inject=None):
 
 
 @dataclasses.dataclass
-class _Forcing:
+class Forcing:
     """Teacher forcing of a decode run: every layer's input replaced by the oracle's, in the
     prefill (prompt [B, T, hidden] per layer) and at each step (steps [B, N, hidden]), so the
     cache holds the keys and values of the oracle's inputs too."""
     prompt: dict
     steps: dict
 
-    def rows(self, b: int, cols) -> "_Forcing":
-        return _Forcing({i: h[b:b + 1, cols] for i, h in self.prompt.items()},
+    def rows(self, b: int, cols) -> "Forcing":
+        return Forcing({i: h[b:b + 1, cols] for i, h in self.prompt.items()},
                         {i: h[b:b + 1] for i, h in self.steps.items()})
 
 
-def _decode_run(impl, ids, mask, taps, tokens=None, steps=None, slack=0, prefilled=None,
-                forcing: _Forcing | None = None):
+def decode_run(impl, ids, mask, taps, tokens=None, steps=None, slack=0, prefilled=None,
+                forcing: Forcing | None = None):
     """Prefill, then one decode step per token: ({tap: [B, N, ...]}, tokens [B, N]).
 
     tokens None: greedy (argmax of each step's logits, ties to the lowest id as
@@ -187,7 +187,7 @@ def _decode_run(impl, ids, mask, taps, tokens=None, steps=None, slack=0, prefill
         rows = []
         for b in range(len(ids)):
             cols = np.flatnonzero(mask[b])
-            rows.append(_decode_run(impl, ids[b:b + 1, cols], mask[b:b + 1, cols], taps,
+            rows.append(decode_run(impl, ids[b:b + 1, cols], mask[b:b + 1, cols], taps,
                                     None if tokens is None else tokens[b:b + 1], steps, slack,
                                     forcing=None if forcing is None else forcing.rows(b, cols)))
         return ({t: np.concatenate([r[0][t] for r in rows]) for t in taps},
@@ -240,7 +240,7 @@ class _Runs:
     o: dict
     fed: np.ndarray             # [B, N] the tokens both sides were fed
     source: str                 # where the tokens came from
-    oracle: str                 # FULL_RECOMPUTE or _oracle_kind's other answer
+    oracle: str                 # FULL_RECOMPUTE or oracle_kind's other answer
     full_ids: np.ndarray        # prompt + fed tokens, and its mask
     full_mask: np.ndarray
     o_prompt: dict | None = None  # the oracle's prompt columns (embed, layers.*.out) when it has them
@@ -258,7 +258,7 @@ def _check_decode_inputs(ref: Side, cand: Side, ids, mask, steps: int, tokens):
     if steps < 1:
         raise InputError(f"steps={steps} must be >= 1")
     lengths = np.asarray(mask).sum(1)
-    if _oracle_kind(ref, int(lengths.max()) + steps) != FULL_RECOMPUTE and len(set(lengths.tolist())) > 1:
+    if oracle_kind(ref, int(lengths.max()) + steps) != FULL_RECOMPUTE and len(set(lengths.tolist())) > 1:
         by_rows = [s.name for s in (ref, cand) if getattr(s.at_fp64, "unpadded_rows", False)]
         if by_rows:
             raise InputError(
@@ -279,17 +279,17 @@ def _run_sides(ref: Side, cand: Side, ids, mask, taps, policy: Policy, steps: in
         ahead = {id(impl): _prefill_ahead(pool, impl, ids, mask, taps, T + steps + slack)
                  for impl in (cand.at_policy, cand.at_fp64)}
         progress(f"reference {ref.name} at {policy.name}: prefill + {steps} decode steps")
-        r, fed = _decode_run(ref.at_policy, ids, mask, taps, tokens, steps, slack)
+        r, fed = decode_run(ref.at_policy, ids, mask, taps, tokens, steps, slack)
         lap("reference")
         progress(f"candidate {cand.name} at {policy.name}: the same tokens through its cache")
-        c, _ = _decode_run(cand.at_policy, ids, mask, taps, fed, slack=slack, prefilled=ahead[id(cand.at_policy)])
+        c, _ = decode_run(cand.at_policy, ids, mask, taps, fed, slack=slack, prefilled=ahead[id(cand.at_policy)])
         lap("candidate")
         progress(f"candidate {cand.name} at fp64: the same tokens through its cache (semantic rung)")
-        c64, _ = _decode_run(cand.at_fp64, ids, mask, taps, fed, slack=slack, prefilled=ahead[id(cand.at_fp64)])
+        c64, _ = decode_run(cand.at_fp64, ids, mask, taps, fed, slack=slack, prefilled=ahead[id(cand.at_fp64)])
         lap("candidate_fp64")
     full_ids = np.concatenate([ids, fed], 1)
     full_mask = np.concatenate([mask, np.ones_like(fed)], 1)
-    oracle = _oracle_kind(ref, int(full_mask.sum(1).max()))
+    oracle = oracle_kind(ref, int(full_mask.sum(1).max()))
     if oracle == FULL_RECOMPUTE:
         progress("oracle: reference at fp64 on the full sequence, no cache")
         _, full = ref.at_fp64.capture(full_ids, full_mask, ref.taps)    # all of them: context for the hints
@@ -297,7 +297,7 @@ def _run_sides(ref: Side, cand: Side, ids, mask, taps, policy: Policy, steps: in
         o_prompt = {t: np.asarray(x)[:, :T] for t, x in full.items() if tapnames.is_layer_input(t)}
     else:
         progress(f"oracle: {oracle}")
-        o, _ = _decode_run(ref.at_fp64, ids, mask, ref.taps, fed, slack=slack)
+        o, _ = decode_run(ref.at_fp64, ids, mask, ref.taps, fed, slack=slack)
         o_prompt = None
     lap("oracle")
     source = "reference greedy at P" if tokens is None else "given"
@@ -480,12 +480,12 @@ def _inherit_steps(ref: Side, cand: Side, ids, mask, runs: _Runs, taps, verdicts
     if o_prompt is None:    # the oracle decoded through its cache: its prompt columns as the prefill computed them
         _, o_prompt = ref.at_fp64.capture(ids, mask, [tapnames.input_tap(i) for i in range(n_layers)])
     n = wanted[-1] + 1
-    forcing = _Forcing(tapnames.layer_inputs(o_prompt, n_layers), tapnames.layer_inputs(runs.o, n_layers, slice(0, n)))
+    forcing = Forcing(tapnames.layer_inputs(o_prompt, n_layers), tapnames.layer_inputs(runs.o, n_layers, slice(0, n)))
     progress(f"teacher forcing: every layer fed the oracle's input for {n} decode step(s), each side "
              "(are the later findings the first one's, inherited?)")
     fed = runs.fed[:, :n]
     try:
-        forced = [_decode_run(impl, ids, mask, taps, fed, slack=slack + runs.fed.shape[1] - n, forcing=forcing)[0]
+        forced = [decode_run(impl, ids, mask, taps, fed, slack=slack + runs.fed.shape[1] - n, forcing=forcing)[0]
                   for impl in impls]
     except NotImplementedError as e:
         return f"not run: {e} (teacher forcing needs it)"

@@ -178,14 +178,23 @@ def embed(ids, w, c):
     return {"embed": e * math.sqrt(c["hidden_size"]) if c["embed_scale"] else e}
 
 
+def judged(case):
+    """The columns of inputs.npz the sides' taps hold: all of them, or (a decode step's case) the
+    step's slot, whose taps read every column before it."""
+    cols = case.get("columns")
+    return slice(None) if cols is None else np.asarray(cols, np.int64)
+
+
 def float64_unit(case, w, inputs, fed):
-    """The unit's taps in float64 from the input a side was fed."""
-    c, kind = case["config"], case["unit"]["kind"]
+    """The unit's taps in float64 from the input a side was fed, at the judged columns. A layer's
+    input holds every column (attention reads them all); the head's, the judged ones."""
+    c, kind, cols = case["config"], case["unit"]["kind"], judged(case)
     if kind == "embed":
-        return embed(inputs["ids"], w, c)
+        return embed(inputs["ids"][:, cols], w, c)
     if kind == "head":
         return head(fed, w, c)
-    return layer(fed, w, c, inputs["positions"].astype(np.float64), inputs["mask"])
+    taps = layer(fed, w, c, inputs["positions"].astype(np.float64), inputs["mask"])
+    return {t: v[:, cols] for t, v in taps.items()}
 
 
 # ----- the comparison ----------------------------------------------------------------------------
@@ -251,6 +260,9 @@ def check_case(case):
     missing = sorted({"title", "about", "unit", "taps", "tap_names", "config", "sides", "rule"} - set(case))
     if missing:
         raise Refused(f"case.json lacks {missing}")
+    cols = case.get("columns")
+    if cols is not None and not (isinstance(cols, list) and cols and all(type(i) is int and i >= 0 for i in cols)):
+        raise Refused(f"case.json: columns {cols!r} is not a list of column numbers")
     c = case["config"]
     unknown = sorted(set(c) - CONFIG_KEYS)
     if unknown:
@@ -274,8 +286,8 @@ def compare(case, w, inputs, sides):
     the check of this script's float64 against the recorded float64 run: (the worst difference
     over its gate, its tap, the difference, the gate))."""
     rule, taps, names = case["rule"], case["taps"], case["sides"]
-    real = inputs["mask"].astype(bool)
-    pos = inputs["positions"][real]
+    real = inputs["mask"][:, judged(case)].astype(bool)
+    pos = inputs["positions"][:, judged(case)][real]
     done = []       # (input, its float64 taps): computed once per distinct input
 
     def float64_of(fed):
@@ -285,7 +297,8 @@ def compare(case, w, inputs, sides):
                 return out
         done.append((fed, float64_unit(case, w, inputs, fed)))
         return done[-1][1]
-    f64 = {role: float64_of(data.get("input")) for role, data in sides.items()}
+    # a side that returned no input of its own is held to the float64 of the oracle's input
+    f64 = {role: float64_of(data.get("input", sides.get("oracle", {}).get("input"))) for role, data in sides.items()}
     twin = "candidate_fp64" in sides
     print(f"{'tap':<15}{'reference':>12}{'candidate':>12}{'ratio':>10}" + (f"{'cand fp64':>12}" if twin else "")
           + f"{'check':>10}")
@@ -334,6 +347,8 @@ def main():
         case = json.loads((HERE / "case.json").read_text())
         check_case(case)
         w, inputs = load("weights.npz"), load("inputs.npz")
+        if case.get("columns") is not None and max(case["columns"]) >= inputs["mask"].shape[1]:
+            raise Refused(f"case.json's columns {case['columns']} lie past inputs.npz's {inputs['mask'].shape[1]}")
         sides = {role: load(name) for role, name in SIDE_FILES.items()
                  if role in case["sides"] and (HERE / name).is_file()}
         for role in ("reference", "candidate"):

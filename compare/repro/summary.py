@@ -54,6 +54,18 @@ class Summary:
     twin_refused: str | None                # the ladder's note when it refused the candidate's twin
     keeps_f32_inferred: bool                # the ladder found f32 steps in the candidate's twin
     environment: dict                       # ENV_KEYS that the report has, as printable strings
+    decode: "Decoded | None" = None         # a decode report's steps (compare.ladder.decode.DecodeReport)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """What a decode report says about its steps: the prompt's width T (left-aligned), the tokens
+    fed at steps 1..N ([B, N]), the first step with the worst verdict (None: no finding) and the
+    step whose taps it lists (the nearest a finding when there is none)."""
+    prompt_tokens: int
+    tokens: tuple               # B tuples of N token ids
+    first_step: int | None
+    taps_step: int
 
 
 def summarize(report) -> Summary:
@@ -68,7 +80,8 @@ def summarize(report) -> Summary:
     return Summary(verdict, _divergence(doc.get("first_divergence")), _name(doc, "reference"),
                    _name(doc, "candidate"), _policy(doc.get("policy")), _ratios(doc.get("taps")),
                    _text(twin.get("note"), "twin note") if twin.get("status") == REFUSED else None,
-                   twin.get("status") == INFERRED, _environment(doc.get("environment")))
+                   twin.get("status") == INFERRED, _environment(doc.get("environment")),
+                   _decoded(doc) if "prompt_tokens" in doc else None)
 
 
 def _shown(x) -> str:
@@ -112,6 +125,26 @@ def _divergence(d) -> Divergence | None:
     if d.get("layer") != tapnames.layer_of(tap):
         raise ReproError(f"report: first_divergence.layer {_shown(d.get('layer'))} is not tap {tap}'s")
     return Divergence(tap, tapnames.layer_of(tap), component, kind, _text(d.get("hint", ""), "first_divergence.hint"))
+
+
+def _count(x, what: str, low: int, high: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or not low <= x <= high:
+        raise ReproError(f"report: {what} is {_shown(x)}, not a whole number in {low}..{high}")
+    return x
+
+
+def _decoded(doc: dict) -> Decoded:
+    """A decode report's steps, checked: T, tokens [B, N] of whole numbers, the steps within 1..N."""
+    tokens = doc.get("tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(r, list) and r for r in tokens) \
+            or len({len(r) for r in tokens}) != 1:
+        raise ReproError(f"report: 'tokens' is {_shown(tokens)}, not the decoded tokens [rows][steps]")
+    rows = tuple(tuple(_count(t, "a decoded token", 0, 2 ** 31 - 1) for t in r) for r in tokens)
+    n = len(rows[0])
+    first = doc.get("first_step")
+    return Decoded(_count(doc.get("prompt_tokens"), "'prompt_tokens'", 1, 2 ** 31 - 1), rows,
+                   None if first is None else _count(first, "'first_step'", 1, n),
+                   _count(doc.get("taps_step", 1), "'taps_step'", 1, n))
 
 
 def _policy(d) -> Policy:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llamaspec import LlamaConfig, Policy, check_tokens, positions_from_mask
+from llamaspec import LlamaConfig, Policy, check_tokens, left_align, positions_from_mask
 from llamaspec import taps as tapnames
 from llamaspec.checkpoint import check_checkpoint, expected_shapes
 from llamaspec.config import ROPE_TYPES
@@ -27,6 +27,7 @@ from llamaspec.files import atomic_write, json_text, printable
 from ..adapters import InjectUnsupported, Side, forced_capture, inject_support, resolve_side
 from ..adapters.dump import bind_dumps
 from ..environment import PACKAGES, cpu
+from ..ladder.decode import FULL_RECOMPUTE, Forcing, decode_run, oracle_kind
 from ..ladder.engine import parse_inputs
 from ..vocabulary import (
     FP64_FLOOR,
@@ -36,7 +37,7 @@ from ..vocabulary import (
     drift_factor,
     precision_floor,
 )
-from .summary import ReproError, Summary, check_tap, summarize
+from .summary import Decoded, ReproError, Summary, check_tap, summarize
 
 SCRIPT = Path(__file__).with_name("case.py")
 # Every file a case folder holds; a folder holding anything else is not written into.
@@ -62,6 +63,28 @@ class Unit:
     taps: tuple[str, ...]       # its tap names in execution order
 
 
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A decode case's place: step `step` (1..N) of a decode after a left-aligned prompt of
+    `prompt` slots, with `tokens` [B, step] the tokens fed at steps 1..step. The step writes
+    and reads cache slot prompt + step - 1: the one column of the full sequence judged. The
+    cache holds `slots` (prompt + the report's N steps, as the decode comparison allocates it:
+    a bug that depends on the cache's size sees the same size)."""
+    step: int
+    prompt: int
+    tokens: np.ndarray
+    slots: int
+
+    @property
+    def slot(self) -> int:
+        return self.prompt + self.step - 1
+
+    def sequence(self, ids, mask) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt and the tokens fed up to this step, [B, slot + 1], and its mask."""
+        return (np.concatenate([ids, self.tokens], 1),
+                np.concatenate([mask, np.ones_like(self.tokens)], 1).astype(np.int64))
+
+
 @dataclasses.dataclass
 class Repro:
     """A written case: its folder, the unit, how each side was fed ("oracle": the oracle's input
@@ -71,6 +94,7 @@ class Repro:
     fed: dict
     taps: tuple[str, ...]
     notes: list[str]
+    step: Step | None = None    # a decode report's case: the step (None: a prefill's)
 
 
 def unit_of(summary: Summary | None, cfg: LlamaConfig, unit=None) -> Unit:
@@ -102,16 +126,23 @@ def _reported_unit(summary: Summary | None):
     return 0
 
 
-def write_repro(report, reference, candidate, checkpoint, out, inputs=None, policy=None, unit=None,
+def write_repro(report, reference, candidate, checkpoint, out, inputs=None, policy=None, unit=None, step=None,
                 progress=lambda msg: None) -> Repro:
-    """Writes the first divergent unit of `report` (a compare Report or its JSON object) as a
-    standalone case in the folder `out` (new, empty, or an earlier case), and returns a Repro.
+    """Writes the first divergent unit of `report` (a compare Report, a decode comparison's
+    DecodeReport, or either's JSON object) as a standalone case in the folder `out` (new, empty,
+    or an earlier case), and returns a Repro.
 
     reference, candidate: what compare_models took (names, model objects, a port, a Side): the
     sides are run again on the unit; their names must be the report's. inputs: the comparison's
     (compare_models' `inputs`; None: the built-in prompt). policy: the report's unless given.
     unit: another unit than the report's (unit_of). Each side is fed the oracle's input to the
-    unit through capture(..., inject=...) where it takes inject, else runs on its own input."""
+    unit through capture(..., inject=...) where it takes inject, else runs on its own input.
+
+    A decode report's case is one step (`step`: 1..N; default the report's first divergent step,
+    else the step whose taps it lists): each side prefills the prompt and decodes the report's
+    tokens through its own cache up to that step, the unit's layer fed the oracle's input in the
+    prefill and at every step (prefill / decode_capture with inject); the case holds the step's
+    one column, and repro.py recomputes the whole sequence in float64 without a cache."""
     summary = summarize(report)
     # a dump fixes the inputs and the policy, and supplies (and checks) the checkpoint
     checkpoint, inputs, policy = bind_dumps(reference, candidate, checkpoint, inputs,
@@ -127,6 +158,13 @@ def write_repro(report, reference, candidate, checkpoint, out, inputs=None, poli
         raise ReproError(f"the report's first divergence {summary.divergence.tap} is not a tap of the checkpoint's "
                          f"model ({cfg.num_hidden_layers} layers): not the checkpoint it was compared on")
     ids, mask = check_tokens(cfg, *parse_inputs(inputs, checkpoint))
+    at = None
+    if summary.decode is not None:
+        ids, mask = left_align(np.asarray(ids, np.int64), np.asarray(mask, np.int64))
+        at = _step(summary.decode, ids, cfg, step)
+        check_tokens(cfg, *at.sequence(ids, mask))
+    elif step is not None:
+        raise ReproError(f"step={step}: the report is a prefill comparison's; a step is a decode report's")
     folder = case_folder(out)
     the_unit = unit_of(summary, cfg, unit)
     ref, cand = (resolve_side(s, checkpoint, policy) for s in (reference, candidate))
@@ -135,11 +173,35 @@ def write_repro(report, reference, candidate, checkpoint, out, inputs=None, poli
         if side.name != named:
             raise ReproError(f"the report's {role} is {named}; the {role} given is {printable(side.name)}: give the "
                              "same implementation the report compared")
-    progress(f"repro: {the_unit.name}, each side fed the oracle's input where it takes inject")
-    runs = capture_unit(the_unit, ref, cand, ids, mask, cfg, summary, progress)
-    _write(folder, the_unit, runs, ckpt, cfg, ids, mask, summary, policy, ref, cand)
+    if at is None:
+        progress(f"repro: {the_unit.name}, each side fed the oracle's input where it takes inject")
+        runs = capture_unit(the_unit, ref, cand, ids, mask, cfg, summary, progress)
+    else:
+        if oracle_kind(ref, int(mask.sum(1).max()) + at.step) != FULL_RECOMPUTE:
+            raise ReproError(f"decode step {at.step}: dynamic RoPE past the trained length "
+                             f"({cfg.max_position_embeddings}): a full recompute rotates the cached keys with other "
+                             "frequencies than a cache does, so repro.py's float64 without a cache is no oracle here")
+        progress(f"repro: {the_unit.name} at decode step {at.step} (cache slot {at.slot}), each side decoding "
+                 "through its own cache")
+        runs = capture_decode_unit(the_unit, ref, cand, ids, mask, at, cfg, summary, progress)
+        ids, mask = at.sequence(ids, mask)
+    _write(folder, the_unit, runs, ckpt, cfg, ids, mask, summary, policy, ref, cand, at)
     return Repro(folder, the_unit, {r: run.fed for r, run in runs.items()}, _both(the_unit, runs),
-                 [n for run in runs.values() for n in run.notes])
+                 [n for run in runs.values() for n in run.notes], at)
+
+
+def _step(decoded: Decoded, ids, cfg: LlamaConfig, step) -> Step:
+    """The decode step to write, checked against the inputs given (the report's prompt)."""
+    tokens = np.asarray(decoded.tokens, np.int64)
+    if ids.shape != (tokens.shape[0], decoded.prompt_tokens):
+        raise ReproError(f"the decode report decoded {tokens.shape[0]} row(s) after a prompt of "
+                         f"{decoded.prompt_tokens} slots (left-aligned); the inputs given are {ids.shape[0]} x "
+                         f"{ids.shape[1]}: give the compare run's inputs again")
+    n = tokens.shape[1]
+    s = step if step is not None else decoded.first_step or decoded.taps_step
+    if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 1 <= s <= n:
+        raise ReproError(f"step {s!r}: the report decoded steps 1..{n}")
+    return Step(int(s), decoded.prompt_tokens, tokens[:, :int(s)], decoded.prompt_tokens + n)
 
 
 def _check_config(cfg: LlamaConfig) -> None:
@@ -235,6 +297,61 @@ def _side_run(impl, name: str, unit: Unit, ids, mask, layer, x, reads) -> Run:
                 "to the float64 of the oracle's input, so they carry what earlier steps added"])
 
 
+def capture_decode_unit(unit: Unit, ref: Side, cand: Side, ids, mask, at: Step, cfg: LlamaConfig, summary: Summary,
+                        progress=lambda msg: None) -> dict[str, Run]:
+    """{role: Run} at decode step `at`, each holding the step's one column: the oracle (the
+    reference at float64 on the whole sequence, no cache: the decode comparison's oracle), then
+    the reference, the candidate and its float64 twin each decoding through its own cache, the
+    forced layer fed the oracle's input in the prefill and at every step (decode.Forcing)."""
+    layer = _forced_layer(unit, cfg)
+    entry = None if layer is None else tapnames.input_tap(layer)
+    reads = None if unit.kind == "embed" else f"layers.{layer}.out" if unit.kind == "head" else entry
+    full_ids, full_mask = at.sequence(ids, mask)
+    col = slice(at.slot, at.slot + 1)
+    progress(f"repro: oracle ({ref.name} at float64, the whole sequence without a cache)")
+    ask = [t for t in dict.fromkeys([entry, reads, *unit.taps]) if t is not None and t in ref.taps]
+    logits, o = ref.at_fp64.capture(full_ids, full_mask, ask)
+    oracle_in = None if reads is None else o[reads] if unit.kind == "layer" else np.asarray(o[reads])[:, col]
+    runs = {"oracle": Run(ref.name + " at float64", {t: np.asarray(a)[:, col] for t, a in _pick((logits, o),
+                                                                                                unit).items()},
+                          "ids" if reads is None else "oracle", oracle_in, [])}
+    forcing = None
+    if entry is not None:
+        x = np.asarray(o[entry])
+        forcing = Forcing({layer: x[:, :at.prompt]}, {layer: x[:, at.prompt:]})
+    sides = [("reference", ref.at_policy, ref.name), ("candidate", cand.at_policy, cand.name)]
+    if cand.at_fp64 is not None and summary.twin_refused is None:
+        sides.append(("candidate_fp64", cand.at_fp64, cand.name + " at float64"))
+    elif summary.twin_refused is not None:
+        runs["oracle"].notes.append(f"candidate at float64: not captured (the comparison refused its twin: "
+                                    f"{summary.twin_refused})")
+    for role, impl, name in sides:
+        progress(f"repro: {role} ({name}): prefill and {at.step} decode step(s) through its cache")
+        runs[role] = _decode_side_run(impl, name, unit, ids, mask, at, forcing, reads)
+    return runs
+
+
+def _decode_side_run(impl, name: str, unit: Unit, ids, mask, at: Step, forcing, reads) -> Run:
+    offered = set(getattr(impl, "taps", ()))
+    ask = [t for t in dict.fromkeys([*unit.taps, *([reads] if unit.kind == "head" else [])]) if t in offered]
+    if forcing is not None:
+        why = inject_support(impl, ("prefill", "decode_capture"))
+        if why is not None:
+            raise ReproError(f"{name}: a decode case feeds layer {min(forcing.prompt)} the oracle's input in the "
+                             f"prefill and at every step (prefill and decode_capture with inject), and {why}")
+    out, _ = decode_run(impl, ids, mask, ask, at.tokens, slack=at.slots - at.prompt - at.step, forcing=forcing)
+    taps = {t: np.asarray(a)[:, -1:] for t, a in out.items() if t in unit.taps}
+    if unit.kind == "embed":
+        return Run(name, taps, "ids", None, [])
+    if unit.kind == "layer":    # fed the oracle's input at every column: the prompt's, then each step's
+        fed = np.concatenate([forcing.prompt[unit.layer], forcing.steps[unit.layer]], 1)
+        return Run(name, taps, "oracle", fed, [])
+    if reads not in out:
+        raise ReproError(f"{name}: the head's case holds it to the float64 of its own last-layer output, and its "
+                         f"decode_capture returns no {reads}")
+    return Run(name, taps, "oracle", np.asarray(out[reads])[:, -1:], [])
+
+
 def _pick(out, unit: Unit) -> dict:
     """The unit's taps from a capture's (logits, taps); the logits it returns stand for a "logits"
     tap the side lacks (as the ladder judges a port's returned logits)."""
@@ -268,7 +385,9 @@ def _kind(tap: str) -> str:
 
 
 def _write(folder: Path, unit: Unit, runs: dict, ckpt, cfg: LlamaConfig, ids, mask, summary: Summary,
-           policy: Policy, ref: Side, cand: Side) -> None:
+           policy: Policy, ref: Side, cand: Side, at: Step | None = None) -> None:
+    """The case's files. ids, mask: every column the unit reads (a decode case's: the prompt and the
+    tokens up to its step); the sides' taps hold the judged columns (a decode case's one slot)."""
     for stale in FILES:     # an earlier case's files go first: none of them may survive into this one
         (folder / stale).unlink(missing_ok=True)
     weights = unit_weights(ckpt, cfg, unit, ids)
@@ -282,7 +401,7 @@ def _write(folder: Path, unit: Unit, runs: dict, ckpt, cfg: LlamaConfig, ids, ma
         _npz(folder / f"{role}.npz", arrays, f"repro {role} taps")
     layer_policy = policy if unit.layer is None else policy.for_layer(unit.layer, cfg.num_hidden_layers)
     rule = _rule(layer_policy, cfg, unit, mask, cand.keeps_f32 or summary.keeps_f32_inferred, ref.keeps_f32)
-    about = _about(unit, cfg, runs, ids, summary, policy)
+    about = _about(unit, cfg, runs, ids, summary, policy, at)
     case = {"format": FORMAT, "title": about[0], "about": about[1:],
             "unit": {"kind": unit.kind, "layer": unit.layer, "name": unit.name},
             "taps": [_kind(t) for t in _both(unit, runs)], "tap_names": list(_both(unit, runs)),
@@ -291,7 +410,10 @@ def _write(folder: Path, unit: Unit, runs: dict, ckpt, cfg: LlamaConfig, ids, ma
                              "at": "float64" if role in ("oracle", "candidate_fp64") else policy.name}
                       for role, run in runs.items()},
             "rule": rule, "weights": sorted(weights), "report": _report_record(summary),
-            "inputs": f"{np.shape(ids)[0]} x {np.shape(ids)[1]} slots, {int(np.sum(mask))} real tokens"}
+            "inputs": f"{np.shape(ids)[0]} x {np.shape(ids)[1]} slots, {int(np.sum(mask))} real tokens",
+            # the columns of inputs.npz the sides' taps hold (null: all); a decode case's: its step's slot
+            "columns": None if at is None else [at.slot],
+            "decode": None if at is None else {"step": at.step, "slot": at.slot, "prompt_tokens": at.prompt}}
     atomic_write(folder / "case.json", json_text(case, indent=1), "repro case.json")
     atomic_write(folder / "repro.py", SCRIPT.read_text(), "repro script")
     atomic_write(folder / "README.txt", readme(case, runs, weights, ckpt, summary), "repro README")
@@ -360,7 +482,8 @@ def _report_record(summary: Summary) -> dict:
             "environment": summary.environment}
 
 
-def _about(unit: Unit, cfg: LlamaConfig, runs: dict, ids, summary: Summary, policy: Policy) -> list[str]:
+def _about(unit: Unit, cfg: LlamaConfig, runs: dict, ids, summary: Summary, policy: Policy,
+           at: Step | None = None) -> list[str]:
     """The title and the lines repro.py prints above its table."""
     d = summary.divergence
     what = {"layer": f"decoder layer {unit.layer}", "embed": "the embedding",
@@ -372,20 +495,26 @@ def _about(unit: Unit, cfg: LlamaConfig, runs: dict, ids, summary: Summary, poli
              f"reference: {summary.reference}; candidate: {summary.candidate}; policy {policy.name}; "
              f"{np.shape(ids)[0]} x {np.shape(ids)[1]} tokens",
              f"the report: {summary.verdict}" + ("" if d is None else f", first divergence {d.tap} ({d.kind})")]
-    fed = {role: _fed(run, unit) for role, run in runs.items() if role != "oracle"}
+    if at is not None:
+        lines.append(f"decode step {at.step} after a prompt of {at.prompt} slots: each side prefilled the prompt and "
+                     f"decoded through its own KV cache, the step writing and reading slot {at.slot}; float64 is "
+                     f"the whole sequence without a cache, column {at.slot}")
+    fed = {role: _fed(run, unit, at is not None) for role, run in runs.items() if role != "oracle"}
     lines.append("each side fed: " + (next(iter(fed.values())) if len(set(fed.values())) == 1 else
                                       "; ".join(f"{role} {how}" for role, how in fed.items())))
     return lines
 
 
-def _fed(run: Run, unit: Unit) -> str:
+def _fed(run: Run, unit: Unit, decode: bool = False) -> str:
     if run.fed == "ids":
         return "the token ids"
     if run.fed == "own":
         return "its own input" + ("" if run.input is not None else " (not returned: held to the oracle's)")
+    how = ("prefill(..., inject=...) and decode_capture(..., inject=...) at each step" if decode else
+           "capture(..., inject=...)")
     if unit.kind == "head":
-        return "the oracle's input to the last layer (capture(..., inject=...)), then its own last layer"
-    return "the oracle's input (teacher forcing: capture(..., inject=...))"
+        return f"the oracle's input to the last layer ({how}), then its own last layer"
+    return f"the oracle's input (teacher forcing: {how})"
 
 
 def _versions() -> str:
@@ -406,7 +535,7 @@ def readme(case: dict, runs: dict, weights: dict, ckpt, summary: Summary) -> str
     stored = sorted({str(ckpt.storage_dtype(k)) for k in weights if k in ckpt.keys()})
     sides = "\n".join(f"  {role + '.npz':<20} {run.name}: {len(run.taps)} taps, fed "
                       + ("its own input (the oracle's run)" if role == "oracle" and run.fed != "ids" else
-                         _fed(run, case_unit)) for role, run in runs.items())
+                         _fed(run, case_unit, case.get("decode") is not None)) for role, run in runs.items())
     notes = [n for run in runs.values() for n in run.notes]
     return "\n".join([
         case["title"], "",
@@ -416,6 +545,9 @@ def readme(case: dict, runs: dict, weights: dict, ckpt, summary: Summary) -> str
         "  first divergence: " + ("none (this unit is the one nearest a finding)" if d is None else
                                   f"{d.tap} (layer {d.layer}, component {d.component}, {d.kind})"),
         *([f"  hint: {d.hint}"] if d is not None and d.hint else []),
+        *([f"  decode step {case['decode']['step']} after a prompt of {case['decode']['prompt_tokens']} slots: each "
+           f"side decoded through its own KV cache; the step's slot {case['decode']['slot']} is the one column "
+           "its .npz files hold"] if case.get("decode") else []),
         "  measured on: " + (f"{env.get('cpu', '?')} ({env.get('cpu isa', '?')}); "
                              + ", ".join(f"{k} {env[k]}" for k in ("python", "numpy", "torch", "jax", "transformers")
                                          if k in env) if env else "(the report records no environment)"),
@@ -429,8 +561,9 @@ def readme(case: dict, runs: dict, weights: dict, ckpt, summary: Summary) -> str
         "  repro.py             recomputes the unit in float64 with numpy and holds each side to it",
         *(["", "Notes"] + [f"  {printable(n)}" for n in notes] if notes else []),
         "",
-        f"Captured {time.strftime('%Y-%m-%d')} on {here.get('cpu', '?')} ({here.get('cpu isa', '?')}) with "
-        f"{_versions()}.",
+        f"Captured {time.strftime('%Y-%m-%d')} on {here.get('cpu', '?')} ({here.get('cpu isa', '?')}"
+        + ("" if here.get("isa caps", "none") == "none" else f"; instruction sets capped: {here['isa caps']}")
+        + f") with {_versions()}.",
         "",
         "How to run it (Python 3 and numpy; nothing else)",
         "  python repro.py",
