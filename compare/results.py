@@ -6,7 +6,10 @@ side's logits were judged)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
+
+import numpy as np
 
 from llamaspec import taps as tapnames
 from llamaspec.files import atomic_write, json_safe, json_text
@@ -26,6 +29,18 @@ class JsonResult:
 
     def to_json(self, path) -> Path:
         return atomic_write(Path(path), json_text(self.to_dict(), indent=1), "JSON report")
+
+
+def inputs_record(ids, mask) -> dict:
+    """What a report records of the token ids it was computed on (Report.inputs, DecodeReport.inputs):
+    their shape and a SHA-256 of the real tokens and the mask (a padding slot's id is not part of
+    the math, so not of the digest), so that a later step given the inputs again (compare.repro)
+    can tell whether they are the same."""
+    ids, mask = np.asarray(ids, np.int64), np.asarray(mask, np.int64)
+    real = np.where(mask != 0, ids, -1)
+    digest = hashlib.sha256(f"{ids.shape}".encode() + real.tobytes() + (mask != 0).astype(np.int8).tobytes())
+    return {"rows": int(ids.shape[0]), "tokens": int(ids.shape[1]), "real_tokens": int((mask != 0).sum()),
+            "sha256": digest.hexdigest()}
 
 
 # ----- what the ladder judged (Report.coverage) -------------------------------------------------

@@ -648,8 +648,11 @@ def _add_repro_parser(sub, common) -> None:
               "inside it, and repro.py, which recomputes the unit in float64 with numpy alone and shows where\n"
               "the candidate leaves the reference's rounding (docs/repro.md). The sides are made again from the\n"
               "report's names (torchref, jaxmodel, transformers, a dump); a Python port needs\n"
-              "compare.write_repro. The report holds no token ids: give the compare run's inputs again.",
+              "compare.write_repro. The report holds no token ids, only their digest: give the compare run's\n"
+              "inputs again (others are refused). A decode report (compare --decode N --json r.json writes\n"
+              "r-decode.json) gives the unit at its first divergent step, decoded through each side's cache.",
               "  llama-parity compare --candidate transformers --json r.json && llama-parity repro r.json --out case\n"
+              "  llama-parity repro r-decode.json --out case --step 2\n"
               "  llama-parity repro r.json MY_HF_FOLDER --random-tokens 2x64 --out case --unit layers.3\n"
               "  python case/repro.py")
     p.add_argument("report", help="a compare JSON report (--json), or its decode report (-decode.json)")

@@ -149,6 +149,30 @@ def test_the_decode_reports_own_finding_through_its_json_and_the_command_line(fo
         write_repro(report, ref, cand, folder, tmp_path / "other", inputs=(IDS[:, 2:], MASK[:, 2:]))
     with pytest.raises(ReproError, match=r"step 4: the report decoded steps 1\.\.3"):
         write_repro(report, ref, cand, folder, tmp_path / "other", inputs=(IDS, MASK), step=4)
+    with pytest.raises(ReproError, match=r"computed on other inputs \(2 x 12 slots, 20 real tokens"):
+        write_repro(report, ref, cand, folder, tmp_path / "other", inputs=(IDS + 1, MASK))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_prefill_report_records_its_inputs_and_the_repro_refuses_others(folder, tmp_path, outside):
+    """Report.inputs: the shape and the SHA-256 of the real tokens and the mask; a padding slot's id
+    is not part of it (the math does not read it). write_repro refuses inputs the report was not
+    computed on, and takes the report's again, whatever their padding slots hold."""
+    from compare.controls import CONTROLS, run_control
+    control = CONTROLS["rmsnorm_eps"]
+    ids, mask = IDS.copy(), MASK.copy()
+    report = run_control(control, folder, ids, mask)
+    assert report.inputs["rows"] == 2 and report.inputs["tokens"] == 12 and report.inputs["real_tokens"] == 20
+    assert len(report.inputs["sha256"]) == 64
+    ref, cand = resolve_side("torchref", folder, "fp32"), control.side(folder)
+    other = ids.copy()
+    other[0, -1] += 1
+    with pytest.raises(ReproError, match="computed on other inputs"):
+        write_repro(report, ref, cand, folder, tmp_path / "a", inputs=(other, mask))
+    ids[1, :4] = 0      # row 1's padding slots (mask 0): another pad id
+    case = write_repro(report.to_dict(), ref, cand, folder, tmp_path / "b", inputs=(ids, mask))
+    done = run_case(case.folder, outside)
+    assert (done.returncode, first_difference(done.stdout)) == (1, control.expected_tap), done.stdout
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -71,7 +71,7 @@ from ..evidence import ONSET, POOLED_DRIFT, POOLED_NO_STRUCTURE, DecodePath, Poo
 from ..explain import ladder as explain
 from ..judge.verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, precision_ratio
 from ..metrics import pair_metrics, rel_l2
-from ..results import JsonResult
+from ..results import JsonResult, inputs_record
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, TAP_KINDS, drift_factor, precision_floor
 from .engine import prepare
 from .teacher import inherit, suspects
@@ -120,6 +120,8 @@ class DecodeReport(JsonResult):
     # the candidate's float64 twin as checked before its decode was trusted as the semantic rung
     # (twins.check_twin, on the decoded steps' taps); None for a twin this project builds
     twin: TwinCheck | None = None
+    # the left-aligned prompt's shape and digest (results.inputs_record): what `repro` checks the prompt by
+    inputs: dict = dataclasses.field(default_factory=dict)
 
     def summary(self) -> str:
         return explain.decode_summary(self, FULL_RECOMPUTE)
@@ -435,7 +437,7 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
         lap("teacher_forcing")
     judged = [(judge.step(s, v), v) for s, v in enumerate(verdicts)]
     report = _decode_report(ref, cand, policy, runs, ids.shape[1], judged, timing)
-    report.teacher_forcing, report.twin = forcing, twin
+    report.teacher_forcing, report.twin, report.inputs = forcing, twin, inputs_record(ids, mask)
     return report
 
 

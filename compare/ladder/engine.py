@@ -44,7 +44,7 @@ from ..judge.verdicts import (
 )
 from ..metrics import logits_agreement, pair_metrics
 from ..report.ladder import write_html
-from ..results import NONE, NONE_AT_FP64, RETURNED, TAP, Coverage, JsonResult, coverage
+from ..results import NONE, NONE_AT_FP64, RETURNED, TAP, Coverage, JsonResult, coverage, inputs_record
 from ..vocabulary import KINDS
 from .capture_check import CaptureCheck, capture_check, has_forward, not_checked, reason_not_to_check, streamed_check
 from .stream import checkpoint_side, streamable, streamed_ladder
@@ -85,6 +85,8 @@ class Report(JsonResult):
     # a "logits" tap: the logits its capture returns), the lm_head not judged, the reference's taps
     # the candidate does not return; its note is the summary's line
     coverage: Coverage | None = None
+    # the inputs' shape and digest (results.inputs_record): what `repro` checks the inputs given again by
+    inputs: dict = dataclasses.field(default_factory=dict)
 
     def to_html(self, path) -> Path:
         return write_html(self, path)
@@ -103,7 +105,9 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     ref.needs_twin("reference", "the ladder (its float64 run is the oracle)")
     differences = config_differences(ref.at_policy, cand.at_policy)
     if stream or (stream is None and streamable(ref, cand)):
-        return _run_streamed(ref, cand, ids, mask, policy, teacher_forcing, progress, differences)
+        report = _run_streamed(ref, cand, ids, mask, policy, teacher_forcing, progress, differences)
+        report.inputs = inputs_record(ids, mask)
+        return report
     taps = tuple(t for t in ref.taps if t in set(cand.taps))
     real = np.asarray(mask, bool)
     progress(f"reference {ref.name} at {policy.name}")
@@ -152,7 +156,8 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     return Report(ref.name, cand.name, policy.to_dict(), worst, divergence, verdicts, local,
                   logits, environment(policy, uses_jax, sides_of(ref, cand)), differences, forcing, rung,
                   run={"path": "full", "seconds": seconds}, capture=capture,
-                  nonfinite=_nonfinite(verdicts, ref, cand, policy, mask), twin=twin, coverage=cover)
+                  nonfinite=_nonfinite(verdicts, ref, cand, policy, mask), twin=twin, coverage=cover,
+                  inputs=inputs_record(ids, mask))
 
 
 def _twin(cand: Side, ids, mask, taps, o, real, policy: Policy, progress):

@@ -55,6 +55,7 @@ class Summary:
     keeps_f32_inferred: bool                # the ladder found f32 steps in the candidate's twin
     environment: dict                       # ENV_KEYS that the report has, as printable strings
     decode: "Decoded | None" = None         # a decode report's steps (compare.ladder.decode.DecodeReport)
+    inputs: dict | None = None              # the report's inputs record (compare.results.inputs_record)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ def summarize(report) -> Summary:
                    _name(doc, "candidate"), _policy(doc.get("policy")), _ratios(doc.get("taps")),
                    _text(twin.get("note"), "twin note") if twin.get("status") == REFUSED else None,
                    twin.get("status") == INFERRED, _environment(doc.get("environment")),
-                   _decoded(doc) if "prompt_tokens" in doc else None)
+                   _decoded(doc) if "prompt_tokens" in doc else None, _inputs(doc.get("inputs")))
 
 
 def _shown(x) -> str:
@@ -145,6 +146,20 @@ def _decoded(doc: dict) -> Decoded:
     return Decoded(_count(doc.get("prompt_tokens"), "'prompt_tokens'", 1, 2 ** 31 - 1), rows,
                    None if first is None else _count(first, "'first_step'", 1, n),
                    _count(doc.get("taps_step", 1), "'taps_step'", 1, n))
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _inputs(d) -> dict | None:
+    """The inputs record (rows, tokens, real_tokens, sha256), checked; None where the report has
+    none (a report written before it was recorded)."""
+    if d is None or d == {}:
+        return None
+    if not isinstance(d, dict) or not isinstance(d.get("sha256"), str) or not _SHA256.match(d["sha256"]):
+        raise ReproError(f"report: 'inputs' is {_shown(d)}, not the inputs' shape and SHA-256")
+    return {"sha256": d["sha256"], **{k: _count(d.get(k), f"inputs.{k}", 0, 2 ** 40) for k in
+                                      ("rows", "tokens", "real_tokens")}}
 
 
 def _policy(d) -> Policy:

@@ -29,6 +29,7 @@ from ..adapters.dump import bind_dumps
 from ..environment import PACKAGES, cpu
 from ..ladder.decode import FULL_RECOMPUTE, Forcing, decode_run, oracle_kind
 from ..ladder.engine import parse_inputs
+from ..results import inputs_record
 from ..vocabulary import (
     FP64_FLOOR,
     QUARTER_POSITIONS,
@@ -165,6 +166,7 @@ def write_repro(report, reference, candidate, checkpoint, out, inputs=None, poli
         check_tokens(cfg, *at.sequence(ids, mask))
     elif step is not None:
         raise ReproError(f"step={step}: the report is a prefill comparison's; a step is a decode report's")
+    _check_inputs(summary, ids, mask)
     folder = case_folder(out)
     the_unit = unit_of(summary, cfg, unit)
     ref, cand = (resolve_side(s, checkpoint, policy) for s in (reference, candidate))
@@ -188,6 +190,20 @@ def write_repro(report, reference, candidate, checkpoint, out, inputs=None, poli
     _write(folder, the_unit, runs, ckpt, cfg, ids, mask, summary, policy, ref, cand, at)
     return Repro(folder, the_unit, {r: run.fed for r, run in runs.items()}, _both(the_unit, runs),
                  [n for run in runs.values() for n in run.notes], at)
+
+
+def _check_inputs(summary: Summary, ids, mask) -> None:
+    """The inputs given are the report's, where it records them (results.inputs_record)."""
+    want = summary.inputs
+    if want is None:
+        return
+    got = inputs_record(ids, mask)
+    if got["sha256"] != want["sha256"]:
+        raise ReproError(f"the report was computed on other inputs ({want['rows']} x {want['tokens']} slots, "
+                         f"{want['real_tokens']} real tokens, sha256 {want['sha256'][:12]}...) than those given "
+                         f"({got['rows']} x {got['tokens']}, {got['real_tokens']} real, "
+                         f"sha256 {got['sha256'][:12]}...): "
+                         "give the compare run's inputs again (its --prompt / --random-tokens, or its ids)")
 
 
 def _step(decoded: Decoded, ids, cfg: LlamaConfig, step) -> Step:
