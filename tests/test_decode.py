@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from compare.adapters import resolve_side
+from compare.adapters import OurModel, Side, resolve_side
 from compare.controls import CONTROLS, DECODE_CONTROLS, LATE_SLOTS, check_decode, clean, run_decode_control
 from compare.ladder.decode import compare_decode, run_decode
 from compare.vocabulary import F32_STEPS_FLOOR
@@ -154,6 +154,40 @@ def test_a_side_without_decode_inject_is_said_and_nothing_is_relabelled(tiny_dir
     assert "teacher forcing not run" in report.summary()
     later = [v for v in report.taps if v.layer is not None and v.layer > 1]
     assert any(v.kind == "semantic" for v in later) and not any(v.inherited for v in later)
+
+
+class NoLogitsTap(OurModel):
+    """torchref without a "logits" tap, its decode steps' logits scaled by 1.01: an lm_head bug
+    that only the logits decode_capture returns can show."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.taps = tuple(t for t in self.taps if t != "logits")
+
+    def decode_capture(self, cache, next_ids, taps, inject=None):
+        assert "logits" not in taps
+        logits, cache, acts = super().decode_capture(cache, next_ids, taps, inject)
+        return logits * 1.01, cache, acts
+
+
+def no_logits_tap_port(folder, policy) -> Side:
+    import torchref
+    models = [NoLogitsTap(torchref.from_pretrained(folder, policy=p)) for p in (policy, "fp64")]
+    return Side("no-logits-tap port", *models, False, models[0].taps)
+
+
+def test_a_candidate_without_a_logits_tap_is_judged_on_the_logits_its_steps_return(folder):
+    """A port whose tap map has no "logits" (its lm_head's output is only what decode_capture
+    returns), with its decode steps' logits scaled by 1.01 (at the policy and in its float64
+    run): the decode comparison judges those returned logits as the logits tap, finds the
+    scaling there, and its coverage says how the logits were judged."""
+    from compare.results import RETURNED, TAP
+    policy = Policy.get("fp32")
+    cand = no_logits_tap_port(folder, policy)
+    report = run_decode(resolve_side("torchref", folder, policy), cand, IDS, MASK, policy, steps=3)
+    assert report.verdict == "semantic" and report.first_divergence.tap == "logits", report.summary()
+    assert report.coverage.logits == {"reference": TAP, "candidate": RETURNED} and report.coverage.logits_judged
+    assert "logits judged from what no-logits-tap port returns" in report.summary()
 
 
 def test_late_bug_is_not_at_step_one(folder):

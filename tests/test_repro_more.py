@@ -23,6 +23,7 @@ import sys
 import numpy as np
 import pytest
 from repro_checks import first_difference, run_case
+from test_decode import no_logits_tap_port
 from test_steps import IDS as STEP_IDS
 from test_steps import LAYERS as STEP_LAYERS
 from test_steps import _matrix as step_matrix
@@ -173,6 +174,19 @@ def test_a_prefill_report_records_its_inputs_and_the_repro_refuses_others(folder
     case = write_repro(report.to_dict(), ref, cand, folder, tmp_path / "b", inputs=(ids, mask))
     done = run_case(case.folder, outside)
     assert (done.returncode, first_difference(done.stdout)) == (1, control.expected_tap), done.stdout
+
+
+def test_a_decode_head_case_holds_the_logits_a_port_without_the_tap_returns(folder, tmp_path, outside):
+    """tests/test_decode.py's port without a "logits" tap, its steps' logits scaled by 1.01: the
+    decode comparison finds it at the logits, and the head's case at that step shows it there."""
+    policy = Policy.get("fp32")
+    ref, cand = resolve_side("torchref", folder, policy), no_logits_tap_port(folder, policy)
+    report = run_decode(ref, cand, IDS, MASK, policy, steps=2)
+    assert report.first_divergence.tap == "logits", report.summary()
+    case = write_repro(report, ref, cand, folder, tmp_path / "case", inputs=(IDS, MASK))
+    assert case.unit.name == "head" and "logits" in case.taps
+    done = run_case(case.folder, outside)
+    assert (done.returncode, first_difference(done.stdout)) == (1, "logits"), done.stdout + done.stderr
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

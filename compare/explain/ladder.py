@@ -540,6 +540,9 @@ def decode_summary(r, full_recompute: str) -> str:
         if inherited:
             lines.append(f"{len(inherited)} later tap(s) of step {r.taps_step} inherit it (teacher forcing: nothing "
                          f"of their own), not findings: {inherited[0].tap} .. {inherited[-1].tap}")
+    cover = coverage_line(getattr(r, "coverage", None))
+    if cover:
+        lines.append(cover)
     if r.teacher_forcing not in ("run", "not needed"):     # "not run: <why>"
         lines.append(f"teacher forcing {r.teacher_forcing}")
     if r.config_differences:

@@ -71,7 +71,7 @@ from ..evidence import ONSET, POOLED_DRIFT, POOLED_NO_STRUCTURE, DecodePath, Poo
 from ..explain import ladder as explain
 from ..judge.verdicts import Divergence, TapVerdict, classify, context_for, first_divergence, precision_ratio
 from ..metrics import pair_metrics, rel_l2
-from ..results import JsonResult, inputs_record
+from ..results import NONE, RETURNED, TAP, Coverage, JsonResult, coverage, inputs_record
 from ..vocabulary import F32_STEPS_FLOOR, FP64_FLOOR, KINDS, TAP_KINDS, drift_factor, precision_floor
 from .engine import prepare
 from .teacher import inherit, suspects
@@ -122,6 +122,9 @@ class DecodeReport(JsonResult):
     twin: TwinCheck | None = None
     # the left-aligned prompt's shape and digest (results.inputs_record): what `repro` checks the prompt by
     inputs: dict = dataclasses.field(default_factory=dict)
+    # what was judged (compare.results.Coverage): the reference's taps the candidate does not return,
+    # and how each side's logits were judged (a candidate without a "logits" tap: its steps' logits)
+    coverage: Coverage | None = None
 
     def summary(self) -> str:
         return explain.decode_summary(self, FULL_RECOMPUTE)
@@ -195,7 +198,11 @@ def decode_run(impl, ids, mask, taps, tokens=None, steps=None, slack=0, prefille
         return ({t: np.concatenate([r[0][t] for r in rows]) for t in taps},
                 np.concatenate([r[1] for r in rows]))
     n = steps if tokens is None else tokens.shape[1]
-    step = _stepper(impl, taps, None if forcing is None else forcing.steps)
+    # a side without a "logits" tap: the logits each step returns stand for it (as the ladder
+    # judges a port's returned logits on the prefill)
+    returned = "logits" in taps and "logits" not in getattr(impl, "taps", ("logits",))
+    step = _stepper(impl, [t for t in taps if not (returned and t == "logits")],
+                    None if forcing is None else forcing.steps)
     total = ids.shape[1] + n + slack
     if prefilled is not None:
         logits, cache = prefilled.result()
@@ -208,6 +215,11 @@ def decode_run(impl, ids, mask, taps, tokens=None, steps=None, slack=0, prefille
         nxt = np.asarray(logits, np.float64).argmax(-1) if tokens is None else tokens[:, s]
         fed.append(nxt)
         logits, cache, acts = step(s, cache, nxt)
+        if returned:
+            if logits is None:
+                raise PortError(f"{getattr(impl, 'name', type(impl).__name__)}: its decode_capture returned no "
+                                "logits and it has no 'logits' tap, so its decode steps' logits cannot be judged")
+            acts = {**acts, "logits": np.asarray(logits)[:, None]}
         for t in taps:
             out[t].append(np.asarray(acts[t]))
     return {t: np.concatenate(v, axis=1) for t, v in out.items()}, np.stack(fed, 1).astype(np.int64)
@@ -412,7 +424,9 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
     """compare_decode on two prepared Sides and a left-aligned prompt (ids, mask) [B, T]:
     run the four decodes, judge every step, report."""
     ids, mask, steps, tokens = _check_decode_inputs(ref, cand, ids, mask, steps, tokens)
-    taps = tuple(t for t in ref.taps if t in set(cand.taps))
+    # the taps both return, and the logits where the reference has the tap: a candidate without it
+    # is judged on the logits its decode steps return (decode_run)
+    taps = tuple(t for t in ref.taps if t in set(cand.taps) or t == "logits")
     timing, clock = {}, [time.perf_counter()]
 
     def lap(name):
@@ -425,7 +439,9 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
     @functools.cache
     def own_full():
         progress(f"candidate {cand.name} at fp64 on the full sequence (is it the cache or the math?)")
-        _, x = cand.at_fp64.capture(runs.full_ids, runs.full_mask, taps)
+        lg, x = cand.at_fp64.capture(runs.full_ids, runs.full_mask, [t for t in taps if t in set(cand.taps)])
+        if "logits" in taps and "logits" not in x and lg is not None:
+            x = {**x, "logits": lg}
         lap("candidate_fp64_full")
         return {t: np.asarray(a)[:, ids.shape[1]:] for t, a in x.items()}
 
@@ -438,6 +454,10 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
     judged = [(judge.step(s, v), v) for s, v in enumerate(verdicts)]
     report = _decode_report(ref, cand, policy, runs, ids.shape[1], judged, timing)
     report.teacher_forcing, report.twin, report.inputs = forcing, twin, inputs_record(ids, mask)
+    report.coverage = coverage(ref.name, cand.name, ref.taps, cand.taps, taps,
+                               {role: TAP if "logits" in side.taps else RETURNED if "logits" in taps else NONE
+                                for role, side in (("reference", ref), ("candidate", cand))})
+    report.coverage.note = explain.coverage_line(report.coverage)
     return report
 
 

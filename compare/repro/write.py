@@ -349,7 +349,9 @@ def capture_decode_unit(unit: Unit, ref: Side, cand: Side, ids, mask, at: Step, 
 
 def _decode_side_run(impl, name: str, unit: Unit, ids, mask, at: Step, forcing, reads) -> Run:
     offered = set(getattr(impl, "taps", ()))
-    ask = [t for t in dict.fromkeys([*unit.taps, *([reads] if unit.kind == "head" else [])]) if t in offered]
+    # the logits: a side without the tap is held by the logits its step returns (decode_run)
+    ask = [t for t in dict.fromkeys([*unit.taps, *([reads] if unit.kind == "head" else [])])
+           if t in offered or t == "logits"]
     if forcing is not None:
         why = inject_support(impl, ("prefill", "decode_capture"))
         if why is not None:
