@@ -273,3 +273,32 @@ def test_llama3_scaled_rope_hint_gives_the_ratio_range_not_two_equal_thetas():
     text = explain_findings.cause(f)
     assert f"{1 / factor:.3g}" in text and "factor 32" in text, text
     assert f"implied theta {f.data['theta_cand']:.6g} (candidate) vs {f.data['theta_ref']:.6g}" not in text
+
+
+def _rotate_in(dtype, x, freq, pos):
+    """RoPE computed wholly in `dtype` (angle table, cos / sin, the rotation), as torchtune's
+    RotaryPositionalEmbeddings does in float32 (its x.float()) inside a float64 model."""
+    D = x.shape[-1]
+    x = x.astype(dtype)
+    a, b = x[..., :D // 2], x[..., D // 2:]
+    ang = (pos[None, :, None, None].astype(dtype) * freq.astype(dtype)).astype(dtype)
+    cos, sin = np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1).astype(np.float64)
+
+
+def test_rope_applied_in_float32_is_read_to_float32s_resolution_and_a_theta_change_is_not():
+    """A port that rotates in float32 inside its float64 run: its q_rope values are float32
+    numbers, so a low-frequency pair's angle at position 1 (1e-5 rad) reads with a relative error
+    up to 1e-3 while its table is right, and the sign test of rounded frequencies failed on 2 of
+    these 20 batches (a RoPE finding on a correct port, as torchtune's on SmolLM2). Frequencies
+    within float32's resolution are no finding on any of them; theta 110000 for 100000, rotated
+    in float32 the same way, is found on each, with its theta."""
+    D, pos = 64, np.arange(64.0)
+    freq, other = (t ** (-np.arange(0, D, 2) / D) for t in (100000.0, 110000.0))
+    for seed in range(20):
+        pre = np.random.default_rng(seed).standard_normal((2, 64, 9, D))
+        exact, pre32 = _rotate(pre, freq, pos), pre.astype(np.float32).astype(np.float64)
+        assert structure.rope_finding(_rotate_in(np.float32, pre, freq, pos), exact, pre32, pre) is None, seed
+        f = structure.rope_finding(_rotate_in(np.float32, pre, other, pos), exact, pre32, pre)
+        assert f is not None and f.kind == "rope_frequency" and f.data["one_theta"], (seed, f)
+        assert f.data["theta_cand"] == pytest.approx(110000.0, rel=1e-3)

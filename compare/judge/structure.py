@@ -112,6 +112,13 @@ ROPE_FREQ_TOL = 1e-6    # relative difference of frequencies that counts (f32 ta
 # frequency ratio is the same to 1e-3 (rounded tables move ratios by ~1e-7).
 ROPE_LINEAR_TOL = 1e-3
 ROPE_CONST_RATIO = 1e-3
+# A side whose rotated values are all float32 numbers (a port that applies RoPE in float32
+# inside its float64 run, as torchtune's x.float()) reads each angle only to float32's
+# resolution: a pair's output rounded to one roundoff u moves its angle by up to ~u radians,
+# whatever the angle. At position 1 the angle is the frequency, so the low-frequency pairs
+# (1e-5 rad) read with relative errors of 1e-3 there while the table is right. Frequencies that
+# differ by at most ROPE_ANGLE_READS such roundoffs (absolute, radians) are not another schedule.
+ROPE_ANGLE_READS = 4
 # Causal edge: the last real position of every sequence is (nearly) untouched, every
 # other position is not: a query that sees one token ahead changes all but the last.
 # "Nearly": 1e-3 of the median relative error of the other positions (rounding noise
@@ -598,6 +605,12 @@ def _frequencies(out, pre, pos, layout) -> np.ndarray | None:
     return np.median(ang.reshape(-1, ang.shape[-1]), axis=0)
 
 
+def _angle_resolution(out: np.ndarray) -> float:
+    """The unit roundoff of the values a side's rotated pairs are carried in: float32's where every
+    value is a float32 number, else 0 (float64's, negligible against ROPE_FREQ_TOL)."""
+    return 2.0 ** -24 if np.array_equal(out.astype(np.float32).astype(np.float64), out) else 0.0
+
+
 def _implied_theta(freq: np.ndarray) -> float:
     """theta of the default schedule omega_k = theta^(-2k/D) that fits these best."""
     D = 2 * len(freq)
@@ -653,7 +666,8 @@ def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     if fc is None or fr is None:
         return None
     ratio = fc / np.where(fr != 0, fr, 1.0)
-    if np.all(np.abs(fc - fr) <= ROPE_FREQ_TOL * np.maximum(np.abs(fr), 1e-300)):
+    resolution = ROPE_ANGLE_READS * max(_angle_resolution(c), _angle_resolution(r))
+    if np.all(np.abs(fc - fr) <= ROPE_FREQ_TOL * np.maximum(np.abs(fr), 1e-300) + resolution):
         return None
     if _rounded_frequencies(ratio):
         return None     # the frequencies rounded, not another schedule (verdicts.rope_angle_noise)
