@@ -302,3 +302,30 @@ def test_rope_applied_in_float32_is_read_to_float32s_resolution_and_a_theta_chan
         f = structure.rope_finding(_rotate_in(np.float32, pre, other, pos), exact, pre32, pre)
         assert f is not None and f.kind == "rope_frequency" and f.data["one_theta"], (seed, f)
         assert f.data["theta_cand"] == pytest.approx(110000.0, rel=1e-3)
+
+
+def test_positions_shifted_in_one_row_are_named_with_the_shift_not_as_a_scaled_rope():
+    """torchtune's module(tokens) on a left-padded batch rotates the padded row's real tokens at
+    position + its padding (docs/ports.md): every pair of every token of that row turns by 11 x
+    its frequency more. Said as that shift, per row, not as a frequency schedule; in float32 too;
+    a shift that grows with position (a frequency change) is not a shift."""
+    D, T = 64, 48
+    freq = 100000.0 ** (-np.arange(0, D, 2) / D)
+    pre = np.random.default_rng(0).standard_normal((2, T, 3, D))
+    mask = np.ones((2, T), np.int64)
+    mask[0, :11] = 0
+    pos = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.float64)          # the mask's positions
+
+    def rotate(x, p):
+        a, b = x[..., :D // 2], x[..., D // 2:]
+        ang = p[:, :, None, None] * freq
+        return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1)
+    exact = rotate(pre, pos)
+    shifted = pos + np.where(np.arange(2)[:, None] == 0, 11, 0)
+    for cand in (rotate(pre, shifted), rotate(pre, shifted).astype(np.float32).astype(np.float64)):
+        f = structure.rope_finding(cand, exact, pre, pre, mask)
+        assert f is not None and f.kind == "rope_position" and f.data["shifts"] == {0: 11, 1: 0}, f
+        text = explain_findings.cause(f)
+        assert "row 0 rotated at its position + 11" in text and "row 1 at its own" in text, text
+    f = structure.rope_finding(rotate(pre, pos * 1.25), exact, pre, pre, mask)
+    assert f is not None and f.kind == "rope_frequency", f

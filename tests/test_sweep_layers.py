@@ -74,6 +74,9 @@ def test_a_layer_kept_wide_moves_the_ranking_there_and_nowhere_else(folder):
                 prompts=0, sensitivity_windows=2)
     bf16, mixed, fp32 = res.layers
     assert mixed.policy == "bf16+layers[1]=fp32"
+    # one backend for all: the fast one declines per-layer overrides (compare.sweep.run.sweep_backend);
+    # on an AMX Xeon the fast bf16 products are not the reference's bits, so the layers below would differ
+    assert all(res.environment[f"{p} plan backend"] == "reference" for p in ("bf16", mixed.policy, "fp32"))
     assert mixed.stream[1] < 1e-3 * bf16.stream[1]        # fp32 arithmetic from the same bf16 input
     assert mixed.stream[1] < 10 * max(fp32.stream)
     for i in (0, 2, 3):                                   # the other layers: bf16's, from the same inputs
@@ -151,3 +154,13 @@ def test_cli_keep_wide_html_and_json(folder, tmp_path, capsys, monkeypatch):
 def test_cli_defaults_are_the_apis():
     from compare.sweep import run
     assert (cli.SENSITIVITY_WINDOWS, cli.WIDE_POLICY) == (run.SENSITIVITY_WINDOWS, run.WIDE_POLICY)
+
+
+def test_one_backend_for_every_policy_of_a_sweep():
+    """The default (fast) unless a policy is one the fast backend declines (per-layer overrides,
+    fp8, a KV-cache knob) or mixed policies will be suggested (keep_wide): then the reference."""
+    from compare.sweep.run import sweep_backend
+    assert sweep_backend([Policy.get("bf16"), Policy.get("fp32")], 0) is None
+    assert sweep_backend([Policy.get("bf16"), Policy.get("bf16+layers[1]=fp32")], 0) == "reference"
+    assert sweep_backend([Policy.get("bf16")], 2) == "reference"
+    assert sweep_backend([Policy.get("bf16+weight_fp8=e4m3:channel")], 0) == "reference"

@@ -70,6 +70,15 @@ def _rope_what(d) -> str:
             f"factor {factor:.3g}?)")
 
 
+def _shifts(shifts: dict) -> str:
+    """{row: shift} -> 'row 1 rotated at its position + 11 (row 0 at its own)'."""
+    moved = {r: k for r, k in shifts.items() if k}
+    same = [r for r, k in shifts.items() if not k]
+    text = "; ".join(f"row {r} rotated at its position {'+' if k > 0 else '-'} {abs(k)}" for r, k in moved.items())
+    return text + (f" (row{'s' if len(same) > 1 else ''} {indices(same)} at {'their' if len(same) > 1 else 'its'} "
+                   "own)" if same else "")
+
+
 def _norm_convention(d) -> str:
     """The weight the candidate's norm multiplies by against the reference's: w vs (1 + w); against
     the config's own offset (ref_offset: Gemma's 1) where the pair is neither of those two."""
@@ -142,6 +151,9 @@ def _detail_rope_attention(kind, d) -> str | None:
     if kind == "rope_layout":
         return (f"the candidate keeps the norm of pairs {_PAIRS[d['cand']]}, the reference "
                 f"of pairs {_PAIRS[d['ref']]}: both rotate, different pairs")
+    if kind == "rope_position":
+        return (f"same pairs rotated ({d['layout']}) at the same frequencies, at shifted positions: angle "
+                f"difference = shift x frequency for every pair and token of a row; {_shifts(d['shifts'])}")
     if kind == "rope_frequency":
         return (f"same pairs rotated ({d['layout']}), at other frequencies: omega_cand / omega_ref "
                 f"from {d['ratio_min']:.4g} to {d['ratio_max']:.4g}; "
@@ -168,6 +180,9 @@ def _cause_rope_attention(kind, d) -> str | None:
         return (f"RoPE layout: rotates pairs {_PAIRS[d['cand']].split(':')[0]} instead of "
                 f"{_PAIRS[d['ref']].split(':')[0]} (interleaved vs half-split; a missing "
                 "or extra q/k permutation on conversion)")
+    if kind == "rope_position":
+        return (f"RoPE positions shifted: {_shifts(d['shifts'])} (positions that count padding slots, or "
+                "position_ids not passed)")
     if kind == "rope_frequency":
         return (f"RoPE frequencies: {_rope_what(d)}; the angle error grows linearly with position "
                 "(rope_theta or rope scaling)" if d["linear"] else

@@ -119,6 +119,12 @@ ROPE_CONST_RATIO = 1e-3
 # (1e-5 rad) read with relative errors of 1e-3 there while the table is right. Frequencies that
 # differ by at most ROPE_ANGLE_READS such roundoffs (absolute, radians) are not another schedule.
 ROPE_ANGLE_READS = 4
+# Positions shifted in a row (padding counted into the positions, position_ids not passed):
+# every pair of every token of the row turns by delta x omega_k more than the reference's, one
+# whole number delta per row. delta is read from the lowest frequency (no wrap there for any
+# shift a sequence can have) and holds when every pair's angle difference is delta x omega_k to
+# ROPE_LINEAR_TOL of its typical size (as the linear test of a frequency change). A changed
+# frequency gives a delta that grows with position instead; a shift of zero in every row is none.
 # Causal edge: the last real position of every sequence is (nearly) untouched, every
 # other position is not: a query that sees one token ahead changes all but the last.
 # "Nearly": 1e-3 of the median relative error of the other positions (rounding noise
@@ -140,14 +146,14 @@ OFFSET_NAMED = 1e-2
 
 # Tie-break when scores are equal (to 1e-3): the more specific description first.
 PRIORITY = ("nonfinite", "partial_rotary", "activation", "transposed_projection", "residual",
-            "swapped_projection", "rope_layout", "rope_frequency", "attention_convention",
+            "swapped_projection", "rope_layout", "rope_position", "rope_frequency", "attention_convention",
             "causal_edge", "norm_weight_offset", "norm_epsilon", "permutation", "global_scale", "head_confinement",
             "per_feature_scale", "per_row_scale", "offset", "half_confinement",
             "position_trend", "sign_bias")
 # Findings that model d itself (d = fitted part + small rest); a one-sided sign of d is
 # then a consequence, not a separate finding.
 _MODELS = ("permutation", "global_scale", "per_feature_scale", "per_row_scale", "offset",
-           "rope_layout", "rope_frequency", "causal_edge", "attention_convention", "norm_epsilon",
+           "rope_layout", "rope_position", "rope_frequency", "causal_edge", "attention_convention", "norm_epsilon",
            "norm_weight_offset", "partial_rotary", "activation", "transposed_projection", "residual",
            "swapped_projection")
 
@@ -611,6 +617,30 @@ def _angle_resolution(out: np.ndarray) -> float:
     return 2.0 ** -24 if np.array_equal(out.astype(np.float32).astype(np.float64), out) else 0.0
 
 
+def _position_shifts(c, cp, r, rp, rows, fr, layout) -> dict[int, int] | None:
+    """{row: delta} when the candidate rotates every real token of every row at its position +
+    delta (one whole number per row, some not 0) and the reference at its own; else None."""
+    wrap = lambda x: (x + np.pi) % (2 * np.pi) - np.pi  # noqa: E731
+    d = np.median(wrap(_pair_angles(c, cp, layout) - _pair_angles(r, rp, layout)), axis=1)     # [N, D/2]
+    if fr[-1] <= 0 or not np.isfinite(d).all():
+        return None
+    read = d[:, -1] / fr[-1]
+    delta = np.rint(read)
+    if not delta.any():
+        return None
+    pred = wrap(delta[:, None] * fr[None, :])
+    typical = max(float(np.median(np.abs(pred[delta != 0]))), 1e-300)
+    if float(np.max(np.abs(wrap(d - pred)))) > ROPE_LINEAR_TOL * typical:
+        return None
+    shifts = {}
+    for row in np.unique(rows):
+        own = delta[rows == row]
+        if not np.all(own == own[0]):
+            return None
+        shifts[int(row)] = int(own[0])
+    return shifts
+
+
 def _implied_theta(freq: np.ndarray) -> float:
     """theta of the default schedule omega_k = theta^(-2k/D) that fits these best."""
     D = 2 * len(freq)
@@ -646,7 +676,7 @@ def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     if c.ndim != 4 or c.shape[-1] % 2 or c.shape != cp.shape:
         return None
     m = np.ones(c.shape[:2], bool) if mask is None else np.asarray(mask, bool)
-    pos = positions_from_mask(m)[m]
+    pos, rows = positions_from_mask(m)[m], np.nonzero(m)[0]
     c, r, cp, rp = c[m], r[m], cp[m], rp[m]
     if not np.all(np.isfinite(c)) or not np.all(np.isfinite(r)):
         return None
@@ -665,6 +695,9 @@ def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     fc, fr = _frequencies(c, cp, pos, lay), _frequencies(r, rp, pos, lay)
     if fc is None or fr is None:
         return None
+    shifts = _position_shifts(c, cp, r, rp, rows, fr, lay)
+    if shifts is not None:
+        return Finding("rope_position", 1.0, size, dict(layout=lay, shifts=shifts))
     ratio = fc / np.where(fr != 0, fr, 1.0)
     resolution = ROPE_ANGLE_READS * max(_angle_resolution(c), _angle_resolution(r))
     if np.all(np.abs(fc - fr) <= ROPE_FREQ_TOL * np.maximum(np.abs(fr), 1e-300) + resolution):

@@ -35,6 +35,7 @@ from llamaspec import LlamaConfig, Policy
 from llamaspec.budget import MAX_TEXT_BYTES, check_bytes, check_tokens, read_bounded
 from llamaspec.errors import InputError, PolicyError
 from llamaspec.files import repo_root
+from llamaspec.plan import declines
 from llamaspec.tokenizer import Tokenizer
 
 from ..adapters import OurModel
@@ -236,14 +237,16 @@ def sweep(impl: str, checkpoint, policies, text: str | None = None, window: int 
     chunks = windows_of(ids, window)
     if not chunks:
         raise InputError(f"{source}: {len(ids)} token(s), fewer than the 2 a window needs")
-    walker = _streamer(impl, checkpoint, {ORACLE: Policy.get(ORACLE), **chosen}, say) if stream else None
+    backend = sweep_backend(given, keep_wide)
+    walker = _streamer(impl, checkpoint, {ORACLE: Policy.get(ORACLE), **chosen}, say, backend) if stream else None
     models = walker.models if stream else {}
     for name in () if stream else (ORACLE, *policies):
-        say(f"loading {impl} at {name}")
-        models[name] = OurModel.load(impl, checkpoint, chosen.get(name, name))
+        say(f"loading {impl} at {name}" + ("" if backend is None else f" ({backend} backend)"))
+        models[name] = OurModel.load(impl, checkpoint, chosen.get(name, name), backend=backend)
     measured = chunks[:sensitivity_windows]
     layers = _sensitivity(models, policies, measured, max(keep_wide, 3), say, walker) if measured else {}
-    suggested = _suggested(impl, checkpoint, chosen, layers, keep_wide, wide, models, walker, say) if measured else []
+    suggested = _suggested(impl, checkpoint, chosen, layers, keep_wide, wide, models, walker, say,
+                           backend) if measured else []
     if suggested:
         layers.update(_sensitivity(models, [s.name for s in suggested], measured, max(keep_wide, 3), say, walker))
     direct = [(p, ORACLE) for name in policies for p in (name, *(s.name for s in suggested if s.policy == name))]
@@ -265,8 +268,18 @@ def sweep(impl: str, checkpoint, policies, text: str | None = None, window: int 
                        stream)
 
 
+def sweep_backend(policies, keep_wide: int) -> str | None:
+    """One backend for every policy a sweep compares (None: the default, fast). The fast backend
+    declines per-layer overrides and the fp8 / KV-cache knobs (llamaspec.plan.declines: the
+    reference computes them), so a sweep holding such a policy, or suggesting mixed ones
+    (keep_wide), runs every policy on the reference backend: a difference between two policies'
+    layers is then the policies', not the backends' (on an AMX Xeon the fast backend's bf16
+    products are not the reference's bits, where on a Zen 4 they were)."""
+    return "reference" if keep_wide or any(declines(p) for p in policies) else None
+
+
 def _suggested(impl, checkpoint, chosen: dict, layers: dict, keep_wide: int, wide: Policy, models: dict,
-               walker: Streamer | None, say) -> list:
+               walker: Streamer | None, say, backend: str | None = None) -> list:
     """Per policy its suggested mixed policy (layers.suggest), loaded into `models` (or added to the
     walker); the Suggestions made."""
     out = []
@@ -276,17 +289,17 @@ def _suggested(impl, checkpoint, chosen: dict, layers: dict, keep_wide: int, wid
             what = f"{made[0].name} (its {len(made[0].kept)} most sensitive layers at {wide.name})"
             say(f"{'streaming' if walker else 'loading'} {impl} at {what}")
             if walker is not None:
-                walker.add(made[0].name, CheckpointModel(impl, checkpoint, made[1]))
+                walker.add(made[0].name, CheckpointModel(impl, checkpoint, made[1], backend))
             else:
-                models[made[0].name] = OurModel.load(impl, checkpoint, made[1])
+                models[made[0].name] = OurModel.load(impl, checkpoint, made[1], backend=backend)
             out.append(made[0])
     return out
 
 
-def _streamer(impl, checkpoint, policies: dict, say) -> Streamer:
+def _streamer(impl, checkpoint, policies: dict, say, backend: str | None = None) -> Streamer:
     say(f"streaming {impl} at {', '.join(policies)}: no model loaded, each walked layer by layer over "
-        f"{checkpoint}")
-    return streamer(impl, checkpoint, policies)
+        f"{checkpoint}" + ("" if backend is None else f" ({backend} backend)"))
+    return streamer(impl, checkpoint, policies, backend=backend)
 
 
 def _token_ids(checkpoint, cfg, text, tokens) -> tuple[np.ndarray, str]:

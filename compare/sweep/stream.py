@@ -132,7 +132,9 @@ class Streamer:
         return {name: [seqs[(p, name)][0, width[p]:] for p in range(len(starts))] for name in names}
 
 
-def streamer(impl: str, checkpoint, policies: dict, head_chunk_bytes: int = HEAD_CHUNK_BYTES) -> Streamer:
-    """A Streamer of `impl` over the checkpoint at each policy of {name: Policy}, the oracle first."""
-    return Streamer(checkpoint, {name: CheckpointModel(impl, checkpoint, p) for name, p in policies.items()},
+def streamer(impl: str, checkpoint, policies: dict, head_chunk_bytes: int = HEAD_CHUNK_BYTES,
+             backend: str | None = None) -> Streamer:
+    """A Streamer of `impl` over the checkpoint at each policy of {name: Policy}, the oracle first,
+    each on `backend` (None: the default)."""
+    return Streamer(checkpoint, {name: CheckpointModel(impl, checkpoint, p, backend) for name, p in policies.items()},
                     head_chunk_bytes)
