@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from llamaspec import taps as tapnames
 
 BLOCKED = ("llamaspec", "compare", "torchref", "jaxmodel", "llama_parity", "torch", "jax", "transformers")
@@ -39,3 +41,15 @@ def unit_name(tap: str) -> str:
     """The unit a tap belongs to: layers.<i>, embed, or head (final_norm, logits)."""
     layer = tapnames.layer_of(tap)
     return f"layers.{layer}" if layer is not None else "embed" if tap == "embed" else "head"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny tensors on one thread: two threads spinning against each other on a shared two-core
+    machine made each tiny capture 50-100 times slower (100 ms against 2 ms on 2026-12-07).
+    Imported by the repro test files (autouse there)."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

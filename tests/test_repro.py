@@ -18,7 +18,7 @@ import json
 
 import numpy as np
 import pytest
-from repro_checks import first_difference, run_case, unit_name
+from repro_checks import first_difference, one_torch_thread, run_case, unit_name  # noqa: F401 (a fixture)
 
 from compare import compare_models
 from compare.adapters import HF_LLAMA_TAPS, TorchModule, resolve_side
@@ -42,17 +42,6 @@ SHORT = IDS[:, :48]
 # scores and probabilities to bf16, and the ladder calls the one more rounding drift; so does the
 # repro at its tap (layers.0.attn_ctx).
 NOT_A_DIFFERENCE = {"softmax_bf16"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny tensors on one thread: two threads spinning against each other on a shared two-core
-    machine made each tiny capture 50-100 times slower (100 ms against 2 ms on 2026-12-07)."""
-    torch = pytest.importorskip("torch")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 import pytest
-from repro_checks import first_difference, run_case
+from repro_checks import first_difference, one_torch_thread, run_case  # noqa: F401 (a fixture)
 from test_decode import no_logits_tap_port
 from test_steps import IDS as STEP_IDS
 from test_steps import LAYERS as STEP_LAYERS
@@ -43,16 +43,6 @@ IDS = np.random.default_rng(0).integers(3, 96, (2, 12))
 MASK = np.ones_like(IDS)
 MASK[1, :4] = 0
 TOKENS = np.random.default_rng(2).integers(3, 96, (2, 8))     # the tokens fed at steps 1..8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny tensors on one thread (tests/test_repro.py says why)."""
-    torch = pytest.importorskip("torch")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

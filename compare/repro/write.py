@@ -270,16 +270,23 @@ def capture_unit(unit: Unit, ref: Side, cand: Side, ids, mask, cfg: LlamaConfig,
     runs = {"oracle": Run(ref.name + " at float64", _pick(o, unit), "ids" if reads is None else "oracle",
                           None if reads is None else o[1][reads], [])}
     x = None if entry is None else o[1][entry]
+    for role, impl, name in _sides(ref, cand, summary, runs["oracle"]):
+        progress(f"repro: {role} ({name})")
+        runs[role] = _side_run(impl, name, unit, ids, mask, layer, x, reads)
+    return runs
+
+
+def _sides(ref: Side, cand: Side, summary: Summary, oracle: Run) -> list[tuple]:
+    """(role, implementation, name) of the sides captured after the oracle: the reference and the
+    candidate at the policy, and the candidate's float64 twin unless it has none or the comparison
+    refused it (said in the oracle's notes)."""
     sides = [("reference", ref.at_policy, ref.name), ("candidate", cand.at_policy, cand.name)]
     if cand.at_fp64 is not None and summary.twin_refused is None:
         sides.append(("candidate_fp64", cand.at_fp64, cand.name + " at float64"))
     elif summary.twin_refused is not None:
-        runs["oracle"].notes.append(f"candidate at float64: not captured (the ladder refused its twin: "
-                                    f"{summary.twin_refused})")
-    for role, impl, name in sides:
-        progress(f"repro: {role} ({name})")
-        runs[role] = _side_run(impl, name, unit, ids, mask, layer, x, reads)
-    return runs
+        oracle.notes.append(f"candidate at float64: not captured (the comparison refused its twin: "
+                            f"{summary.twin_refused})")
+    return sides
 
 
 def _forced_layer(unit: Unit, cfg: LlamaConfig) -> int | None:
@@ -335,13 +342,7 @@ def capture_decode_unit(unit: Unit, ref: Side, cand: Side, ids, mask, at: Step, 
     if entry is not None:
         x = np.asarray(o[entry])
         forcing = Forcing({layer: x[:, :at.prompt]}, {layer: x[:, at.prompt:]})
-    sides = [("reference", ref.at_policy, ref.name), ("candidate", cand.at_policy, cand.name)]
-    if cand.at_fp64 is not None and summary.twin_refused is None:
-        sides.append(("candidate_fp64", cand.at_fp64, cand.name + " at float64"))
-    elif summary.twin_refused is not None:
-        runs["oracle"].notes.append(f"candidate at float64: not captured (the comparison refused its twin: "
-                                    f"{summary.twin_refused})")
-    for role, impl, name in sides:
+    for role, impl, name in _sides(ref, cand, summary, runs["oracle"]):
         progress(f"repro: {role} ({name}): prefill and {at.step} decode step(s) through its cache")
         runs[role] = _decode_side_run(impl, name, unit, ids, mask, at, forcing, reads)
     return runs
