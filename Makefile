@@ -38,7 +38,8 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 
-# Default suite: tiny random checkpoints plus the SmolLM2 checks (well under 15 min on 2 cores).
+# Default suite: tiny random checkpoints plus the SmolLM2 checks, under 15 min on 2 cores (the heavier ones are
+# marked slow: `make test-all`).
 test: model
 	$(BIN)/python -m pytest -ra --durations=25
 
