@@ -211,13 +211,18 @@ def test_other_fp8_caches(folder, fmt, rolled, expected):
 
 def test_the_batch_probe_names_a_per_call_activation_scale(folder):
     """A row alone vs in a batch: per-call fp8 activation scales change its rounding (never a bug), and
-    the hint says why; per-token scales leave it bitwise."""
+    the hint says why; per-token scales add nothing that depends on the batch: where the plain fp32
+    reference is bitwise alone and batched on this CPU, so are they (its torch products are the
+    BLAS's, which under the avx2 cap of an AMX Xeon split by the batch's size: drift both)."""
     from compare.probes import probe_batch
     per_call = probe_batch(_ref(folder, "fp32+act_fp8=e4m3:tensor"), batch_sizes=(2, 4), length=16)
     per_token = probe_batch(_ref(folder, "fp32+act_fp8=e4m3:channel"), batch_sizes=(2, 4), length=16)
+    plain = probe_batch(_ref(folder, "fp32"), batch_sizes=(2, 4), length=16)
     assert per_call.verdict in ("drift", "precision") and per_call.bitwise_equal_frac < 1, per_call.hint
     assert "scales fp8 activations per call (e4m3:tensor)" in per_call.hint
-    assert per_token.verdict == "exact" and "per call" not in per_token.hint
+    assert per_token.verdict in ("exact", "drift") and "per call" not in per_token.hint, per_token.hint
+    if plain.verdict == "exact":
+        assert per_token.verdict == "exact", per_token.hint
 
 
 def test_a_port_with_fp8_weights_in_blocks_is_named_with_its_blocks(tmp_path):
