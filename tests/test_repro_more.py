@@ -28,6 +28,7 @@ from test_steps import IDS as STEP_IDS
 from test_steps import LAYERS as STEP_LAYERS
 from test_steps import _matrix as step_matrix
 
+from compare import compare_models
 from compare.adapters import resolve_side
 from compare.controls import DECODE_CONTROLS, control_side, run_decode_control
 from compare.controls.prefill import OWN_CHECKPOINT_CONTROLS, SQUARE_CONTROLS
@@ -155,6 +156,9 @@ def test_a_prefill_report_records_its_inputs_and_the_repro_refuses_others(folder
     report = run_control(control, folder, ids, mask)
     assert report.inputs["rows"] == 2 and report.inputs["tokens"] == 12 and report.inputs["real_tokens"] == 20
     assert len(report.inputs["sha256"]) == 64
+    # the streamed ladder (both sides named) records the same
+    streamed = compare_models("torchref", "torchref", folder, inputs=(ids, mask))
+    assert streamed.run["path"] == "streamed" and streamed.inputs == report.inputs
     ref, cand = resolve_side("torchref", folder, "fp32"), control.side(folder)
     other = ids.copy()
     other[0, -1] += 1

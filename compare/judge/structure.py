@@ -617,20 +617,25 @@ def _angle_resolution(out: np.ndarray) -> float:
     return 2.0 ** -24 if np.array_equal(out.astype(np.float32).astype(np.float64), out) else 0.0
 
 
-def _position_shifts(c, cp, r, rp, rows, fr, layout) -> dict[int, int] | None:
+def _wrap(x):
+    """Angles to [-pi, pi)."""
+    return (x + np.pi) % (2 * np.pi) - np.pi
+
+
+def _position_shifts(dphi, rows, fr) -> dict[int, int] | None:
     """{row: delta} when the candidate rotates every real token of every row at its position +
-    delta (one whole number per row, some not 0) and the reference at its own; else None."""
-    wrap = lambda x: (x + np.pi) % (2 * np.pi) - np.pi  # noqa: E731
-    d = np.median(wrap(_pair_angles(c, cp, layout) - _pair_angles(r, rp, layout)), axis=1)     # [N, D/2]
+    delta (one whole number per row, some not 0) and the reference at its own; else None.
+    dphi: the wrapped angle differences [N, H, D/2] of the real tokens, rows: each one's row."""
+    d = np.median(dphi, axis=1)     # [N, D/2]
     if fr[-1] <= 0 or not np.isfinite(d).all():
         return None
     read = d[:, -1] / fr[-1]
     delta = np.rint(read)
     if not delta.any():
         return None
-    pred = wrap(delta[:, None] * fr[None, :])
+    pred = _wrap(delta[:, None] * fr[None, :])
     typical = max(float(np.median(np.abs(pred[delta != 0]))), 1e-300)
-    if float(np.max(np.abs(wrap(d - pred)))) > ROPE_LINEAR_TOL * typical:
+    if float(np.max(np.abs(_wrap(d - pred)))) > ROPE_LINEAR_TOL * typical:
         return None
     shifts = {}
     for row in np.unique(rows):
@@ -695,7 +700,8 @@ def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     fc, fr = _frequencies(c, cp, pos, lay), _frequencies(r, rp, pos, lay)
     if fc is None or fr is None:
         return None
-    shifts = _position_shifts(c, cp, r, rp, rows, fr, lay)
+    dphi = _wrap(_pair_angles(c, cp, lay) - _pair_angles(r, rp, lay))     # read once: the shift and the linear test
+    shifts = _position_shifts(dphi, rows, fr)
     if shifts is not None:
         return Finding("rope_position", 1.0, size, dict(layout=lay, shifts=shifts))
     ratio = fc / np.where(fr != 0, fr, 1.0)
@@ -705,11 +711,9 @@ def rope_finding(cand, ref, cand_pre, ref_pre, mask=None) -> Finding | None:
     if _rounded_frequencies(ratio):
         return None     # the frequencies rounded, not another schedule (verdicts.rope_angle_noise)
     # The angle difference should then grow linearly with position: phi_c - phi_r = p * d_omega.
-    dphi = _pair_angles(c, cp, lay) - _pair_angles(r, rp, lay)
     pred = pos[:, None, None] * (fc - fr)
-    wrap = lambda x: (x + np.pi) % (2 * np.pi) - np.pi  # noqa: E731
-    typical = max(float(np.median(np.abs(wrap(pred)))), 1e-300)
-    linear = float(np.median(np.abs(wrap(dphi - pred)))) <= ROPE_LINEAR_TOL * typical
+    typical = max(float(np.median(np.abs(_wrap(pred)))), 1e-300)
+    linear = float(np.median(np.abs(_wrap(dphi - pred)))) <= ROPE_LINEAR_TOL * typical
     tc, tr = _implied_theta(fc), _implied_theta(fr)
     const = bool(np.allclose(ratio, ratio[0], rtol=ROPE_CONST_RATIO))
     # One theta for the other: log ratio_k = -(2k/D) log(theta_c/theta_r), a line through 0 in k

@@ -439,7 +439,8 @@ def run_decode(ref: Side, cand: Side, ids, mask, policy: Policy, steps: int = 32
     @functools.cache
     def own_full():
         progress(f"candidate {cand.name} at fp64 on the full sequence (is it the cache or the math?)")
-        lg, x = cand.at_fp64.capture(runs.full_ids, runs.full_mask, [t for t in taps if t in set(cand.taps)])
+        theirs = set(cand.taps)
+        lg, x = cand.at_fp64.capture(runs.full_ids, runs.full_mask, [t for t in taps if t in theirs])
         if "logits" in taps and "logits" not in x and lg is not None:
             x = {**x, "logits": lg}
         lap("candidate_fp64_full")

@@ -105,9 +105,7 @@ def run_ladder(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forcing
     ref.needs_twin("reference", "the ladder (its float64 run is the oracle)")
     differences = config_differences(ref.at_policy, cand.at_policy)
     if stream or (stream is None and streamable(ref, cand)):
-        report = _run_streamed(ref, cand, ids, mask, policy, teacher_forcing, progress, differences)
-        report.inputs = inputs_record(ids, mask)
-        return report
+        return _run_streamed(ref, cand, ids, mask, policy, teacher_forcing, progress, differences)
     taps = tuple(t for t in ref.taps if t in set(cand.taps))
     real = np.asarray(mask, bool)
     progress(f"reference {ref.name} at {policy.name}")
@@ -416,7 +414,8 @@ def _run_streamed(ref: Side, cand: Side, ids, mask, policy: Policy, teacher_forc
     return Report(ref.name, cand.name, policy.to_dict(), s.worst, s.divergence, s.verdicts, s.local, s.logits,
                   environment(policy, uses_jax, sides_of(ref, cand)), differences, "run" if teacher_forcing else "off",
                   run={"path": "streamed", "seconds": s.seconds}, capture=capture,
-                  nonfinite=_nonfinite(s.verdicts, ref, cand, policy, mask), coverage=cover)
+                  nonfinite=_nonfinite(s.verdicts, ref, cand, policy, mask), coverage=cover,
+                  inputs=inputs_record(ids, mask))
 
 
 # The default input: one chat prompt of 258 tokens with SmolLM2's tokenizer, long enough for position-
