@@ -232,4 +232,12 @@ void fo_attention(int64_t B, int64_t T, int64_t S, int64_t Hq, int64_t Hkv, int6
   else attend(static_cast<const float*>(q));
 }
 
+// y[n] = x . w[n] for n < N (w's rows ldw apart), x and w bf16 (or fp16: is_f16), y f32, in torch's
+// one-row order, its 8 lanes summed in order (sequential: torch's DEFAULT capability) or as a
+// butterfly (AVX2, AVX512): fixed_order.h, AtenDots.
+void fo_aten_dots(int64_t N, int64_t K, const void* x, const void* w, int64_t ldw, int is_f16, int sequential,
+                  void* y, int threads) {
+  RunChunked(fo::AtenDots{N, K, x, w, ldw, is_f16 != 0, sequential != 0, static_cast<float*>(y)}, threads);
+}
+
 }  // extern "C"

@@ -1163,4 +1163,123 @@ struct RopeJob {
   }
 };
 
+// ----- torch's own order for one row of 16-bit operands (the fast backend) ------------------
+// Where oneDNN does not take it, torch multiplies one row of bf16 or fp16 operands by a matrix
+// with ATen's dot kernel (dot_with_fp32_arith), one dot per output, on 8 f32 lanes at every CPU
+// capability (measured: tests/test_aten_order.py). A dot of x and w over K elements is this
+// scalar program:
+//
+//   s[e], e < 64:  s[e] += x[j + e] * w[j + e] for each block j of 64 elements (8 registers of 8)
+//   registers:     s[8r + l] += s[8(r + h) + l] for r < h, h = 4, 2, 1 (a tree: s[0..8) left)
+//   sum = H(s[0..8)), H: the 8 lanes summed as a butterfly (l + (l ^ 4), then ^ 2, then ^ 1;
+//                   lane 0) at torch's AVX2 and AVX512 capabilities, in lane order at DEFAULT
+//   t[l], l < 8:   t[l] += x[j + l] w[j + l]; t[l] += x[j + 8 + l] w[j + 8 + l] for each block j
+//                   of 16 elements after the 64-element blocks
+//   sum += H(t); then sum += x[k] w[k] for each element after, in order
+//
+// Products fused with the sums (FMA) at AVX2 / AVX512, multiplied then added at DEFAULT (the
+// product of two 16-bit numbers is exact in f32 unless it underflows: only there does it matter).
+// The vector paths below compute this program. Unlike the rest of this file, the order follows
+// torch's CPU capability (H): it gives torch's bits, not one set of bits everywhere.
+
+constexpr int kAtenLanes = 8;
+
+inline float AtenMadd(float a, float b, float c, bool fused) { return fused ? std::fma(a, b, c) : c + a * b; }
+
+// H: 8 lanes summed as torch's capability does
+inline float AtenLanes(const float* v, bool sequential) {
+  float t[kAtenLanes];
+  std::memcpy(t, v, sizeof t);
+  if (sequential) {
+    float a = t[0];
+    for (int l = 1; l < kAtenLanes; ++l) a = a + t[l];
+    return a;
+  }
+  for (int h = kAtenLanes / 2; h >= 1; h /= 2)
+    for (int l = 0; l < h; ++l) t[l] = t[l] + t[l + h];
+  return t[0];
+}
+
+// The program after the 64-element blocks (s: their 64 sums): the register tree, H, the
+// 16-element tail and the scalar tail.
+template <class W>
+inline float AtenFinish(float* s, const W* x, const W* w, int64_t K, bool sequential) {
+  constexpr int L = kAtenLanes;
+  const int64_t aligned = K & ~int64_t(8 * L - 1), vec_end = K & ~int64_t(2 * L - 1);
+  for (int h = 4; h >= 1; h /= 2)
+    for (int r = 0; r < h; ++r)
+      for (int l = 0; l < L; ++l) s[r * L + l] = s[r * L + l] + s[(r + h) * L + l];
+  float sum = AtenLanes(s, sequential), t[L] = {};
+  for (int64_t j = aligned; j < vec_end; j += 2 * L) {
+    for (int l = 0; l < L; ++l) t[l] = AtenMadd(ToF32(x[j + l]), ToF32(w[j + l]), t[l], !sequential);
+    for (int l = 0; l < L; ++l) t[l] = AtenMadd(ToF32(x[j + L + l]), ToF32(w[j + L + l]), t[l], !sequential);
+  }
+  sum = sum + AtenLanes(t, sequential);
+  for (int64_t k = vec_end; k < K; ++k) sum = sum + ToF32(x[k]) * ToF32(w[k]);
+  return sum;
+}
+
+template <class W>
+inline float AtenDotScalar(const W* x, const W* w, int64_t K, bool sequential) {
+  float s[8 * kAtenLanes] = {};
+  const int64_t aligned = K & ~int64_t(8 * kAtenLanes - 1);
+  for (int64_t j = 0; j < aligned; j += 8 * kAtenLanes)
+    for (int e = 0; e < 8 * kAtenLanes; ++e) s[e] = AtenMadd(ToF32(x[j + e]), ToF32(w[j + e]), s[e], !sequential);
+  return AtenFinish(s, x, w, K, sequential);
+}
+
+// The fused program with the 64 sums in 4 AVX-512 registers (s[16v .. 16v + 16) in register v)
+template <class W>
+FO_AVX512 inline float AtenDot512(const W* x, const W* w, int64_t K) {
+  __m512 acc[4];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const int64_t aligned = K & ~int64_t(63);
+  for (int64_t j = 0; j < aligned; j += 64)
+    for (int v = 0; v < 4; ++v) acc[v] = _mm512_fmadd_ps(Load512(x + j + 16 * v), Load512(w + j + 16 * v), acc[v]);
+  float s[64];
+  for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + 16 * v, acc[v]);
+  return AtenFinish(s, x, w, K, false);
+}
+
+// ... in 8 AVX2 registers
+template <class W>
+FO_AVX2 inline float AtenDot256(const W* x, const W* w, int64_t K) {
+  __m256 acc[8];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const int64_t aligned = K & ~int64_t(63);
+  for (int64_t j = 0; j < aligned; j += 64)
+    for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(Load256(x + j + 8 * v), Load256(w + j + 8 * v), acc[v]);
+  float s[64];
+  for (int v = 0; v < 8; ++v) _mm256_storeu_ps(s + 8 * v, acc[v]);
+  return AtenFinish(s, x, w, K, false);
+}
+
+// y[n] = the dot of x [K] and w[n] (row n at n * ldw) in torch's order, n < N, in f32.
+struct AtenDots {
+  int64_t N, K;
+  const void* x;
+  const void* w;
+  int64_t ldw;
+  bool f16, sequential;
+  float* y;
+  static constexpr int64_t kRows = 64;  // outputs a task
+
+  int64_t Tasks(int threads) const { return N * K < kSmall || threads <= 1 ? 1 : (N + kRows - 1) / kRows; }
+
+  void Run(Isa isa, int64_t t, int64_t tasks) const {
+    const int64_t size = tasks == 1 ? N : kRows, n0 = t * size, n1 = n0 + size < N ? n0 + size : N;
+    if (f16) Rows(isa, static_cast<const F16*>(x), static_cast<const F16*>(w), n0, n1);
+    else Rows(isa, static_cast<const Bf16*>(x), static_cast<const Bf16*>(w), n0, n1);
+  }
+
+  template <class W> void Rows(Isa isa, const W* xs, const W* ws, int64_t n0, int64_t n1) const {
+    for (int64_t n = n0; n < n1; ++n) {
+      const W* row = ws + n * ldw;
+      if (!sequential && isa >= kAvx512) y[n] = AtenDot512(xs, row, K);
+      else if (!sequential && isa >= kAvx2) y[n] = AtenDot256(xs, row, K);
+      else y[n] = AtenDotScalar(xs, row, K, sequential);
+    }
+  }
+};
+
 }  // namespace fo

@@ -76,9 +76,9 @@ def test_hardware_products_rule():
 
 def test_kernel_products_rule():
     """kernel_products on auto: f32 sums of f32 operands, of 16-bit ones torch would widen, or of 16-bit
-    rows torch would pair (no AMX): 2 to FEW_ROWS, and one bf16 row where the kernel's path is
-    AVX-512-BF16; at most FEW_ROWS rows or any off Intel with MKL; reference: never; kernel: every
-    product with f32 sums."""
+    rows torch would pair (no AMX): 2 to FEW_ROWS (one row is torch's own order: test_aten_order.py);
+    at most FEW_ROWS rows or any off Intel with MKL; reference: never; kernel: every product with
+    f32 sums."""
     from llamaspec import fixed_order as fo
     cpu, f32, bf16, f64 = torch.device("cpu"), torch.float32, torch.bfloat16, torch.float64
     base = choices()
@@ -87,8 +87,8 @@ def test_kernel_products_rule():
     paired = base._replace(products="auto", hardware_bf16=True, amx_bf16=False, dots_auto=True)
     scalar = paired._replace(kernel_isa=fo.ISAS["scalar"], mkl_off_intel=True)   # auto leaves the scalar path
     assert not any(fast.kernel_products(scalar, d, f32, d, rows, cpu) for d in (f32, bf16) for rows in (1, 8, 500))
-    for isa, one_row in (("avx2", False), ("avx512", False), ("avx512_bf16", True)):
-        assert fast.kernel_products(paired._replace(kernel_isa=fo.ISAS[isa]), bf16, f32, bf16, 1, cpu) is one_row, isa
+    for isa in ("avx2", "avx512", "avx512_bf16"):
+        assert not fast.kernel_products(paired._replace(kernel_isa=fo.ISAS[isa]), bf16, f32, bf16, 1, cpu), isa
         assert fast.kernel_products(paired._replace(kernel_isa=fo.ISAS[isa]), bf16, f32, bf16, 2, cpu), isa
     # the rule as data, on the kernels' AVX-512-BF16 path whatever this machine's (make test-caps runs others)
     for hw, amx, off_intel in [(False, False, False), (True, False, False), (True, True, True)]:
@@ -98,8 +98,7 @@ def test_kernel_products_rule():
             few = rows <= fast.FEW_ROWS
             assert fast.kernel_products(c, f32, f32, f32, rows, cpu) is (few or off_intel), (hw, rows)
             wide = not hw and rows >= fast.WIDE_MIN_ROWS
-            # one row only where the kernel has the bf16 pair program in hardware
-            pairs = hw and not amx and (1 < rows or c.kernel_isa >= fo.ISAS["avx512_bf16"]) and rows <= fast.FEW_ROWS
+            pairs = hw and not amx and 1 < rows <= fast.FEW_ROWS
             assert fast.kernel_products(c, bf16, f32, bf16, rows, cpu) is ((wide or pairs) and (few or off_intel))
             assert fast.kernel_products(c, bf16, f32, f32, rows, cpu) is (few or off_intel)   # widened: f32 out
         assert not fast.kernel_products(c, f32, f64, f32, 1, cpu) and not fast.kernel_products(c, f64, f64, f64, 1, cpu)

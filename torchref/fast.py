@@ -53,6 +53,7 @@ class Choices(NamedTuple):
     amx_fp16: bool
     dots_auto: bool          # LLAMA_PARITY_BF16_DOTS is auto
     mkl_off_intel: bool      # torch's BLAS is MKL on a CPU known not to be Intel's
+    one_row_order: str | None = None   # torch's order for one 16-bit row (ONE_ROW_ORDERS), None: unknown
 
     def hardware(self, dtype: torch.dtype) -> bool:
         return self.hardware_bf16 if dtype == torch.bfloat16 else self.hardware_fp16
@@ -89,13 +90,24 @@ def _widens(c: Choices, compute, accum, out, rows: int, device: torch.device) ->
 
 
 def _pairs_of_few_rows(c: Choices, compute: torch.dtype, rows: int) -> bool:
-    """1 to FEW_ROWS rows of 16-bit operands that torch would multiply with oneDNN's AVX-512 pair
-    products (slow for so few rows) on a CPU without AMX tiles. One row only for bf16 where the
-    kernel runs its pair program in hardware (AVX-512-BF16): with its AVX2 path (pairs widened in
-    software) torch's one-row product was the faster (bench/results)."""
-    if rows == 1 and not (compute == torch.bfloat16 and _isa_at_least(c, "avx512_bf16")):
-        return False
-    return 1 <= rows <= FEW_ROWS and compute in _HALF and c.dots_auto and c.hardware(compute) and not c.amx(compute)
+    """2 to FEW_ROWS rows of 16-bit operands that torch would multiply with oneDNN's AVX-512 pair
+    products (slow for so few rows) on a CPU without AMX tiles. One row is torch's own order
+    (one_row_in_torch_order)."""
+    return 1 < rows <= FEW_ROWS and compute in _HALF and c.dots_auto and c.hardware(compute) and not c.amx(compute)
+
+
+# torch's CPU capability -> how its one-row 16-bit product sums its 8 lanes (fixed_order.h, AtenDots)
+ONE_ROW_ORDERS = {"AVX512": "butterfly", "AVX2": "butterfly", "DEFAULT": "sequential"}
+
+
+def one_row_in_torch_order(c: Choices, dtype: torch.dtype, rows: int, device: torch.device) -> bool:
+    """Whether a product of one row of 16-bit operands runs on the kernels' copy of torch's own
+    one-row kernel (one_row_linear): on the CPU where the kernels build and torch's order is known
+    (plan.py confirms it against torch.dot once). torch sends such a product to oneDNN where oneDNN
+    multiplies 16-bit numbers in hardware, about twice as slow for one row with the weights out of
+    cache on a Zen 4, and to this kernel elsewhere: the same bits on every CPU of one capability."""
+    return (rows == 1 and dtype in _HALF and device.type == "cpu" and c.products == "auto"
+            and c.kernel_isa is not None and c.one_row_order is not None)
 
 
 def kernel_products(c: Choices, compute, accum, out, rows: int, device: torch.device) -> bool:
@@ -161,6 +173,9 @@ def _products_plan(c: Choices, compute, accum, out, rows: int, device: torch.dev
     if kernel_products(c, compute, accum, out, rows, device):
         return _ProductsPlan(True, compute, torch.nn.functional.linear)
     dtype = accum if _widens(c, compute, accum, out, rows, device) else compute
+    if one_row_in_torch_order(c, dtype, rows, device):
+        order = functools.partial(one_row_linear, sequential=c.one_row_order == "sequential")
+        return _ProductsPlan(False, dtype, order)
     few_f32 = dtype == torch.float32 and rows <= FEW_ROWS and device.type == "cpu"
     return _ProductsPlan(False, dtype, _linear_by_row_blocks if few_f32 else torch.nn.functional.linear)
 
@@ -323,6 +338,21 @@ def _linear_by_row_blocks(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
     if b is not None:
         y = y + b
     return y.reshape(*x.shape[:-1], N)
+
+
+def one_row_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, sequential: bool) -> torch.Tensor:
+    """torch.nn.functional.linear(x, w, b) for one row x of bf16 or fp16 and w, b of its dtype, as
+    torch computes it where oneDNN does not take it (ATen's dot kernel, copied in fixed_order.h:
+    AtenDots; its lanes summed in order at torch's DEFAULT capability): each output's f32 dot, the
+    bias added in f32, rounded once to x's dtype. The same bits as torch's (tests/test_aten_order.py)."""
+    K, N = x.shape[-1], w.shape[0]
+    row, w = x.reshape(K).contiguous(), w.contiguous()
+    y = torch.empty(N, dtype=torch.float32)
+    fixed_order_kernels().fo_aten_dots(N, K, row.data_ptr(), w.data_ptr(), K, int(x.dtype == torch.float16),
+                                       int(sequential), y.data_ptr(), torch.get_num_threads())
+    if b is not None:
+        y += b.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
 def _kernel_linears(x: torch.Tensor, ws, bs, compute: torch.dtype, out: torch.dtype) -> list[torch.Tensor]:
@@ -703,13 +733,17 @@ def describe(c: Choices, policy: Policy, device) -> dict[str, str]:
         spans = {"1 row": 1, f"2-{WIDE_MIN_ROWS - 1} rows": 2, f"{WIDE_MIN_ROWS}-{FEW_ROWS} rows": WIDE_MIN_ROWS,
                  f"{FEW_ROWS + 1}+ rows": FEW_ROWS + 1}
         on = [span for span, n in spans.items() if kernel_products(c, compute, accum, compute, n, device)]
-        rest = [span for span in spans if span not in on]
+        one = _products_plan(c, compute, accum, compute, 1, device)
+        one_row = not one.on_kernel and one_row_in_torch_order(c, one.dtype, 1, device)
+        rest = [span for span in spans if span not in on and not (one_row and span == "1 row")]
         torch_path = ("torch's" + (", widened to f32 from 8 rows" if compute != accum and _widens(
             c, compute, accum, compute, FEW_ROWS + 1, device) else "")
             + (f", up to {FEW_ROWS} f32 rows in weight-row blocks" if accum == torch.float32
                and _products_plan(c, compute, accum, compute, 1, device).dtype == torch.float32 else ""))
-        out["products"] = "; ".join(filter(None, [f"fixed-order gemm ({', '.join(on)})" if on else "",
-                                                  f"{torch_path} ({', '.join(rest)})" if rest else ""]))
+        out["products"] = "; ".join(filter(None, [
+            f"fixed-order gemm ({', '.join(on)})" if on else "",
+            f"torch's one-row order ({c.one_row_order} lanes), on the kernels (1 row)" if one_row else "",
+            f"{torch_path} ({', '.join(rest)})" if rest else ""]))
     if c.logits == "reference" and logits != compute:
         out["logits"] = "reference"
     else:

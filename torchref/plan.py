@@ -14,6 +14,7 @@ Plan record for reports; model.py holds both (model.plan, the network's ops name
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 
@@ -110,7 +111,36 @@ def choices(policy: Policy, device: torch.device, env: dict) -> fast.Choices:
         products=products, logits=logits, attention=attention, x86=x86, kernel_isa=isa, kernel_error=error,
         hardware_bf16=hardware["bfloat16"], hardware_fp16=hardware["float16"], amx_bf16=amx["bfloat16"],
         amx_fp16=amx["float16"], dots_auto=dots == "auto",
-        mkl_off_intel=torch.backends.mkl.is_available() and cpuinfo.vendor() not in ("", "GenuineIntel"))
+        mkl_off_intel=torch.backends.mkl.is_available() and cpuinfo.vendor() not in ("", "GenuineIntel"),
+        one_row_order=one_row_order() if isa is not None and policy.compute_dtype in ("bfloat16", "float16")
+        else None)
+
+
+@functools.cache
+def one_row_order() -> str | None:
+    """How this torch sums one row of 16-bit operands (fast.ONE_ROW_ORDERS, by its CPU capability),
+    confirmed once against torch.dot, which runs the same kernel for up to 4096 elements, on rows
+    built so that any other order of the sums gives other bits (a large value and its negative
+    among small ones: what the small ones lose to rounding depends on when each is added). None
+    where the capability is not in ONE_ROW_ORDERS or torch's dot gives other bits (another
+    torch's kernel): the fast backend then leaves one-row products to torch."""
+    order = fast.ONE_ROW_ORDERS.get(torch.backends.cpu.get_cpu_capability())
+    if order is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    K, N = 64 * 3 + 16 + 5, 64            # the 64-element blocks, one 16-element tail, 5 more
+    ones = torch.randperm(K, generator=g)[:K // 4]
+    for dtype, big in ((torch.bfloat16, 2.0 ** 20), (torch.float16, 2.0 ** 10)):
+        x, w = torch.randn(K, generator=g), torch.randn(N, K, generator=g)
+        x[ones] = 1.0
+        for n in range(N):
+            i, j = ones[torch.randperm(len(ones), generator=g)[:2]].tolist()
+            w[n, i], w[n, j] = big, -big
+        x, w = x.to(dtype), w.to(dtype)
+        torch_bits = torch.stack([torch.dot(row, x) for row in w])
+        if not torch.equal(fast.one_row_linear(x[None], w, None, order == "sequential")[0], torch_bits):
+            return None
+    return order
 
 
 class WithReference:
