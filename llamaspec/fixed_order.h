@@ -1228,7 +1228,31 @@ inline float AtenDotScalar(const W* x, const W* w, int64_t K, bool sequential) {
   return AtenFinish(s, x, w, K, sequential);
 }
 
-// The fused program with the 64 sums in 4 AVX-512 registers (s[16v .. 16v + 16) in register v)
+// H at AVX2 / AVX512 on one 8-lane register: the butterfly's three adds, lane 0
+FO_AVX2 inline float AtenLanes256(__m256 v) {
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));   // l + (l ^ 4)
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));     // ^ 2
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));     // ^ 1
+  return _mm256_cvtss_f32(v);
+}
+
+// The fused program after the register tree (s: register 0), in AVX2 registers
+template <class W>
+FO_AVX2 inline float AtenTail256(__m256 s, const W* x, const W* w, int64_t K) {
+  const int64_t aligned = K & ~int64_t(63), vec_end = K & ~int64_t(15);
+  __m256 t = _mm256_setzero_ps();
+  for (int64_t j = aligned; j < vec_end; j += 16) {
+    t = _mm256_fmadd_ps(Load256(x + j), Load256(w + j), t);
+    t = _mm256_fmadd_ps(Load256(x + j + 8), Load256(w + j + 8), t);
+  }
+  float sum = AtenLanes256(s) + AtenLanes256(t);
+  for (int64_t k = vec_end; k < K; ++k) sum = sum + ToF32(x[k]) * ToF32(w[k]);
+  return sum;
+}
+
+// The fused program with the 64 sums in 4 AVX-512 registers (registers 2v and 2v + 1 of the
+// program in the low and high halves of acc[v]): the tree's first two levels are two adds of
+// whole AVX-512 registers, its last one the halves of acc[0]
 template <class W>
 FO_AVX512 inline float AtenDot512(const W* x, const W* w, int64_t K) {
   __m512 acc[4];
@@ -1236,9 +1260,10 @@ FO_AVX512 inline float AtenDot512(const W* x, const W* w, int64_t K) {
   const int64_t aligned = K & ~int64_t(63);
   for (int64_t j = 0; j < aligned; j += 64)
     for (int v = 0; v < 4; ++v) acc[v] = _mm512_fmadd_ps(Load512(x + j + 16 * v), Load512(w + j + 16 * v), acc[v]);
-  float s[64];
-  for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + 16 * v, acc[v]);
-  return AtenFinish(s, x, w, K, false);
+  const __m512 r01 = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r01), 1));
+  const __m256 r0 = _mm256_add_ps(_mm512_castps512_ps256(r01), high);
+  return AtenTail256(r0, x, w, K);
 }
 
 // ... in 8 AVX2 registers
@@ -1249,9 +1274,9 @@ FO_AVX2 inline float AtenDot256(const W* x, const W* w, int64_t K) {
   const int64_t aligned = K & ~int64_t(63);
   for (int64_t j = 0; j < aligned; j += 64)
     for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(Load256(x + j + 8 * v), Load256(w + j + 8 * v), acc[v]);
-  float s[64];
-  for (int v = 0; v < 8; ++v) _mm256_storeu_ps(s + 8 * v, acc[v]);
-  return AtenFinish(s, x, w, K, false);
+  for (int h = 4; h >= 1; h /= 2)
+    for (int r = 0; r < h; ++r) acc[r] = _mm256_add_ps(acc[r], acc[r + h]);
+  return AtenTail256(acc[0], x, w, K);
 }
 
 // y[n] = the dot of x [K] and w[n] (row n at n * ldw) in torch's order, n < N, in f32.
@@ -1262,12 +1287,16 @@ struct AtenDots {
   int64_t ldw;
   bool f16, sequential;
   float* y;
-  static constexpr int64_t kRows = 64;  // outputs a task
-
-  int64_t Tasks(int threads) const { return N * K < kSmall || threads <= 1 ? 1 : (N + kRows - 1) / kRows; }
+  // a memory-bound product: split across threads from a few thousand multiply-adds, in at
+  // most 4 tasks a thread of at least 16 outputs each
+  int64_t Tasks(int threads) const {
+    if (threads <= 1 || N * K < (int64_t{1} << 14)) return 1;
+    const int64_t most = 4 * int64_t(threads), by_rows = (N + 15) / 16;
+    return by_rows < most ? by_rows : most;
+  }
 
   void Run(Isa isa, int64_t t, int64_t tasks) const {
-    const int64_t size = tasks == 1 ? N : kRows, n0 = t * size, n1 = n0 + size < N ? n0 + size : N;
+    const int64_t size = (N + tasks - 1) / tasks, n0 = t * size, n1 = n0 + size < N ? n0 + size : N;
     if (f16) Rows(isa, static_cast<const F16*>(x), static_cast<const F16*>(w), n0, n1);
     else Rows(isa, static_cast<const Bf16*>(x), static_cast<const Bf16*>(w), n0, n1);
   }

@@ -25,21 +25,6 @@ SIZES = (1, 7, 16, 63, 64, 65, 100, 213, 576, 1536, 4160)
 ROWS = 96
 
 
-def probe(K: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [K] and w [ROWS, K] where the order of the sums decides the bits: each row holds a large
-    value and its negative at two places where x is 1, among values near 1 whose rounding against
-    the large partial sums depends on when each is added."""
-    big = 2.0 ** 20 if dtype == torch.bfloat16 else 2.0 ** 10
-    x, w = torch.randn(K, generator=g), torch.randn(ROWS, K, generator=g)
-    if K >= 4:
-        ones = torch.randperm(K, generator=g)[:max(2, K // 4)]
-        x[ones] = 1.0
-        for n in range(ROWS):
-            i, j = ones[torch.randperm(len(ones), generator=g)[:2]].tolist()
-            w[n, i], w[n, j] = big, -big
-    return x.to(dtype), w.to(dtype)
-
-
 def main(out: Path) -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     order = fast.ONE_ROW_ORDERS[capability]
@@ -49,7 +34,7 @@ def main(out: Path) -> None:
     cases, other_differs = [], 0
     for dtype in (torch.bfloat16, torch.float16):
         for K in SIZES:
-            x, w = probe(K, dtype, g)
+            x, w = tplan.order_probe(K, ROWS, dtype, g)
             for bias in (None, torch.randn(ROWS, generator=g).to(dtype)):
                 with torch.backends.mkldnn.flags(enabled=False):
                     want = torch.nn.functional.linear(x[None], w, bias)

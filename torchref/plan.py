@@ -128,19 +128,27 @@ def one_row_order() -> str | None:
     if order is None:
         return None
     g = torch.Generator().manual_seed(0)
-    K, N = 64 * 3 + 16 + 5, 64            # the 64-element blocks, one 16-element tail, 5 more
-    ones = torch.randperm(K, generator=g)[:K // 4]
-    for dtype, big in ((torch.bfloat16, 2.0 ** 20), (torch.float16, 2.0 ** 10)):
-        x, w = torch.randn(K, generator=g), torch.randn(N, K, generator=g)
-        x[ones] = 1.0
-        for n in range(N):
-            i, j = ones[torch.randperm(len(ones), generator=g)[:2]].tolist()
-            w[n, i], w[n, j] = big, -big
-        x, w = x.to(dtype), w.to(dtype)
+    for dtype in (torch.bfloat16, torch.float16):
+        x, w = order_probe(64 * 3 + 16 + 5, 64, dtype, g)    # the 64-element blocks, a 16-element tail, 5 more
         torch_bits = torch.stack([torch.dot(row, x) for row in w])
         if not torch.equal(fast.one_row_linear(x[None], w, None, order == "sequential")[0], torch_bits):
             return None
     return order
+
+
+def order_probe(K: int, rows: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [K] and w [rows, K] of `dtype` whose dots' bits depend on the order of their sums: each row
+    holds a large value and its negative (2^20 in bf16, 2^10 in fp16) at two places where x is 1,
+    among values near 1, which round against the large partial sums or not by when each is added."""
+    big = 2.0 ** 20 if dtype == torch.bfloat16 else 2.0 ** 10
+    x, w = torch.randn(K, generator=g), torch.randn(rows, K, generator=g)
+    if K >= 4:
+        ones = torch.randperm(K, generator=g)[:max(2, K // 4)]
+        x[ones] = 1.0
+        for n in range(rows):
+            i, j = ones[torch.randperm(len(ones), generator=g)[:2]].tolist()
+            w[n, i], w[n, j] = big, -big
+    return x.to(dtype), w.to(dtype)
 
 
 class WithReference:
