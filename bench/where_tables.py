@@ -1,4 +1,4 @@
-"""The README's batch / padding / first-generated-step / sharding tables: `probe where` on
+"""The batch / padding / first-generated-step / sharding tables (docs/where.md): `probe where` on
 SmolLM2 for each implementation and policy, one table row per group of comparisons, the CPU named.
 
     .venv/bin/python bench/where_tables.py                        # the full matrix

@@ -359,7 +359,7 @@ def head_logits(x: torch.Tensor, head: torch.Tensor, ops, policy: Policy, softca
 
 class LlamaModel(nn.Module):
     """A loaded model: forward, activation capture, prefill/decode and generation (the
-    README has the API). `model` is the network (a Llama)."""
+    API is in docs/guide.md). `model` is the network (a Llama)."""
 
     def __init__(self, module: Llama):
         super().__init__()

@@ -1,5 +1,5 @@
 """Invariance probes: does a row's result depend on what else is in the batch, on
-padding, on the run, on the framework? (README, "Invariance lab".)
+padding, on the run, on the framework? (docs/guide.md, "Invariance lab".)
 
     from compare.probes import probe_batch, probe_padding, probe_determinism, \
         probe_divergence, probe_cross_greedy
