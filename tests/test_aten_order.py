@@ -86,7 +86,18 @@ def test_one_row_rule():
     assert not rule(c._replace(kernel_isa=None), bf16, 1, cpu)
     assert not rule(c._replace(products="reference"), bf16, 1, cpu)
     assert not rule(c._replace(products="kernel"), bf16, 1, cpu)
-    # the products plan sends such a row there, and a bf16 policy's plan says so
-    plan = fast._products_plan(c, bf16, f32, bf16, 1, cpu)
-    assert not plan.on_kernel and plan.product.func is fast.one_row_linear
     assert "one-row order" in fast.describe(c, Policy.get("bf16"), cpu)["products"]
+
+
+def test_the_fast_backend_sends_one_row_there():
+    """Fast.linears of one bf16 row gives one_row_linear's bits in torch's order, on probes where
+    the other order gives other bits (so it is that path, not a coincidence of rounding)."""
+    kernels_or_skip()
+    order = tplan.one_row_order()
+    if order is None:
+        pytest.skip("torch's one-row order is not known here")
+    c = tplan.choices(Policy.get("bf16"), torch.device("cpu"), {})
+    x, w = tplan.order_probe(213, 64, torch.bfloat16, torch.Generator().manual_seed(1))
+    got = fast.Fast(c).linears(x[None, None], (w,), (None,), Policy.get("bf16"))[0]
+    assert torch.equal(got, fast.one_row_linear(x[None, None], w, None, order == "sequential"))
+    assert not torch.equal(got, fast.one_row_linear(x[None, None], w, None, order != "sequential"))

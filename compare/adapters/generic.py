@@ -663,6 +663,12 @@ class _X64:
         return False
 
 
+def _jax_arrays(forced: dict, x64: bool) -> dict:
+    """Teacher forcing's layer inputs {layer: array} as jax arrays, float64 where the port runs in x64."""
+    import jax.numpy as jnp  # jax: slow import, after XLA_FLAGS are set; torch ports never load it
+    return {i: jnp.asarray(np.asarray(x).astype(np.float64) if x64 else x) for i, x in forced.items()}
+
+
 class JaxFunction(_Port):
     """A plain JAX function fn(params, ids, mask, positions) -> (logits, {tap: array}) that
     returns its own intermediates under the shared tap names.
@@ -694,9 +700,7 @@ class JaxFunction(_Port):
         kw = {"taps": wanted} if self._takes_taps else {}
         with _X64(self.x64):
             if forced:
-                import jax.numpy as jnp  # jax: slow import, after XLA_FLAGS are set; torch ports never load it
-                kw["inject"] = {i: jnp.asarray(np.asarray(x).astype(np.float64) if self.x64 else x)
-                                for i, x in forced.items()}
+                kw["inject"] = _jax_arrays(forced, self.x64)
             handed = HandedOver(ids=ids.astype(np.int32), mask=mask.astype(np.int32), positions=pos)
             with handed.call(self.name):
                 logits, acts = self.fn(self.params, handed["ids"], handed["mask"], handed["positions"], **kw)
@@ -870,9 +874,7 @@ class LinenModule(_Port):
         kw = {}
         with _X64(self.x64):
             if forced:
-                import jax.numpy as jnp  # jax: slow import, after XLA_FLAGS are set; torch ports never load it
-                kw["inject"] = {i: jnp.asarray(np.asarray(x).astype(np.float64) if self.x64 else x)
-                                for i, x in forced.items()}
+                kw["inject"] = _jax_arrays(forced, self.x64)
             handed = HandedOver(ids=ids.astype(np.int32), mask=mask.astype(np.int32), positions=pos)
             with handed.call(self.name):
                 logits, state = self.apply_fn(self.module, self.variables, handed["ids"], handed["mask"],
