@@ -494,17 +494,3 @@ def exp(x: np.ndarray) -> np.ndarray:
     library().fo_exp(x.size, _ptr(x), int(x.dtype == np.float64), _ptr(y), threads())
     return y
 
-
-def aten_dots(x: np.ndarray, w: np.ndarray, sequential: bool, n_threads: int | None = None) -> np.ndarray:
-    """x [K] . w[n] for each row of w [N, K] (both bfloat16, or both float16) in torch's order for
-    one row of 16-bit operands, 8 lanes summed in order (sequential) or as a butterfly
-    (fixed_order.h, AtenDots), f32 out."""
-    import ml_dtypes
-    x, w = np.ascontiguousarray(x), np.ascontiguousarray(w)
-    if x.dtype != w.dtype or x.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)):
-        raise TypeError(f"aten_dots takes bfloat16 or float16 x and w of one dtype, not {x.dtype} and {w.dtype}")
-    N, K = w.shape
-    y = np.empty(N, dtype=np.float32)
-    library().fo_aten_dots(N, K, _ptr(x), _ptr(w), K, int(x.dtype == np.float16), int(sequential), _ptr(y),
-                           n_threads or threads())
-    return y
