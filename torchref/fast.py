@@ -103,9 +103,9 @@ ONE_ROW_ORDERS = {"AVX512": "butterfly", "AVX2": "butterfly", "DEFAULT": "sequen
 def one_row_in_torch_order(c: Choices, dtype: torch.dtype, rows: int, device: torch.device) -> bool:
     """Whether a product of one row of 16-bit operands runs on the kernels' copy of torch's own
     one-row kernel (one_row_linear): on the CPU where the kernels build and torch's order is known
-    (plan.py confirms it against torch.dot once). torch sends such a product to oneDNN where oneDNN
-    multiplies 16-bit numbers in hardware, about twice as slow for one row with the weights out of
-    cache on a Zen 4, and to this kernel elsewhere: the same bits on every CPU of one capability."""
+    (plan.py confirms it against torch.dot once). torch itself sends such a product to oneDNN where
+    oneDNN multiplies 16-bit numbers in hardware (slower for one row: bench/results, 2026-12-08)
+    and to this kernel elsewhere; here it is this kernel on every CPU: torch's bits at its capability."""
     return (rows == 1 and dtype in _HALF and device.type == "cpu" and c.products == "auto"
             and c.kernel_isa is not None and c.one_row_order is not None)
 
