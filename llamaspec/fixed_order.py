@@ -493,4 +493,3 @@ def exp(x: np.ndarray) -> np.ndarray:
     y = np.empty_like(x)
     library().fo_exp(x.size, _ptr(x), int(x.dtype == np.float64), _ptr(y), threads())
     return y
-

@@ -7,7 +7,8 @@ bits, for tests/test_aten_order.py.
 torch's side is torch.nn.functional.linear with oneDNN switched off, the product the fast
 backend replaces (torch runs it on ATen's dot kernel then). This process flips that switch
 itself; nothing in torchref does. OUT: {"capability", "order", "cases": [[dtype, K, bias, code
-path, outputs differing]], "other_order": outputs where the other lane order differs from torch}.
+path, outputs differing]], "sizes": how many K, "other_order": outputs where the other lane order
+differs from torch}.
 """
 
 import json
@@ -45,7 +46,7 @@ def main(out: Path) -> None:
                 if K >= 64:
                     other_differs += int((fast.one_row_linear(x[None], w, bias, other == "sequential") != want).sum())
     result = {"capability": capability, "order": order, "plan_order": tplan.one_row_order(), "cases": cases,
-              "other_order": other_differs}
+              "sizes": len(SIZES), "other_order": other_differs}
     atomic_write(out, json.dumps(result), "the worker's result")
 
 

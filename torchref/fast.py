@@ -739,7 +739,7 @@ def describe(c: Choices, policy: Policy, device) -> dict[str, str]:
         torch_path = ("torch's" + (", widened to f32 from 8 rows" if compute != accum and _widens(
             c, compute, accum, compute, FEW_ROWS + 1, device) else "")
             + (f", up to {FEW_ROWS} f32 rows in weight-row blocks" if accum == torch.float32
-               and _products_plan(c, compute, accum, compute, 1, device).dtype == torch.float32 else ""))
+               and one.dtype == torch.float32 else ""))
         out["products"] = "; ".join(filter(None, [
             f"fixed-order gemm ({', '.join(on)})" if on else "",
             f"torch's one-row order ({c.one_row_order} lanes), on the kernels (1 row)" if one_row else "",
